@@ -1,0 +1,120 @@
+//! `verity bench speed`: every prompt × turn × route × repeat, arms interleaved (for each repeat, for each
+//! prompt, every route in turn) so that machine drift hits all routes alike.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use verity::chat::Message;
+use verity::engine::GenerateRequest;
+use verity::sample::SamplerConfig;
+
+use super::prompts;
+use super::summary::{self, Record};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A bundle path or a known model name.
+    #[arg(long, default_value = verity::registry::DEFAULT_MODEL)]
+    model: String,
+    /// Comma-separated routes (available now: ar).
+    #[arg(long, default_value = "ar")]
+    routes: String,
+    #[arg(long, default_value = "../shared/bench/prompts.jsonl")]
+    prompts: PathBuf,
+    /// Only the prompts with these ids (comma-separated).
+    #[arg(long)]
+    ids: Option<String>,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long, default_value_t = 3)]
+    repeat: usize,
+    /// Write the records here as a JSON list ("-" = stdout).
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+pub fn main(a: Args, threads: usize) -> Result<()> {
+    let routes: Vec<String> = a.routes.split(',').map(|s| s.trim().to_string()).collect();
+    for r in &routes {
+        if r != "ar" {
+            bail!("route {r:?} is not available yet (available: ar)");
+        }
+    }
+    let mut prompts = prompts::load(&a.prompts)?;
+    if let Some(ids) = &a.ids {
+        let ids: Vec<&str> = ids.split(',').collect();
+        prompts.retain(|p| ids.contains(&p.id.as_str()));
+    }
+    if prompts.is_empty() {
+        bail!("no prompts selected from {}", a.prompts.display());
+    }
+    let mut engine = crate::load::engine(&a.model, threads)?;
+    let req = GenerateRequest {
+        max_tokens: a.max_tokens,
+        sampling: SamplerConfig {
+            temperature: a.temperature,
+            seed: a.seed,
+            ..SamplerConfig::default()
+        },
+        ignore_eos: false,
+    };
+    let mut records = Vec::new();
+    for repeat in 0..a.repeat {
+        for p in &prompts {
+            for route in &routes {
+                let mut sess = engine.new_session();
+                let mut messages: Vec<Message> = Vec::new();
+                for (ti, turn) in p.turns().into_iter().enumerate() {
+                    messages.extend(turn);
+                    let prompt = engine.chat_prompt(&messages)?;
+                    let mut ids = Vec::new();
+                    let stats = engine
+                        .generate(&mut sess, &prompt, &req, |_, t| {
+                            ids.push(t);
+                            true
+                        })
+                        .with_context(|| format!("prompt {} turn {}", p.id, ti + 1))?;
+                    let text = engine.tokenizer.decode(&ids)?;
+                    messages.push(Message::new("assistant", &text));
+                    let rec = Record {
+                        prompt_id: p.id.clone(),
+                        category: p.category.clone(),
+                        turn: ti + 1,
+                        route: route.clone(),
+                        repeat,
+                        prompt_tokens: stats.prompt_tokens,
+                        restored_tokens: stats.restored_tokens,
+                        completion_tokens: stats.completion_tokens,
+                        ttft_s: stats.ttft_s,
+                        decode_tok_s: stats.decode_tok_s(),
+                        cycles: stats.completion_tokens,
+                        accepted_per_cycle: 1.0,
+                        draft_s: 0.0,
+                        verify_s: stats.decode_s,
+                        other_s: 0.0,
+                        text,
+                    };
+                    eprintln!(
+                        "{:<14} turn {} {:<4} rep {}: {:>4} tokens, {:>6.1} tok/s, ttft {:.3} s",
+                        rec.prompt_id, rec.turn, rec.route, repeat, rec.completion_tokens, rec.decode_tok_s, rec.ttft_s
+                    );
+                    records.push(rec);
+                }
+            }
+        }
+    }
+    if let Some(path) = &a.json {
+        let json = serde_json::to_string_pretty(&records)?;
+        if path.as_os_str() == "-" {
+            println!("{json}");
+        } else {
+            std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
+        }
+    }
+    summary::print(&records);
+    Ok(())
+}

@@ -1,0 +1,74 @@
+//! The summary table printed after a benchmark: per route and category, medians over prompts and repeats.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// One measured generation (the record format of shared/bench/README.md).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Record {
+    pub prompt_id: String,
+    pub category: String,
+    pub turn: usize,
+    pub route: String,
+    pub repeat: usize,
+    pub prompt_tokens: usize,
+    pub restored_tokens: usize,
+    pub completion_tokens: usize,
+    pub ttft_s: f64,
+    pub decode_tok_s: f64,
+    pub cycles: usize,
+    pub accepted_per_cycle: f64,
+    pub draft_s: f64,
+    pub verify_s: f64,
+    pub other_s: f64,
+    pub text: String,
+}
+
+pub fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Print route × category: median decode tok/s, median ratio to `ar` (per prompt, turn and repeat), median
+/// accepted tokens per cycle, median time to first token.
+pub fn print(records: &[Record]) {
+    let mut groups: BTreeMap<(String, String), Vec<&Record>> = BTreeMap::new();
+    for r in records {
+        groups.entry((r.route.clone(), r.category.clone())).or_default().push(r);
+        groups.entry((r.route.clone(), "all".into())).or_default().push(r);
+    }
+    let ar: BTreeMap<(String, usize, usize), f64> = records
+        .iter()
+        .filter(|r| r.route == "ar")
+        .map(|r| ((r.prompt_id.clone(), r.turn, r.repeat), r.decode_tok_s))
+        .collect();
+    println!(
+        "{:<12} {:<12} {:>5} {:>10} {:>8} {:>9} {:>9}",
+        "route", "category", "runs", "tok/s", "vs ar", "acc/cyc", "ttft s"
+    );
+    for ((route, cat), rs) in &groups {
+        let ratios: Vec<f64> = rs
+            .iter()
+            .filter_map(|r| ar.get(&(r.prompt_id.clone(), r.turn, r.repeat)).map(|a| r.decode_tok_s / a))
+            .collect();
+        println!(
+            "{:<12} {:<12} {:>5} {:>10.1} {:>8} {:>9.2} {:>9.3}",
+            route,
+            cat,
+            rs.len(),
+            median(rs.iter().map(|r| r.decode_tok_s).collect()),
+            if ratios.is_empty() { "-".to_string() } else { format!("{:.2}x", median(ratios)) },
+            median(rs.iter().map(|r| r.accepted_per_cycle).collect()),
+            median(rs.iter().map(|r| r.ttft_s).collect()),
+        );
+    }
+}

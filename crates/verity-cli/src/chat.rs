@@ -1,0 +1,50 @@
+use std::io::{BufRead, Write};
+
+use anyhow::Result;
+use verity::chat::Message;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    gen: crate::run::GenArgs,
+}
+
+/// A read-eval loop over stdin. The session keeps the KV cache of the conversation, so each turn prefills only
+/// the tokens the previous turn did not already cache.
+pub fn main(a: Args, threads: usize) -> Result<()> {
+    let mut engine = crate::load::engine(&a.gen.model, threads)?;
+    let mut sess = engine.new_session();
+    let mut messages = a.gen.first_messages();
+    let req = a.gen.request();
+    let stdin = std::io::stdin();
+    eprintln!("verity chat — empty line or Ctrl-D to quit, /reset to start over");
+    loop {
+        eprint!("> ");
+        std::io::stderr().flush()?;
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            break;
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        if line.is_empty() {
+            break;
+        }
+        if line == "/reset" {
+            messages = a.gen.first_messages();
+            continue;
+        }
+        messages.push(Message::new("user", line));
+        let prompt = engine.chat_prompt(&messages)?;
+        let (ids, stats) = crate::run::stream(&mut engine, &mut sess, &prompt, &req)?;
+        println!();
+        eprintln!(
+            "[{} prompt tokens ({} reused), {} tokens, {:.1} tok/s]",
+            stats.prompt_tokens,
+            stats.restored_tokens,
+            stats.completion_tokens,
+            stats.decode_tok_s()
+        );
+        messages.push(Message::new("assistant", &engine.tokenizer.decode(&ids)?));
+    }
+    Ok(())
+}

@@ -1,0 +1,82 @@
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use anyhow::Result;
+use verity::bundle::{Bundle, Source};
+use verity::chat::Tokenizer;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A bundle path or a known model name.
+    path: String,
+}
+
+pub fn main(a: Args) -> Result<()> {
+    let path: PathBuf = crate::load::resolve(&a.path)?;
+    let b = Bundle::open(&path)?;
+    let hp = &b.hparams;
+    println!("bundle        {} ({})", path.display(), b.format_name());
+    println!("architecture  {}", hp.arch.name());
+    println!(
+        "sizes         {} layers, hidden {}, {} heads / {} KV heads × {}, ffn {}, vocab {}, context {}",
+        hp.n_layers, hp.hidden, hp.n_heads, hp.n_kv_heads, hp.head_dim, hp.ffn_hidden, hp.vocab, hp.context_len
+    );
+    println!(
+        "rope          theta {}, {:?}; rms eps {}; tied embeddings {}; qkv bias {}; qk norm {}",
+        hp.rope_theta, hp.rope_style, hp.rms_eps, hp.tied_embeddings, hp.qkv_bias, hp.qk_norm
+    );
+    // Quantization per tensor kind: the kind is the name with layer numbers removed.
+    let mut kinds: BTreeMap<String, BTreeMap<String, usize>> = BTreeMap::new();
+    let mut total_bytes = 0usize;
+    let mut record = |name: &str, fmt: String, bytes: usize| {
+        let kind: String = name
+            .split('.')
+            .filter(|p| p.parse::<usize>().is_err())
+            .collect::<Vec<_>>()
+            .join(".");
+        *kinds.entry(kind).or_default().entry(fmt).or_default() += 1;
+        total_bytes += bytes;
+    };
+    match &b.source {
+        Source::Gguf(g) => {
+            println!("gguf          version {}, {} tensors, {} metadata keys", g.version, g.tensors.len(), g.metadata.len());
+            for t in &g.tensors {
+                record(&t.name, t.ty.name().to_string(), t.range.len());
+            }
+        }
+        Source::Safetensors { tensors, .. } => {
+            println!("safetensors   {} shards, {} tensors", tensors.shards.len(), tensors.tensors.len());
+            for (name, t) in &tensors.tensors {
+                record(name, t.dtype_name.clone(), t.range.len());
+            }
+        }
+    }
+    println!("weights       {:.1} MB", total_bytes as f64 / 1e6);
+    println!("tensor kinds:");
+    for (kind, fmts) in &kinds {
+        let f: Vec<String> = fmts.iter().map(|(f, n)| format!("{f} ×{n}")).collect();
+        println!("  {kind:<36} {}", f.join(", "));
+    }
+    match Tokenizer::from_bundle(&b) {
+        Ok(t) => {
+            let name = |id: Option<u32>| match id {
+                Some(i) => format!("{:?} ({i})", t.token_str(i).unwrap_or_default()),
+                None => "none".into(),
+            };
+            println!("tokenizer     {} tokens; bos {}; eos {}; add bos {}", t.vocab_size(), name(t.bos), name(t.eos), t.add_bos);
+            let stops: Vec<String> = t.stop_tokens.iter().map(|&i| name(Some(i))).collect();
+            println!("stop tokens   {}", stops.join(", "));
+            match &t.chat_template {
+                Some(tpl) => println!("chat template {} chars:\n{}", tpl.len(), indent(tpl)),
+                None => println!("chat template none (prompts are raw text)"),
+            }
+        }
+        Err(e) => println!("tokenizer     unavailable: {e}"),
+    }
+    println!("speculation   plan: AR (speculative routes are not built yet)");
+    Ok(())
+}
+
+fn indent(s: &str) -> String {
+    s.lines().map(|l| format!("    {l}")).collect::<Vec<_>>().join("\n")
+}

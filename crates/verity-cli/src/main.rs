@@ -1,0 +1,56 @@
+//! `verity`: run, chat with, inspect, fetch and benchmark local models.
+
+mod bench;
+mod chat;
+mod fetch;
+mod inspect;
+mod load;
+mod run;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "verity", version, about = "Local LLM inference with lossless speculative decoding")]
+struct Cli {
+    /// CPU threads (0 = one per core).
+    #[arg(long, global = true, default_value_t = 0)]
+    threads: usize,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Download a known model into the cache folder (idempotent).
+    Fetch(fetch::Args),
+    /// Answer one prompt, streaming the chat-templated answer to stdout.
+    Run(run::Args),
+    /// Interactive chat that keeps the conversation.
+    Chat(chat::Args),
+    /// Describe a bundle: architecture, sizes, quantization, template, special tokens.
+    Inspect(inspect::Args),
+    /// Benchmarks (JSON records and a summary table).
+    #[command(subcommand)]
+    Bench(bench::Command),
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("VERITY_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Fetch(a) => fetch::main(a),
+        Command::Run(a) => run::main(a, cli.threads),
+        Command::Chat(a) => chat::main(a, cli.threads),
+        Command::Inspect(a) => inspect::main(a),
+        Command::Bench(c) => bench::main(c, cli.threads),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

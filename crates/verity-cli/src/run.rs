@@ -1,0 +1,116 @@
+use std::io::Write;
+
+use anyhow::Result;
+use verity::chat::{Message, StreamDecoder};
+use verity::engine::GenerateRequest;
+use verity::registry;
+use verity::sample::SamplerConfig;
+
+/// Generation settings shared by `run` and `chat`.
+#[derive(clap::Args, Clone)]
+pub struct GenArgs {
+    /// A bundle path or a known model name.
+    #[arg(long, default_value = registry::DEFAULT_MODEL)]
+    pub model: String,
+    #[arg(long, default_value_t = 512)]
+    pub max_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// 0 = off.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// 0 = off.
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// 1 = off.
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Optional system prompt.
+    #[arg(long)]
+    pub system: Option<String>,
+}
+
+impl GenArgs {
+    pub fn request(&self) -> GenerateRequest {
+        GenerateRequest {
+            max_tokens: self.max_tokens,
+            sampling: SamplerConfig {
+                temperature: self.temperature,
+                top_k: self.top_k,
+                top_p: self.top_p,
+                min_p: self.min_p,
+                repetition_penalty: self.repeat_penalty,
+                seed: self.seed,
+            },
+            ignore_eos: false,
+        }
+    }
+
+    pub fn first_messages(&self) -> Vec<Message> {
+        self.system.iter().map(|s| Message::new("system", s)).collect()
+    }
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    gen: GenArgs,
+    /// The prompt (a user message; raw text for bundles without a chat template).
+    prompt: String,
+}
+
+pub fn main(a: Args, threads: usize) -> Result<()> {
+    let mut engine = crate::load::engine(&a.gen.model, threads)?;
+    let mut messages = a.gen.first_messages();
+    messages.push(Message::new("user", &a.prompt));
+    let prompt = engine.chat_prompt(&messages)?;
+    let mut sess = engine.new_session();
+    let req = a.gen.request();
+    let (_, stats) = stream(&mut engine, &mut sess, &prompt, &req)?;
+    eprintln!(
+        "\n[{} prompt tokens, {} completion tokens; time to first token {:.3} s; decode {:.1} tok/s; stop: {:?}]",
+        stats.prompt_tokens,
+        stats.completion_tokens,
+        stats.ttft_s,
+        stats.decode_tok_s(),
+        stats.stop
+    );
+    Ok(())
+}
+
+/// Generate and stream text to stdout; returns the completion's token ids and the statistics.
+pub fn stream(
+    engine: &mut verity::engine::Engine<verity::backend::cpu::CpuBackend>,
+    sess: &mut verity::engine::Session<verity::backend::cpu::CpuBackend>,
+    prompt: &[u32],
+    req: &GenerateRequest,
+) -> Result<(Vec<u32>, verity::engine::GenerationStats)> {
+    let mut ids = Vec::new();
+    let mut dec = StreamDecoder::new();
+    let mut out = std::io::stdout().lock();
+    let mut err = None;
+    let stats = engine.generate(sess, prompt, req, |tok, t| {
+        ids.push(t);
+        match dec.push(tok, t) {
+            Ok(Some(text)) => {
+                let _ = out.write_all(text.as_bytes());
+                let _ = out.flush();
+                true
+            }
+            Ok(None) => true,
+            Err(e) => {
+                err = Some(e);
+                false
+            }
+        }
+    })?;
+    if let Some(e) = err {
+        return Err(e.into());
+    }
+    Ok((ids, stats))
+}

@@ -1,0 +1,77 @@
+//! Attention of a batch of new rows over the KV cache, on the CPU.
+//!
+//! Each (row, head) pair is one task: scores over the visible slots in slot order, a max-subtracted softmax, and
+//! the value sum in slot order. A row at a given position sees the same slots in the same order whether it runs
+//! alone or in a batch, so its output is bitwise the same.
+
+use rayon::prelude::*;
+
+use super::simd::dot;
+use crate::backend::{AttnMask, AttnShape};
+
+struct OutPtr(*mut f32);
+// SAFETY: each (row, head) task writes its own head_dim-long slice.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    fn at(&self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
+pub fn attention(
+    pool: &rayon::ThreadPool,
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    s: AttnShape,
+    mask: &AttnMask,
+    out: &mut [f32],
+) {
+    let (hd, group) = (s.head_dim, s.n_heads / s.n_kv_heads);
+    let q_dim = s.n_heads * hd;
+    let kv_dim = s.n_kv_heads * hd;
+    assert!(q.len() >= s.rows * q_dim && out.len() >= s.rows * q_dim);
+    assert!(k_cache.len() >= (s.base + s.rows) * kv_dim && v_cache.len() >= (s.base + s.rows) * kv_dim);
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    pool.install(|| {
+        (0..s.rows * s.n_heads).into_par_iter().for_each_init(
+            || (Vec::<f32>::new(), Vec::<usize>::new()),
+            |(scores, slots), task| {
+                let (i, h) = (task / s.n_heads, task % s.n_heads);
+                let kvh = h / group;
+                let qv = &q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd];
+                slots.clear();
+                slots.extend(0..s.base);
+                slots.extend((0..s.rows).filter(|&j| mask.sees(s.rows, i, j)).map(|j| s.base + j));
+                scores.clear();
+                let mut max = f32::NEG_INFINITY;
+                for &slot in slots.iter() {
+                    let kv = &k_cache[slot * kv_dim + kvh * hd..slot * kv_dim + (kvh + 1) * hd];
+                    let sc = dot(qv, kv) * s.scale;
+                    max = max.max(sc);
+                    scores.push(sc);
+                }
+                let mut sum = 0f32;
+                for sc in scores.iter_mut() {
+                    *sc = (*sc - max).exp();
+                    sum += *sc;
+                }
+                // SAFETY: the slice [i*q_dim + h*hd, +hd) belongs to this task alone and lies inside `out`.
+                let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.at(i * q_dim + h * hd), hd) };
+                o.fill(0.0);
+                for (&slot, &p) in slots.iter().zip(scores.iter()) {
+                    let vv = &v_cache[slot * kv_dim + kvh * hd..slot * kv_dim + (kvh + 1) * hd];
+                    for (a, &b) in o.iter_mut().zip(vv) {
+                        *a = p.mul_add(b, *a);
+                    }
+                }
+                let inv = 1.0 / sum;
+                for a in o.iter_mut() {
+                    *a *= inv;
+                }
+            },
+        )
+    });
+}

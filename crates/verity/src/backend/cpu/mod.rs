@@ -1,0 +1,115 @@
+//! The CPU backend: f32 activations, weights kept in their stored format (memory-mapped), SIMD kernels chosen at
+//! run time, and one persistent thread pool per backend.
+
+mod attention;
+mod matmul;
+mod ops;
+pub mod simd;
+
+use crate::backend::{AttnMask, AttnShape, Backend};
+use crate::error::{Error, Result};
+use crate::model::hparams::RopeStyle;
+use crate::quant::QMatrix;
+
+pub struct CpuBackend {
+    pool: rayon::ThreadPool,
+}
+
+impl CpuBackend {
+    /// A backend with `threads` worker threads (0 = one per available core).
+    pub fn new(threads: usize) -> Result<Self> {
+        let threads = if threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            threads
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("verity-cpu-{i}"))
+            .build()
+            .map_err(|e| Error::Invalid(format!("cannot start {threads} threads: {e}")))?;
+        Ok(CpuBackend { pool })
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+}
+
+impl Backend for CpuBackend {
+    type Buffer = Vec<f32>;
+    type Matrix = QMatrix;
+
+    fn name(&self) -> String {
+        format!("cpu ({:?}, {} threads)", simd::isa(), self.threads())
+    }
+
+    fn load_matrix(&self, m: QMatrix) -> Result<QMatrix> {
+        Ok(m)
+    }
+
+    fn matrix_bytes(&self, m: &QMatrix) -> usize {
+        m.nbytes()
+    }
+
+    fn buffer(&self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
+
+    fn upload(&self, data: &[f32]) -> Vec<f32> {
+        data.to_vec()
+    }
+
+    fn download(&self, buf: &Vec<f32>, len: usize) -> Vec<f32> {
+        buf[..len].to_vec()
+    }
+
+    fn embed(&self, table: &QMatrix, tokens: &[u32], out: &mut Vec<f32>) {
+        let d = table.cols;
+        for (r, &t) in tokens.iter().enumerate() {
+            table.dequantize_row(t as usize, &mut out[r * d..(r + 1) * d]);
+        }
+    }
+
+    fn matmul(&self, w: &QMatrix, x: &Vec<f32>, rows: usize, out: &mut Vec<f32>) {
+        matmul::matmul(&self.pool, w, x, rows, out)
+    }
+
+    fn add_bias(&self, x: &mut Vec<f32>, bias: &Vec<f32>, rows: usize, dim: usize) {
+        for row in x[..rows * dim].chunks_exact_mut(dim) {
+            for (a, &b) in row.iter_mut().zip(bias) {
+                *a += b;
+            }
+        }
+    }
+
+    fn rms_norm(&self, x: &Vec<f32>, w: &Vec<f32>, rows: usize, dim: usize, eps: f32, out: &mut Vec<f32>) {
+        ops::rms_norm(x, w, rows, dim, eps, out)
+    }
+
+    fn rope(&self, x: &mut Vec<f32>, positions: &[usize], n_heads: usize, head_dim: usize, theta: f32, style: RopeStyle) {
+        ops::rope(x, positions, n_heads, head_dim, theta, style)
+    }
+
+    fn kv_write(&self, cache: &mut Vec<f32>, src: &Vec<f32>, slot: usize, rows: usize, kv_dim: usize) {
+        cache[slot * kv_dim..(slot + rows) * kv_dim].copy_from_slice(&src[..rows * kv_dim]);
+    }
+
+    fn attention(&self, q: &Vec<f32>, k: &Vec<f32>, v: &Vec<f32>, shape: AttnShape, mask: &AttnMask, out: &mut Vec<f32>) {
+        attention::attention(&self.pool, q, k, v, shape, mask, out)
+    }
+
+    fn swiglu(&self, gate: &Vec<f32>, up: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
+        ops::swiglu(&gate[..len], &up[..len], &mut out[..len])
+    }
+
+    fn add_assign(&self, x: &mut Vec<f32>, y: &Vec<f32>, len: usize) {
+        for (a, &b) in x[..len].iter_mut().zip(&y[..len]) {
+            *a += b;
+        }
+    }
+
+    fn copy(&self, src: &Vec<f32>, src_off: usize, dst: &mut Vec<f32>, dst_off: usize, len: usize) {
+        dst[dst_off..dst_off + len].copy_from_slice(&src[src_off..src_off + len]);
+    }
+}

@@ -1,0 +1,47 @@
+//! Row-wise and elementwise CPU operations: RMS norm, RoPE, SwiGLU, residual adds. Each row is processed alone.
+
+use super::simd::dot;
+use crate::model::hparams::RopeStyle;
+
+pub fn rms_norm(x: &[f32], w: &[f32], rows: usize, dim: usize, eps: f32, out: &mut [f32]) {
+    for r in 0..rows {
+        let xr = &x[r * dim..(r + 1) * dim];
+        let ms = dot(xr, xr) / dim as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for ((o, &a), &g) in out[r * dim..(r + 1) * dim].iter_mut().zip(xr).zip(w) {
+            *o = a * inv * g;
+        }
+    }
+}
+
+/// Rotate every head of every row by its position. Angles are computed in f64 and rounded once, so they are
+/// as accurate as f32 allows and identical for a given position in any batch.
+pub fn rope(x: &mut [f32], positions: &[usize], n_heads: usize, head_dim: usize, theta: f32, style: RopeStyle) {
+    let half = head_dim / 2;
+    let mut cs = vec![(0f32, 0f32); half];
+    for (r, &pos) in positions.iter().enumerate() {
+        for (i, c) in cs.iter_mut().enumerate() {
+            let inv_freq = (theta as f64).powf(-2.0 * i as f64 / head_dim as f64);
+            let a = pos as f64 * inv_freq;
+            *c = (a.cos() as f32, a.sin() as f32);
+        }
+        let row = &mut x[r * n_heads * head_dim..(r + 1) * n_heads * head_dim];
+        for head in row.chunks_exact_mut(head_dim) {
+            for (i, &(c, s)) in cs.iter().enumerate() {
+                let (a, b) = match style {
+                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                    RopeStyle::HalfSplit => (i, i + half),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * c - x1 * s;
+                head[b] = x0 * s + x1 * c;
+            }
+        }
+    }
+}
+
+pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = g / (1.0 + (-g).exp()) * u;
+    }
+}

@@ -1,0 +1,218 @@
+//! Model bundles: a GGUF file, or a folder of `config.json` + safetensors shards + tokenizer files.
+//!
+//! Opening a bundle reads headers only (weights stay memory-mapped); tensors are fetched by [`TensorKey`], so the
+//! model code never sees a format's naming scheme.
+
+pub mod gguf;
+mod names;
+pub mod safetensors;
+
+use std::path::{Path, PathBuf};
+
+pub use names::TensorKey;
+
+use crate::error::{Error, Result};
+use crate::model::hparams::{HParams, HfConfig};
+use crate::quant::{GgmlType, MlxAffine, MlxScaleType, QMatrix};
+use gguf::GgufFile;
+use safetensors::{SafetensorsSet, StDtype};
+
+/// The on-disk form of a bundle.
+#[derive(Debug)]
+pub enum Source {
+    Gguf(GgufFile),
+    Safetensors {
+        dir: PathBuf,
+        config: HfConfig,
+        tensors: SafetensorsSet,
+    },
+}
+
+/// An opened model bundle.
+#[derive(Debug)]
+pub struct Bundle {
+    pub path: PathBuf,
+    pub source: Source,
+    pub hparams: HParams,
+}
+
+impl Bundle {
+    /// Open a bundle: a `.gguf` file, a folder holding one `.gguf` file, or a safetensors folder.
+    pub fn open(path: &Path) -> Result<Self> {
+        let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+        let source = if meta.is_file() {
+            Source::Gguf(GgufFile::open(path)?)
+        } else if path.join("config.json").is_file() {
+            let cfg_path = path.join("config.json");
+            let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
+            let config: HfConfig = serde_json::from_str(&text)
+                .map_err(|e| Error::malformed(&cfg_path, format!("invalid config.json: {e}")))?;
+            Source::Safetensors {
+                dir: path.to_path_buf(),
+                config,
+                tensors: SafetensorsSet::open(path)?,
+            }
+        } else {
+            let ggufs: Vec<PathBuf> = std::fs::read_dir(path)
+                .map_err(|e| Error::io(path, e))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
+                .collect();
+            match ggufs.as_slice() {
+                [one] => Source::Gguf(GgufFile::open(one)?),
+                [] => {
+                    return Err(Error::malformed(
+                        path,
+                        "not a bundle: no config.json and no .gguf file in this folder",
+                    ))
+                }
+                _ => return Err(Error::malformed(path, "several .gguf files in this folder: name one")),
+            }
+        };
+        let hparams = match &source {
+            Source::Gguf(g) => HParams::from_gguf(g)?,
+            Source::Safetensors { config, .. } => HParams::from_hf(config)?,
+        };
+        Ok(Bundle {
+            path: path.to_path_buf(),
+            source,
+            hparams,
+        })
+    }
+
+    /// The name of a tensor in this bundle's format.
+    pub fn tensor_name(&self, key: TensorKey) -> String {
+        match self.source {
+            Source::Gguf(_) => key.gguf(),
+            Source::Safetensors { .. } => key.hf(),
+        }
+    }
+
+    pub fn has(&self, key: TensorKey) -> bool {
+        match &self.source {
+            Source::Gguf(g) => g.tensor(&key.gguf()).is_some(),
+            Source::Safetensors { tensors, .. } => tensors.get(&key.hf()).is_some(),
+        }
+    }
+
+    /// A weight matrix `[rows, cols]` (rows = outputs).
+    pub fn matrix(&self, key: TensorKey, rows: usize, cols: usize) -> Result<QMatrix> {
+        match &self.source {
+            Source::Gguf(g) => {
+                let name = key.gguf();
+                let t = g.tensor(&name).ok_or_else(|| Error::tensor(&name, "missing from the GGUF file"))?;
+                if t.dims.len() != 2 || t.dims[0] != cols || t.dims[1] != rows {
+                    return Err(Error::tensor(
+                        &name,
+                        format!("shape {:?} (GGML order), expected [{cols}, {rows}]", t.dims),
+                    ));
+                }
+                QMatrix::ggml(&name, t.ty, rows, cols, g.tensor_bytes(t))
+            }
+            Source::Safetensors { config, tensors, .. } => {
+                let module = key.hf_module();
+                let name = key.hf();
+                let t = tensors
+                    .get(&name)
+                    .ok_or_else(|| Error::tensor(&name, "missing from the safetensors shards"))?;
+                if let Some(scales) = tensors.get(&format!("{module}.scales")) {
+                    let biases = tensors
+                        .get(&format!("{module}.biases"))
+                        .ok_or_else(|| Error::tensor(&name, "MLX-quantized but has no .biases"))?;
+                    let (bits, group) = mlx_params(config, &module)
+                        .ok_or_else(|| Error::tensor(&name, "has .scales but config.json has no quantization"))?;
+                    if t.dtype != StDtype::U32 {
+                        return Err(Error::tensor(&name, format!("MLX packed weight is {}, expected U32", t.dtype_name)));
+                    }
+                    if scales.dtype != biases.dtype {
+                        return Err(Error::tensor(&name, "scales and biases differ in dtype"));
+                    }
+                    let q = MlxAffine::new(bits, group, mlx_scale_type(&name, scales.dtype)?)?;
+                    let want = [rows, cols * bits as usize / 32];
+                    if t.shape != want {
+                        return Err(Error::tensor(&name, format!("packed shape {:?}, expected {want:?}", t.shape)));
+                    }
+                    return QMatrix::mlx(&name, q, rows, cols, tensors.bytes(t), tensors.bytes(scales), tensors.bytes(biases));
+                }
+                if t.shape != [rows, cols] {
+                    return Err(Error::tensor(&name, format!("shape {:?}, expected [{rows}, {cols}]", t.shape)));
+                }
+                let ty = match t.dtype {
+                    StDtype::F32 => GgmlType::F32,
+                    StDtype::F16 => GgmlType::F16,
+                    StDtype::BF16 => GgmlType::BF16,
+                    _ => return Err(Error::Unsupported(format!("tensor {name} has dtype {}", t.dtype_name))),
+                };
+                QMatrix::ggml(&name, ty, rows, cols, tensors.bytes(t))
+            }
+        }
+    }
+
+    /// A 1-D tensor (norm weight, bias) of `len` values, converted to f32.
+    pub fn vector(&self, key: TensorKey, len: usize) -> Result<Vec<f32>> {
+        let m = match &self.source {
+            Source::Gguf(g) => {
+                let name = key.gguf();
+                let t = g.tensor(&name).ok_or_else(|| Error::tensor(&name, "missing from the GGUF file"))?;
+                if t.dims != [len] {
+                    return Err(Error::tensor(&name, format!("shape {:?}, expected [{len}]", t.dims)));
+                }
+                QMatrix::ggml(&name, t.ty, 1, len, g.tensor_bytes(t))?
+            }
+            Source::Safetensors { tensors, .. } => {
+                let name = key.hf();
+                let t = tensors
+                    .get(&name)
+                    .ok_or_else(|| Error::tensor(&name, "missing from the safetensors shards"))?;
+                if t.shape != [len] {
+                    return Err(Error::tensor(&name, format!("shape {:?}, expected [{len}]", t.shape)));
+                }
+                let ty = match t.dtype {
+                    StDtype::F32 => GgmlType::F32,
+                    StDtype::F16 => GgmlType::F16,
+                    StDtype::BF16 => GgmlType::BF16,
+                    _ => return Err(Error::Unsupported(format!("tensor {name} has dtype {}", t.dtype_name))),
+                };
+                QMatrix::ggml(&name, ty, 1, len, tensors.bytes(t))?
+            }
+        };
+        let mut out = vec![0.0; len];
+        m.dequantize_row(0, &mut out);
+        Ok(out)
+    }
+
+    /// The folder holding the bundle's side files (tokenizer.json, tokenizer_config.json).
+    pub fn dir(&self) -> Option<&Path> {
+        match &self.source {
+            Source::Gguf(_) => None,
+            Source::Safetensors { dir, .. } => Some(dir),
+        }
+    }
+
+    pub fn format_name(&self) -> &'static str {
+        match &self.source {
+            Source::Gguf(_) => "gguf",
+            Source::Safetensors { config, .. } if config.quantization.is_some() => "mlx-safetensors",
+            Source::Safetensors { .. } => "safetensors",
+        }
+    }
+}
+
+/// MLX quantization parameters for a module: a per-module override in `quantization` if present, else the
+/// global `{group_size, bits}`.
+fn mlx_params(config: &HfConfig, module: &str) -> Option<(u32, usize)> {
+    let q = config.quantization.as_ref().or(config.quantization_config.as_ref())?;
+    let read = |v: &serde_json::Value| -> Option<(u32, usize)> {
+        Some((v.get("bits")?.as_u64()? as u32, v.get("group_size")?.as_u64()? as usize))
+    };
+    q.get(module).and_then(read).or_else(|| read(q))
+}
+
+fn mlx_scale_type(name: &str, dtype: StDtype) -> Result<MlxScaleType> {
+    match dtype {
+        StDtype::F16 => Ok(MlxScaleType::F16),
+        StDtype::BF16 => Ok(MlxScaleType::BF16),
+        StDtype::F32 => Ok(MlxScaleType::F32),
+        _ => Err(Error::tensor(name, "MLX scales must be f16, bf16 or f32")),
+    }
+}

@@ -1,0 +1,81 @@
+//! The per-layer key/value cache.
+//!
+//! Invariants: slots `0..len` hold the K/V of the committed tokens, in position order, and `len` is the fill
+//! (never a logical position without rows behind it). A forward appends its rows at `len..len + W`; a speculative
+//! cycle keeps a prefix of them with [`KvCache::truncate`]. Capacity grows by whole-buffer copies, never
+//! silently drops rows.
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+
+pub struct KvCache<B: Backend> {
+    pub(crate) k: Vec<B::Buffer>,
+    pub(crate) v: Vec<B::Buffer>,
+    kv_dim: usize,
+    len: usize,
+    capacity: usize,
+    max_capacity: usize,
+}
+
+impl<B: Backend> KvCache<B> {
+    /// An empty cache for `n_layers` layers of `kv_dim` values per slot, holding at most `max_capacity` slots.
+    pub fn new(backend: &B, n_layers: usize, kv_dim: usize, max_capacity: usize) -> Self {
+        let capacity = 256.min(max_capacity);
+        KvCache {
+            k: (0..n_layers).map(|_| backend.buffer(capacity * kv_dim)).collect(),
+            v: (0..n_layers).map(|_| backend.buffer(capacity * kv_dim)).collect(),
+            kv_dim,
+            len: 0,
+            capacity,
+            max_capacity,
+        }
+    }
+
+    /// Committed slots.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn max_capacity(&self) -> usize {
+        self.max_capacity
+    }
+
+    /// Make room for `extra` more slots after `len`.
+    pub(crate) fn reserve(&mut self, backend: &B, extra: usize) -> Result<()> {
+        let need = self.len + extra;
+        if need > self.max_capacity {
+            return Err(Error::Invalid(format!(
+                "context full: {need} tokens exceed the context length {}",
+                self.max_capacity
+            )));
+        }
+        if need <= self.capacity {
+            return Ok(());
+        }
+        let new_cap = need.next_power_of_two().min(self.max_capacity);
+        for bufs in [&mut self.k, &mut self.v] {
+            for buf in bufs.iter_mut() {
+                let mut grown = backend.buffer(new_cap * self.kv_dim);
+                backend.copy(buf, 0, &mut grown, 0, self.len * self.kv_dim);
+                *buf = grown;
+            }
+        }
+        self.capacity = new_cap;
+        Ok(())
+    }
+
+    /// Mark `rows` appended slots as committed (called by the forward after writing them).
+    pub(crate) fn advance(&mut self, rows: usize) {
+        debug_assert!(self.len + rows <= self.capacity);
+        self.len += rows;
+    }
+
+    /// Roll back to the first `len` slots (a rejected speculative suffix, or a new conversation sharing a prefix).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+}

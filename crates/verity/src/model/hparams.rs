@@ -1,0 +1,209 @@
+//! Hyper-parameters of a decoder, derived from a GGUF header or a Hugging Face `config.json`.
+
+use serde::Deserialize;
+
+use crate::bundle::gguf::GgufFile;
+use crate::error::{Error, Result};
+
+/// The architectures verity implements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Qwen2,
+    Qwen3,
+}
+
+impl Arch {
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+        }
+    }
+}
+
+/// How RoPE pairs the dimensions of a head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs `(2i, 2i+1)`: GGUF llama files (the converter permutes Q/K for it).
+    Interleaved,
+    /// Pairs `(i, i + d/2)`: Hugging Face `rotate_half`, GGUF qwen2/qwen3 (ggml NEOX mode).
+    HalfSplit,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct HParams {
+    pub arch: Arch,
+    pub n_layers: usize,
+    pub hidden: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn_hidden: usize,
+    pub vocab: usize,
+    pub rms_eps: f32,
+    pub rope_theta: f32,
+    pub rope_style: RopeStyle,
+    pub tied_embeddings: bool,
+    /// Qwen2: biases on the Q, K and V projections.
+    pub qkv_bias: bool,
+    /// Qwen3: an RMS norm over each head of Q and K before RoPE.
+    pub qk_norm: bool,
+    pub context_len: usize,
+}
+
+impl HParams {
+    /// Check the relations the forward relies on, so that a bad header fails here and not in a kernel.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Invalid(format!("model hyper-parameters: {m}")));
+        if self.n_layers == 0 || self.hidden == 0 || self.n_heads == 0 || self.vocab == 0 || self.ffn_hidden == 0 {
+            return bad(format!("zero size in {self:?}"));
+        }
+        if self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+            return bad(format!("{} heads are not a multiple of {} KV heads", self.n_heads, self.n_kv_heads));
+        }
+        if self.head_dim == 0 || self.head_dim % 2 != 0 || self.head_dim > 1024 {
+            return bad(format!("head dimension {}", self.head_dim));
+        }
+        // Bounds that no real model reaches but that stop absurd headers from driving huge allocations.
+        if self.n_layers > 1024 || self.hidden > 1 << 17 || self.n_heads > 1024 || self.vocab > 1 << 24 {
+            return bad(format!("sizes out of range in {self:?}"));
+        }
+        if !(self.rms_eps > 0.0 && self.rms_eps < 1.0) || !(self.rope_theta > 0.0) {
+            return bad(format!("rms_eps {} / rope_theta {}", self.rms_eps, self.rope_theta));
+        }
+        Ok(())
+    }
+
+    pub fn from_gguf(g: &GgufFile) -> Result<Self> {
+        let arch_name = g
+            .get("general.architecture")
+            .and_then(|v| v.as_str())
+            .ok_or_else(|| Error::malformed(&g.path, "general.architecture is missing"))?
+            .to_string();
+        let (arch, rope_style) = match arch_name.as_str() {
+            "llama" => (Arch::Llama, RopeStyle::Interleaved),
+            "qwen2" => (Arch::Qwen2, RopeStyle::HalfSplit),
+            "qwen3" => (Arch::Qwen3, RopeStyle::HalfSplit),
+            other => {
+                return Err(Error::Unsupported(format!(
+                    "{}: architecture {other:?} (verity runs llama, qwen2, qwen3)",
+                    g.path.display()
+                )))
+            }
+        };
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let int = |k: &str| -> Result<usize> {
+            g.get(&key(k))
+                .and_then(|v| v.as_u64())
+                .map(|v| v as usize)
+                .ok_or_else(|| Error::malformed(&g.path, format!("{} is missing or not an integer", key(k))))
+        };
+        let float = |k: &str, default: f64| -> f32 { g.get(&key(k)).and_then(|v| v.as_f64()).unwrap_or(default) as f32 };
+        let hidden = int("embedding_length")?;
+        let n_heads = int("attention.head_count")?;
+        let n_kv_heads = int("attention.head_count_kv").unwrap_or(n_heads);
+        let head_dim = int("attention.key_length").unwrap_or(if n_heads > 0 { hidden / n_heads } else { 0 });
+        let vocab = match int("vocab_size") {
+            Ok(v) => v,
+            Err(_) => g
+                .get("tokenizer.ggml.tokens")
+                .and_then(|v| v.as_array())
+                .map(|a| a.len())
+                .ok_or_else(|| Error::malformed(&g.path, "vocabulary size unknown"))?,
+        };
+        let tied = g.tensor("output.weight").is_none();
+        let hp = HParams {
+            arch,
+            n_layers: int("block_count")?,
+            hidden,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            ffn_hidden: int("feed_forward_length")?,
+            vocab,
+            rms_eps: float("attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta: float("rope.freq_base", 10000.0),
+            rope_style,
+            tied_embeddings: tied,
+            qkv_bias: g.tensor("blk.0.attn_q.bias").is_some(),
+            qk_norm: g.tensor("blk.0.attn_q_norm.weight").is_some(),
+            context_len: int("context_length").unwrap_or(4096),
+        };
+        hp.validate()?;
+        Ok(hp)
+    }
+
+    pub fn from_hf(cfg: &HfConfig) -> Result<Self> {
+        let arch = match cfg.model_type.as_deref() {
+            Some("llama") | Some("mistral") => Arch::Llama,
+            Some("qwen2") => Arch::Qwen2,
+            Some("qwen3") => Arch::Qwen3,
+            other => {
+                return Err(Error::Unsupported(format!(
+                    "config.json model_type {other:?} (verity runs llama, mistral, qwen2, qwen3)"
+                )))
+            }
+        };
+        // transformers ≥ 5 writes `rope_parameters: {rope_theta, rope_type}`; older configs a top-level
+        // `rope_theta` and an optional `rope_scaling`.
+        let params = cfg.rope_parameters.as_ref();
+        let rope_type = params
+            .and_then(|p| p.get("rope_type"))
+            .or_else(|| cfg.rope_scaling.as_ref().and_then(|s| s.get("rope_type").or_else(|| s.get("type"))))
+            .and_then(|t| t.as_str());
+        if rope_type.is_some_and(|t| t != "default") {
+            return Err(Error::Unsupported(format!("rope type {rope_type:?} in config.json (only default RoPE)")));
+        }
+        let rope_theta = cfg.rope_theta.or_else(|| params.and_then(|p| p.get("rope_theta")?.as_f64()));
+        let n_heads = cfg.num_attention_heads;
+        let hp = HParams {
+            arch,
+            n_layers: cfg.num_hidden_layers,
+            hidden: cfg.hidden_size,
+            n_heads,
+            n_kv_heads: cfg.num_key_value_heads.unwrap_or(n_heads),
+            head_dim: cfg.head_dim.unwrap_or(if n_heads > 0 { cfg.hidden_size / n_heads } else { 0 }),
+            ffn_hidden: cfg.intermediate_size,
+            vocab: cfg.vocab_size,
+            rms_eps: cfg.rms_norm_eps.unwrap_or(1e-6) as f32,
+            rope_theta: rope_theta.unwrap_or(10000.0) as f32,
+            rope_style: RopeStyle::HalfSplit,
+            tied_embeddings: cfg.tie_word_embeddings.unwrap_or(false),
+            qkv_bias: match arch {
+                Arch::Qwen2 => true,
+                _ => cfg.attention_bias.unwrap_or(false),
+            },
+            qk_norm: arch == Arch::Qwen3,
+            context_len: cfg.max_position_embeddings.unwrap_or(4096),
+        };
+        hp.validate()?;
+        Ok(hp)
+    }
+}
+
+/// The fields of a Hugging Face `config.json` that verity reads.
+#[derive(Debug, Clone, Deserialize)]
+pub struct HfConfig {
+    pub model_type: Option<String>,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: Option<usize>,
+    pub head_dim: Option<usize>,
+    pub vocab_size: usize,
+    pub rms_norm_eps: Option<f64>,
+    pub rope_theta: Option<f64>,
+    pub tie_word_embeddings: Option<bool>,
+    pub max_position_embeddings: Option<usize>,
+    pub attention_bias: Option<bool>,
+    pub rope_scaling: Option<serde_json::Value>,
+    pub rope_parameters: Option<serde_json::Value>,
+    pub bos_token_id: Option<serde_json::Value>,
+    pub eos_token_id: Option<serde_json::Value>,
+    /// MLX affine quantization: `{"group_size": G, "bits": B}`, possibly with per-module overrides.
+    pub quantization: Option<serde_json::Value>,
+    pub quantization_config: Option<serde_json::Value>,
+}

@@ -1,0 +1,264 @@
+//! GGML tensor types: the block layouts of llama.cpp's file format, decoded to f32.
+//!
+//! Layouts follow the GGUF specification (ggml `block_q4_0`, `block_q4_K`, ...). Plain F32/F16/BF16 rows are
+//! treated as a "format" with 32-element blocks (and a ragged last block) so that every weight goes through the
+//! same block-wise kernels.
+
+use half::{bf16, f16};
+
+/// A GGML tensor element type verity can decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GgmlType {
+    F32,
+    F16,
+    BF16,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+    Q4K,
+    Q5K,
+    Q6K,
+}
+
+const QK_K: usize = 256;
+
+impl GgmlType {
+    /// The type for a GGUF `ggml_type` id, if verity supports it.
+    pub fn from_gguf_id(id: u32) -> Option<Self> {
+        Some(match id {
+            0 => GgmlType::F32,
+            1 => GgmlType::F16,
+            2 => GgmlType::Q4_0,
+            3 => GgmlType::Q4_1,
+            8 => GgmlType::Q8_0,
+            12 => GgmlType::Q4K,
+            13 => GgmlType::Q5K,
+            14 => GgmlType::Q6K,
+            30 => GgmlType::BF16,
+            _ => return None,
+        })
+    }
+
+    /// The name of a GGUF `ggml_type` id, for error messages about types verity does not support.
+    pub fn gguf_id_name(id: u32) -> &'static str {
+        match id {
+            6 => "Q5_0",
+            7 => "Q5_1",
+            9 => "Q8_1",
+            10 => "Q2_K",
+            11 => "Q3_K",
+            15 => "Q8_K",
+            16..=23 => "IQ*",
+            24 => "I8",
+            25 => "I16",
+            26 => "I32",
+            27 => "I64",
+            28 => "F64",
+            29 => "IQ1_M",
+            _ => "unknown",
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            GgmlType::F32 => "F32",
+            GgmlType::F16 => "F16",
+            GgmlType::BF16 => "BF16",
+            GgmlType::Q4_0 => "Q4_0",
+            GgmlType::Q4_1 => "Q4_1",
+            GgmlType::Q8_0 => "Q8_0",
+            GgmlType::Q4K => "Q4_K",
+            GgmlType::Q5K => "Q5_K",
+            GgmlType::Q6K => "Q6_K",
+        }
+    }
+
+    /// Elements per block.
+    pub fn block_len(self) -> usize {
+        match self {
+            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => QK_K,
+            _ => 32,
+        }
+    }
+
+    /// Bytes per block (for float types: per 32 elements).
+    pub fn block_bytes(self) -> usize {
+        match self {
+            GgmlType::F32 => 128,
+            GgmlType::F16 | GgmlType::BF16 => 64,
+            GgmlType::Q4_0 => 18,
+            GgmlType::Q4_1 => 20,
+            GgmlType::Q8_0 => 34,
+            GgmlType::Q4K => 144,
+            GgmlType::Q5K => 176,
+            GgmlType::Q6K => 210,
+        }
+    }
+
+    fn is_float(self) -> bool {
+        matches!(self, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+    }
+
+    /// Bytes of one row of `cols` elements; `None` if a quantized row would not be whole blocks.
+    pub fn row_bytes(self, cols: usize) -> Option<usize> {
+        match self {
+            GgmlType::F32 => cols.checked_mul(4),
+            GgmlType::F16 | GgmlType::BF16 => cols.checked_mul(2),
+            _ if cols % self.block_len() != 0 => None,
+            _ => (cols / self.block_len()).checked_mul(self.block_bytes()),
+        }
+    }
+
+    /// Decode block `b` of an encoded row into `out`.
+    #[inline]
+    pub fn decode_block(self, row: &[u8], b: usize, out: &mut [f32]) {
+        if self.is_float() {
+            let start = b * 32;
+            let n = out.len();
+            match self {
+                GgmlType::F32 => {
+                    for (o, c) in out.iter_mut().zip(row[start * 4..(start + n) * 4].chunks_exact(4)) {
+                        *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                    }
+                }
+                GgmlType::F16 => {
+                    for (o, c) in out.iter_mut().zip(row[start * 2..(start + n) * 2].chunks_exact(2)) {
+                        *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+                    }
+                }
+                _ => {
+                    for (o, c) in out.iter_mut().zip(row[start * 2..(start + n) * 2].chunks_exact(2)) {
+                        *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+                    }
+                }
+            }
+            return;
+        }
+        let bb = self.block_bytes();
+        let blk = &row[b * bb..(b + 1) * bb];
+        match self {
+            GgmlType::Q4_0 => decode_q4_0(blk, out),
+            GgmlType::Q4_1 => decode_q4_1(blk, out),
+            GgmlType::Q8_0 => decode_q8_0(blk, out),
+            GgmlType::Q4K => decode_q4_k(blk, out),
+            GgmlType::Q5K => decode_q5_k(blk, out),
+            GgmlType::Q6K => decode_q6_k(blk, out),
+            _ => unreachable!("float types handled above"),
+        }
+    }
+}
+
+#[inline]
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+#[inline]
+fn decode_q4_0(blk: &[u8], out: &mut [f32]) {
+    let d = f16_at(blk, 0);
+    let qs = &blk[2..18];
+    for j in 0..16 {
+        out[j] = ((qs[j] & 0x0f) as i32 - 8) as f32 * d;
+        out[j + 16] = ((qs[j] >> 4) as i32 - 8) as f32 * d;
+    }
+}
+
+#[inline]
+fn decode_q4_1(blk: &[u8], out: &mut [f32]) {
+    let d = f16_at(blk, 0);
+    let m = f16_at(blk, 2);
+    let qs = &blk[4..20];
+    for j in 0..16 {
+        out[j] = (qs[j] & 0x0f) as f32 * d + m;
+        out[j + 16] = (qs[j] >> 4) as f32 * d + m;
+    }
+}
+
+#[inline]
+fn decode_q8_0(blk: &[u8], out: &mut [f32]) {
+    let d = f16_at(blk, 0);
+    for (o, &q) in out.iter_mut().zip(&blk[2..34]) {
+        *o = q as i8 as f32 * d;
+    }
+}
+
+/// The 6-bit scale and min of sub-block `j` of a Q4_K/Q5_K block (ggml `get_scale_min_k4`).
+#[inline]
+fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
+    if j < 4 {
+        ((q[j] & 63) as f32, (q[j + 4] & 63) as f32)
+    } else {
+        let d = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
+        let m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+        (d as f32, m as f32)
+    }
+}
+
+#[inline]
+fn decode_q4_k(blk: &[u8], out: &mut [f32]) {
+    let d = f16_at(blk, 0);
+    let dmin = f16_at(blk, 2);
+    let scales = &blk[4..16];
+    let qs = &blk[16..144];
+    for j in 0..4 {
+        let (sc1, m1) = scale_min_k4(2 * j, scales);
+        let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
+        let (d1, m1) = (d * sc1, dmin * m1);
+        let (d2, m2) = (d * sc2, dmin * m2);
+        let q = &qs[j * 32..j * 32 + 32];
+        let o = &mut out[j * 64..j * 64 + 64];
+        for l in 0..32 {
+            o[l] = d1 * (q[l] & 0x0f) as f32 - m1;
+            o[l + 32] = d2 * (q[l] >> 4) as f32 - m2;
+        }
+    }
+}
+
+#[inline]
+fn decode_q5_k(blk: &[u8], out: &mut [f32]) {
+    let d = f16_at(blk, 0);
+    let dmin = f16_at(blk, 2);
+    let scales = &blk[4..16];
+    let qh = &blk[16..48];
+    let qs = &blk[48..176];
+    for j in 0..4 {
+        let (sc1, m1) = scale_min_k4(2 * j, scales);
+        let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
+        let (d1, m1) = (d * sc1, dmin * m1);
+        let (d2, m2) = (d * sc2, dmin * m2);
+        let (u1, u2) = (1u8 << (2 * j), 2u8 << (2 * j));
+        let q = &qs[j * 32..j * 32 + 32];
+        let o = &mut out[j * 64..j * 64 + 64];
+        for l in 0..32 {
+            let hi1 = if qh[l] & u1 != 0 { 16 } else { 0 };
+            let hi2 = if qh[l] & u2 != 0 { 16 } else { 0 };
+            o[l] = d1 * ((q[l] & 0x0f) + hi1) as f32 - m1;
+            o[l + 32] = d2 * ((q[l] >> 4) + hi2) as f32 - m2;
+        }
+    }
+}
+
+#[inline]
+fn decode_q6_k(blk: &[u8], out: &mut [f32]) {
+    let ql = &blk[0..128];
+    let qh = &blk[128..192];
+    let sc = &blk[192..208];
+    let d = f16_at(blk, 208);
+    for n in 0..2 {
+        let ql = &ql[n * 64..];
+        let qh = &qh[n * 32..];
+        let sc = &sc[n * 8..];
+        let o = &mut out[n * 128..n * 128 + 128];
+        for l in 0..32 {
+            let is = l / 16;
+            let q1 = ((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) as i32 - 32;
+            let q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+            let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+            let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+            o[l] = d * (sc[is] as i8) as f32 * q1 as f32;
+            o[l + 32] = d * (sc[is + 2] as i8) as f32 * q2 as f32;
+            o[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
+            o[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! Weight formats: how a matrix's bytes encode its values, and decoding them block by block.
+//!
+//! Every format is decoded in *blocks* along the input dimension (32 values for the GGML legacy formats and the
+//! float formats, 256 for the K-quants, the group size for MLX affine). The matmul kernels decode one block of a
+//! weight row once and apply it to every activation row, so a W-row product reads each weight once, and each row's
+//! result is computed by the same sequence of operations whatever W is (the row-exact contract).
+
+mod ggml;
+mod mlx;
+
+pub use ggml::GgmlType;
+pub use mlx::{MlxAffine, MlxScaleType};
+
+use crate::error::{Error, Result};
+use crate::storage::Bytes;
+
+/// The element format of a stored weight matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightFormat {
+    /// A GGML block format (also used for plain F32/F16/BF16 tensors from any source).
+    Ggml(GgmlType),
+    /// MLX affine quantization: packed unsigned integers with a scale and bias per group.
+    Mlx(MlxAffine),
+}
+
+impl std::fmt::Display for WeightFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WeightFormat::Ggml(t) => write!(f, "{}", t.name()),
+            WeightFormat::Mlx(m) => write!(f, "mlx-affine-q{}-g{}", m.bits, m.group),
+        }
+    }
+}
+
+/// A 2-D weight matrix `[rows (outputs), cols (inputs)]`, stored row-major in its format.
+#[derive(Debug, Clone)]
+pub struct QMatrix {
+    pub name: String,
+    pub format: WeightFormat,
+    pub rows: usize,
+    pub cols: usize,
+    data: Bytes,
+    /// MLX affine only: per-group scales and biases, each `[rows, cols / group]`.
+    scales: Option<Bytes>,
+    biases: Option<Bytes>,
+}
+
+impl QMatrix {
+    /// A matrix in a GGML format (or a plain float format) whose bytes are `rows` consecutive encoded rows.
+    pub fn ggml(name: &str, ty: GgmlType, rows: usize, cols: usize, data: Bytes) -> Result<Self> {
+        let row_bytes = ty.row_bytes(cols).ok_or_else(|| {
+            Error::tensor(
+                name,
+                format!(
+                    "{} needs the row length {cols} to be a multiple of {}",
+                    ty.name(),
+                    ty.block_len()
+                ),
+            )
+        })?;
+        let want = row_bytes.checked_mul(rows).ok_or_else(|| Error::tensor(name, "size overflows"))?;
+        if data.len() != want {
+            return Err(Error::tensor(
+                name,
+                format!("{} [{rows}, {cols}] needs {want} bytes, found {}", ty.name(), data.len()),
+            ));
+        }
+        Ok(QMatrix {
+            name: name.to_string(),
+            format: WeightFormat::Ggml(ty),
+            rows,
+            cols,
+            data,
+            scales: None,
+            biases: None,
+        })
+    }
+
+    /// An MLX affine-quantized matrix from its packed words, scales and biases.
+    pub fn mlx(
+        name: &str,
+        q: MlxAffine,
+        rows: usize,
+        cols: usize,
+        data: Bytes,
+        scales: Bytes,
+        biases: Bytes,
+    ) -> Result<Self> {
+        q.check(name, rows, cols, data.len(), scales.len(), biases.len())?;
+        Ok(QMatrix {
+            name: name.to_string(),
+            format: WeightFormat::Mlx(q),
+            rows,
+            cols,
+            data,
+            scales: Some(scales),
+            biases: Some(biases),
+        })
+    }
+
+    /// Elements per decoded block.
+    pub fn block_len(&self) -> usize {
+        match self.format {
+            WeightFormat::Ggml(t) => t.block_len(),
+            WeightFormat::Mlx(m) => m.group,
+        }
+    }
+
+    /// Bytes of weight data (all parts), i.e. what one full pass over the matrix reads.
+    pub fn nbytes(&self) -> usize {
+        self.data.len()
+            + self.scales.as_ref().map_or(0, |s| s.len())
+            + self.biases.as_ref().map_or(0, |b| b.len())
+    }
+
+    /// A decoder bound to this matrix's bytes.
+    pub fn decoder(&self) -> RowDecoder<'_> {
+        match self.format {
+            WeightFormat::Ggml(t) => RowDecoder::Ggml {
+                ty: t,
+                data: self.data.as_slice(),
+                row_bytes: t.row_bytes(self.cols).expect("checked at construction"),
+            },
+            WeightFormat::Mlx(m) => RowDecoder::Mlx {
+                q: m,
+                data: self.data.as_slice(),
+                scales: self.scales.as_ref().expect("mlx has scales").as_slice(),
+                biases: self.biases.as_ref().expect("mlx has biases").as_slice(),
+                cols: self.cols,
+            },
+        }
+    }
+
+    /// Decode one whole row to f32 (embedding lookups, tests).
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        assert_eq!(out.len(), self.cols);
+        let dec = self.decoder();
+        let bl = self.block_len();
+        for (b, chunk) in out.chunks_mut(bl).enumerate() {
+            dec.decode(row, b, chunk);
+        }
+    }
+}
+
+/// Decodes blocks of one matrix; borrowed so that the hot loop holds plain slices.
+#[derive(Clone, Copy)]
+pub enum RowDecoder<'a> {
+    Ggml {
+        ty: GgmlType,
+        data: &'a [u8],
+        row_bytes: usize,
+    },
+    Mlx {
+        q: MlxAffine,
+        data: &'a [u8],
+        scales: &'a [u8],
+        biases: &'a [u8],
+        cols: usize,
+    },
+}
+
+impl RowDecoder<'_> {
+    /// Decode block `block` of row `row` into `out` (`out.len()` is the block length, or less for the ragged
+    /// last block of a float row).
+    #[inline]
+    pub fn decode(&self, row: usize, block: usize, out: &mut [f32]) {
+        match *self {
+            RowDecoder::Ggml { ty, data, row_bytes } => {
+                let row_data = &data[row * row_bytes..(row + 1) * row_bytes];
+                ty.decode_block(row_data, block, out)
+            }
+            RowDecoder::Mlx {
+                q,
+                data,
+                scales,
+                biases,
+                cols,
+            } => q.decode_block(data, scales, biases, cols, row, block, out),
+        }
+    }
+}

