@@ -223,9 +223,13 @@ def main() -> int:
         "cases": cases,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    # Pretty at the top level, one line per case (easy to diff, still plain JSON).
+    head = {k: v for k, v in out.items() if k != "cases"}
+    text = json.dumps(head, ensure_ascii=False, indent=1)[:-2]
+    text += ',\n "cases": [\n' + ",\n".join("  " + json.dumps(c, ensure_ascii=False) for c in cases) + "\n ]\n}\n"
+    json.loads(text)  # sanity
     with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(out, f, ensure_ascii=False, indent=1)
-        f.write("\n")
+        f.write(text)
 
     print(f"wrote {len(cases)} cases to {args.out}")
     print(f"llama-cpp-python {llama_cpp.__version__}, gguf sha256 {out['gguf_sha256']}")

@@ -110,7 +110,7 @@ impl GgmlType {
     }
 
     /// Decode block `b` of an encoded row into `out`.
-    #[inline]
+    #[inline(always)]
     pub fn decode_block(self, row: &[u8], b: usize, out: &mut [f32]) {
         if self.is_float() {
             let start = b * 32;
@@ -148,12 +148,12 @@ impl GgmlType {
     }
 }
 
-#[inline]
+#[inline(always)]
 fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
 }
 
-#[inline]
+#[inline(always)]
 fn decode_q4_0(blk: &[u8], out: &mut [f32]) {
     let d = f16_at(blk, 0);
     let qs = &blk[2..18];
@@ -163,7 +163,7 @@ fn decode_q4_0(blk: &[u8], out: &mut [f32]) {
     }
 }
 
-#[inline]
+#[inline(always)]
 fn decode_q4_1(blk: &[u8], out: &mut [f32]) {
     let d = f16_at(blk, 0);
     let m = f16_at(blk, 2);
@@ -174,7 +174,7 @@ fn decode_q4_1(blk: &[u8], out: &mut [f32]) {
     }
 }
 
-#[inline]
+#[inline(always)]
 fn decode_q8_0(blk: &[u8], out: &mut [f32]) {
     let d = f16_at(blk, 0);
     for (o, &q) in out.iter_mut().zip(&blk[2..34]) {
@@ -183,7 +183,7 @@ fn decode_q8_0(blk: &[u8], out: &mut [f32]) {
 }
 
 /// The 6-bit scale and min of sub-block `j` of a Q4_K/Q5_K block (ggml `get_scale_min_k4`).
-#[inline]
+#[inline(always)]
 fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
     if j < 4 {
         ((q[j] & 63) as f32, (q[j + 4] & 63) as f32)
@@ -194,7 +194,7 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
     }
 }
 
-#[inline]
+#[inline(always)]
 fn decode_q4_k(blk: &[u8], out: &mut [f32]) {
     let d = f16_at(blk, 0);
     let dmin = f16_at(blk, 2);
@@ -214,7 +214,7 @@ fn decode_q4_k(blk: &[u8], out: &mut [f32]) {
     }
 }
 
-#[inline]
+#[inline(always)]
 fn decode_q5_k(blk: &[u8], out: &mut [f32]) {
     let d = f16_at(blk, 0);
     let dmin = f16_at(blk, 2);
@@ -238,7 +238,7 @@ fn decode_q5_k(blk: &[u8], out: &mut [f32]) {
     }
 }
 
-#[inline]
+#[inline(always)]
 fn decode_q6_k(blk: &[u8], out: &mut [f32]) {
     let ql = &blk[0..128];
     let qh = &blk[128..192];

@@ -22,7 +22,7 @@ impl MlxScaleType {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn read(self, b: &[u8], i: usize) -> f32 {
         match self {
             MlxScaleType::F16 => f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32(),
@@ -76,7 +76,7 @@ impl MlxAffine {
     }
 
     #[allow(clippy::too_many_arguments)]
-    #[inline]
+    #[inline(always)]
     pub(crate) fn decode_block(
         &self,
         data: &[u8],

@@ -162,7 +162,7 @@ pub enum RowDecoder<'a> {
 impl RowDecoder<'_> {
     /// Decode block `block` of row `row` into `out` (`out.len()` is the block length, or less for the ragged
     /// last block of a float row).
-    #[inline]
+    #[inline(always)]
     pub fn decode(&self, row: usize, block: usize, out: &mut [f32]) {
         match *self {
             RowDecoder::Ggml { ty, data, row_bytes } => {

@@ -64,7 +64,7 @@ pub fn attention(
                 for (&slot, &p) in slots.iter().zip(scores.iter()) {
                     let vv = &v_cache[slot * kv_dim + kvh * hd..slot * kv_dim + (kvh + 1) * hd];
                     for (a, &b) in o.iter_mut().zip(vv) {
-                        *a = p.mul_add(b, *a);
+                        *a += p * b;
                     }
                 }
                 let inv = 1.0 / sum;

@@ -1,8 +1,9 @@
 //! Quantized matrix × activation-rows product on the CPU.
 //!
-//! Row-exact by construction: for output `n` of row `r`, the kernel sums, block by block in order, the dot
-//! product of the decoded weight block with row `r`'s slice, each block's dot computed by the same SIMD routine.
-//! The number of rows only changes how many rows share one decoded block, never the operations on a row. Work is
+//! Row-exact by construction: weight row `n` is decoded once per call, and output `(r, n)` is the dot product of
+//! that decoded row with activation row `r`, computed by the instruction set's single dot routine (fixed lanes,
+//! fixed final reduction). The number of rows only changes how many rows share one decoded weight row, never the
+//! operations on a row. Work is
 //! split across threads by output columns, so the thread count does not change any result either.
 
 use rayon::prelude::*;
@@ -10,10 +11,6 @@ use rayon::prelude::*;
 use super::simd::{self, Isa};
 use crate::quant::{QMatrix, RowDecoder};
 
-/// Rows that share one decoded weight block (bounded so the partial sums stay in registers/L1).
-const ROW_TILE: usize = 16;
-/// Largest block of any format (K-quants: 256; MLX groups: 128).
-const MAX_BLOCK: usize = 256;
 
 struct OutPtr(*mut f32);
 // SAFETY: each task writes a disjoint set of output columns.
@@ -26,7 +23,6 @@ pub fn matmul(pool: &rayon::ThreadPool, w: &QMatrix, x: &[f32], rows: usize, out
     assert!(x.len() >= rows * k && out.len() >= rows * n_out);
     let dec = w.decoder();
     let bl = w.block_len();
-    assert!(bl <= MAX_BLOCK);
     let threads = pool.current_num_threads().max(1);
     // Enough chunks to balance the threads, few enough that per-chunk overhead stays small.
     let chunk = n_out.div_ceil(threads * 8).clamp(1, 256);
@@ -44,16 +40,19 @@ pub fn matmul(pool: &rayon::ThreadPool, w: &QMatrix, x: &[f32], rows: usize, out
                 #[cfg(target_arch = "aarch64")]
                 // SAFETY: NEON is architectural on aarch64.
                 Isa::Neon => unsafe { tile_neon(&dec, n0, n1, n_out, k, bl, x, rows, out.0) },
-                _ => tile(&dec, n0, n1, n_out, k, bl, x, rows, out.0, simd::dot_scalar),
+                _ => tile_scalar(&dec, n0, n1, n_out, k, bl, x, rows, out.0),
             }
         })
     });
 }
 
-#[cfg(target_arch = "x86_64")]
+/// The loop shared by every instruction set: decode weight row `n` once into a buffer (it stays in L1/L2), then
+/// take its dot product with every activation row using the instruction set's one dot routine.
 #[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn tile_avx2(
+#[inline(always)]
+unsafe fn tile(
+    decode: impl Fn(&RowDecoder, usize, usize, &mut [f32]),
+    dot: impl Fn(&[f32], &[f32]) -> f32,
     dec: &RowDecoder,
     n0: usize,
     n1: usize,
@@ -64,64 +63,57 @@ unsafe fn tile_avx2(
     rows: usize,
     out: *mut f32,
 ) {
-    // SAFETY (closure): the caller guarantees AVX2/FMA.
-    tile(dec, n0, n1, n_out, k, bl, x, rows, out, |a, b| unsafe { simd::dot_avx2(a, b) })
+    WROW.with(|w| {
+        let mut w = w.borrow_mut();
+        if w.len() < k {
+            w.resize(k, 0.0);
+        }
+        let wrow = &mut w[..k];
+        for n in n0..n1 {
+            for (b, chunk) in wrow.chunks_mut(bl).enumerate() {
+                decode(dec, n, b, chunk);
+            }
+            for r in 0..rows {
+                // SAFETY: r < rows and n < n_out; columns n0..n1 belong to this task alone.
+                *out.add(r * n_out + n) = dot(wrow, &x[r * k..(r + 1) * k]);
+            }
+        }
+    })
+}
+
+thread_local! {
+    /// One decoded weight row per worker thread, grown to the widest matrix once.
+    static WROW: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+#[allow(clippy::too_many_arguments)]
+fn tile_scalar(dec: &RowDecoder, n0: usize, n1: usize, n_out: usize, k: usize, bl: usize, x: &[f32], rows: usize, out: *mut f32) {
+    // SAFETY: the portable path needs no special instructions; `out` is valid as `tile` requires.
+    unsafe { tile(|d, r, b, o| d.decode(r, b, o), simd::dot_scalar, dec, n0, n1, n_out, k, bl, x, rows, out) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_avx2(dec: &RowDecoder, n0: usize, n1: usize, n_out: usize, k: usize, bl: usize, x: &[f32], rows: usize, out: *mut f32) {
+    tile(
+        |d, r, b, o| super::decode_x86::decode(d, r, b, o),
+        |a, b| simd::dot_avx2(a, b),
+        dec,
+        n0,
+        n1,
+        n_out,
+        k,
+        bl,
+        x,
+        rows,
+        out,
+    )
 }
 
 #[cfg(target_arch = "aarch64")]
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "neon")]
-unsafe fn tile_neon(
-    dec: &RowDecoder,
-    n0: usize,
-    n1: usize,
-    n_out: usize,
-    k: usize,
-    bl: usize,
-    x: &[f32],
-    rows: usize,
-    out: *mut f32,
-) {
-    tile(dec, n0, n1, n_out, k, bl, x, rows, out, |a, b| unsafe { simd::dot_neon(a, b) })
-}
-
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn tile(
-    dec: &RowDecoder,
-    n0: usize,
-    n1: usize,
-    n_out: usize,
-    k: usize,
-    bl: usize,
-    x: &[f32],
-    rows: usize,
-    out: *mut f32,
-    dot: impl Fn(&[f32], &[f32]) -> f32,
-) {
-    let mut wbuf = [0f32; MAX_BLOCK];
-    let mut acc = [0f32; ROW_TILE];
-    let n_blocks = k.div_ceil(bl);
-    for n in n0..n1 {
-        let mut r0 = 0;
-        while r0 < rows {
-            let rt = ROW_TILE.min(rows - r0);
-            acc[..rt].fill(0.0);
-            for b in 0..n_blocks {
-                let start = b * bl;
-                let len = bl.min(k - start);
-                let wb = &mut wbuf[..len];
-                dec.decode(n, b, wb);
-                for (r, a) in acc[..rt].iter_mut().enumerate() {
-                    let xr = &x[(r0 + r) * k + start..(r0 + r) * k + start + len];
-                    *a += dot(wb, xr);
-                }
-            }
-            for (r, &a) in acc[..rt].iter().enumerate() {
-                // SAFETY: (r0 + r) < rows and n < n_out; columns n0..n1 belong to this task alone.
-                unsafe { *out.add((r0 + r) * n_out + n) = a };
-            }
-            r0 += rt;
-        }
-    }
+unsafe fn tile_neon(dec: &RowDecoder, n0: usize, n1: usize, n_out: usize, k: usize, bl: usize, x: &[f32], rows: usize, out: *mut f32) {
+    tile(|d, r, b, o| d.decode(r, b, o), |a, b| simd::dot_neon(a, b), dec, n0, n1, n_out, k, bl, x, rows, out)
 }

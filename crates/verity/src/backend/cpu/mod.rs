@@ -2,6 +2,8 @@
 //! run time, and one persistent thread pool per backend.
 
 mod attention;
+#[cfg(target_arch = "x86_64")]
+mod decode_x86;
 mod matmul;
 mod ops;
 pub mod simd;

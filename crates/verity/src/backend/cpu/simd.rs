@@ -44,12 +44,12 @@ pub fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
     let chunks = n / 8;
     for c in 0..chunks {
         for l in 0..8 {
-            acc[l] = a[c * 8 + l].mul_add(b[c * 8 + l], acc[l]);
+            acc[l] += a[c * 8 + l] * b[c * 8 + l];
         }
     }
     let mut tail = 0f32;
     for i in chunks * 8..n {
-        tail = a[i].mul_add(b[i], tail);
+        tail += a[i] * b[i];
     }
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
@@ -90,7 +90,7 @@ pub unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
     let mut sum = _mm_cvtss_f32(e);
     let mut tail = 0f32;
     while i < n {
-        tail = (*pa.add(i)).mul_add(*pb.add(i), tail);
+        tail += *pa.add(i) * *pb.add(i);
         i += 1;
     }
     sum += tail;
@@ -124,7 +124,7 @@ pub unsafe fn dot_neon(a: &[f32], b: &[f32]) -> f32 {
     let mut sum = vaddvq_f32(s);
     let mut tail = 0f32;
     while i < n {
-        tail = (*pa.add(i)).mul_add(*pb.add(i), tail);
+        tail += *pa.add(i) * *pb.add(i);
         i += 1;
     }
     sum += tail;

@@ -1,0 +1,63 @@
+//! Row-exactness: a W-row forward gives each row bitwise the logits the 1-row forward gives at that position,
+//! on the quantized GGUF path and on the safetensors paths (f32, bf16, MLX). This is what lets a speculative
+//! verify of W drafts reproduce plain decoding exactly.
+
+mod common;
+
+use common::*;
+use verity::backend::cpu::CpuBackend;
+use verity::model::{Batch, LogitRows, Model};
+
+/// Teacher-forced: prefill `prefix`, then compare a W-row forward of `cont[..w]` with W 1-row steps.
+fn assert_row_exact(model: &mut Model<CpuBackend>, prefix: &[u32], cont: &[u32], label: &str) {
+    let vocab = model.hp.vocab;
+    let mut cache = model.new_cache(512);
+    model.forward(&mut cache, &Batch::causal(prefix, 0), LogitRows::None, &[]).unwrap();
+    let base = cache.len();
+    // The 1-row reference logits for every position of `cont`.
+    let mut single = Vec::new();
+    for (i, &t) in cont.iter().enumerate() {
+        let out = model.forward(&mut cache, &Batch::causal(&[t], base + i), LogitRows::All, &[]).unwrap();
+        single.push(out.logits);
+    }
+    for w in 2..=cont.len() {
+        cache.truncate(base);
+        let out = model.forward(&mut cache, &Batch::causal(&cont[..w], base), LogitRows::All, &[]).unwrap();
+        for (r, want) in single[..w].iter().enumerate() {
+            let got = &out.logits[r * vocab..(r + 1) * vocab];
+            let same = got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{label}: W={w} row {r} differs from the 1-row forward");
+        }
+    }
+}
+
+#[test]
+fn smollm2_gguf_verify_rows_are_bitwise_equal_to_single_steps() {
+    let mut model = load_model(&smollm2());
+    let reference = json(&fixtures().join("gguf_ref/smollm2-135m-q4_1.json"));
+    let tokens = ids(&reference["token_ids"]);
+    assert_row_exact(&mut model, &tokens[..20], &tokens[20..28], "smollm2 Q4_1");
+}
+
+#[test]
+fn safetensors_verify_rows_are_bitwise_equal_to_single_steps() {
+    for name in ["llama-f32", "llama-bf16", "qwen2-f32", "qwen3-bf16", "mlx-llama-q4-g64", "mlx-llama-q8-g128"] {
+        let dir = hf_bundle(name);
+        let tokens = ids(&json(&dir.join("reference.json"))["token_ids"]);
+        let mut model = load_model(&dir);
+        assert_row_exact(&mut model, &tokens[..16], &tokens[16..24], name);
+    }
+}
+
+#[test]
+fn truncating_the_cache_then_refeeding_reproduces_the_logits() {
+    let mut model = load_model(&smollm2());
+    let tokens: Vec<u32> = ids(&json(&fixtures().join("gguf_ref/smollm2-135m-q4_1.json"))["token_ids"]);
+    let mut cache = model.new_cache(128);
+    let first = model.forward(&mut cache, &Batch::causal(&tokens[..12], 0), LogitRows::Last, &[]).unwrap();
+    // Append rejected rows, roll back, and re-run the last row: the committed state must be untouched.
+    model.forward(&mut cache, &Batch::causal(&[5, 6, 7], 12), LogitRows::None, &[]).unwrap();
+    cache.truncate(11);
+    let again = model.forward(&mut cache, &Batch::causal(&tokens[11..12], 11), LogitRows::Last, &[]).unwrap();
+    assert_eq!(first.logits, again.logits);
+}
