@@ -1,0 +1,156 @@
+//! CPU kernels against references on random data of odd shapes: block decoders against the `gguf` Python
+//! package, the matmul against an f64 reference, and row-exactness of the W-row matmul for every format.
+
+mod common;
+
+use common::*;
+use half::{bf16, f16};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use verity::backend::cpu::CpuBackend;
+use verity::backend::Backend;
+use verity::quant::{GgmlType, MlxAffine, MlxScaleType, QMatrix};
+use verity::storage::Bytes;
+
+const GGML_QUANTS: &[(&str, GgmlType)] = &[
+    ("Q4_0", GgmlType::Q4_0),
+    ("Q4_1", GgmlType::Q4_1),
+    ("Q8_0", GgmlType::Q8_0),
+    ("Q4_K", GgmlType::Q4K),
+    ("Q5_K", GgmlType::Q5K),
+    ("Q6_K", GgmlType::Q6K),
+];
+
+fn fixture_blocks(name: &str) -> (Vec<u8>, Vec<f32>) {
+    let dir = fixtures().join("quant");
+    (std::fs::read(dir.join(format!("{name}.bin"))).unwrap(), read_f32(&dir.join(format!("{name}.f32"))))
+}
+
+#[test]
+fn ggml_block_decoders_match_the_gguf_package() {
+    for &(name, ty) in GGML_QUANTS {
+        let (raw, want) = fixture_blocks(name);
+        let cols = ty.block_len() * 2;
+        let rows = want.len() / cols;
+        let m = QMatrix::ggml(name, ty, rows, cols, Bytes::owned(raw)).unwrap();
+        let mut got = vec![0f32; cols];
+        for r in 0..rows {
+            m.dequantize_row(r, &mut got);
+            for (i, (&g, &w)) in got.iter().zip(&want[r * cols..(r + 1) * cols]).enumerate() {
+                // gguf computes in f32 too, but may round intermediate products differently: allow 2 ulp-ish.
+                assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "{name} row {r} elem {i}: {g} vs {w}");
+            }
+        }
+    }
+}
+
+/// Random matrices in every format verity decodes, with shapes that are not multiples of any tile.
+fn random_matrices(rng: &mut ChaCha8Rng) -> Vec<QMatrix> {
+    let mut out = Vec::new();
+    let rows = 37;
+    for &(name, ty) in GGML_QUANTS {
+        let (raw, _) = fixture_blocks(name);
+        let bb = ty.block_bytes();
+        let n_fixture = raw.len() / bb;
+        let cols = ty.block_len() * 3;
+        let blocks = rows * cols / ty.block_len();
+        let mut data = Vec::with_capacity(blocks * bb);
+        for _ in 0..blocks {
+            let b = rng.random_range(0..n_fixture);
+            data.extend_from_slice(&raw[b * bb..(b + 1) * bb]);
+        }
+        out.push(QMatrix::ggml(name, ty, rows, cols, Bytes::owned(data)).unwrap());
+    }
+    let cols = 75; // ragged: not a multiple of 8, 16 or 32
+    let vals: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let f32b: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let f16b: Vec<u8> = vals.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()).collect();
+    let bf16b: Vec<u8> = vals.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect();
+    out.push(QMatrix::ggml("f32", GgmlType::F32, rows, cols, Bytes::owned(f32b)).unwrap());
+    out.push(QMatrix::ggml("f16", GgmlType::F16, rows, cols, Bytes::owned(f16b)).unwrap());
+    out.push(QMatrix::ggml("bf16", GgmlType::BF16, rows, cols, Bytes::owned(bf16b)).unwrap());
+    for (bits, group, st) in [
+        (4, 32, MlxScaleType::F16),
+        (4, 64, MlxScaleType::BF16),
+        (8, 128, MlxScaleType::F32),
+        (8, 32, MlxScaleType::F16),
+    ] {
+        let cols = group * 3;
+        let q = MlxAffine::new(bits, group, st).unwrap();
+        let words: Vec<u8> = (0..rows * cols * bits as usize / 32).flat_map(|_| rng.random::<u32>().to_le_bytes()).collect();
+        let n_groups = rows * cols / group;
+        let scalar = |rng: &mut ChaCha8Rng, v: f32| -> Vec<u8> {
+            let v = v * rng.random_range(0.5f32..1.5);
+            match st {
+                MlxScaleType::F16 => f16::from_f32(v).to_le_bytes().to_vec(),
+                MlxScaleType::BF16 => bf16::from_f32(v).to_le_bytes().to_vec(),
+                MlxScaleType::F32 => v.to_le_bytes().to_vec(),
+            }
+        };
+        let scales: Vec<u8> = (0..n_groups).flat_map(|_| scalar(rng, 0.01)).collect();
+        let biases: Vec<u8> = (0..n_groups).flat_map(|_| scalar(rng, -0.05)).collect();
+        let name = format!("mlx-q{bits}-g{group}");
+        out.push(QMatrix::mlx(&name, q, rows, cols, Bytes::owned(words), Bytes::owned(scales), Bytes::owned(biases)).unwrap());
+    }
+    out
+}
+
+fn run(be: &CpuBackend, m: &QMatrix, x: &[f32], rows: usize) -> Vec<f32> {
+    let mut out = be.buffer(rows * m.rows);
+    be.matmul(m, &x.to_vec(), rows, &mut out);
+    out
+}
+
+#[test]
+fn matmul_matches_an_f64_reference_for_every_format() {
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let be = CpuBackend::new(2).unwrap();
+    for m in random_matrices(&mut rng) {
+        let mut w = vec![0f32; m.rows * m.cols];
+        for r in 0..m.rows {
+            m.dequantize_row(r, &mut w[r * m.cols..(r + 1) * m.cols]);
+        }
+        for rows in [1, 3, 16, 17] {
+            let x: Vec<f32> = (0..rows * m.cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let got = run(&be, &m, &x, rows);
+            for r in 0..rows {
+                for n in 0..m.rows {
+                    let (mut dot, mut mag) = (0f64, 0f64);
+                    for k in 0..m.cols {
+                        let p = w[n * m.cols + k] as f64 * x[r * m.cols + k] as f64;
+                        dot += p;
+                        mag += p.abs();
+                    }
+                    let g = got[r * m.rows + n] as f64;
+                    // f32 accumulation over K terms: error ≤ ~K·ε·Σ|terms|; 1e-5 relative to Σ|terms| covers K ≤ 768.
+                    assert!((g - dot).abs() <= 1e-5 * mag.max(1e-3), "{}: rows {rows} r {r} n {n}: {g} vs {dot}", m.name);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_rows_are_bitwise_independent_of_batch_width_and_threads() {
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let be2 = CpuBackend::new(2).unwrap();
+    let be1 = CpuBackend::new(1).unwrap();
+    for m in random_matrices(&mut rng) {
+        let x: Vec<f32> = (0..16 * m.cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+        let single: Vec<Vec<f32>> = (0..16).map(|r| run(&be2, &m, &x[r * m.cols..(r + 1) * m.cols], 1)).collect();
+        for w in 1..=16 {
+            let batch = run(&be2, &m, &x[..w * m.cols], w);
+            for (r, want) in single.iter().take(w).enumerate() {
+                let got = &batch[r * m.rows..(r + 1) * m.rows];
+                assert!(
+                    got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{}: W={w} row {r} differs from the 1-row product",
+                    m.name
+                );
+            }
+        }
+        let one_thread = run(&be1, &m, &x, 16);
+        let two_threads = run(&be2, &m, &x, 16);
+        assert!(one_thread.iter().zip(&two_threads).all(|(a, b)| a.to_bits() == b.to_bits()), "{}: threads", m.name);
+    }
+}
