@@ -172,3 +172,101 @@ impl Sampler {
         dist.last().expect("non-empty distribution").0
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sampler(f: impl FnOnce(&mut SamplerConfig)) -> Sampler {
+        let mut cfg = SamplerConfig {
+            temperature: 1.0,
+            ..SamplerConfig::default()
+        };
+        f(&mut cfg);
+        Sampler::new(cfg).unwrap()
+    }
+
+    const LOGITS: [f32; 6] = [1.0, 3.0, 2.0, 3.0, -1.0, 0.5];
+
+    #[test]
+    fn greedy_takes_the_lowest_index_among_ties() {
+        assert_eq!(argmax(&LOGITS), 1);
+        let mut s = Sampler::new(SamplerConfig::greedy()).unwrap();
+        assert_eq!(s.sample(&LOGITS, &[]), 1);
+    }
+
+    #[test]
+    fn repetition_penalty_demotes_seen_tokens() {
+        let mut s = Sampler::new(SamplerConfig {
+            repetition_penalty: 2.0,
+            ..SamplerConfig::greedy()
+        })
+        .unwrap();
+        // 1 and 3 tie at 3.0; penalizing 1 (3.0 → 1.5) leaves 3 on top.
+        assert_eq!(s.sample(&LOGITS, &[1, 1]), 3);
+        let d = sampler(|c| c.repetition_penalty = 2.0).distribution(&[-1.0, -1.0], &[0]);
+        assert_eq!(d[0].0, 1, "a negative logit is multiplied, so the seen token drops");
+    }
+
+    #[test]
+    fn top_k_top_p_and_min_p_cut_the_distribution() {
+        let d = sampler(|c| c.top_k = 2).distribution(&LOGITS, &[]);
+        assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 3]);
+        assert!((d[0].1 - 0.5).abs() < 1e-6);
+        // Softmax of LOGITS: 1 and 3 hold ≈ 0.384 each, 2 ≈ 0.141: top-p 0.7 keeps two tokens, 0.8 three.
+        let d = sampler(|c| c.top_p = 0.7).distribution(&LOGITS, &[]);
+        assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 3]);
+        let d = sampler(|c| c.top_p = 0.8).distribution(&LOGITS, &[]);
+        assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 3, 2]);
+        let d = sampler(|c| c.min_p = 0.5).distribution(&LOGITS, &[]);
+        assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 3], "2 is e^-1 ≈ 0.37 of the top");
+        let total: f32 = d.iter().map(|x| x.1).sum();
+        assert!((total - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn temperature_sharpens_and_flattens() {
+        let cold = sampler(|c| c.temperature = 0.25).distribution(&LOGITS, &[]);
+        let hot = sampler(|c| c.temperature = 4.0).distribution(&LOGITS, &[]);
+        let p = |d: &[(u32, f32)], t: u32| d.iter().find(|x| x.0 == t).unwrap().1;
+        assert!(p(&cold, 2) < 0.01 && p(&hot, 2) > 0.15);
+    }
+
+    #[test]
+    fn draws_follow_the_processed_distribution_and_the_seed() {
+        let mut s = sampler(|c| c.seed = 42);
+        let dist = s.distribution(&LOGITS, &[]);
+        let n = 20_000;
+        let mut counts = [0usize; 6];
+        for _ in 0..n {
+            counts[s.sample(&LOGITS, &[]) as usize] += 1;
+        }
+        for (tok, p) in dist {
+            let f = counts[tok as usize] as f32 / n as f32;
+            // 5 standard deviations of a binomial proportion.
+            let sd = (p * (1.0 - p) / n as f32).sqrt();
+            assert!((f - p).abs() <= 5.0 * sd + 1e-4, "token {tok}: frequency {f} vs p {p}");
+        }
+        let mut s9 = sampler(|c| c.seed = 9);
+        let b: Vec<u32> = (0..50).map(|_| s9.sample(&LOGITS, &[])).collect();
+        let mut s10 = sampler(|c| c.seed = 10);
+        let other: Vec<u32> = (0..50).map(|_| s10.sample(&LOGITS, &[])).collect();
+        assert_ne!(b, other, "another seed gives another sequence");
+        let mut s9b = sampler(|c| c.seed = 9);
+        let c: Vec<u32> = (0..50).map(|_| s9b.sample(&LOGITS, &[])).collect();
+        assert_eq!(b, c);
+    }
+
+    #[test]
+    fn invalid_settings_are_rejected() {
+        for cfg in [
+            SamplerConfig { temperature: -1.0, ..Default::default() },
+            SamplerConfig { top_p: 0.0, ..Default::default() },
+            SamplerConfig { min_p: 1.0, ..Default::default() },
+            SamplerConfig { repetition_penalty: 0.0, ..Default::default() },
+            SamplerConfig { temperature: f32::NAN, ..Default::default() },
+        ] {
+            assert!(Sampler::new(cfg).is_err(), "{cfg:?}");
+        }
+    }
+}
