@@ -19,7 +19,10 @@ pub fn main(a: Args) -> Result<()> {
         return Ok(());
     }
     if registry::known(&a.name).is_none() {
-        bail!("unknown model {:?}; `verity fetch --list` shows the known ones", a.name);
+        bail!(
+            "unknown model {:?}; `verity fetch --list` shows the known ones",
+            a.name
+        );
     }
     let path = crate::load::resolve(&a.name)?;
     println!("{}", path.display());

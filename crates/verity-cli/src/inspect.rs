@@ -39,13 +39,22 @@ pub fn main(a: Args) -> Result<()> {
     };
     match &b.source {
         Source::Gguf(g) => {
-            println!("gguf          version {}, {} tensors, {} metadata keys", g.version, g.tensors.len(), g.metadata.len());
+            println!(
+                "gguf          version {}, {} tensors, {} metadata keys",
+                g.version,
+                g.tensors.len(),
+                g.metadata.len()
+            );
             for t in &g.tensors {
                 record(&t.name, t.ty.name().to_string(), t.range.len());
             }
         }
         Source::Safetensors { tensors, .. } => {
-            println!("safetensors   {} shards, {} tensors", tensors.shards.len(), tensors.tensors.len());
+            println!(
+                "safetensors   {} shards, {} tensors",
+                tensors.shards.len(),
+                tensors.tensors.len()
+            );
             for (name, t) in &tensors.tensors {
                 record(name, t.dtype_name.clone(), t.range.len());
             }
@@ -63,7 +72,13 @@ pub fn main(a: Args) -> Result<()> {
                 Some(i) => format!("{:?} ({i})", t.token_str(i).unwrap_or_default()),
                 None => "none".into(),
             };
-            println!("tokenizer     {} tokens; bos {}; eos {}; add bos {}", t.vocab_size(), name(t.bos), name(t.eos), t.add_bos);
+            println!(
+                "tokenizer     {} tokens; bos {}; eos {}; add bos {}",
+                t.vocab_size(),
+                name(t.bos),
+                name(t.eos),
+                t.add_bos
+            );
             let stops: Vec<String> = t.stop_tokens.iter().map(|&i| name(Some(i))).collect();
             println!("stop tokens   {}", stops.join(", "));
             match &t.chat_template {
@@ -78,5 +93,8 @@ pub fn main(a: Args) -> Result<()> {
 }
 
 fn indent(s: &str) -> String {
-    s.lines().map(|l| format!("    {l}")).collect::<Vec<_>>().join("\n")
+    s.lines()
+        .map(|l| format!("    {l}"))
+        .collect::<Vec<_>>()
+        .join("\n")
 }

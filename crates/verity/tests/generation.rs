@@ -13,7 +13,11 @@ fn engine() -> Engine<CpuBackend> {
     Engine::load(&smollm2(), backend()).unwrap()
 }
 
-fn answer(e: &mut Engine<CpuBackend>, question: &str, req: &GenerateRequest) -> (String, StopReason) {
+fn answer(
+    e: &mut Engine<CpuBackend>,
+    question: &str,
+    req: &GenerateRequest,
+) -> (String, StopReason) {
     let prompt = e.chat_prompt(&[Message::new("user", question)]).unwrap();
     let mut sess = e.new_session();
     let mut ids = Vec::new();
@@ -27,7 +31,11 @@ fn answer(e: &mut Engine<CpuBackend>, question: &str, req: &GenerateRequest) -> 
 }
 
 fn greedy(max_tokens: usize) -> GenerateRequest {
-    GenerateRequest { max_tokens, sampling: SamplerConfig::greedy(), ignore_eos: false }
+    GenerateRequest {
+        max_tokens,
+        sampling: SamplerConfig::greedy(),
+        ignore_eos: false,
+    }
 }
 
 #[test]
@@ -36,11 +44,18 @@ fn greedy_answers_known_questions() {
     for (q, want) in [
         ("What is the capital of France?", "Paris"),
         ("What is the capital of Japan?", "Tokyo"),
-        ("What color is the sky on a clear day? Answer in one word.", "lue"),
+        (
+            "What color is the sky on a clear day? Answer in one word.",
+            "lue",
+        ),
     ] {
         let (text, stop) = answer(&mut e, q, &greedy(48));
         assert!(text.contains(want), "{q:?} → {text:?}");
-        assert_eq!(stop, StopReason::Stop, "{q:?} should end at the end-of-turn token: {text:?}");
+        assert_eq!(
+            stop,
+            StopReason::Stop,
+            "{q:?} should end at the end-of-turn token: {text:?}"
+        );
     }
 }
 
@@ -59,7 +74,14 @@ fn sampling_is_fixed_by_the_seed() {
     let mut e = engine();
     let req = |seed| GenerateRequest {
         max_tokens: 32,
-        sampling: SamplerConfig { temperature: 1.0, top_k: 40, top_p: 0.95, min_p: 0.0, repetition_penalty: 1.1, seed },
+        sampling: SamplerConfig {
+            temperature: 1.0,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.0,
+            repetition_penalty: 1.1,
+            seed,
+        },
         ignore_eos: true,
     };
     let q = "Tell me a story about a dragon.";
@@ -67,7 +89,10 @@ fn sampling_is_fixed_by_the_seed() {
     let b = answer(&mut e, q, &req(7));
     assert_eq!(a, b, "same seed, same output");
     let others: Vec<_> = (8..12).map(|s| answer(&mut e, q, &req(s)).0).collect();
-    assert!(others.iter().any(|o| *o != a.0), "different seeds should not all reproduce seed 7");
+    assert!(
+        others.iter().any(|o| *o != a.0),
+        "different seeds should not all reproduce seed 7"
+    );
 }
 
 #[test]
@@ -82,7 +107,10 @@ fn a_follow_up_turn_reuses_the_cached_prefix_and_matches_a_fresh_run() {
         true
     })
     .unwrap();
-    messages.push(Message::new("assistant", &e.tokenizer.decode(&ids).unwrap()));
+    messages.push(Message::new(
+        "assistant",
+        &e.tokenizer.decode(&ids).unwrap(),
+    ));
     messages.push(Message::new("user", "And one that is red?"));
     let p2 = e.chat_prompt(&messages).unwrap();
     let mut warm = Vec::new();
@@ -92,7 +120,12 @@ fn a_follow_up_turn_reuses_the_cached_prefix_and_matches_a_fresh_run() {
             true
         })
         .unwrap();
-    assert!(stats.restored_tokens >= p1.len(), "restored {} of a {}-token first turn", stats.restored_tokens, p1.len());
+    assert!(
+        stats.restored_tokens >= p1.len(),
+        "restored {} of a {}-token first turn",
+        stats.restored_tokens,
+        p1.len()
+    );
     let mut fresh_sess = e.new_session();
     let mut fresh = Vec::new();
     e.generate(&mut fresh_sess, &p2, &greedy(24), |_, t| {

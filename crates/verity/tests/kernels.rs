@@ -23,7 +23,10 @@ const GGML_QUANTS: &[(&str, GgmlType)] = &[
 
 fn fixture_blocks(name: &str) -> (Vec<u8>, Vec<f32>) {
     let dir = fixtures().join("quant");
-    (std::fs::read(dir.join(format!("{name}.bin"))).unwrap(), read_f32(&dir.join(format!("{name}.f32"))))
+    (
+        std::fs::read(dir.join(format!("{name}.bin"))).unwrap(),
+        read_f32(&dir.join(format!("{name}.f32"))),
+    )
 }
 
 #[test]
@@ -38,7 +41,10 @@ fn ggml_block_decoders_match_the_gguf_package() {
             m.dequantize_row(r, &mut got);
             for (i, (&g, &w)) in got.iter().zip(&want[r * cols..(r + 1) * cols]).enumerate() {
                 // gguf computes in f32 too, but may round intermediate products differently: allow 2 ulp-ish.
-                assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "{name} row {r} elem {i}: {g} vs {w}");
+                assert!(
+                    (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+                    "{name} row {r} elem {i}: {g} vs {w}"
+                );
             }
         }
     }
@@ -62,10 +68,18 @@ fn random_matrices(rng: &mut ChaCha8Rng) -> Vec<QMatrix> {
         out.push(QMatrix::ggml(name, ty, rows, cols, Bytes::owned(data)).unwrap());
     }
     let cols = 75; // ragged: not a multiple of 8, 16 or 32
-    let vals: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let vals: Vec<f32> = (0..rows * cols)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
     let f32b: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let f16b: Vec<u8> = vals.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()).collect();
-    let bf16b: Vec<u8> = vals.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect();
+    let f16b: Vec<u8> = vals
+        .iter()
+        .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+        .collect();
+    let bf16b: Vec<u8> = vals
+        .iter()
+        .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+        .collect();
     out.push(QMatrix::ggml("f32", GgmlType::F32, rows, cols, Bytes::owned(f32b)).unwrap());
     out.push(QMatrix::ggml("f16", GgmlType::F16, rows, cols, Bytes::owned(f16b)).unwrap());
     out.push(QMatrix::ggml("bf16", GgmlType::BF16, rows, cols, Bytes::owned(bf16b)).unwrap());
@@ -77,7 +91,9 @@ fn random_matrices(rng: &mut ChaCha8Rng) -> Vec<QMatrix> {
     ] {
         let cols = group * 3;
         let q = MlxAffine::new(bits, group, st).unwrap();
-        let words: Vec<u8> = (0..rows * cols * bits as usize / 32).flat_map(|_| rng.random::<u32>().to_le_bytes()).collect();
+        let words: Vec<u8> = (0..rows * cols * bits as usize / 32)
+            .flat_map(|_| rng.random::<u32>().to_le_bytes())
+            .collect();
         let n_groups = rows * cols / group;
         let scalar = |rng: &mut ChaCha8Rng, v: f32| -> Vec<u8> {
             let v = v * rng.random_range(0.5f32..1.5);
@@ -90,7 +106,18 @@ fn random_matrices(rng: &mut ChaCha8Rng) -> Vec<QMatrix> {
         let scales: Vec<u8> = (0..n_groups).flat_map(|_| scalar(rng, 0.01)).collect();
         let biases: Vec<u8> = (0..n_groups).flat_map(|_| scalar(rng, -0.05)).collect();
         let name = format!("mlx-q{bits}-g{group}");
-        out.push(QMatrix::mlx(&name, q, rows, cols, Bytes::owned(words), Bytes::owned(scales), Bytes::owned(biases)).unwrap());
+        out.push(
+            QMatrix::mlx(
+                &name,
+                q,
+                rows,
+                cols,
+                Bytes::owned(words),
+                Bytes::owned(scales),
+                Bytes::owned(biases),
+            )
+            .unwrap(),
+        );
     }
     out
 }
@@ -111,7 +138,9 @@ fn matmul_matches_an_f64_reference_for_every_format() {
             m.dequantize_row(r, &mut w[r * m.cols..(r + 1) * m.cols]);
         }
         for rows in [1, 3, 16, 17] {
-            let x: Vec<f32> = (0..rows * m.cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let x: Vec<f32> = (0..rows * m.cols)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
             let got = run(&be, &m, &x, rows);
             for r in 0..rows {
                 for n in 0..m.rows {
@@ -123,7 +152,11 @@ fn matmul_matches_an_f64_reference_for_every_format() {
                     }
                     let g = got[r * m.rows + n] as f64;
                     // f32 accumulation over K terms: error ≤ ~K·ε·Σ|terms|; 1e-5 relative to Σ|terms| covers K ≤ 768.
-                    assert!((g - dot).abs() <= 1e-5 * mag.max(1e-3), "{}: rows {rows} r {r} n {n}: {g} vs {dot}", m.name);
+                    assert!(
+                        (g - dot).abs() <= 1e-5 * mag.max(1e-3),
+                        "{}: rows {rows} r {r} n {n}: {g} vs {dot}",
+                        m.name
+                    );
                 }
             }
         }
@@ -136,14 +169,20 @@ fn matmul_rows_are_bitwise_independent_of_batch_width_and_threads() {
     let be2 = CpuBackend::new(2).unwrap();
     let be1 = CpuBackend::new(1).unwrap();
     for m in random_matrices(&mut rng) {
-        let x: Vec<f32> = (0..16 * m.cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
-        let single: Vec<Vec<f32>> = (0..16).map(|r| run(&be2, &m, &x[r * m.cols..(r + 1) * m.cols], 1)).collect();
+        let x: Vec<f32> = (0..16 * m.cols)
+            .map(|_| rng.random_range(-2.0f32..2.0))
+            .collect();
+        let single: Vec<Vec<f32>> = (0..16)
+            .map(|r| run(&be2, &m, &x[r * m.cols..(r + 1) * m.cols], 1))
+            .collect();
         for w in 1..=16 {
             let batch = run(&be2, &m, &x[..w * m.cols], w);
             for (r, want) in single.iter().take(w).enumerate() {
                 let got = &batch[r * m.rows..(r + 1) * m.rows];
                 assert!(
-                    got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    got.iter()
+                        .zip(want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
                     "{}: W={w} row {r} differs from the 1-row product",
                     m.name
                 );
@@ -151,6 +190,13 @@ fn matmul_rows_are_bitwise_independent_of_batch_width_and_threads() {
         }
         let one_thread = run(&be1, &m, &x, 16);
         let two_threads = run(&be2, &m, &x, 16);
-        assert!(one_thread.iter().zip(&two_threads).all(|(a, b)| a.to_bits() == b.to_bits()), "{}: threads", m.name);
+        assert!(
+            one_thread
+                .iter()
+                .zip(&two_threads)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{}: threads",
+            m.name
+        );
     }
 }

@@ -80,8 +80,16 @@ fn gguf(kvs: &[(&str, V)], tensors: &[Tensor]) -> Vec<u8> {
 
 fn f32_tensor(name: &str, dims: &[u64]) -> Tensor {
     let n: u64 = dims.iter().product();
-    let data = (0..n).flat_map(|i| (((i % 7) as f32 - 3.0) * 0.05).to_le_bytes()).collect();
-    Tensor { name: name.into(), dims: dims.to_vec(), ty: 0, offset: None, data }
+    let data = (0..n)
+        .flat_map(|i| (((i % 7) as f32 - 3.0) * 0.05).to_le_bytes())
+        .collect();
+    Tensor {
+        name: name.into(),
+        dims: dims.to_vec(),
+        ty: 0,
+        offset: None,
+        data,
+    }
 }
 
 /// A complete one-layer llama GGUF with F32 weights: hidden 32, 2 heads of 16, ffn 48, vocab 8.
@@ -142,19 +150,32 @@ fn open_err(path: &Path) -> String {
 fn assert_err(path: &Path, needles: &[&str]) {
     let msg = open_err(path);
     for n in needles {
-        assert!(msg.contains(n), "error for {}: {msg:?} lacks {n:?}", path.display());
+        assert!(
+            msg.contains(n),
+            "error for {}: {msg:?} lacks {n:?}",
+            path.display()
+        );
     }
 }
 
 #[test]
 fn a_valid_tiny_gguf_loads_and_runs() {
     let dir = scratch("valid");
-    let p = write(&dir, "ok.gguf", &gguf(&tiny_llama_kvs("llama"), &tiny_llama_tensors()));
+    let p = write(
+        &dir,
+        "ok.gguf",
+        &gguf(&tiny_llama_kvs("llama"), &tiny_llama_tensors()),
+    );
     let bundle = Bundle::open(&p).unwrap();
     let mut model = Model::load(&bundle, backend()).unwrap();
     let mut cache = model.new_cache(16);
     let out = model
-        .forward(&mut cache, &verity::model::Batch::causal(&[1, 2, 3], 0), verity::model::LogitRows::All, &[])
+        .forward(
+            &mut cache,
+            &verity::model::Batch::causal(&[1, 2, 3], 0),
+            verity::model::LogitRows::All,
+            &[],
+        )
         .unwrap();
     assert_eq!(out.logits.len(), 3 * 8);
     assert!(out.logits.iter().all(|v| v.is_finite()));
@@ -173,7 +194,9 @@ fn every_truncation_of_a_gguf_is_rejected_without_panic() {
     for len in 0..full.len() {
         let r = parse_header(path, &full[..len]);
         // A cut inside the tensor data must be caught by the range check, a cut in the header by the reader.
-        let e = r.err().unwrap_or_else(|| panic!("truncation at {len} of {} accepted", full.len()));
+        let e = r
+            .err()
+            .unwrap_or_else(|| panic!("truncation at {len} of {} accepted", full.len()));
         assert!(e.to_string().starts_with("cut.gguf: "), "{e}");
     }
 }
@@ -183,10 +206,16 @@ fn wrong_magic_and_version_are_named() {
     let dir = scratch("magic");
     let mut b = gguf(&tiny_llama_kvs("llama"), &tiny_llama_tensors());
     b[..4].copy_from_slice(b"GGML");
-    assert_err(&write(&dir, "magic.gguf", &b), &["magic.gguf", "not a GGUF file"]);
+    assert_err(
+        &write(&dir, "magic.gguf", &b),
+        &["magic.gguf", "not a GGUF file"],
+    );
     let mut b = gguf(&tiny_llama_kvs("llama"), &tiny_llama_tensors());
     b[4..8].copy_from_slice(&99u32.to_le_bytes());
-    assert_err(&write(&dir, "version.gguf", &b), &["version.gguf", "version 99"]);
+    assert_err(
+        &write(&dir, "version.gguf", &b),
+        &["version.gguf", "version 99"],
+    );
 }
 
 #[test]
@@ -195,15 +224,24 @@ fn absurd_counts_and_lengths_fail_before_allocating() {
     // tensor count 2^60
     let mut b = gguf(&tiny_llama_kvs("llama"), &tiny_llama_tensors());
     b[8..16].copy_from_slice(&(1u64 << 60).to_le_bytes());
-    assert!(parse_header(p, &b).unwrap_err().to_string().contains("tensor count"));
+    assert!(parse_header(p, &b)
+        .unwrap_err()
+        .to_string()
+        .contains("tensor count"));
     // metadata count u64::MAX
     let mut b = gguf(&tiny_llama_kvs("llama"), &tiny_llama_tensors());
     b[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
-    assert!(parse_header(p, &b).unwrap_err().to_string().contains("metadata count"));
+    assert!(parse_header(p, &b)
+        .unwrap_err()
+        .to_string()
+        .contains("metadata count"));
     // first key's string length u64::MAX
     let mut b = gguf(&tiny_llama_kvs("llama"), &tiny_llama_tensors());
     b[24..32].copy_from_slice(&u64::MAX.to_le_bytes());
-    assert!(parse_header(p, &b).unwrap_err().to_string().contains("string length"));
+    assert!(parse_header(p, &b)
+        .unwrap_err()
+        .to_string()
+        .contains("string length"));
     // an array claiming 2^62 elements
     let mut b = b"GGUF".to_vec();
     b.extend(3u32.to_le_bytes());
@@ -213,7 +251,10 @@ fn absurd_counts_and_lengths_fail_before_allocating() {
     b.extend(9u32.to_le_bytes());
     b.extend(8u32.to_le_bytes());
     b.extend((1u64 << 62).to_le_bytes());
-    assert!(parse_header(p, &b).unwrap_err().to_string().contains("array length"));
+    assert!(parse_header(p, &b)
+        .unwrap_err()
+        .to_string()
+        .contains("array length"));
 }
 
 #[test]
@@ -222,19 +263,34 @@ fn tensor_ranges_outside_the_file_or_overflowing_are_rejected() {
     let kvs = tiny_llama_kvs("llama");
     let mut t = tiny_llama_tensors();
     t[3].offset = Some(1 << 40);
-    assert_err(&write(&dir, "outside.gguf", &gguf(&kvs, &t)), &["outside.gguf", "blk.0.attn_q.weight", "outside the file"]);
+    assert_err(
+        &write(&dir, "outside.gguf", &gguf(&kvs, &t)),
+        &["outside.gguf", "blk.0.attn_q.weight", "outside the file"],
+    );
     let mut t = tiny_llama_tensors();
     t[3].offset = Some(u64::MAX - 31);
-    assert_err(&write(&dir, "overflow.gguf", &gguf(&kvs, &t)), &["overflow.gguf", "overflows"]);
+    assert_err(
+        &write(&dir, "overflow.gguf", &gguf(&kvs, &t)),
+        &["overflow.gguf", "overflows"],
+    );
     let mut t = tiny_llama_tensors();
     t[3].offset = Some(3);
-    assert_err(&write(&dir, "misaligned.gguf", &gguf(&kvs, &t)), &["misaligned.gguf", "not aligned"]);
+    assert_err(
+        &write(&dir, "misaligned.gguf", &gguf(&kvs, &t)),
+        &["misaligned.gguf", "not aligned"],
+    );
     let mut t = tiny_llama_tensors();
     t[3].dims = vec![1 << 40, 1 << 40];
-    assert_err(&write(&dir, "huge.gguf", &gguf(&kvs, &t)), &["huge.gguf", "blk.0.attn_q.weight"]);
+    assert_err(
+        &write(&dir, "huge.gguf", &gguf(&kvs, &t)),
+        &["huge.gguf", "blk.0.attn_q.weight"],
+    );
     let mut t = tiny_llama_tensors();
     t[3].dims = vec![0, 32];
-    assert_err(&write(&dir, "zero.gguf", &gguf(&kvs, &t)), &["zero.gguf", "dimension 0"]);
+    assert_err(
+        &write(&dir, "zero.gguf", &gguf(&kvs, &t)),
+        &["zero.gguf", "dimension 0"],
+    );
 }
 
 #[test]
@@ -243,20 +299,36 @@ fn shape_mismatch_unknown_type_and_unknown_architecture_are_explained() {
     let kvs = tiny_llama_kvs("llama");
     let mut t = tiny_llama_tensors();
     t[4] = f32_tensor("blk.0.attn_k.weight", &[32, 16]);
-    assert_err(&write(&dir, "shape.gguf", &gguf(&kvs, &t)), &["blk.0.attn_k.weight", "shape"]);
+    assert_err(
+        &write(&dir, "shape.gguf", &gguf(&kvs, &t)),
+        &["blk.0.attn_k.weight", "shape"],
+    );
     let mut t = tiny_llama_tensors();
     t.remove(9);
-    assert_err(&write(&dir, "missing.gguf", &gguf(&kvs, &t)), &["blk.0.ffn_up.weight", "missing"]);
+    assert_err(
+        &write(&dir, "missing.gguf", &gguf(&kvs, &t)),
+        &["blk.0.ffn_up.weight", "missing"],
+    );
     let mut t = tiny_llama_tensors();
     t[3].ty = 10; // Q2_K
-    assert_err(&write(&dir, "type.gguf", &gguf(&kvs, &t)), &["type.gguf", "Q2_K"]);
     assert_err(
-        &write(&dir, "arch.gguf", &gguf(&tiny_llama_kvs("mamba"), &tiny_llama_tensors())),
+        &write(&dir, "type.gguf", &gguf(&kvs, &t)),
+        &["type.gguf", "Q2_K"],
+    );
+    assert_err(
+        &write(
+            &dir,
+            "arch.gguf",
+            &gguf(&tiny_llama_kvs("mamba"), &tiny_llama_tensors()),
+        ),
         &["arch.gguf", "\"mamba\""],
     );
     let mut kvs = tiny_llama_kvs("llama");
     kvs[4] = ("llama.attention.head_count", V::U32(3));
-    assert_err(&write(&dir, "heads.gguf", &gguf(&kvs, &tiny_llama_tensors())), &["heads"]);
+    assert_err(
+        &write(&dir, "heads.gguf", &gguf(&kvs, &tiny_llama_tensors())),
+        &["heads"],
+    );
 }
 
 /// A safetensors file: 8-byte header length, JSON header, data.
@@ -304,7 +376,9 @@ fn malformed_safetensors_bundles_are_rejected_with_the_file_named() {
 
     let d = copy("st-arch");
     std::fs::copy(good.join("model.safetensors"), d.join("model.safetensors")).unwrap();
-    let cfg = std::fs::read_to_string(good.join("config.json")).unwrap().replace("\"llama\"", "\"rwkv\"");
+    let cfg = std::fs::read_to_string(good.join("config.json"))
+        .unwrap()
+        .replace("\"llama\"", "\"rwkv\"");
     write(&d, "config.json", cfg.as_bytes());
     assert_err(&d, &["\"rwkv\""]);
 
@@ -333,7 +407,14 @@ fn an_index_entry_whose_shard_lacks_the_tensor_does_not_count() {
     write(&d, "other.safetensors", &safetensors(h, &[0u8; 4]));
     map.insert("lm_head.weight".into(), "other.safetensors".into());
     let index = serde_json::json!({"metadata": {}, "weight_map": map});
-    write(&d, "model.safetensors.index.json", index.to_string().as_bytes());
+    write(
+        &d,
+        "model.safetensors.index.json",
+        index.to_string().as_bytes(),
+    );
     assert_err(&d, &["lm_head.weight", "missing"]);
-    assert!(matches!(Bundle::open(&d).map(|b| Model::load(&b, backend())), Ok(Err(Error::Tensor { .. }))));
+    assert!(matches!(
+        Bundle::open(&d).map(|b| Model::load(&b, backend())),
+        Ok(Err(Error::Tensor { .. }))
+    ));
 }

@@ -23,10 +23,20 @@ fn hf_bundles_match_transformers_logits_for_64_positions() {
         let vocab = model.hp.vocab;
         assert_eq!(want.len(), tokens.len() * vocab, "{name}: fixture shape");
         let mut cache = model.new_cache(256);
-        let out = model.forward(&mut cache, &Batch::causal(&tokens, 0), LogitRows::All, &[]).unwrap();
-        let max_diff = out.logits.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        let out = model
+            .forward(&mut cache, &Batch::causal(&tokens, 0), LogitRows::All, &[])
+            .unwrap();
+        let max_diff = out
+            .logits
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
         eprintln!("{name}: max |Δlogit| = {max_diff:.2e}");
-        assert!(max_diff <= HF_TOL, "{name}: max |Δlogit| = {max_diff} > {HF_TOL}");
+        assert!(
+            max_diff <= HF_TOL,
+            "{name}: max |Δlogit| = {max_diff} > {HF_TOL}"
+        );
     }
 }
 
@@ -39,13 +49,17 @@ fn hf_bundles_greedy_decode_matches_transformers_generate() {
         let want = ids(&reference["greedy_continuation_ids"]);
         let mut model = load_model(&dir);
         let mut cache = model.new_cache(256);
-        let mut out = model.forward(&mut cache, &Batch::causal(&prompt, 0), LogitRows::Last, &[]).unwrap();
+        let mut out = model
+            .forward(&mut cache, &Batch::causal(&prompt, 0), LogitRows::Last, &[])
+            .unwrap();
         let mut got = Vec::new();
         for _ in 0..want.len() {
             let t = argmax(&out.logits);
             got.push(t);
             let pos = cache.len();
-            out = model.forward(&mut cache, &Batch::causal(&[t], pos), LogitRows::Last, &[]).unwrap();
+            out = model
+                .forward(&mut cache, &Batch::causal(&[t], pos), LogitRows::Last, &[])
+                .unwrap();
         }
         assert_eq!(got, want, "{name}: greedy continuation");
     }
@@ -66,7 +80,9 @@ fn smollm2_gguf_matches_numpy_reference_for_64_positions() {
     let mut model = load_model(&smollm2());
     let vocab = model.hp.vocab;
     let mut cache = model.new_cache(128);
-    let out = model.forward(&mut cache, &Batch::causal(&tokens, 0), LogitRows::All, &[]).unwrap();
+    let out = model
+        .forward(&mut cache, &Batch::causal(&tokens, 0), LogitRows::All, &[])
+        .unwrap();
     let mut max_diff = 0f64;
     let mut argmax_agree = 0;
     for (p, row) in want.iter().enumerate() {
@@ -80,7 +96,13 @@ fn smollm2_gguf_matches_numpy_reference_for_64_positions() {
         }
     }
     eprintln!("max |Δlogit| = {max_diff:.2e}; argmax agrees at {argmax_agree}/64 positions");
-    assert!(max_diff <= GGUF_TOL, "max |Δlogit| = {max_diff} > {GGUF_TOL}");
+    assert!(
+        max_diff <= GGUF_TOL,
+        "max |Δlogit| = {max_diff} > {GGUF_TOL}"
+    );
     // Two reference rows have top-2 gaps below 0.05 (one 0.0009); allow those to flip.
-    assert!(argmax_agree >= 62, "argmax agrees at only {argmax_agree}/64 positions");
+    assert!(
+        argmax_agree >= 62,
+        "argmax agrees at only {argmax_agree}/64 positions"
+    );
 }

@@ -12,21 +12,43 @@ use verity::model::{Batch, LogitRows, Model};
 fn assert_row_exact(model: &mut Model<CpuBackend>, prefix: &[u32], cont: &[u32], label: &str) {
     let vocab = model.hp.vocab;
     let mut cache = model.new_cache(512);
-    model.forward(&mut cache, &Batch::causal(prefix, 0), LogitRows::None, &[]).unwrap();
+    model
+        .forward(&mut cache, &Batch::causal(prefix, 0), LogitRows::None, &[])
+        .unwrap();
     let base = cache.len();
     // The 1-row reference logits for every position of `cont`.
     let mut single = Vec::new();
     for (i, &t) in cont.iter().enumerate() {
-        let out = model.forward(&mut cache, &Batch::causal(&[t], base + i), LogitRows::All, &[]).unwrap();
+        let out = model
+            .forward(
+                &mut cache,
+                &Batch::causal(&[t], base + i),
+                LogitRows::All,
+                &[],
+            )
+            .unwrap();
         single.push(out.logits);
     }
     for w in 2..=cont.len() {
         cache.truncate(base);
-        let out = model.forward(&mut cache, &Batch::causal(&cont[..w], base), LogitRows::All, &[]).unwrap();
+        let out = model
+            .forward(
+                &mut cache,
+                &Batch::causal(&cont[..w], base),
+                LogitRows::All,
+                &[],
+            )
+            .unwrap();
         for (r, want) in single[..w].iter().enumerate() {
             let got = &out.logits[r * vocab..(r + 1) * vocab];
-            let same = got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same, "{label}: W={w} row {r} differs from the 1-row forward");
+            let same = got
+                .iter()
+                .zip(want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{label}: W={w} row {r} differs from the 1-row forward"
+            );
         }
     }
 }
@@ -41,7 +63,14 @@ fn smollm2_gguf_verify_rows_are_bitwise_equal_to_single_steps() {
 
 #[test]
 fn safetensors_verify_rows_are_bitwise_equal_to_single_steps() {
-    for name in ["llama-f32", "llama-bf16", "qwen2-f32", "qwen3-bf16", "mlx-llama-q4-g64", "mlx-llama-q8-g128"] {
+    for name in [
+        "llama-f32",
+        "llama-bf16",
+        "qwen2-f32",
+        "qwen3-bf16",
+        "mlx-llama-q4-g64",
+        "mlx-llama-q8-g128",
+    ] {
         let dir = hf_bundle(name);
         let tokens = ids(&json(&dir.join("reference.json"))["token_ids"]);
         let mut model = load_model(&dir);
@@ -52,12 +81,34 @@ fn safetensors_verify_rows_are_bitwise_equal_to_single_steps() {
 #[test]
 fn truncating_the_cache_then_refeeding_reproduces_the_logits() {
     let mut model = load_model(&smollm2());
-    let tokens: Vec<u32> = ids(&json(&fixtures().join("gguf_ref/smollm2-135m-q4_1.json"))["token_ids"]);
+    let tokens: Vec<u32> =
+        ids(&json(&fixtures().join("gguf_ref/smollm2-135m-q4_1.json"))["token_ids"]);
     let mut cache = model.new_cache(128);
-    let first = model.forward(&mut cache, &Batch::causal(&tokens[..12], 0), LogitRows::Last, &[]).unwrap();
+    let first = model
+        .forward(
+            &mut cache,
+            &Batch::causal(&tokens[..12], 0),
+            LogitRows::Last,
+            &[],
+        )
+        .unwrap();
     // Append rejected rows, roll back, and re-run the last row: the committed state must be untouched.
-    model.forward(&mut cache, &Batch::causal(&[5, 6, 7], 12), LogitRows::None, &[]).unwrap();
+    model
+        .forward(
+            &mut cache,
+            &Batch::causal(&[5, 6, 7], 12),
+            LogitRows::None,
+            &[],
+        )
+        .unwrap();
     cache.truncate(11);
-    let again = model.forward(&mut cache, &Batch::causal(&tokens[11..12], 11), LogitRows::Last, &[]).unwrap();
+    let again = model
+        .forward(
+            &mut cache,
+            &Batch::causal(&tokens[11..12], 11),
+            LogitRows::Last,
+            &[],
+        )
+        .unwrap();
     assert_eq!(first.logits, again.logits);
 }

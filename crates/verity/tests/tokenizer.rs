@@ -21,8 +21,16 @@ fn gguf_tokenizer_matches_llama_cpp_on_the_corpus() {
         let text = c["text"].as_str().unwrap();
         let name = c["name"].as_str().unwrap();
         // verity parses special-token text (chat templates rely on it): llama.cpp's special=True encoding.
-        assert_eq!(tok.encode(text, false).unwrap(), ids(&c["ids_special"]), "encode {name}: {text:?}");
-        assert_eq!(tok.decode_with_special(&ids(&c["ids"])).unwrap(), c["decoded"].as_str().unwrap(), "decode {name}");
+        assert_eq!(
+            tok.encode(text, false).unwrap(),
+            ids(&c["ids_special"]),
+            "encode {name}: {text:?}"
+        );
+        assert_eq!(
+            tok.decode_with_special(&ids(&c["ids"])).unwrap(),
+            c["decoded"].as_str().unwrap(),
+            "decode {name}"
+        );
         assert_eq!(
             tok.decode_with_special(&ids(&c["ids_special"])).unwrap(),
             c["decoded_special"].as_str().unwrap(),
@@ -38,10 +46,16 @@ fn gguf_special_tokens_and_stops_come_from_metadata() {
     // SmolLM2's GGUF sets tokenizer.ggml.add_bos_token = false (llama.cpp agrees: see the fixture).
     let reference = json(&fixtures().join("tokenizer/smollm2_llamacpp.json"));
     assert_eq!(tok.add_bos, reference["add_bos_token"].as_bool().unwrap());
-    assert_eq!(tok.encode("hi", true).unwrap(), tok.encode("hi", false).unwrap());
+    assert_eq!(
+        tok.encode("hi", true).unwrap(),
+        tok.encode("hi", false).unwrap()
+    );
     let im_end = tok.encode("<|im_end|>", false).unwrap();
     assert_eq!(im_end.len(), 1);
-    assert!(tok.is_stop(im_end[0]), "the template's end-of-turn token stops generation");
+    assert!(
+        tok.is_stop(im_end[0]),
+        "the template's end-of-turn token stops generation"
+    );
     assert!(tok.is_stop(tok.eos.unwrap()));
 }
 
@@ -53,15 +67,26 @@ fn tokenizer_json_matches_hugging_face_tokenizers() {
         let text = c["text"].as_str().unwrap();
         let want = ids(&c["ids"]);
         assert_eq!(tok.encode(text, false).unwrap(), want, "encode {text:?}");
-        assert_eq!(tok.decode(&want).unwrap(), c["decoded"].as_str().unwrap(), "decode {text:?}");
-        assert_eq!(tok.decode_with_special(&want).unwrap(), c["decoded_with_special"].as_str().unwrap());
+        assert_eq!(
+            tok.decode(&want).unwrap(),
+            c["decoded"].as_str().unwrap(),
+            "decode {text:?}"
+        );
+        assert_eq!(
+            tok.decode_with_special(&want).unwrap(),
+            c["decoded_with_special"].as_str().unwrap()
+        );
     }
 }
 
 #[test]
 fn streaming_decode_concatenates_to_the_full_decode() {
     let tok = smollm2_tokenizer();
-    for text in ["naïve café — 日本語のテキスト 🎉👨‍👩‍👧 done", "fn main() {\n    println!(\"{}\", 42);\n}", "   spaces\t\ttabs\n\n"] {
+    for text in [
+        "naïve café — 日本語のテキスト 🎉👨‍👩‍👧 done",
+        "fn main() {\n    println!(\"{}\", 42);\n}",
+        "   spaces\t\ttabs\n\n",
+    ] {
         let ids = tok.encode(text, false).unwrap();
         let mut dec = StreamDecoder::new();
         let mut streamed = String::new();
@@ -77,7 +102,12 @@ fn streaming_decode_concatenates_to_the_full_decode() {
 #[test]
 fn smollm2_template_renders_chatml_with_its_default_system_prompt() {
     let tok = smollm2_tokenizer();
-    let t = ChatTemplate::new(tok.chat_template.as_deref().unwrap(), "<|endoftext|>", "<|endoftext|>").unwrap();
+    let t = ChatTemplate::new(
+        tok.chat_template.as_deref().unwrap(),
+        "<|endoftext|>",
+        "<|endoftext|>",
+    )
+    .unwrap();
     let text = t.render(&[Message::new("user", "Hi")], true).unwrap();
     assert_eq!(
         text,
@@ -105,10 +135,17 @@ const HF_STYLE: &str = r#"{%- set ns = namespace(system='') -%}
 #[test]
 fn hugging_face_template_features_render_like_jinja() {
     let t = ChatTemplate::new(HF_STYLE, "<s>", "</s>").unwrap();
-    let msgs = [Message::new("system", "  Be \"brief\". "), Message::new("user", "Q1 "), Message::new("assistant", "A1")];
+    let msgs = [
+        Message::new("system", "  Be \"brief\". "),
+        Message::new("user", "Q1 "),
+        Message::new("assistant", "A1"),
+    ];
     let text = t.render(&msgs, true).unwrap();
     // Expected output produced by Python jinja2 configured as transformers configures it.
-    assert_eq!(text, "[SYS \"Be \\\"brief\\\".\"]\n    1:USER:Q1?\n    2:ASSISTANT:A1\n<s>>");
+    assert_eq!(
+        text,
+        "[SYS \"Be \\\"brief\\\".\"]\n    1:USER:Q1?\n    2:ASSISTANT:A1\n<s>>"
+    );
     let err = t.render(&[Message::new("tool", "x")], false).unwrap_err();
     assert!(err.to_string().contains("bad role tool"), "{err}");
 }

@@ -42,16 +42,22 @@ impl BenchPrompt {
 }
 
 pub fn load(path: &Path) -> Result<Vec<BenchPrompt>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
-        let p: BenchPrompt =
-            serde_json::from_str(line).with_context(|| format!("{}:{}: invalid prompt", path.display(), i + 1))?;
+        let p: BenchPrompt = serde_json::from_str(line)
+            .with_context(|| format!("{}:{}: invalid prompt", path.display(), i + 1))?;
         if p.messages.is_empty() && p.turns.is_empty() {
-            bail!("{}:{}: prompt {} has neither messages nor turns", path.display(), i + 1, p.id);
+            bail!(
+                "{}:{}: prompt {} has neither messages nor turns",
+                path.display(),
+                i + 1,
+                p.id
+            );
         }
         out.push(p);
     }

@@ -100,7 +100,13 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
                     };
                     eprintln!(
                         "{:<14} turn {} {:<4} rep {}: {:>4} tokens, {:>6.1} tok/s, ttft {:.3} s",
-                        rec.prompt_id, rec.turn, rec.route, repeat, rec.completion_tokens, rec.decode_tok_s, rec.ttft_s
+                        rec.prompt_id,
+                        rec.turn,
+                        rec.route,
+                        repeat,
+                        rec.completion_tokens,
+                        rec.decode_tok_s,
+                        rec.ttft_s
                     );
                     records.push(rec);
                 }

@@ -43,8 +43,14 @@ pub fn median(mut v: Vec<f64>) -> f64 {
 pub fn print(records: &[Record]) {
     let mut groups: BTreeMap<(String, String), Vec<&Record>> = BTreeMap::new();
     for r in records {
-        groups.entry((r.route.clone(), r.category.clone())).or_default().push(r);
-        groups.entry((r.route.clone(), "all".into())).or_default().push(r);
+        groups
+            .entry((r.route.clone(), r.category.clone()))
+            .or_default()
+            .push(r);
+        groups
+            .entry((r.route.clone(), "all".into()))
+            .or_default()
+            .push(r);
     }
     let ar: BTreeMap<(String, usize, usize), f64> = records
         .iter()
@@ -58,7 +64,10 @@ pub fn print(records: &[Record]) {
     for ((route, cat), rs) in &groups {
         let ratios: Vec<f64> = rs
             .iter()
-            .filter_map(|r| ar.get(&(r.prompt_id.clone(), r.turn, r.repeat)).map(|a| r.decode_tok_s / a))
+            .filter_map(|r| {
+                ar.get(&(r.prompt_id.clone(), r.turn, r.repeat))
+                    .map(|a| r.decode_tok_s / a)
+            })
             .collect();
         println!(
             "{:<12} {:<12} {:>5} {:>10.1} {:>8} {:>9.2} {:>9.3}",
@@ -66,7 +75,11 @@ pub fn print(records: &[Record]) {
             cat,
             rs.len(),
             median(rs.iter().map(|r| r.decode_tok_s).collect()),
-            if ratios.is_empty() { "-".to_string() } else { format!("{:.2}x", median(ratios)) },
+            if ratios.is_empty() {
+                "-".to_string()
+            } else {
+                format!("{:.2}x", median(ratios))
+            },
             median(rs.iter().map(|r| r.accepted_per_cycle).collect()),
             median(rs.iter().map(|r| r.ttft_s).collect()),
         );

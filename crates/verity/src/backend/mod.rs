@@ -66,11 +66,34 @@ pub trait Backend: Send + Sync + 'static {
     /// `x[r, :] += bias` for `rows` rows.
     fn add_bias(&self, x: &mut Self::Buffer, bias: &Self::Buffer, rows: usize, dim: usize);
     /// RMS norm of each `dim`-long row: `out = x / sqrt(mean(x²) + eps) * w`.
-    fn rms_norm(&self, x: &Self::Buffer, w: &Self::Buffer, rows: usize, dim: usize, eps: f32, out: &mut Self::Buffer);
+    fn rms_norm(
+        &self,
+        x: &Self::Buffer,
+        w: &Self::Buffer,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Self::Buffer,
+    );
     /// Rotate each head of each row by its row's position.
-    fn rope(&self, x: &mut Self::Buffer, positions: &[usize], n_heads: usize, head_dim: usize, theta: f32, style: RopeStyle);
+    fn rope(
+        &self,
+        x: &mut Self::Buffer,
+        positions: &[usize],
+        n_heads: usize,
+        head_dim: usize,
+        theta: f32,
+        style: RopeStyle,
+    );
     /// Write `rows` rows of K (or V) into cache slots starting at `slot`.
-    fn kv_write(&self, cache: &mut Self::Buffer, src: &Self::Buffer, slot: usize, rows: usize, kv_dim: usize);
+    fn kv_write(
+        &self,
+        cache: &mut Self::Buffer,
+        src: &Self::Buffer,
+        slot: usize,
+        rows: usize,
+        kv_dim: usize,
+    );
     /// Scaled-dot-product attention of the batch's queries over the cache (committed slots plus the batch).
     fn attention(
         &self,
@@ -86,5 +109,12 @@ pub trait Backend: Send + Sync + 'static {
     /// `x += y` over `len` values.
     fn add_assign(&self, x: &mut Self::Buffer, y: &Self::Buffer, len: usize);
     /// Copy `len` values from `src[src_off..]` to `dst[dst_off..]`.
-    fn copy(&self, src: &Self::Buffer, src_off: usize, dst: &mut Self::Buffer, dst_off: usize, len: usize);
+    fn copy(
+        &self,
+        src: &Self::Buffer,
+        src_off: usize,
+        dst: &mut Self::Buffer,
+        dst_off: usize,
+        len: usize,
+    );
 }

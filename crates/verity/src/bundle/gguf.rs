@@ -141,14 +141,23 @@ type Header = (u32, BTreeMap<String, MetaValue>, Vec<GgufTensor>);
 
 /// Parse the header of a GGUF image. Public for fuzzing: it must never panic or allocate without bound.
 pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header> {
-    let mut r = Cursor { path, bytes, pos: 0 };
+    let mut r = Cursor {
+        path,
+        bytes,
+        pos: 0,
+    };
     let magic = r.take(4, "magic")?;
     if magic != MAGIC {
-        return Err(r.err(format!("not a GGUF file (magic {:02x?}, expected \"GGUF\")", magic)));
+        return Err(r.err(format!(
+            "not a GGUF file (magic {:02x?}, expected \"GGUF\")",
+            magic
+        )));
     }
     let version = r.u32("version")?;
     if !(2..=3).contains(&version) {
-        return Err(r.err(format!("GGUF version {version} is not supported (2 and 3 are)")));
+        return Err(r.err(format!(
+            "GGUF version {version} is not supported (2 and 3 are)"
+        )));
     }
     let tensor_count = r.u64("tensor count")?;
     let kv_count = r.u64("metadata count")?;
@@ -184,7 +193,9 @@ pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header> {
         let name = r.string("tensor name")?;
         let n_dims = r.u32("tensor dimension count")?;
         if n_dims == 0 || n_dims > MAX_DIMS {
-            return Err(r.err(format!("tensor {name}: {n_dims} dimensions (1 to {MAX_DIMS} allowed)")));
+            return Err(r.err(format!(
+                "tensor {name}: {n_dims} dimensions (1 to {MAX_DIMS} allowed)"
+            )));
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
@@ -203,9 +214,15 @@ pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header> {
             ))
         })?;
         let offset = r.u64("tensor offset")?;
-        raws.push(Raw { name, dims, ty, offset });
+        raws.push(Raw {
+            name,
+            dims,
+            ty,
+            offset,
+        });
     }
-    let data_start = align_up(r.pos as u64, alignment).ok_or_else(|| r.err("data offset overflows"))?;
+    let data_start =
+        align_up(r.pos as u64, alignment).ok_or_else(|| r.err("data offset overflows"))?;
     let file_len = bytes.len() as u64;
 
     let mut tensors = Vec::with_capacity(raws.len());
@@ -231,7 +248,10 @@ pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header> {
             .checked_mul(rows as u64)
             .ok_or_else(|| r.err(format!("tensor {}: byte size overflows", raw.name)))?;
         if raw.offset % alignment != 0 {
-            return Err(r.err(format!("tensor {}: offset {} is not aligned to {alignment}", raw.name, raw.offset)));
+            return Err(r.err(format!(
+                "tensor {}: offset {} is not aligned to {alignment}",
+                raw.name, raw.offset
+            )));
         }
         let start = data_start
             .checked_add(raw.offset)
@@ -341,7 +361,9 @@ impl<'a> Cursor<'a> {
             8 => MetaValue::Str(self.string(key)?),
             9 => {
                 if depth >= MAX_ARRAY_DEPTH {
-                    return Err(self.err(format!("{key}: arrays nested deeper than {MAX_ARRAY_DEPTH}")));
+                    return Err(self.err(format!(
+                        "{key}: arrays nested deeper than {MAX_ARRAY_DEPTH}"
+                    )));
                 }
                 let elem_ty = self.u32(key)?;
                 let count = self.u64(key)?;

@@ -23,7 +23,7 @@ pub enum Source {
     Gguf(GgufFile),
     Safetensors {
         dir: PathBuf,
-        config: HfConfig,
+        config: Box<HfConfig>,
         tensors: SafetensorsSet,
     },
 }
@@ -49,7 +49,7 @@ impl Bundle {
                 .map_err(|e| Error::malformed(&cfg_path, format!("invalid config.json: {e}")))?;
             Source::Safetensors {
                 dir: path.to_path_buf(),
-                config,
+                config: Box::new(config),
                 tensors: SafetensorsSet::open(path)?,
             }
         } else {
@@ -66,7 +66,12 @@ impl Bundle {
                         "not a bundle: no config.json and no .gguf file in this folder",
                     ))
                 }
-                _ => return Err(Error::malformed(path, "several .gguf files in this folder: name one")),
+                _ => {
+                    return Err(Error::malformed(
+                        path,
+                        "several .gguf files in this folder: name one",
+                    ))
+                }
             }
         };
         let hparams = match &source {
@@ -100,7 +105,9 @@ impl Bundle {
         match &self.source {
             Source::Gguf(g) => {
                 let name = key.gguf();
-                let t = g.tensor(&name).ok_or_else(|| Error::tensor(&name, "missing from the GGUF file"))?;
+                let t = g
+                    .tensor(&name)
+                    .ok_or_else(|| Error::tensor(&name, "missing from the GGUF file"))?;
                 if t.dims.len() != 2 || t.dims[0] != cols || t.dims[1] != rows {
                     return Err(Error::tensor(
                         &name,
@@ -109,7 +116,9 @@ impl Bundle {
                 }
                 QMatrix::ggml(&name, t.ty, rows, cols, g.tensor_bytes(t))
             }
-            Source::Safetensors { config, tensors, .. } => {
+            Source::Safetensors {
+                config, tensors, ..
+            } => {
                 let module = key.hf_module();
                 let name = key.hf();
                 let t = tensors
@@ -119,10 +128,14 @@ impl Bundle {
                     let biases = tensors
                         .get(&format!("{module}.biases"))
                         .ok_or_else(|| Error::tensor(&name, "MLX-quantized but has no .biases"))?;
-                    let (bits, group) = mlx_params(config, &module)
-                        .ok_or_else(|| Error::tensor(&name, "has .scales but config.json has no quantization"))?;
+                    let (bits, group) = mlx_params(config, &module).ok_or_else(|| {
+                        Error::tensor(&name, "has .scales but config.json has no quantization")
+                    })?;
                     if t.dtype != StDtype::U32 {
-                        return Err(Error::tensor(&name, format!("MLX packed weight is {}, expected U32", t.dtype_name)));
+                        return Err(Error::tensor(
+                            &name,
+                            format!("MLX packed weight is {}, expected U32", t.dtype_name),
+                        ));
                     }
                     if scales.dtype != biases.dtype {
                         return Err(Error::tensor(&name, "scales and biases differ in dtype"));
@@ -130,18 +143,37 @@ impl Bundle {
                     let q = MlxAffine::new(bits, group, mlx_scale_type(&name, scales.dtype)?)?;
                     let want = [rows, cols * bits as usize / 32];
                     if t.shape != want {
-                        return Err(Error::tensor(&name, format!("packed shape {:?}, expected {want:?}", t.shape)));
+                        return Err(Error::tensor(
+                            &name,
+                            format!("packed shape {:?}, expected {want:?}", t.shape),
+                        ));
                     }
-                    return QMatrix::mlx(&name, q, rows, cols, tensors.bytes(t), tensors.bytes(scales), tensors.bytes(biases));
+                    return QMatrix::mlx(
+                        &name,
+                        q,
+                        rows,
+                        cols,
+                        tensors.bytes(t),
+                        tensors.bytes(scales),
+                        tensors.bytes(biases),
+                    );
                 }
                 if t.shape != [rows, cols] {
-                    return Err(Error::tensor(&name, format!("shape {:?}, expected [{rows}, {cols}]", t.shape)));
+                    return Err(Error::tensor(
+                        &name,
+                        format!("shape {:?}, expected [{rows}, {cols}]", t.shape),
+                    ));
                 }
                 let ty = match t.dtype {
                     StDtype::F32 => GgmlType::F32,
                     StDtype::F16 => GgmlType::F16,
                     StDtype::BF16 => GgmlType::BF16,
-                    _ => return Err(Error::Unsupported(format!("tensor {name} has dtype {}", t.dtype_name))),
+                    _ => {
+                        return Err(Error::Unsupported(format!(
+                            "tensor {name} has dtype {}",
+                            t.dtype_name
+                        )))
+                    }
                 };
                 QMatrix::ggml(&name, ty, rows, cols, tensors.bytes(t))
             }
@@ -153,9 +185,14 @@ impl Bundle {
         let m = match &self.source {
             Source::Gguf(g) => {
                 let name = key.gguf();
-                let t = g.tensor(&name).ok_or_else(|| Error::tensor(&name, "missing from the GGUF file"))?;
+                let t = g
+                    .tensor(&name)
+                    .ok_or_else(|| Error::tensor(&name, "missing from the GGUF file"))?;
                 if t.dims != [len] {
-                    return Err(Error::tensor(&name, format!("shape {:?}, expected [{len}]", t.dims)));
+                    return Err(Error::tensor(
+                        &name,
+                        format!("shape {:?}, expected [{len}]", t.dims),
+                    ));
                 }
                 QMatrix::ggml(&name, t.ty, 1, len, g.tensor_bytes(t))?
             }
@@ -165,13 +202,21 @@ impl Bundle {
                     .get(&name)
                     .ok_or_else(|| Error::tensor(&name, "missing from the safetensors shards"))?;
                 if t.shape != [len] {
-                    return Err(Error::tensor(&name, format!("shape {:?}, expected [{len}]", t.shape)));
+                    return Err(Error::tensor(
+                        &name,
+                        format!("shape {:?}, expected [{len}]", t.shape),
+                    ));
                 }
                 let ty = match t.dtype {
                     StDtype::F32 => GgmlType::F32,
                     StDtype::F16 => GgmlType::F16,
                     StDtype::BF16 => GgmlType::BF16,
-                    _ => return Err(Error::Unsupported(format!("tensor {name} has dtype {}", t.dtype_name))),
+                    _ => {
+                        return Err(Error::Unsupported(format!(
+                            "tensor {name} has dtype {}",
+                            t.dtype_name
+                        )))
+                    }
                 };
                 QMatrix::ggml(&name, ty, 1, len, tensors.bytes(t))?
             }
@@ -192,7 +237,9 @@ impl Bundle {
     pub fn format_name(&self) -> &'static str {
         match &self.source {
             Source::Gguf(_) => "gguf",
-            Source::Safetensors { config, .. } if config.quantization.is_some() => "mlx-safetensors",
+            Source::Safetensors { config, .. } if config.quantization.is_some() => {
+                "mlx-safetensors"
+            }
             Source::Safetensors { .. } => "safetensors",
         }
     }
@@ -201,9 +248,15 @@ impl Bundle {
 /// MLX quantization parameters for a module: a per-module override in `quantization` if present, else the
 /// global `{group_size, bits}`.
 fn mlx_params(config: &HfConfig, module: &str) -> Option<(u32, usize)> {
-    let q = config.quantization.as_ref().or(config.quantization_config.as_ref())?;
+    let q = config
+        .quantization
+        .as_ref()
+        .or(config.quantization_config.as_ref())?;
     let read = |v: &serde_json::Value| -> Option<(u32, usize)> {
-        Some((v.get("bits")?.as_u64()? as u32, v.get("group_size")?.as_u64()? as usize))
+        Some((
+            v.get("bits")?.as_u64()? as u32,
+            v.get("group_size")?.as_u64()? as usize,
+        ))
     };
     q.get(module).and_then(read).or_else(|| read(q))
 }

@@ -55,13 +55,49 @@ struct Index {
     weight_map: BTreeMap<String, String>,
 }
 
+/// The tensor directory of one safetensors image, every byte range checked against the image. Public for
+/// fuzzing: it must never panic or allocate without bound.
+pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Vec<(String, StTensor)>> {
+    let (header_len, meta) = SafeTensors::read_metadata(bytes)
+        .map_err(|e| Error::malformed(path, format!("invalid safetensors header: {e}")))?;
+    let data_start = 8usize
+        .checked_add(header_len)
+        .ok_or_else(|| Error::malformed(path, "header length overflows"))?;
+    let mut out = Vec::new();
+    for (tname, info) in meta.tensors() {
+        let (s, e) = info.data_offsets;
+        let range = data_start
+            .checked_add(s)
+            .zip(data_start.checked_add(e))
+            .filter(|(a, b)| a <= b && *b <= bytes.len())
+            .ok_or_else(|| {
+                Error::malformed(
+                    path,
+                    format!("tensor {tname}: data [{s}, {e}) lies outside the file"),
+                )
+            })?;
+        out.push((
+            tname,
+            StTensor {
+                dtype: StDtype::from(info.dtype),
+                dtype_name: format!("{:?}", info.dtype),
+                shape: info.shape.clone(),
+                shard: 0,
+                range: range.0..range.1,
+            },
+        ));
+    }
+    Ok(out)
+}
+
 impl SafetensorsSet {
     /// Open the shards of a bundle folder: those named by `model.safetensors.index.json` if present, else every
     /// `*.safetensors` file. A tensor the index names counts only if its shard really holds it.
     pub fn open(dir: &Path) -> Result<Self> {
         let index_path = dir.join("model.safetensors.index.json");
         let (shard_names, index) = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
+            let text =
+                std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
             let index: Index = serde_json::from_str(&text)
                 .map_err(|e| Error::malformed(&index_path, format!("invalid index JSON: {e}")))?;
             let mut names: Vec<String> = index.weight_map.values().cloned().collect();
@@ -69,7 +105,10 @@ impl SafetensorsSet {
             names.dedup();
             for n in &names {
                 if n.contains('/') || n.contains('\\') || n == ".." {
-                    return Err(Error::malformed(&index_path, format!("shard name {n:?} leaves the bundle folder")));
+                    return Err(Error::malformed(
+                        &index_path,
+                        format!("shard name {n:?} leaves the bundle folder"),
+                    ));
                 }
             }
             (names, Some(index))
@@ -98,35 +137,14 @@ impl SafetensorsSet {
         for (si, name) in shard_names.iter().enumerate() {
             let path = dir.join(name);
             let file = MappedFile::open(&path)?;
-            let (header_len, meta) = SafeTensors::read_metadata(file.bytes())
-                .map_err(|e| Error::malformed(&path, format!("invalid safetensors header: {e}")))?;
-            let data_start = 8usize
-                .checked_add(header_len)
-                .ok_or_else(|| Error::malformed(&path, "header length overflows"))?;
-            for (tname, info) in meta.tensors() {
-                let (s, e) = info.data_offsets;
-                let range = data_start
-                    .checked_add(s)
-                    .zip(data_start.checked_add(e))
-                    .filter(|(a, b)| a <= b && *b <= file.len())
-                    .ok_or_else(|| {
-                        Error::malformed(&path, format!("tensor {tname}: data [{s}, {e}) lies outside the file"))
-                    })?;
+            for (tname, mut t) in parse_header(&path, file.bytes())? {
                 if let Some(index) = &index {
                     if index.weight_map.get(&tname).map(String::as_str) != Some(name.as_str()) {
                         continue; // the index does not place it here; only index entries count
                     }
                 }
-                set.tensors.insert(
-                    tname.clone(),
-                    StTensor {
-                        dtype: StDtype::from(info.dtype),
-                        dtype_name: format!("{:?}", info.dtype),
-                        shape: info.shape.clone(),
-                        shard: si,
-                        range: range.0..range.1,
-                    },
-                );
+                t.shard = si;
+                set.tensors.insert(tname, t);
             }
             set.shards.push(path);
             set.files.push(file);

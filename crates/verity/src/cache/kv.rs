@@ -22,8 +22,12 @@ impl<B: Backend> KvCache<B> {
     pub fn new(backend: &B, n_layers: usize, kv_dim: usize, max_capacity: usize) -> Self {
         let capacity = 256.min(max_capacity);
         KvCache {
-            k: (0..n_layers).map(|_| backend.buffer(capacity * kv_dim)).collect(),
-            v: (0..n_layers).map(|_| backend.buffer(capacity * kv_dim)).collect(),
+            k: (0..n_layers)
+                .map(|_| backend.buffer(capacity * kv_dim))
+                .collect(),
+            v: (0..n_layers)
+                .map(|_| backend.buffer(capacity * kv_dim))
+                .collect(),
             kv_dim,
             len: 0,
             capacity,

@@ -27,14 +27,20 @@ fn split(pattern: &str) -> Value {
 /// The tokenizer.json (as a JSON value) for a GGUF file's vocabulary.
 pub fn tokenizer_json(g: &GgufFile) -> Result<Value> {
     let bad = |m: String| Error::malformed(&g.path, m);
-    let model = g.get("tokenizer.ggml.model").and_then(|v| v.as_str()).unwrap_or("");
+    let model = g
+        .get("tokenizer.ggml.model")
+        .and_then(|v| v.as_str())
+        .unwrap_or("");
     if model != "gpt2" {
         return Err(Error::Unsupported(format!(
             "{}: tokenizer model {model:?} (verity reads gpt2 byte-level BPE from GGUF)",
             g.path.display()
         )));
     }
-    let pre = g.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
+    let pre = g
+        .get("tokenizer.ggml.pre")
+        .and_then(|v| v.as_str())
+        .unwrap_or("default");
     let pre_tokenizer = match pre {
         "default" | "gpt2" => byte_level(true),
         "smollm" => json!({"type": "Sequence", "pretokenizers": [
@@ -52,7 +58,9 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<Value> {
         .get("tokenizer.ggml.tokens")
         .and_then(|v| v.as_array())
         .ok_or_else(|| bad("tokenizer.ggml.tokens is missing".into()))?;
-    let types = g.get("tokenizer.ggml.token_type").and_then(|v| v.as_array());
+    let types = g
+        .get("tokenizer.ggml.token_type")
+        .and_then(|v| v.as_array());
     let merges = g
         .get("tokenizer.ggml.merges")
         .and_then(|v| v.as_array())
@@ -61,9 +69,14 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<Value> {
     let mut vocab = serde_json::Map::with_capacity(tokens.len());
     let mut added = Vec::new();
     for (id, t) in tokens.iter().enumerate() {
-        let s = t.as_str().ok_or_else(|| bad(format!("token {id} is not a string")))?;
+        let s = t
+            .as_str()
+            .ok_or_else(|| bad(format!("token {id} is not a string")))?;
         vocab.insert(s.to_string(), json!(id));
-        let ty = types.and_then(|a| a.get(id)).and_then(|v| v.as_u64()).unwrap_or(1);
+        let ty = types
+            .and_then(|a| a.get(id))
+            .and_then(|v| v.as_u64())
+            .unwrap_or(1);
         if ty == TYPE_CONTROL || ty == TYPE_USER_DEFINED {
             added.push(json!({"id": id, "content": s, "single_word": false, "lstrip": false, "rstrip": false,
                               "normalized": false, "special": ty == TYPE_CONTROL}));
@@ -72,7 +85,11 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<Value> {
     let merges: Vec<Value> = merges
         .iter()
         .enumerate()
-        .map(|(i, m)| m.as_str().map(|s| json!(s)).ok_or_else(|| bad(format!("merge {i} is not a string"))))
+        .map(|(i, m)| {
+            m.as_str()
+                .map(|s| json!(s))
+                .ok_or_else(|| bad(format!("merge {i} is not a string")))
+        })
         .collect::<Result<_>>()?;
     Ok(json!({
         "version": "1.0",

@@ -34,9 +34,12 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+            },
+        );
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| Error::Template(format!("cannot compile: {e}")))?;
         Ok(ChatTemplate {
@@ -47,7 +50,10 @@ impl ChatTemplate {
     }
 
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
-        let t = self.env.get_template("chat").expect("added at construction");
+        let t = self
+            .env
+            .get_template("chat")
+            .expect("added at construction");
         t.render(context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,

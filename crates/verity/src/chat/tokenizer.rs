@@ -38,12 +38,25 @@ impl Tokenizer {
         match &bundle.source {
             Source::Gguf(g) => {
                 let json = gguf_vocab::tokenizer_json(g)?;
-                let inner = tokenizers::Tokenizer::from_bytes(serde_json::to_vec(&json).expect("json"))
-                    .map_err(|e| Error::Tokenizer(format!("{}: {e}", g.path.display())))?;
+                let inner =
+                    tokenizers::Tokenizer::from_bytes(serde_json::to_vec(&json).expect("json"))
+                        .map_err(|e| Error::Tokenizer(format!("{}: {e}", g.path.display())))?;
                 let id = |k: &str| g.get(k).and_then(|v| v.as_u64()).map(|v| v as u32);
-                let template = g.get("tokenizer.chat_template").and_then(|v| v.as_str()).map(String::from);
-                let add_bos = g.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false);
-                Ok(Self::assemble(inner, id("tokenizer.ggml.bos_token_id"), id("tokenizer.ggml.eos_token_id"), add_bos, template))
+                let template = g
+                    .get("tokenizer.chat_template")
+                    .and_then(|v| v.as_str())
+                    .map(String::from);
+                let add_bos = g
+                    .get("tokenizer.ggml.add_bos_token")
+                    .and_then(|v| v.as_bool())
+                    .unwrap_or(false);
+                Ok(Self::assemble(
+                    inner,
+                    id("tokenizer.ggml.bos_token_id"),
+                    id("tokenizer.ggml.eos_token_id"),
+                    add_bos,
+                    template,
+                ))
             }
             Source::Safetensors { dir, config, .. } => {
                 let cfg_eos = config.eos_token_id.as_ref().and_then(first_id);
@@ -60,18 +73,24 @@ impl Tokenizer {
         let tc_path = dir.join("tokenizer_config.json");
         let tc: Value = if tc_path.is_file() {
             let text = std::fs::read_to_string(&tc_path).map_err(|e| Error::io(&tc_path, e))?;
-            serde_json::from_str(&text).map_err(|e| Error::malformed(&tc_path, format!("invalid JSON: {e}")))?
+            serde_json::from_str(&text)
+                .map_err(|e| Error::malformed(&tc_path, format!("invalid JSON: {e}")))?
         } else {
             Value::Null
         };
         let token_id = |key: &str| -> Option<u32> {
             let v = tc.get(key)?;
-            let s = v.as_str().or_else(|| v.get("content").and_then(|c| c.as_str()))?;
+            let s = v
+                .as_str()
+                .or_else(|| v.get("content").and_then(|c| c.as_str()))?;
             inner.token_to_id(s)
         };
         let bos = token_id("bos_token").or(cfg_bos);
         let eos = token_id("eos_token").or(cfg_eos);
-        let add_bos = tc.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false);
+        let add_bos = tc
+            .get("add_bos_token")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false);
         let template = match tc.get("chat_template") {
             Some(Value::String(s)) => Some(s.clone()),
             // A list of named templates: take "default".
@@ -118,7 +137,10 @@ impl Tokenizer {
     /// Encode text; special-token strings in it (e.g. from a rendered chat template) become their tokens.
     /// With `add_bos`, BOS is prepended if the tokenizer asks for it and the text does not already start with it.
     pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         if add_bos && self.add_bos {
             let bos = self.bos.expect("add_bos implies bos");
@@ -132,12 +154,16 @@ impl Tokenizer {
 
     /// Decode ids to text, dropping special tokens.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids, true).map_err(|e| Error::Tokenizer(e.to_string()))
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| Error::Tokenizer(e.to_string()))
     }
 
     /// Decode ids to text, keeping special tokens.
     pub fn decode_with_special(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids, false).map_err(|e| Error::Tokenizer(e.to_string()))
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| Error::Tokenizer(e.to_string()))
     }
 
     pub fn vocab_size(&self) -> usize {

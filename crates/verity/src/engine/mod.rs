@@ -83,8 +83,13 @@ impl<B: Backend> Engine<B> {
         }
         let template = match &tokenizer.chat_template {
             Some(src) => {
-                let tok_str = |id: Option<u32>| id.and_then(|i| tokenizer.token_str(i)).unwrap_or_default();
-                Some(ChatTemplate::new(src, &tok_str(tokenizer.bos), &tok_str(tokenizer.eos))?)
+                let tok_str =
+                    |id: Option<u32>| id.and_then(|i| tokenizer.token_str(i)).unwrap_or_default();
+                Some(ChatTemplate::new(
+                    src,
+                    &tok_str(tokenizer.bos),
+                    &tok_str(tokenizer.eos),
+                )?)
             }
             None => None,
         };
@@ -127,15 +132,27 @@ impl<B: Backend> Engine<B> {
             return Err(Error::Invalid("empty prompt".into()));
         }
         // Keep at least the last prompt token to recompute: its logits start the completion.
-        let common = sess.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len() - 1);
+        let common = sess
+            .tokens
+            .iter()
+            .zip(prompt)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(prompt.len() - 1);
         sess.cache.truncate(common);
         sess.tokens.truncate(common);
         let mut logits = Vec::new();
         let mut pos = common;
         for chunk in prompt[common..].chunks(PREFILL_CHUNK) {
             let last = pos + chunk.len() == prompt.len();
-            let rows = if last { LogitRows::Last } else { LogitRows::None };
-            let out = self.model.forward(&mut sess.cache, &Batch::causal(chunk, pos), rows, &[])?;
+            let rows = if last {
+                LogitRows::Last
+            } else {
+                LogitRows::None
+            };
+            let out = self
+                .model
+                .forward(&mut sess.cache, &Batch::causal(chunk, pos), rows, &[])?;
             sess.tokens.extend_from_slice(chunk);
             pos += chunk.len();
             logits = out.logits;
@@ -188,7 +205,12 @@ impl<B: Backend> Engine<B> {
                 break;
             }
             let pos = sess.tokens.len();
-            let out = self.model.forward(&mut sess.cache, &Batch::causal(&[tok], pos), LogitRows::Last, &[])?;
+            let out = self.model.forward(
+                &mut sess.cache,
+                &Batch::causal(&[tok], pos),
+                LogitRows::Last,
+                &[],
+            )?;
             sess.tokens.push(tok);
             logits = out.logits;
         }

@@ -57,21 +57,37 @@ impl HParams {
     /// Check the relations the forward relies on, so that a bad header fails here and not in a kernel.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Invalid(format!("model hyper-parameters: {m}")));
-        if self.n_layers == 0 || self.hidden == 0 || self.n_heads == 0 || self.vocab == 0 || self.ffn_hidden == 0 {
+        if self.n_layers == 0
+            || self.hidden == 0
+            || self.n_heads == 0
+            || self.vocab == 0
+            || self.ffn_hidden == 0
+        {
             return bad(format!("zero size in {self:?}"));
         }
         if self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
-            return bad(format!("{} heads are not a multiple of {} KV heads", self.n_heads, self.n_kv_heads));
+            return bad(format!(
+                "{} heads are not a multiple of {} KV heads",
+                self.n_heads, self.n_kv_heads
+            ));
         }
         if self.head_dim == 0 || self.head_dim % 2 != 0 || self.head_dim > 1024 {
             return bad(format!("head dimension {}", self.head_dim));
         }
         // Bounds that no real model reaches but that stop absurd headers from driving huge allocations.
-        if self.n_layers > 1024 || self.hidden > 1 << 17 || self.n_heads > 1024 || self.vocab > 1 << 24 {
+        if self.n_layers > 1024
+            || self.hidden > 1 << 17
+            || self.n_heads > 1024
+            || self.vocab > 1 << 24
+        {
             return bad(format!("sizes out of range in {self:?}"));
         }
-        if !(self.rms_eps > 0.0 && self.rms_eps < 1.0) || !(self.rope_theta > 0.0) {
-            return bad(format!("rms_eps {} / rope_theta {}", self.rms_eps, self.rope_theta));
+        let in_range = self.rms_eps > 0.0 && self.rms_eps < 1.0 && self.rope_theta > 0.0;
+        if !in_range {
+            return bad(format!(
+                "rms_eps {} / rope_theta {}",
+                self.rms_eps, self.rope_theta
+            ));
         }
         Ok(())
     }
@@ -98,13 +114,18 @@ impl HParams {
             g.get(&key(k))
                 .and_then(|v| v.as_u64())
                 .map(|v| v as usize)
-                .ok_or_else(|| Error::malformed(&g.path, format!("{} is missing or not an integer", key(k))))
+                .ok_or_else(|| {
+                    Error::malformed(&g.path, format!("{} is missing or not an integer", key(k)))
+                })
         };
-        let float = |k: &str, default: f64| -> f32 { g.get(&key(k)).and_then(|v| v.as_f64()).unwrap_or(default) as f32 };
+        let float = |k: &str, default: f64| -> f32 {
+            g.get(&key(k)).and_then(|v| v.as_f64()).unwrap_or(default) as f32
+        };
         let hidden = int("embedding_length")?;
         let n_heads = int("attention.head_count")?;
         let n_kv_heads = int("attention.head_count_kv").unwrap_or(n_heads);
-        let head_dim = int("attention.key_length").unwrap_or(if n_heads > 0 { hidden / n_heads } else { 0 });
+        let head_dim =
+            int("attention.key_length").unwrap_or(hidden.checked_div(n_heads).unwrap_or(0));
         let vocab = match int("vocab_size") {
             Ok(v) => v,
             Err(_) => g
@@ -151,12 +172,20 @@ impl HParams {
         let params = cfg.rope_parameters.as_ref();
         let rope_type = params
             .and_then(|p| p.get("rope_type"))
-            .or_else(|| cfg.rope_scaling.as_ref().and_then(|s| s.get("rope_type").or_else(|| s.get("type"))))
+            .or_else(|| {
+                cfg.rope_scaling
+                    .as_ref()
+                    .and_then(|s| s.get("rope_type").or_else(|| s.get("type")))
+            })
             .and_then(|t| t.as_str());
         if rope_type.is_some_and(|t| t != "default") {
-            return Err(Error::Unsupported(format!("rope type {rope_type:?} in config.json (only default RoPE)")));
+            return Err(Error::Unsupported(format!(
+                "rope type {rope_type:?} in config.json (only default RoPE)"
+            )));
         }
-        let rope_theta = cfg.rope_theta.or_else(|| params.and_then(|p| p.get("rope_theta")?.as_f64()));
+        let rope_theta = cfg
+            .rope_theta
+            .or_else(|| params.and_then(|p| p.get("rope_theta")?.as_f64()));
         let n_heads = cfg.num_attention_heads;
         let hp = HParams {
             arch,
@@ -164,7 +193,9 @@ impl HParams {
             hidden: cfg.hidden_size,
             n_heads,
             n_kv_heads: cfg.num_key_value_heads.unwrap_or(n_heads),
-            head_dim: cfg.head_dim.unwrap_or(if n_heads > 0 { cfg.hidden_size / n_heads } else { 0 }),
+            head_dim: cfg
+                .head_dim
+                .unwrap_or(cfg.hidden_size.checked_div(n_heads).unwrap_or(0)),
             ffn_hidden: cfg.intermediate_size,
             vocab: cfg.vocab_size,
             rms_eps: cfg.rms_norm_eps.unwrap_or(1e-6) as f32,

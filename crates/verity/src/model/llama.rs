@@ -58,7 +58,12 @@ impl<B: Backend> Model<B> {
     pub fn load(bundle: &Bundle, backend: Arc<B>) -> Result<Self> {
         let hp = bundle.hparams.clone();
         let be = backend.as_ref();
-        let (h, qd, kvd, f) = (hp.hidden, hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim, hp.ffn_hidden);
+        let (h, qd, kvd, f) = (
+            hp.hidden,
+            hp.n_heads * hp.head_dim,
+            hp.n_kv_heads * hp.head_dim,
+            hp.ffn_hidden,
+        );
         let mut weight_bytes = 0usize;
         let mut mat = |key: TensorKey, rows: usize, cols: usize| -> Result<B::Matrix> {
             let m = be.load_matrix(bundle.matrix(key, rows, cols)?)?;
@@ -130,7 +135,12 @@ impl<B: Backend> Model<B> {
     /// A fresh KV cache for this model holding up to `max_tokens` slots (capped by the context length).
     pub fn new_cache(&self, max_tokens: usize) -> KvCache<B> {
         let cap = max_tokens.min(self.hp.context_len).max(1);
-        KvCache::new(self.backend.as_ref(), self.hp.n_layers, self.hp.n_kv_heads * self.hp.head_dim, cap)
+        KvCache::new(
+            self.backend.as_ref(),
+            self.hp.n_layers,
+            self.hp.n_kv_heads * self.hp.head_dim,
+            cap,
+        )
     }
 
     fn scratch(&mut self, rows: usize) -> Scratch<B> {
@@ -185,18 +195,29 @@ impl<B: Backend> Model<B> {
             return Err(Error::Invalid("a forward needs at least one token".into()));
         }
         if batch.positions.len() != rows {
-            return Err(Error::Invalid(format!("{rows} tokens but {} positions", batch.positions.len())));
+            return Err(Error::Invalid(format!(
+                "{rows} tokens but {} positions",
+                batch.positions.len()
+            )));
         }
         if let Some(&t) = batch.tokens.iter().find(|&&t| t as usize >= self.hp.vocab) {
-            return Err(Error::Invalid(format!("token id {t} outside the vocabulary ({})", self.hp.vocab)));
+            return Err(Error::Invalid(format!(
+                "token id {t} outside the vocabulary ({})",
+                self.hp.vocab
+            )));
         }
         if let AttnMask::Tree(v) = &batch.mask {
             if v.len() != rows * rows || (0..rows).any(|i| !v[i * rows + i]) {
-                return Err(Error::Invalid("tree mask must be rows×rows with every row seeing itself".into()));
+                return Err(Error::Invalid(
+                    "tree mask must be rows×rows with every row seeing itself".into(),
+                ));
             }
         }
         if let Some(&l) = hidden_layers.iter().find(|&&l| l >= self.hp.n_layers) {
-            return Err(Error::Invalid(format!("hidden layer {l} of a {}-layer model", self.hp.n_layers)));
+            return Err(Error::Invalid(format!(
+                "hidden layer {l} of a {}-layer model",
+                self.hp.n_layers
+            )));
         }
         Ok(())
     }
@@ -242,11 +263,32 @@ impl<B: Backend> Model<B> {
                 be.rms_norm(&s.k, nk, rows * hp.n_kv_heads, hd, hp.rms_eps, &mut s.tmp);
                 be.copy(&s.tmp, 0, &mut s.k, 0, rows * kvd);
             }
-            be.rope(&mut s.q, &batch.positions, hp.n_heads, hd, hp.rope_theta, hp.rope_style);
-            be.rope(&mut s.k, &batch.positions, hp.n_kv_heads, hd, hp.rope_theta, hp.rope_style);
+            be.rope(
+                &mut s.q,
+                &batch.positions,
+                hp.n_heads,
+                hd,
+                hp.rope_theta,
+                hp.rope_style,
+            );
+            be.rope(
+                &mut s.k,
+                &batch.positions,
+                hp.n_kv_heads,
+                hd,
+                hp.rope_theta,
+                hp.rope_style,
+            );
             be.kv_write(&mut cache.k[l], &s.k, base, rows, kvd);
             be.kv_write(&mut cache.v[l], &s.v, base, rows, kvd);
-            be.attention(&s.q, &cache.k[l], &cache.v[l], shape, &batch.mask, &mut s.attn);
+            be.attention(
+                &s.q,
+                &cache.k[l],
+                &cache.v[l],
+                shape,
+                &batch.mask,
+                &mut s.attn,
+            );
             be.matmul(&layer.o, &s.attn, rows, &mut s.proj);
             be.add_assign(&mut s.x, &s.proj, rows * h);
 
@@ -270,7 +312,12 @@ impl<B: Backend> Model<B> {
         };
         be.copy(&s.x, first * h, &mut s.tmp, 0, n * h);
         be.rms_norm(&s.tmp, &self.output_norm, n, h, hp.rms_eps, &mut s.xn);
-        be.matmul(self.output.as_ref().unwrap_or(&self.embed), &s.xn, n, &mut s.logits);
+        be.matmul(
+            self.output.as_ref().unwrap_or(&self.embed),
+            &s.xn,
+            n,
+            &mut s.logits,
+        );
         out.logits = be.download(&s.logits, n * hp.vocab);
         out
     }

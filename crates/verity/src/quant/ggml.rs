@@ -117,17 +117,26 @@ impl GgmlType {
             let n = out.len();
             match self {
                 GgmlType::F32 => {
-                    for (o, c) in out.iter_mut().zip(row[start * 4..(start + n) * 4].chunks_exact(4)) {
+                    for (o, c) in out
+                        .iter_mut()
+                        .zip(row[start * 4..(start + n) * 4].chunks_exact(4))
+                    {
                         *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
                     }
                 }
                 GgmlType::F16 => {
-                    for (o, c) in out.iter_mut().zip(row[start * 2..(start + n) * 2].chunks_exact(2)) {
+                    for (o, c) in out
+                        .iter_mut()
+                        .zip(row[start * 2..(start + n) * 2].chunks_exact(2))
+                    {
                         *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
                     }
                 }
                 _ => {
-                    for (o, c) in out.iter_mut().zip(row[start * 2..(start + n) * 2].chunks_exact(2)) {
+                    for (o, c) in out
+                        .iter_mut()
+                        .zip(row[start * 2..(start + n) * 2].chunks_exact(2))
+                    {
                         *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
                     }
                 }

@@ -27,7 +27,9 @@ impl MlxScaleType {
         match self {
             MlxScaleType::F16 => f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32(),
             MlxScaleType::BF16 => bf16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32(),
-            MlxScaleType::F32 => f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]),
+            MlxScaleType::F32 => {
+                f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])
+            }
         }
     }
 }
@@ -44,10 +46,14 @@ impl MlxAffine {
     /// Validate the parameters verity decodes: 4 or 8 bits, groups of 32, 64 or 128.
     pub fn new(bits: u32, group: usize, scale_type: MlxScaleType) -> Result<Self> {
         if !matches!(bits, 4 | 8) {
-            return Err(Error::Unsupported(format!("MLX affine quantization with {bits} bits (4 and 8 are supported)")));
+            return Err(Error::Unsupported(format!(
+                "MLX affine quantization with {bits} bits (4 and 8 are supported)"
+            )));
         }
         if !matches!(group, 32 | 64 | 128) {
-            return Err(Error::Unsupported(format!("MLX affine group size {group} (32, 64 and 128 are supported)")));
+            return Err(Error::Unsupported(format!(
+                "MLX affine group size {group} (32, 64 and 128 are supported)"
+            )));
         }
         Ok(MlxAffine {
             bits,
@@ -57,9 +63,23 @@ impl MlxAffine {
     }
 
     /// Check that the byte sizes of the three parts match a `[rows, cols]` matrix.
-    pub(crate) fn check(&self, name: &str, rows: usize, cols: usize, q: usize, s: usize, b: usize) -> Result<()> {
+    pub(crate) fn check(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        q: usize,
+        s: usize,
+        b: usize,
+    ) -> Result<()> {
         if cols % self.group != 0 {
-            return Err(Error::tensor(name, format!("{cols} columns are not a multiple of the group size {}", self.group)));
+            return Err(Error::tensor(
+                name,
+                format!(
+                    "{cols} columns are not a multiple of the group size {}",
+                    self.group
+                ),
+            ));
         }
         let want_q = rows * cols * self.bits as usize / 8;
         let want_s = rows * (cols / self.group) * self.scale_type.size();

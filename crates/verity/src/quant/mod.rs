@@ -58,11 +58,17 @@ impl QMatrix {
                 ),
             )
         })?;
-        let want = row_bytes.checked_mul(rows).ok_or_else(|| Error::tensor(name, "size overflows"))?;
+        let want = row_bytes
+            .checked_mul(rows)
+            .ok_or_else(|| Error::tensor(name, "size overflows"))?;
         if data.len() != want {
             return Err(Error::tensor(
                 name,
-                format!("{} [{rows}, {cols}] needs {want} bytes, found {}", ty.name(), data.len()),
+                format!(
+                    "{} [{rows}, {cols}] needs {want} bytes, found {}",
+                    ty.name(),
+                    data.len()
+                ),
             ));
         }
         Ok(QMatrix {
@@ -165,7 +171,11 @@ impl RowDecoder<'_> {
     #[inline(always)]
     pub fn decode(&self, row: usize, block: usize, out: &mut [f32]) {
         match *self {
-            RowDecoder::Ggml { ty, data, row_bytes } => {
+            RowDecoder::Ggml {
+                ty,
+                data,
+                row_bytes,
+            } => {
                 let row_data = &data[row * row_bytes..(row + 1) * row_bytes];
                 ty.decode_block(row_data, block, out)
             }

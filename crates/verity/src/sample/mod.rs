@@ -113,7 +113,11 @@ impl Sampler {
         let mut l = logits.to_vec();
         self.penalize(&mut l, history);
         let t = self.cfg.temperature.max(f32::MIN_POSITIVE);
-        let mut cand: Vec<(u32, f32)> = l.iter().enumerate().map(|(i, &x)| (i as u32, x / t)).collect();
+        let mut cand: Vec<(u32, f32)> = l
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| (i as u32, x / t))
+            .collect();
         cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if self.cfg.top_k > 0 && self.cfg.top_k < cand.len() {
             cand.truncate(self.cfg.top_k);
@@ -205,7 +209,10 @@ mod tests {
         // 1 and 3 tie at 3.0; penalizing 1 (3.0 → 1.5) leaves 3 on top.
         assert_eq!(s.sample(&LOGITS, &[1, 1]), 3);
         let d = sampler(|c| c.repetition_penalty = 2.0).distribution(&[-1.0, -1.0], &[0]);
-        assert_eq!(d[0].0, 1, "a negative logit is multiplied, so the seen token drops");
+        assert_eq!(
+            d[0].0, 1,
+            "a negative logit is multiplied, so the seen token drops"
+        );
     }
 
     #[test]
@@ -219,7 +226,11 @@ mod tests {
         let d = sampler(|c| c.top_p = 0.8).distribution(&LOGITS, &[]);
         assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 3, 2]);
         let d = sampler(|c| c.min_p = 0.5).distribution(&LOGITS, &[]);
-        assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 3], "2 is e^-1 ≈ 0.37 of the top");
+        assert_eq!(
+            d.iter().map(|x| x.0).collect::<Vec<_>>(),
+            vec![1, 3],
+            "2 is e^-1 ≈ 0.37 of the top"
+        );
         let total: f32 = d.iter().map(|x| x.1).sum();
         assert!((total - 1.0).abs() < 1e-6);
     }
@@ -245,7 +256,10 @@ mod tests {
             let f = counts[tok as usize] as f32 / n as f32;
             // 5 standard deviations of a binomial proportion.
             let sd = (p * (1.0 - p) / n as f32).sqrt();
-            assert!((f - p).abs() <= 5.0 * sd + 1e-4, "token {tok}: frequency {f} vs p {p}");
+            assert!(
+                (f - p).abs() <= 5.0 * sd + 1e-4,
+                "token {tok}: frequency {f} vs p {p}"
+            );
         }
         let mut s9 = sampler(|c| c.seed = 9);
         let b: Vec<u32> = (0..50).map(|_| s9.sample(&LOGITS, &[])).collect();
@@ -260,11 +274,26 @@ mod tests {
     #[test]
     fn invalid_settings_are_rejected() {
         for cfg in [
-            SamplerConfig { temperature: -1.0, ..Default::default() },
-            SamplerConfig { top_p: 0.0, ..Default::default() },
-            SamplerConfig { min_p: 1.0, ..Default::default() },
-            SamplerConfig { repetition_penalty: 0.0, ..Default::default() },
-            SamplerConfig { temperature: f32::NAN, ..Default::default() },
+            SamplerConfig {
+                temperature: -1.0,
+                ..Default::default()
+            },
+            SamplerConfig {
+                top_p: 0.0,
+                ..Default::default()
+            },
+            SamplerConfig {
+                min_p: 1.0,
+                ..Default::default()
+            },
+            SamplerConfig {
+                repetition_penalty: 0.0,
+                ..Default::default()
+            },
+            SamplerConfig {
+                temperature: f32::NAN,
+                ..Default::default()
+            },
         ] {
             assert!(Sampler::new(cfg).is_err(), "{cfg:?}");
         }

@@ -30,7 +30,8 @@ pub const HF_BUNDLES: &[&str] = &[
 
 /// SmolLM2-135M-Instruct Q4_1, fetched into verity's cache on first use (as `verity fetch` does).
 pub fn smollm2() -> PathBuf {
-    verity::registry::resolve(verity::registry::DEFAULT_MODEL, &mut |_, _| {}).expect("fetching smollm2-135m")
+    verity::registry::resolve(verity::registry::DEFAULT_MODEL, &mut |_, _| {})
+        .expect("fetching smollm2-135m")
 }
 
 pub fn backend() -> Arc<CpuBackend> {
@@ -44,7 +45,10 @@ pub fn load_model(path: &Path) -> Model<CpuBackend> {
 
 pub fn read_f32(path: &Path) -> Vec<f32> {
     let bytes = std::fs::read(path).unwrap();
-    bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 pub fn json(path: &Path) -> serde_json::Value {
@@ -52,5 +56,9 @@ pub fn json(path: &Path) -> serde_json::Value {
 }
 
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }

@@ -33,7 +33,9 @@ pub fn attention(
     let q_dim = s.n_heads * hd;
     let kv_dim = s.n_kv_heads * hd;
     assert!(q.len() >= s.rows * q_dim && out.len() >= s.rows * q_dim);
-    assert!(k_cache.len() >= (s.base + s.rows) * kv_dim && v_cache.len() >= (s.base + s.rows) * kv_dim);
+    assert!(
+        k_cache.len() >= (s.base + s.rows) * kv_dim && v_cache.len() >= (s.base + s.rows) * kv_dim
+    );
     let out_ptr = OutPtr(out.as_mut_ptr());
     pool.install(|| {
         (0..s.rows * s.n_heads).into_par_iter().for_each_init(
@@ -44,7 +46,11 @@ pub fn attention(
                 let qv = &q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd];
                 slots.clear();
                 slots.extend(0..s.base);
-                slots.extend((0..s.rows).filter(|&j| mask.sees(s.rows, i, j)).map(|j| s.base + j));
+                slots.extend(
+                    (0..s.rows)
+                        .filter(|&j| mask.sees(s.rows, i, j))
+                        .map(|j| s.base + j),
+                );
                 scores.clear();
                 let mut max = f32::NEG_INFINITY;
                 for &slot in slots.iter() {
@@ -59,7 +65,8 @@ pub fn attention(
                     sum += *sc;
                 }
                 // SAFETY: the slice [i*q_dim + h*hd, +hd) belongs to this task alone and lies inside `out`.
-                let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.at(i * q_dim + h * hd), hd) };
+                let o =
+                    unsafe { std::slice::from_raw_parts_mut(out_ptr.at(i * q_dim + h * hd), hd) };
                 o.fill(0.0);
                 for (&slot, &p) in slots.iter().zip(scores.iter()) {
                     let vv = &v_cache[slot * kv_dim + kvh * hd..slot * kv_dim + (kvh + 1) * hd];

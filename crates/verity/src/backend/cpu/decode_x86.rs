@@ -18,12 +18,33 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 /// The CPU must support AVX2 and FMA.
 #[inline(always)]
 pub unsafe fn decode(dec: &RowDecoder, row: usize, b: usize, out: &mut [f32]) {
-    if let RowDecoder::Ggml { ty, data, row_bytes } = *dec {
+    if let RowDecoder::Ggml {
+        ty,
+        data,
+        row_bytes,
+    } = *dec
+    {
         let bb = ty.block_bytes();
         let off = row * row_bytes + b * bb;
         match ty {
-            GgmlType::Q4_0 => return q4(&data[off..off + 18], f16_at(data, off), -8.0 * f16_at(data, off), 2, out),
-            GgmlType::Q4_1 => return q4(&data[off..off + 20], f16_at(data, off), f16_at(data, off + 2), 4, out),
+            GgmlType::Q4_0 => {
+                return q4(
+                    &data[off..off + 18],
+                    f16_at(data, off),
+                    -8.0 * f16_at(data, off),
+                    2,
+                    out,
+                )
+            }
+            GgmlType::Q4_1 => {
+                return q4(
+                    &data[off..off + 20],
+                    f16_at(data, off),
+                    f16_at(data, off + 2),
+                    4,
+                    out,
+                )
+            }
             GgmlType::Q8_0 => return q8_0(&data[off..off + 34], out),
             _ => {}
         }

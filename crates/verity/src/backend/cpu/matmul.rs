@@ -11,7 +11,6 @@ use rayon::prelude::*;
 use super::simd::{self, Isa};
 use crate::quant::{QMatrix, RowDecoder};
 
-
 struct OutPtr(*mut f32);
 // SAFETY: each task writes a disjoint set of output columns.
 unsafe impl Send for OutPtr {}
@@ -87,15 +86,49 @@ thread_local! {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn tile_scalar(dec: &RowDecoder, n0: usize, n1: usize, n_out: usize, k: usize, bl: usize, x: &[f32], rows: usize, out: *mut f32) {
+fn tile_scalar(
+    dec: &RowDecoder,
+    n0: usize,
+    n1: usize,
+    n_out: usize,
+    k: usize,
+    bl: usize,
+    x: &[f32],
+    rows: usize,
+    out: *mut f32,
+) {
     // SAFETY: the portable path needs no special instructions; `out` is valid as `tile` requires.
-    unsafe { tile(|d, r, b, o| d.decode(r, b, o), simd::dot_scalar, dec, n0, n1, n_out, k, bl, x, rows, out) }
+    unsafe {
+        tile(
+            |d, r, b, o| d.decode(r, b, o),
+            simd::dot_scalar,
+            dec,
+            n0,
+            n1,
+            n_out,
+            k,
+            bl,
+            x,
+            rows,
+            out,
+        )
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_avx2(dec: &RowDecoder, n0: usize, n1: usize, n_out: usize, k: usize, bl: usize, x: &[f32], rows: usize, out: *mut f32) {
+unsafe fn tile_avx2(
+    dec: &RowDecoder,
+    n0: usize,
+    n1: usize,
+    n_out: usize,
+    k: usize,
+    bl: usize,
+    x: &[f32],
+    rows: usize,
+    out: *mut f32,
+) {
     tile(
         |d, r, b, o| super::decode_x86::decode(d, r, b, o),
         |a, b| simd::dot_avx2(a, b),
@@ -114,6 +147,28 @@ unsafe fn tile_avx2(dec: &RowDecoder, n0: usize, n1: usize, n_out: usize, k: usi
 #[cfg(target_arch = "aarch64")]
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "neon")]
-unsafe fn tile_neon(dec: &RowDecoder, n0: usize, n1: usize, n_out: usize, k: usize, bl: usize, x: &[f32], rows: usize, out: *mut f32) {
-    tile(|d, r, b, o| d.decode(r, b, o), |a, b| simd::dot_neon(a, b), dec, n0, n1, n_out, k, bl, x, rows, out)
+unsafe fn tile_neon(
+    dec: &RowDecoder,
+    n0: usize,
+    n1: usize,
+    n_out: usize,
+    k: usize,
+    bl: usize,
+    x: &[f32],
+    rows: usize,
+    out: *mut f32,
+) {
+    tile(
+        |d, r, b, o| d.decode(r, b, o),
+        |a, b| simd::dot_neon(a, b),
+        dec,
+        n0,
+        n1,
+        n_out,
+        k,
+        bl,
+        x,
+        rows,
+        out,
+    )
 }

@@ -85,19 +85,50 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn rms_norm(&self, x: &Vec<f32>, w: &Vec<f32>, rows: usize, dim: usize, eps: f32, out: &mut Vec<f32>) {
+    fn rms_norm(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Vec<f32>,
+    ) {
         ops::rms_norm(x, w, rows, dim, eps, out)
     }
 
-    fn rope(&self, x: &mut Vec<f32>, positions: &[usize], n_heads: usize, head_dim: usize, theta: f32, style: RopeStyle) {
+    fn rope(
+        &self,
+        x: &mut Vec<f32>,
+        positions: &[usize],
+        n_heads: usize,
+        head_dim: usize,
+        theta: f32,
+        style: RopeStyle,
+    ) {
         ops::rope(x, positions, n_heads, head_dim, theta, style)
     }
 
-    fn kv_write(&self, cache: &mut Vec<f32>, src: &Vec<f32>, slot: usize, rows: usize, kv_dim: usize) {
+    fn kv_write(
+        &self,
+        cache: &mut Vec<f32>,
+        src: &Vec<f32>,
+        slot: usize,
+        rows: usize,
+        kv_dim: usize,
+    ) {
         cache[slot * kv_dim..(slot + rows) * kv_dim].copy_from_slice(&src[..rows * kv_dim]);
     }
 
-    fn attention(&self, q: &Vec<f32>, k: &Vec<f32>, v: &Vec<f32>, shape: AttnShape, mask: &AttnMask, out: &mut Vec<f32>) {
+    fn attention(
+        &self,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        shape: AttnShape,
+        mask: &AttnMask,
+        out: &mut Vec<f32>,
+    ) {
         attention::attention(&self.pool, q, k, v, shape, mask, out)
     }
 

@@ -16,7 +16,14 @@ pub fn rms_norm(x: &[f32], w: &[f32], rows: usize, dim: usize, eps: f32, out: &m
 
 /// Rotate every head of every row by its position. Angles are computed in f64 and rounded once, so they are
 /// as accurate as f32 allows and identical for a given position in any batch.
-pub fn rope(x: &mut [f32], positions: &[usize], n_heads: usize, head_dim: usize, theta: f32, style: RopeStyle) {
+pub fn rope(
+    x: &mut [f32],
+    positions: &[usize],
+    n_heads: usize,
+    head_dim: usize,
+    theta: f32,
+    style: RopeStyle,
+) {
     let half = head_dim / 2;
     let mut cs = vec![(0f32, 0f32); half];
     for (r, &pos) in positions.iter().enumerate() {
