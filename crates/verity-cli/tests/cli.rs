@@ -1,0 +1,167 @@
+//! The `verity` binary end to end: real processes, real files, exit codes and messages.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn verity(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_verity"))
+        .args(args)
+        .output()
+        .expect("running verity")
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../verity/tests/fixtures/hf")
+        .join(name)
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn run_streams_an_answer_and_reports_speed() {
+    let b = fixture("llama-f32");
+    let out = verity(&[
+        "--threads",
+        "2",
+        "run",
+        "--model",
+        b.to_str().unwrap(),
+        "--max-tokens",
+        "6",
+        "hello",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("tok/s"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn fetch_is_idempotent_and_inspect_describes_the_default_model() {
+    let a = verity(&["fetch"]);
+    let b = verity(&["fetch"]);
+    assert!(
+        a.status.success() && b.status.success(),
+        "{}",
+        text(&a.stderr)
+    );
+    assert_eq!(text(&a.stdout), text(&b.stdout));
+    let path = text(&a.stdout).trim().to_string();
+    assert!(path.ends_with(".gguf") && Path::new(&path).is_file());
+    let out = verity(&["inspect", "smollm2-135m"]);
+    let s = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    for needle in [
+        "architecture  llama",
+        "30 layers",
+        "Q4_1",
+        "<|im_end|>",
+        "chat template",
+    ] {
+        assert!(s.contains(needle), "inspect output lacks {needle:?}:\n{s}");
+    }
+}
+
+#[test]
+fn bad_input_exits_nonzero_with_the_file_and_problem_named() {
+    let dir = std::env::temp_dir().join(format!("verity-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("broken.gguf");
+    std::fs::write(&bad, b"GGML not really a model").unwrap();
+    for args in [
+        vec!["inspect", bad.to_str().unwrap()],
+        vec!["run", "--model", bad.to_str().unwrap(), "hi"],
+    ] {
+        let out = verity(&args);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains("broken.gguf") && err.contains("not a GGUF file"),
+            "{args:?}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    let out = verity(&["run", "--model", "no-such-model", "hi"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("not a known model"));
+    let out = verity(&[
+        "run",
+        "--model",
+        fixture("llama-f32").to_str().unwrap(),
+        "--top-p",
+        "0",
+        "hi",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("top_p"));
+}
+
+#[test]
+fn bench_speed_writes_the_documented_records() {
+    let dir = std::env::temp_dir().join(format!("verity-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let prompts = dir.join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        concat!(
+            r#"{"id":"p1","category":"prose","messages":[{"role":"user","content":"Say something."}]}"#,
+            "\n",
+            r#"{"id":"c1","category":"conversation","turns":[{"role":"user","content":"Hi."},{"role":"user","content":"More."}]}"#,
+            "\n"
+        ),
+    )
+    .unwrap();
+    let json = dir.join("out.json");
+    let b = fixture("llama-f32");
+    let out = verity(&[
+        "bench",
+        "speed",
+        "--model",
+        b.to_str().unwrap(),
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--max-tokens",
+        "8",
+        "--repeat",
+        "2",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let records: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(
+        records.len(),
+        2 * (1 + 2),
+        "repeats × (1 single-turn + 2 conversation turns)"
+    );
+    for r in &records {
+        for key in [
+            "prompt_id",
+            "category",
+            "turn",
+            "route",
+            "repeat",
+            "prompt_tokens",
+            "restored_tokens",
+            "completion_tokens",
+            "ttft_s",
+            "decode_tok_s",
+            "cycles",
+            "accepted_per_cycle",
+            "draft_s",
+            "verify_s",
+            "other_s",
+            "text",
+        ] {
+            assert!(r.get(key).is_some(), "record lacks {key}: {r}");
+        }
+    }
+    let turn2 = records.iter().find(|r| r["turn"] == 2).unwrap();
+    assert!(
+        turn2["restored_tokens"].as_u64().unwrap() > 0,
+        "turn 2 reuses turn 1's cache"
+    );
+    assert!(text(&out.stdout).contains("route"), "summary table printed");
+}
