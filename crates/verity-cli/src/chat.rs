@@ -12,7 +12,7 @@ pub struct Args {
 /// A read-eval loop over stdin. The session keeps the KV cache of the conversation, so each turn prefills only
 /// the tokens the previous turn did not already cache.
 pub fn main(a: Args, threads: usize) -> Result<()> {
-    let mut engine = crate::load::engine(&a.gen.model, threads)?;
+    let mut engine = crate::load::engine(&a.gen.model, threads, &a.gen.speculation)?;
     let mut sess = engine.new_session();
     let mut messages = a.gen.first_messages();
     let req = a.gen.request();
@@ -37,13 +37,7 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
         let prompt = engine.chat_prompt(&messages)?;
         let (ids, stats) = crate::run::stream(&mut engine, &mut sess, &prompt, &req)?;
         println!();
-        eprintln!(
-            "[{} prompt tokens ({} reused), {} tokens, {:.1} tok/s]",
-            stats.prompt_tokens,
-            stats.restored_tokens,
-            stats.completion_tokens,
-            stats.decode_tok_s()
-        );
+        eprintln!("[{}]", stats.summary());
         messages.push(Message::new("assistant", &engine.tokenizer.decode(&ids)?));
     }
     Ok(())

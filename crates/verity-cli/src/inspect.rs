@@ -88,7 +88,12 @@ pub fn main(a: Args) -> Result<()> {
         }
         Err(e) => println!("tokenizer     unavailable: {e}"),
     }
-    println!("speculation   plan: AR (speculative routes are not built yet)");
+    let plan = verity::spec::plan(&b, &verity::spec::SpecMode::Auto)?;
+    println!(
+        "speculation   auto → {} ({})",
+        plan.route.name(),
+        plan.reason
+    );
     Ok(())
 }
 

@@ -8,6 +8,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use verity::backend::cpu::CpuBackend;
 use verity::engine::Engine;
 use verity::registry;
+use verity::spec::SpecMode;
 
 /// The path of a model argument, fetching a known model with a progress bar if needed.
 pub fn resolve(model: &str) -> Result<PathBuf> {
@@ -28,8 +29,16 @@ pub fn resolve(model: &str) -> Result<PathBuf> {
     Ok(path)
 }
 
-pub fn engine(model: &str, threads: usize) -> Result<Engine<CpuBackend>> {
+pub fn engine(model: &str, threads: usize, mode: &SpecMode) -> Result<Engine<CpuBackend>> {
+    engine_on(model, Arc::new(CpuBackend::new(threads)?), mode)
+}
+
+/// Load on an existing backend (several engines of one benchmark share its thread pool).
+pub fn engine_on(
+    model: &str,
+    backend: Arc<CpuBackend>,
+    mode: &SpecMode,
+) -> Result<Engine<CpuBackend>> {
     let path = resolve(model)?;
-    let backend = Arc::new(CpuBackend::new(threads)?);
-    Engine::load(&path, backend).with_context(|| format!("loading {}", path.display()))
+    Engine::load(&path, backend, mode).with_context(|| format!("loading {}", path.display()))
 }

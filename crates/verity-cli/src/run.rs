@@ -5,6 +5,7 @@ use verity::chat::{Message, StreamDecoder};
 use verity::engine::GenerateRequest;
 use verity::registry;
 use verity::sample::SamplerConfig;
+use verity::spec::SpecMode;
 
 /// Generation settings shared by `run` and `chat`.
 #[derive(clap::Args, Clone)]
@@ -33,6 +34,9 @@ pub struct GenArgs {
     /// Optional system prompt.
     #[arg(long)]
     pub system: Option<String>,
+    /// Speculative decoding: auto, off, copy, draft-model=PATH.
+    #[arg(long, default_value = "auto")]
+    pub speculation: SpecMode,
 }
 
 impl GenArgs {
@@ -48,6 +52,7 @@ impl GenArgs {
                 seed: self.seed,
             },
             ignore_eos: false,
+            speculate: true,
         }
     }
 
@@ -68,21 +73,14 @@ pub struct Args {
 }
 
 pub fn main(a: Args, threads: usize) -> Result<()> {
-    let mut engine = crate::load::engine(&a.gen.model, threads)?;
+    let mut engine = crate::load::engine(&a.gen.model, threads, &a.gen.speculation)?;
     let mut messages = a.gen.first_messages();
     messages.push(Message::new("user", &a.prompt));
     let prompt = engine.chat_prompt(&messages)?;
     let mut sess = engine.new_session();
     let req = a.gen.request();
     let (_, stats) = stream(&mut engine, &mut sess, &prompt, &req)?;
-    eprintln!(
-        "\n[{} prompt tokens, {} completion tokens; time to first token {:.3} s; decode {:.1} tok/s; stop: {:?}]",
-        stats.prompt_tokens,
-        stats.completion_tokens,
-        stats.ttft_s,
-        stats.decode_tok_s(),
-        stats.stop
-    );
+    eprintln!("\n[{}]", stats.summary());
     Ok(())
 }
 

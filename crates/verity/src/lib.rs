@@ -15,6 +15,7 @@ pub mod model;
 pub mod quant;
 pub mod registry;
 pub mod sample;
+pub mod spec;
 pub mod storage;
 
 pub use error::{Error, Result};

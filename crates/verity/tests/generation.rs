@@ -8,9 +8,10 @@ use verity::backend::cpu::CpuBackend;
 use verity::chat::Message;
 use verity::engine::{Engine, GenerateRequest, StopReason};
 use verity::sample::SamplerConfig;
+use verity::spec::SpecMode;
 
 fn engine() -> Engine<CpuBackend> {
-    Engine::load(&smollm2(), backend()).unwrap()
+    Engine::load(&smollm2(), backend(), &SpecMode::Off).unwrap()
 }
 
 fn answer(
@@ -31,11 +32,7 @@ fn answer(
 }
 
 fn greedy(max_tokens: usize) -> GenerateRequest {
-    GenerateRequest {
-        max_tokens,
-        sampling: SamplerConfig::greedy(),
-        ignore_eos: false,
-    }
+    GenerateRequest::greedy(max_tokens)
 }
 
 #[test]
@@ -83,6 +80,7 @@ fn sampling_is_fixed_by_the_seed() {
             seed,
         },
         ignore_eos: true,
+        speculate: true,
     };
     let q = "Tell me a story about a dragon.";
     let a = answer(&mut e, q, &req(7));

@@ -4,9 +4,13 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
+use std::sync::Arc;
+
+use verity::backend::cpu::CpuBackend;
 use verity::chat::Message;
 use verity::engine::GenerateRequest;
 use verity::sample::SamplerConfig;
+use verity::spec::SpecMode;
 
 use super::prompts;
 use super::summary::{self, Record};
@@ -16,9 +20,12 @@ pub struct Args {
     /// A bundle path or a known model name.
     #[arg(long, default_value = verity::registry::DEFAULT_MODEL)]
     model: String,
-    /// Comma-separated routes (available now: ar).
+    /// Comma-separated routes: ar, copy, draft_model, auto.
     #[arg(long, default_value = "ar")]
     routes: String,
+    /// The draft model of the draft_model route (default: the target itself, i.e. self-drafting).
+    #[arg(long)]
+    draft_model: Option<String>,
     #[arg(long, default_value = "../shared/bench/prompts.jsonl")]
     prompts: PathBuf,
     /// Only the prompts with these ids (comma-separated).
@@ -38,12 +45,11 @@ pub struct Args {
 }
 
 pub fn main(a: Args, threads: usize) -> Result<()> {
-    let routes: Vec<String> = a.routes.split(',').map(|s| s.trim().to_string()).collect();
-    for r in &routes {
-        if r != "ar" {
-            bail!("route {r:?} is not available yet (available: ar)");
-        }
-    }
+    let routes: Vec<String> = a
+        .routes
+        .split(',')
+        .map(|s| s.trim().replace('-', "_"))
+        .collect();
     let mut prompts = prompts::load(&a.prompts)?;
     if let Some(ids) = &a.ids {
         let ids: Vec<&str> = ids.split(',').collect();
@@ -52,7 +58,23 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
     if prompts.is_empty() {
         bail!("no prompts selected from {}", a.prompts.display());
     }
-    let mut engine = crate::load::engine(&a.model, threads)?;
+    let backend = Arc::new(CpuBackend::new(threads)?);
+    let target = crate::load::resolve(&a.model)?;
+    let target = target.to_str().context("model path is not UTF-8")?;
+    let mut engines = Vec::new();
+    for r in &routes {
+        let mode = match r.as_str() {
+            "ar" => SpecMode::Off,
+            "copy" => SpecMode::Copy,
+            "auto" => SpecMode::Auto,
+            "draft_model" => {
+                let d = a.draft_model.as_deref().unwrap_or(target);
+                SpecMode::DraftModel(Some(crate::load::resolve(d)?))
+            }
+            other => bail!("unknown route {other:?} (ar, copy, draft_model, auto)"),
+        };
+        engines.push(crate::load::engine_on(target, backend.clone(), &mode)?);
+    }
     let req = GenerateRequest {
         max_tokens: a.max_tokens,
         sampling: SamplerConfig {
@@ -61,11 +83,12 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
             ..SamplerConfig::default()
         },
         ignore_eos: false,
+        speculate: true,
     };
     let mut records = Vec::new();
     for repeat in 0..a.repeat {
         for p in &prompts {
-            for route in &routes {
+            for (route, engine) in routes.iter().zip(engines.iter_mut()) {
                 let mut sess = engine.new_session();
                 let mut messages: Vec<Message> = Vec::new();
                 for (ti, turn) in p.turns().into_iter().enumerate() {
@@ -91,11 +114,11 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
                         completion_tokens: stats.completion_tokens,
                         ttft_s: stats.ttft_s,
                         decode_tok_s: stats.decode_tok_s(),
-                        cycles: stats.completion_tokens,
-                        accepted_per_cycle: 1.0,
-                        draft_s: 0.0,
-                        verify_s: stats.decode_s,
-                        other_s: 0.0,
+                        cycles: stats.cycles,
+                        accepted_per_cycle: stats.tokens_per_cycle(),
+                        draft_s: stats.draft_s,
+                        verify_s: stats.verify_s,
+                        other_s: stats.other_s,
                         text,
                     };
                     eprintln!(

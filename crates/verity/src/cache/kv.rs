@@ -78,6 +78,16 @@ impl<B: Backend> KvCache<B> {
         self.len += rows;
     }
 
+    /// The committed K and V of every layer, downloaded (tests compare caches of different routes with it).
+    pub fn snapshot(&self, backend: &B) -> Vec<(Vec<f32>, Vec<f32>)> {
+        let n = self.len * self.kv_dim;
+        self.k
+            .iter()
+            .zip(&self.v)
+            .map(|(k, v)| (backend.download(k, n), backend.download(v, n)))
+            .collect()
+    }
+
     /// Roll back to the first `len` slots (a rejected speculative suffix, or a new conversation sharing a prefix).
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);

@@ -1,9 +1,18 @@
-//! The request loop: prompt → prefill (reusing the session's cached prefix) → decode → stream tokens, with stop
-//! conditions and timing. Plain autoregressive decoding lives here; speculative routes plug in beside it.
+//! The request loop: prompt → prefill (reusing the session's cached prefix) → decode cycles → stream tokens.
+//!
+//! One loop serves every route. A cycle runs `[pending, d1..dk]` through the target in one forward (`pending` is
+//! the last emitted token, not yet in the cache; `d1..dk` a proposer's drafts), lets the verifier keep a prefix
+//! of the drafts and choose the next token, truncates the cache to the kept path and tells the proposer. Plain
+//! AR decoding is the same cycle with `k = 0`, so the AR route and the speculative routes share every numeric
+//! step, and row-exactness of the forward makes their greedy output identical.
+
+mod stats;
 
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
+
+pub use stats::{GenerationStats, StopReason};
 
 use crate::backend::Backend;
 use crate::bundle::Bundle;
@@ -11,7 +20,10 @@ use crate::cache::KvCache;
 use crate::chat::{ChatTemplate, Message, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::{Batch, LogitRows, Model};
-use crate::sample::{Sampler, SamplerConfig};
+use crate::sample::SamplerConfig;
+use crate::spec::copy::SuffixCopy;
+use crate::spec::draft_model::DraftModel;
+use crate::spec::{self, Controller, Plan, Proposer, Route, SpecMode, Verifier};
 
 /// Rows per prefill forward: large enough to amortize weight reads, small enough to bound scratch memory.
 pub const PREFILL_CHUNK: usize = 64;
@@ -22,37 +34,17 @@ pub struct GenerateRequest {
     pub sampling: SamplerConfig,
     /// Keep generating through stop tokens (benchmarks that need a fixed length).
     pub ignore_eos: bool,
+    /// Use the engine's speculative route (false = AR for this request).
+    pub speculate: bool,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StopReason {
-    /// A stop token (EOS / end of turn) was produced; it is not part of the completion.
-    Stop,
-    MaxTokens,
-    ContextFull,
-    /// The token callback asked to stop.
-    Cancelled,
-}
-
-#[derive(Debug, Clone)]
-pub struct GenerationStats {
-    pub prompt_tokens: usize,
-    /// Prompt tokens whose K/V were already in the session cache.
-    pub restored_tokens: usize,
-    pub completion_tokens: usize,
-    pub ttft_s: f64,
-    /// From the first completion token to the last.
-    pub decode_s: f64,
-    pub stop: StopReason,
-}
-
-impl GenerationStats {
-    /// Completion tokens after the first, per second of decode time.
-    pub fn decode_tok_s(&self) -> f64 {
-        if self.completion_tokens > 1 && self.decode_s > 0.0 {
-            (self.completion_tokens - 1) as f64 / self.decode_s
-        } else {
-            0.0
+impl GenerateRequest {
+    pub fn greedy(max_tokens: usize) -> Self {
+        GenerateRequest {
+            max_tokens,
+            sampling: SamplerConfig::greedy(),
+            ignore_eos: false,
+            speculate: true,
         }
     }
 }
@@ -67,13 +59,16 @@ pub struct Engine<B: Backend> {
     pub model: Model<B>,
     pub tokenizer: Tokenizer,
     template: Option<ChatTemplate>,
+    pub plan: Plan,
+    proposer: Option<Box<dyn Proposer>>,
 }
 
 impl<B: Backend> Engine<B> {
-    pub fn load(path: &Path, backend: Arc<B>) -> Result<Self> {
+    /// Load a bundle and set up the speculative route `mode` resolves to.
+    pub fn load(path: &Path, backend: Arc<B>, mode: &SpecMode) -> Result<Self> {
         let bundle = Bundle::open(path)?;
         let tokenizer = Tokenizer::from_bundle(&bundle)?;
-        let model = Model::load(&bundle, backend)?;
+        let model = Model::load(&bundle, backend.clone())?;
         if tokenizer.vocab_size() > model.hp.vocab {
             return Err(Error::Invalid(format!(
                 "the tokenizer has {} tokens but the model only {}",
@@ -93,11 +88,37 @@ impl<B: Backend> Engine<B> {
             }
             None => None,
         };
+        let plan = spec::plan(&bundle, mode)?;
+        let proposer: Option<Box<dyn Proposer>> = match &plan.route {
+            Route::Ar => None,
+            Route::Copy => Some(Box::new(SuffixCopy::new())),
+            Route::DraftModel(p) => {
+                let draft_bundle = Bundle::open(p)?;
+                let draft_tok = Tokenizer::from_bundle(&draft_bundle)?;
+                if draft_tok.vocab_size() != tokenizer.vocab_size() {
+                    return Err(Error::Invalid(format!(
+                        "draft model {} has another tokenizer ({} tokens, the target has {})",
+                        p.display(),
+                        draft_tok.vocab_size(),
+                        tokenizer.vocab_size()
+                    )));
+                }
+                let draft = Model::load(&draft_bundle, backend)?;
+                Some(Box::new(DraftModel::new(draft, model.hp.vocab, None)?))
+            }
+        };
         Ok(Engine {
             model,
             tokenizer,
             template,
+            plan,
+            proposer,
         })
+    }
+
+    /// Replace the proposer (tests drive the loop with adversarial proposers through this).
+    pub fn set_proposer(&mut self, proposer: Option<Box<dyn Proposer>>) {
+        self.proposer = proposer;
     }
 
     pub fn has_chat_template(&self) -> bool {
@@ -126,42 +147,33 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// Prefill `prompt` into the session (reusing the longest cached prefix) and return the last row's logits.
-    pub fn prefill(&mut self, sess: &mut Session<B>, prompt: &[u32]) -> Result<(Vec<f32>, usize)> {
-        if prompt.is_empty() {
-            return Err(Error::Invalid("empty prompt".into()));
-        }
-        // Keep at least the last prompt token to recompute: its logits start the completion.
+    /// Bring the session's cache to `prompt[..len - 1]`, reusing the longest cached prefix; the last prompt
+    /// token stays out of the cache (it starts the first decode cycle). Returns the number of reused tokens.
+    fn prefill(&mut self, sess: &mut Session<B>, prompt: &[u32]) -> Result<usize> {
+        let body = &prompt[..prompt.len() - 1];
         let common = sess
             .tokens
             .iter()
-            .zip(prompt)
+            .zip(body)
             .take_while(|(a, b)| a == b)
-            .count()
-            .min(prompt.len() - 1);
+            .count();
         sess.cache.truncate(common);
         sess.tokens.truncate(common);
-        let mut logits = Vec::new();
-        let mut pos = common;
-        for chunk in prompt[common..].chunks(PREFILL_CHUNK) {
-            let last = pos + chunk.len() == prompt.len();
-            let rows = if last {
-                LogitRows::Last
-            } else {
-                LogitRows::None
-            };
-            let out = self
-                .model
-                .forward(&mut sess.cache, &Batch::causal(chunk, pos), rows, &[])?;
+        for chunk in body[common..].chunks(PREFILL_CHUNK) {
+            let pos = sess.tokens.len();
+            self.model.forward(
+                &mut sess.cache,
+                &Batch::causal(chunk, pos),
+                LogitRows::None,
+                &[],
+            )?;
             sess.tokens.extend_from_slice(chunk);
-            pos += chunk.len();
-            logits = out.logits;
         }
-        Ok((logits, common))
+        Ok(common)
     }
 
-    /// Generate a completion of `prompt` by plain autoregressive decoding. `on_token` receives each completion
-    /// token as it is produced (with the tokenizer, for streaming text) and returns `false` to stop.
+    /// Generate a completion of `prompt`. `on_token` receives each completion token as it is produced (with the
+    /// tokenizer, for streaming text) and returns `false` to stop.
     pub fn generate(
         &mut self,
         sess: &mut Session<B>,
@@ -169,50 +181,154 @@ impl<B: Backend> Engine<B> {
         req: &GenerateRequest,
         mut on_token: impl FnMut(&Tokenizer, u32) -> bool,
     ) -> Result<GenerationStats> {
+        if prompt.is_empty() {
+            return Err(Error::Invalid("empty prompt".into()));
+        }
         let start = Instant::now();
-        let mut sampler = Sampler::new(req.sampling)?;
-        let (mut logits, restored) = self.prefill(sess, prompt)?;
-        let mut stats = GenerationStats {
-            prompt_tokens: prompt.len(),
-            restored_tokens: restored,
-            completion_tokens: 0,
-            ttft_s: 0.0,
-            decode_s: 0.0,
-            stop: StopReason::MaxTokens,
+        let mut verifier = Verifier::new(req.sampling)?;
+        if prompt.len() > sess.cache.max_capacity() {
+            return Err(Error::Invalid(format!(
+                "the prompt ({} tokens) exceeds the context length ({})",
+                prompt.len(),
+                sess.cache.max_capacity()
+            )));
+        }
+        let restored = self.prefill(sess, prompt)?;
+        let mut proposer = if req.speculate {
+            self.proposer.take()
+        } else {
+            None
         };
+        if let Some(p) = proposer.as_mut() {
+            p.reset(&req.sampling);
+        }
+        let result = self.decode(
+            sess,
+            prompt,
+            req,
+            &mut verifier,
+            proposer.as_deref_mut(),
+            start,
+            &mut on_token,
+        );
+        if proposer.is_some() {
+            self.proposer = proposer;
+        }
+        let mut stats = result?;
+        stats.prompt_tokens = prompt.len();
+        stats.restored_tokens = restored;
+        Ok(stats)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn decode(
+        &mut self,
+        sess: &mut Session<B>,
+        prompt: &[u32],
+        req: &GenerateRequest,
+        verifier: &mut Verifier,
+        mut proposer: Option<&mut (dyn Proposer + 'static)>,
+        start: Instant,
+        on_token: &mut impl FnMut(&Tokenizer, u32) -> bool,
+    ) -> Result<GenerationStats> {
+        let vocab = self.model.hp.vocab;
+        let mut stats = GenerationStats::new(proposer.as_ref().map_or("ar", |p| p.name()));
+        let mut controller = Controller::default();
+        // `context` = committed tokens + `pending` (its last element).
+        let mut context = prompt.to_vec();
         let mut first_at = None;
-        while stats.completion_tokens < req.max_tokens {
-            let tok = sampler.sample(&logits, &sess.tokens);
-            if first_at.is_none() {
-                let now = Instant::now();
-                stats.ttft_s = (now - start).as_secs_f64();
-                first_at = Some(now);
-            }
-            if !req.ignore_eos && self.tokenizer.is_stop(tok) {
-                stats.stop = StopReason::Stop;
-                break;
-            }
-            stats.completion_tokens += 1;
-            if !on_token(&self.tokenizer, tok) {
-                stats.stop = StopReason::Cancelled;
-                break;
-            }
-            if stats.completion_tokens == req.max_tokens {
-                break;
-            }
-            if sess.cache.len() + 1 > sess.cache.max_capacity() {
+        'cycles: while stats.completion_tokens < req.max_tokens {
+            let n = sess.cache.len();
+            let room = sess.cache.max_capacity().saturating_sub(n + 1);
+            if n + 1 > sess.cache.max_capacity() {
                 stats.stop = StopReason::ContextFull;
                 break;
             }
-            let pos = sess.tokens.len();
+            // Drafting past the token limit or the context is wasted work.
+            let limit = (req.max_tokens - stats.completion_tokens - 1).min(room);
+            let t0 = Instant::now();
+            let draft = match proposer.as_deref_mut() {
+                Some(p) => {
+                    let k = controller.choose(p.width(limit));
+                    if k > 0 {
+                        let mut d = p.propose(&context, k)?;
+                        d.tokens.truncate(k);
+                        d.q.truncate(k);
+                        d
+                    } else {
+                        spec::Draft::default()
+                    }
+                }
+                None => spec::Draft::default(),
+            };
+            let t1 = Instant::now();
+            let pending = *context.last().expect("non-empty context");
+            let mut rows = Vec::with_capacity(1 + draft.tokens.len());
+            rows.push(pending);
+            rows.extend_from_slice(&draft.tokens);
             let out = self.model.forward(
                 &mut sess.cache,
-                &Batch::causal(&[tok], pos),
-                LogitRows::Last,
+                &Batch::causal(&rows, n),
+                LogitRows::All,
                 &[],
             )?;
-            sess.tokens.push(tok);
-            logits = out.logits;
+            let t2 = Instant::now();
+            let verdict = verifier.verify(&out.logits, vocab, &context, &draft.tokens, &draft.q);
+            // Commit the kept path: pending + accepted drafts; roll back the rest everywhere.
+            sess.cache.truncate(n + 1 + verdict.accepted);
+            sess.tokens.push(pending);
+            sess.tokens
+                .extend_from_slice(&draft.tokens[..verdict.accepted]);
+            if let Some(p) = proposer.as_deref_mut() {
+                p.observe(draft.tokens.len(), verdict.accepted);
+            }
+            controller.record(
+                draft.tokens.len(),
+                verdict.accepted,
+                rows.len(),
+                (t2 - t1).as_secs_f64(),
+                (t1 - t0).as_secs_f64(),
+            );
+            stats.record_cycle(
+                draft.tokens.len(),
+                verdict.accepted,
+                t1 - t0,
+                t2 - t1,
+                t2.elapsed(),
+            );
+
+            let emitted: Vec<u32> = draft.tokens[..verdict.accepted]
+                .iter()
+                .copied()
+                .chain([verdict.next])
+                .collect();
+            for (j, &tok) in emitted.iter().enumerate() {
+                if first_at.is_none() {
+                    let now = Instant::now();
+                    stats.ttft_s = (now - start).as_secs_f64();
+                    first_at = Some(now);
+                }
+                let stop = if !req.ignore_eos && self.tokenizer.is_stop(tok) {
+                    Some(StopReason::Stop)
+                } else {
+                    context.push(tok);
+                    stats.completion_tokens += 1;
+                    if !on_token(&self.tokenizer, tok) {
+                        Some(StopReason::Cancelled)
+                    } else if stats.completion_tokens == req.max_tokens {
+                        Some(StopReason::MaxTokens)
+                    } else {
+                        None
+                    }
+                };
+                if let Some(reason) = stop {
+                    // End exactly where AR would: the cache holds everything before `tok`.
+                    sess.cache.truncate(n + 1 + j);
+                    sess.tokens.truncate(n + 1 + j);
+                    stats.stop = reason;
+                    break 'cycles;
+                }
+            }
         }
         if let Some(t) = first_at {
             stats.decode_s = t.elapsed().as_secs_f64();

@@ -1,0 +1,120 @@
+//! Uniform statistics of a generation, the same for every route (llama.cpp prints one such block per
+//! speculative implementation; verity records them in every bench record).
+
+use std::time::Duration;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// A stop token (EOS / end of turn) was produced; it is not part of the completion.
+    Stop,
+    MaxTokens,
+    ContextFull,
+    /// The token callback asked to stop.
+    Cancelled,
+}
+
+#[derive(Debug, Clone)]
+pub struct GenerationStats {
+    pub route: &'static str,
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose K/V were already in the session cache.
+    pub restored_tokens: usize,
+    pub completion_tokens: usize,
+    pub ttft_s: f64,
+    /// From the first completion token to the last.
+    pub decode_s: f64,
+    pub stop: StopReason,
+    /// Verify forwards (one per cycle; AR: one per token).
+    pub cycles: usize,
+    pub drafted: usize,
+    pub accepted: usize,
+    pub draft_s: f64,
+    pub verify_s: f64,
+    /// Verification decisions, commits and bookkeeping.
+    pub other_s: f64,
+}
+
+impl GenerationStats {
+    pub fn new(route: &'static str) -> Self {
+        GenerationStats {
+            route,
+            prompt_tokens: 0,
+            restored_tokens: 0,
+            completion_tokens: 0,
+            ttft_s: 0.0,
+            decode_s: 0.0,
+            stop: StopReason::MaxTokens,
+            cycles: 0,
+            drafted: 0,
+            accepted: 0,
+            draft_s: 0.0,
+            verify_s: 0.0,
+            other_s: 0.0,
+        }
+    }
+
+    pub(crate) fn record_cycle(
+        &mut self,
+        drafted: usize,
+        accepted: usize,
+        draft: Duration,
+        verify: Duration,
+        other: Duration,
+    ) {
+        self.cycles += 1;
+        self.drafted += drafted;
+        self.accepted += accepted;
+        self.draft_s += draft.as_secs_f64();
+        self.verify_s += verify.as_secs_f64();
+        self.other_s += other.as_secs_f64();
+    }
+
+    /// Completion tokens after the first, per second of decode time.
+    pub fn decode_tok_s(&self) -> f64 {
+        if self.completion_tokens > 1 && self.decode_s > 0.0 {
+            (self.completion_tokens - 1) as f64 / self.decode_s
+        } else {
+            0.0
+        }
+    }
+
+    /// Tokens produced per verify forward (accepted drafts plus the target's own token); 1.0 for AR.
+    pub fn tokens_per_cycle(&self) -> f64 {
+        if self.cycles == 0 {
+            0.0
+        } else {
+            (self.cycles + self.accepted) as f64 / self.cycles as f64
+        }
+    }
+
+    /// Fraction of drafted tokens accepted.
+    pub fn acceptance(&self) -> f64 {
+        if self.drafted == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.drafted as f64
+        }
+    }
+
+    /// One line for logs and `verity run`.
+    pub fn summary(&self) -> String {
+        format!(
+            "route {}: {} prompt tokens ({} restored), {} completion tokens; ttft {:.3} s; {:.1} tok/s; {} cycles, \
+             {:.2} tokens/cycle, {}/{} drafts accepted; draft {:.3} s, verify {:.3} s, other {:.3} s; stop: {:?}",
+            self.route,
+            self.prompt_tokens,
+            self.restored_tokens,
+            self.completion_tokens,
+            self.ttft_s,
+            self.decode_tok_s(),
+            self.cycles,
+            self.tokens_per_cycle(),
+            self.accepted,
+            self.drafted,
+            self.draft_s,
+            self.verify_s,
+            self.other_s,
+            self.stop
+        )
+    }
+}

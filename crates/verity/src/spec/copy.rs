@@ -1,0 +1,186 @@
+//! The suffix-copy proposer (prompt lookup): if the recent tokens occurred earlier in the prompt or the answer,
+//! propose what followed them then. Free to run, and very effective when the answer copies its input (edits,
+//! code refactors, quoting).
+//!
+//! Invariants:
+//! - The index holds, for each n-gram length in `MIN_MATCH..=MAX_MATCH`, the latest position after which each
+//!   n-gram was followed by a token; it is extended incrementally as the context grows (O(MAX_MATCH) per token)
+//!   and truncated when the context shrinks (a rolled-back draft is never indexed: only confirmed context is).
+//! - Width adapts per window: start at `MIN_WIDTH`, grow to `MAX_WIDTH` after a fully accepted window, back to
+//!   `MIN_WIDTH` after a window with under half accepted; two consecutive first-token misses silence the proposer
+//!   for `SILENCE` proposals.
+
+use std::collections::HashMap;
+
+use super::proposer::{Draft, Proposer};
+use crate::error::Result;
+
+pub const MIN_MATCH: usize = 2;
+pub const MAX_MATCH: usize = 4;
+pub const MIN_WIDTH: usize = 3;
+pub const MAX_WIDTH: usize = 7;
+pub const SILENCE: usize = 8;
+
+#[derive(Debug, Default)]
+pub struct SuffixCopy {
+    /// `index[n - MIN_MATCH]`: n-gram → end position (exclusive) of its latest occurrence that has a successor.
+    index: Vec<HashMap<Vec<u32>, usize>>,
+    /// The context as far as it has been indexed.
+    seen: Vec<u32>,
+    width: usize,
+    first_misses: usize,
+    silent_for: usize,
+}
+
+impl SuffixCopy {
+    pub fn new() -> Self {
+        SuffixCopy {
+            index: (MIN_MATCH..=MAX_MATCH).map(|_| HashMap::new()).collect(),
+            seen: Vec::new(),
+            width: MIN_WIDTH,
+            first_misses: 0,
+            silent_for: 0,
+        }
+    }
+
+    /// Bring the index in line with `context`: drop what diverged, index what is new.
+    fn sync(&mut self, context: &[u32]) {
+        let common = self
+            .seen
+            .iter()
+            .zip(context)
+            .take_while(|(a, b)| a == b)
+            .count();
+        if common < self.seen.len() {
+            // Rare (a new conversation): rebuild rather than un-index.
+            self.index.iter_mut().for_each(|m| m.clear());
+            self.seen.clear();
+        }
+        for &t in &context[self.seen.len()..] {
+            // Position `self.seen.len()` now has a successor: index every n-gram ending there.
+            let end = self.seen.len();
+            for n in MIN_MATCH..=MAX_MATCH {
+                if end >= n {
+                    self.index[n - MIN_MATCH].insert(self.seen[end - n..end].to_vec(), end);
+                }
+            }
+            self.seen.push(t);
+        }
+    }
+}
+
+impl Proposer for SuffixCopy {
+    fn name(&self) -> &'static str {
+        "copy"
+    }
+
+    fn reset(&mut self, _sampling: &crate::sample::SamplerConfig) {
+        self.width = MIN_WIDTH;
+        self.first_misses = 0;
+        self.silent_for = 0;
+    }
+
+    fn width(&self, k: usize) -> usize {
+        if self.silent_for > 0 {
+            0
+        } else {
+            self.width.min(k)
+        }
+    }
+
+    fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft> {
+        self.sync(context);
+        if self.silent_for > 0 {
+            self.silent_for -= 1;
+            return Ok(Draft::default());
+        }
+        let k = self.width.min(k);
+        let len = context.len();
+        for n in (MIN_MATCH..=MAX_MATCH).rev() {
+            if len < n {
+                continue;
+            }
+            // The suffix itself was indexed with end = len - ... only once a successor arrived, so any hit is an
+            // earlier occurrence.
+            if let Some(&end) = self.index[n - MIN_MATCH].get(&context[len - n..]) {
+                let tokens: Vec<u32> = context[end..].iter().take(k).copied().collect();
+                return Ok(Draft::deterministic(tokens));
+            }
+        }
+        Ok(Draft::default())
+    }
+
+    fn observe(&mut self, drafted: usize, accepted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        if accepted == 0 {
+            self.first_misses += 1;
+            if self.first_misses >= 2 {
+                self.silent_for = SILENCE;
+                self.first_misses = 0;
+            }
+        } else {
+            self.first_misses = 0;
+        }
+        if accepted == drafted {
+            self.width = MAX_WIDTH;
+        } else if accepted * 2 < drafted {
+            self.width = MIN_WIDTH;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proposes_what_followed_the_longest_earlier_match() {
+        let mut p = SuffixCopy::new();
+        // "1 2 3 4 5 6 7 8 9 ... 1 2 3" → propose 4 5 6 (width 3).
+        let ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3];
+        assert_eq!(p.propose(&ctx, 16).unwrap().tokens, vec![4, 5, 6]);
+        // The longer match wins over a more recent shorter one: "… 9 3 4 0 … 2 3 4" prefers after "2 3 4".
+        let mut p = SuffixCopy::new();
+        let ctx = [2, 3, 4, 10, 11, 12, 9, 3, 4, 20, 21, 2, 3, 4];
+        assert_eq!(p.propose(&ctx, 16).unwrap().tokens, vec![10, 11, 12]);
+    }
+
+    #[test]
+    fn no_match_proposes_nothing() {
+        let mut p = SuffixCopy::new();
+        assert!(p.propose(&[1, 2, 3, 4, 5], 8).unwrap().tokens.is_empty());
+    }
+
+    #[test]
+    fn width_grows_after_full_acceptance_and_shrinks_after_poor_windows() {
+        let mut p = SuffixCopy::new();
+        assert_eq!(p.width(16), MIN_WIDTH);
+        p.observe(3, 3);
+        assert_eq!(p.width(16), MAX_WIDTH);
+        p.observe(7, 2);
+        assert_eq!(p.width(16), MIN_WIDTH);
+    }
+
+    #[test]
+    fn two_first_token_misses_silence_it_for_a_while() {
+        let mut p = SuffixCopy::new();
+        let ctx = [1, 2, 3, 4, 1, 2];
+        p.observe(3, 0);
+        assert_eq!(p.propose(&ctx, 8).unwrap().tokens, vec![3, 4, 1]);
+        p.observe(3, 0);
+        for _ in 0..SILENCE {
+            assert!(p.propose(&ctx, 8).unwrap().tokens.is_empty());
+        }
+        assert!(!p.propose(&ctx, 8).unwrap().tokens.is_empty());
+    }
+
+    #[test]
+    fn a_diverging_context_rebuilds_the_index() {
+        let mut p = SuffixCopy::new();
+        p.propose(&[7, 8, 9, 1, 7, 8], 8).unwrap();
+        // A different conversation: nothing of the old one may be proposed.
+        assert!(p.propose(&[5, 5, 6, 7, 8], 8).unwrap().tokens.is_empty());
+    }
+}

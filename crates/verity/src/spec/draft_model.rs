@@ -1,0 +1,148 @@
+//! The draft-model proposer: a second (smaller) bundle with the same tokenizer drafts `k` tokens
+//! autoregressively with its own KV cache.
+//!
+//! Invariants: the draft cache holds exactly the K/V of `cached` (a prefix of the context). Before drafting it
+//! catches up with the context in one batched forward; after verification it is truncated to the kept path, so
+//! a rejected draft never leaves state behind. With sampling, the drafter samples from its own processed
+//! distribution `q` (its own settings may differ from the target's) and reports `q` to the verifier.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::proposer::{Draft, Proposer};
+use crate::backend::Backend;
+use crate::cache::KvCache;
+use crate::error::{Error, Result};
+use crate::model::{Batch, LogitRows, Model};
+use crate::sample::{argmax, Sampler, SamplerConfig};
+
+/// Derives the drafter's random stream from the request seed, distinct from the verifier's.
+const DRAFT_SEED: u64 = 0xd4af_7000_0000_0001;
+
+pub struct DraftModel<B: Backend> {
+    model: Model<B>,
+    cache: KvCache<B>,
+    /// Tokens whose K/V the draft cache holds.
+    cached: Vec<u32>,
+    /// Context length when the last draft was made (to roll back to on observe).
+    base: usize,
+    sampler: Sampler,
+    rng: ChaCha8Rng,
+    /// Fixed drafting settings; `None` = follow each request's sampling.
+    fixed: Option<SamplerConfig>,
+}
+
+impl<B: Backend> DraftModel<B> {
+    /// `fixed`: drafting settings that differ from the requests' (e.g. a hotter drafter); `None` drafts with
+    /// each request's own sampling settings.
+    pub fn new(model: Model<B>, target_vocab: usize, fixed: Option<SamplerConfig>) -> Result<Self> {
+        let sampling = fixed.unwrap_or_default();
+        if model.hp.vocab > target_vocab {
+            return Err(Error::Invalid(format!(
+                "the draft model's vocabulary ({}) is larger than the target's ({target_vocab}): not the same tokenizer",
+                model.hp.vocab
+            )));
+        }
+        let cache = model.new_cache(model.hp.context_len);
+        Ok(DraftModel {
+            model,
+            cache,
+            cached: Vec::new(),
+            base: 0,
+            sampler: Sampler::new(sampling)?,
+            rng: ChaCha8Rng::seed_from_u64(sampling.seed ^ DRAFT_SEED),
+            fixed,
+        })
+    }
+
+    pub fn cache(&self) -> &KvCache<B> {
+        &self.cache
+    }
+
+    fn draw(&mut self, dist: &[(u32, f32)]) -> u32 {
+        let u: f32 = self.rng.random();
+        let mut acc = 0f32;
+        for &(t, p) in dist {
+            acc += p;
+            if u < acc {
+                return t;
+            }
+        }
+        dist.last().expect("non-empty").0
+    }
+}
+
+impl<B: Backend> Proposer for DraftModel<B> {
+    fn name(&self) -> &'static str {
+        "draft-model"
+    }
+
+    fn reset(&mut self, sampling: &SamplerConfig) {
+        let cfg = self.fixed.unwrap_or(*sampling);
+        self.sampler = Sampler::new(cfg).expect("validated by the request");
+        self.rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ DRAFT_SEED);
+    }
+
+    fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft> {
+        if k == 0 || context.is_empty() {
+            return Ok(Draft::default());
+        }
+        // Roll back to the common prefix, then catch up in one batched forward.
+        let common = self
+            .cached
+            .iter()
+            .zip(context)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(context.len() - 1);
+        self.cache.truncate(common);
+        self.cached.truncate(common);
+        let room = self.cache.max_capacity().saturating_sub(context.len() + k);
+        if room == 0 {
+            return Ok(Draft::default());
+        }
+        let out = self.model.forward(
+            &mut self.cache,
+            &Batch::causal(&context[common..], common),
+            LogitRows::Last,
+            &[],
+        )?;
+        self.cached.extend_from_slice(&context[common..]);
+        self.base = context.len();
+        let mut logits = out.logits;
+        let mut draft = Draft::default();
+        let mut history = context.to_vec();
+        for i in 0..k {
+            let (tok, q) = if self.sampler.config().is_greedy() {
+                (argmax(&logits), None)
+            } else {
+                let q = self.sampler.distribution(&logits, &history);
+                (self.draw(&q), Some(q))
+            };
+            draft.tokens.push(tok);
+            draft.q.push(q);
+            history.push(tok);
+            if i + 1 < k {
+                let pos = self.cached.len();
+                logits = self
+                    .model
+                    .forward(
+                        &mut self.cache,
+                        &Batch::causal(&[tok], pos),
+                        LogitRows::Last,
+                        &[],
+                    )?
+                    .logits;
+                self.cached.push(tok);
+            }
+        }
+        Ok(draft)
+    }
+
+    fn observe(&mut self, _drafted: usize, accepted: usize) {
+        // Keep the context plus the accepted drafts that the cache already holds.
+        let keep = (self.base + accepted).min(self.cached.len());
+        self.cache.truncate(keep);
+        self.cached.truncate(keep);
+    }
+}

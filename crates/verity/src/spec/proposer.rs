@@ -1,0 +1,42 @@
+//! What a proposer is: something that guesses the next tokens cheaply. The decode loop knows nothing of how a
+//! proposer works; it asks for up to `k` tokens and reports what the verifier kept.
+
+use super::verify::DraftDist;
+use crate::error::Result;
+use crate::sample::SamplerConfig;
+
+/// Up to `k` proposed tokens, with the proposer's distribution for each (for sampled verification).
+#[derive(Debug, Clone, Default)]
+pub struct Draft {
+    pub tokens: Vec<u32>,
+    /// One entry per token; `None` entries mean a deterministic (one-hot) proposal.
+    pub q: Vec<DraftDist>,
+}
+
+impl Draft {
+    pub fn deterministic(tokens: Vec<u32>) -> Self {
+        let q = vec![None; tokens.len()];
+        Draft { tokens, q }
+    }
+}
+
+pub trait Proposer: Send {
+    fn name(&self) -> &'static str;
+
+    /// A new request starts: forget per-request adaptation. `sampling` is the request's sampling, which a
+    /// proposer that samples may follow.
+    fn reset(&mut self, _sampling: &SamplerConfig) {}
+
+    /// The largest width this proposer would offer now (its own adaptive cap), at most `k`.
+    fn width(&self, k: usize) -> usize {
+        k
+    }
+
+    /// Propose up to `k` tokens continuing `context` (the prompt and every token generated so far, including the
+    /// one that starts the next verify batch).
+    fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft>;
+
+    /// After verification: `drafted` tokens were offered and the first `accepted` were kept. The proposer must
+    /// forget everything past them (its caches roll back to the kept path).
+    fn observe(&mut self, drafted: usize, accepted: usize);
+}

@@ -1,0 +1,423 @@
+//! Speculative decoding is lossless: greedy output and caches equal AR's on every route and under adversarial
+//! proposers; sampled output has the AR sampler's distribution.
+
+mod common;
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use common::*;
+use proptest::prelude::*;
+use verity::backend::cpu::CpuBackend;
+use verity::bundle::Bundle;
+use verity::chat::Message;
+use verity::engine::{Engine, GenerateRequest, GenerationStats};
+use verity::model::Model;
+use verity::sample::SamplerConfig;
+use verity::spec::draft_model::DraftModel;
+use verity::spec::{Draft, Proposer, SpecMode};
+
+/// Adversarial proposers: they know (or not) the AR answer and draft accordingly.
+#[derive(Clone, Debug)]
+enum Adversary {
+    /// Random token ids, random widths.
+    Random(u64),
+    /// The AR continuation itself, at full width.
+    AlwaysRight,
+    /// Always a wrong token first.
+    AlwaysWrong,
+    /// Right for `n` tokens, then wrong.
+    RightThenWrong(usize),
+}
+
+struct Scripted {
+    kind: Adversary,
+    /// The AR output (prompt + completion) the oracle reads from.
+    oracle: Vec<u32>,
+    vocab: u32,
+    state: u64,
+}
+
+impl Proposer for Scripted {
+    fn name(&self) -> &'static str {
+        "scripted"
+    }
+    fn propose(&mut self, context: &[u32], k: usize) -> verity::Result<Draft> {
+        let truth: Vec<u32> = self
+            .oracle
+            .get(context.len()..)
+            .unwrap_or(&[])
+            .iter()
+            .take(k)
+            .copied()
+            .collect();
+        let wrong = |t: u32| (t + 1) % self.vocab;
+        let tokens = match self.kind {
+            Adversary::Random(_) => {
+                self.state = self
+                    .state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let w = 1 + (self.state >> 33) as usize % k.max(1);
+                (0..w)
+                    .map(|i| {
+                        ((self.state >> (i % 32)) as u32).wrapping_mul(2654435761) % self.vocab
+                    })
+                    .collect()
+            }
+            Adversary::AlwaysRight => truth,
+            Adversary::AlwaysWrong => truth.iter().map(|&t| wrong(t)).collect(),
+            Adversary::RightThenWrong(n) => truth
+                .iter()
+                .enumerate()
+                .map(|(i, &t)| if i < n { t } else { wrong(t) })
+                .collect(),
+        };
+        Ok(Draft::deterministic(tokens))
+    }
+    fn observe(&mut self, _drafted: usize, _accepted: usize) {}
+}
+
+fn scripted(kind: Adversary, oracle: &[u32], vocab: usize) -> Box<dyn Proposer> {
+    let state = if let Adversary::Random(s) = kind {
+        s
+    } else {
+        0
+    };
+    Box::new(Scripted {
+        kind,
+        oracle: oracle.to_vec(),
+        vocab: vocab as u32,
+        state,
+    })
+}
+
+struct Run {
+    tokens: Vec<u32>,
+    cache: Vec<(Vec<f32>, Vec<f32>)>,
+    stats: GenerationStats,
+}
+
+/// Generate up to `max` tokens (stopping after `stop_after` if given) and snapshot the session cache.
+fn run(
+    e: &mut Engine<CpuBackend>,
+    prompt: &[u32],
+    req: &GenerateRequest,
+    stop_after: Option<usize>,
+) -> Run {
+    let mut sess = e.new_session();
+    let mut tokens = Vec::new();
+    let stats = e
+        .generate(&mut sess, prompt, req, |_, t| {
+            tokens.push(t);
+            stop_after != Some(tokens.len())
+        })
+        .unwrap();
+    let cache = sess.cache.snapshot(e.model.backend());
+    Run {
+        tokens,
+        cache,
+        stats,
+    }
+}
+
+fn assert_same(ar: &Run, other: &Run, label: &str) {
+    assert_eq!(ar.tokens, other.tokens, "{label}: tokens differ from AR");
+    assert!(
+        ar.cache.len() == other.cache.len()
+            && ar
+                .cache
+                .iter()
+                .zip(&other.cache)
+                .all(|((ka, va), (kb, vb))| {
+                    ka.len() == kb.len()
+                        && ka.iter().zip(kb).all(|(a, b)| a.to_bits() == b.to_bits())
+                        && va.iter().zip(vb).all(|(a, b)| a.to_bits() == b.to_bits())
+                }),
+        "{label}: cache differs from AR's"
+    );
+}
+
+fn no_eos(max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        ignore_eos: true,
+        ..GenerateRequest::greedy(max_tokens)
+    }
+}
+
+fn prompts(e: &Engine<CpuBackend>) -> Vec<(String, Vec<u32>)> {
+    let text = std::fs::read_to_string(fixtures().join("prompts/spec_prompts.jsonl")).unwrap();
+    text.lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let messages: Vec<Message> = serde_json::from_value(v["messages"].clone()).unwrap();
+            (
+                v["id"].as_str().unwrap().to_string(),
+                e.chat_prompt(&messages).unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn every_route_reproduces_ar_greedy_output_on_smollm2_over_256_tokens() {
+    let path = smollm2();
+    let be = backend();
+    let mut ar = Engine::load(&path, be.clone(), &SpecMode::Off).unwrap();
+    let mut routes = [
+        (
+            "copy",
+            Engine::load(&path, be.clone(), &SpecMode::Copy).unwrap(),
+        ),
+        (
+            "draft-model (self)",
+            Engine::load(&path, be.clone(), &SpecMode::DraftModel(Some(path.clone()))).unwrap(),
+        ),
+        (
+            "auto",
+            Engine::load(&path, be.clone(), &SpecMode::Auto).unwrap(),
+        ),
+    ];
+    let req = no_eos(256);
+    for (id, prompt) in prompts(&ar) {
+        let base = run(&mut ar, &prompt, &req, None);
+        assert_eq!(base.tokens.len(), 256);
+        for (name, e) in routes.iter_mut() {
+            let r = run(e, &prompt, &req, None);
+            assert_same(&base, &r, &format!("{id} / {name}"));
+            if *name == "draft-model (self)" {
+                assert_eq!(
+                    r.stats.accepted, r.stats.drafted,
+                    "{id}: a model drafting for itself is always right"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn adversarial_proposers_never_change_smollm2_greedy_output_or_cache() {
+    let path = smollm2();
+    let mut e = Engine::load(&path, backend(), &SpecMode::Off).unwrap();
+    let vocab = e.model.hp.vocab;
+    let prompt = e
+        .chat_prompt(&[Message::new("user", "Explain what a prime number is.")])
+        .unwrap();
+    let req = no_eos(64);
+    e.set_proposer(None);
+    let base = run(&mut e, &prompt, &req, None);
+    let oracle: Vec<u32> = prompt.iter().chain(&base.tokens).copied().collect();
+    for kind in [
+        Adversary::AlwaysRight,
+        Adversary::AlwaysWrong,
+        Adversary::RightThenWrong(3),
+        Adversary::Random(5),
+    ] {
+        e.set_proposer(Some(scripted(kind.clone(), &oracle, vocab)));
+        let r = run(&mut e, &prompt, &req, None);
+        assert_same(&base, &r, &format!("{kind:?}"));
+        if let Adversary::AlwaysRight = kind {
+            assert!(
+                r.stats.cycles < 64 / 4,
+                "an always-right proposer needs few cycles ({})",
+                r.stats.cycles
+            );
+        }
+    }
+}
+
+/// One tiny engine per test thread: loading is cheap, and proptest runs cases sequentially.
+fn tiny() -> Engine<CpuBackend> {
+    Engine::load(
+        &hf_bundle("llama-f32"),
+        Arc::new(CpuBackend::new(1).unwrap()),
+        &SpecMode::Off,
+    )
+    .unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, failure_persistence: None, .. ProptestConfig::default() })]
+
+    /// On a small random model: any proposer, any stopping point → the tokens and the cache equal AR's.
+    #[test]
+    fn greedy_output_and_cache_equal_ar_under_any_proposer(
+        prompt in proptest::collection::vec(3u32..320, 1..24),
+        kind in prop_oneof![
+            any::<u64>().prop_map(Adversary::Random),
+            Just(Adversary::AlwaysRight),
+            Just(Adversary::AlwaysWrong),
+            (0usize..8).prop_map(Adversary::RightThenWrong),
+        ],
+        stop_after in proptest::option::of(1usize..40),
+        max_tokens in 1usize..40,
+    ) {
+        thread_local!(static ENGINE: Mutex<Option<Engine<CpuBackend>>> = const { Mutex::new(None) });
+        ENGINE.with(|cell| {
+            let mut guard = cell.lock().unwrap();
+            let e = guard.get_or_insert_with(tiny);
+            let vocab = e.model.hp.vocab;
+            let req = no_eos(max_tokens);
+            e.set_proposer(None);
+            let base = run(e, &prompt, &req, stop_after);
+            let full = run(e, &prompt, &no_eos(48), None);
+            let oracle: Vec<u32> = prompt.iter().chain(&full.tokens).copied().collect();
+            e.set_proposer(Some(scripted(kind.clone(), &oracle, vocab)));
+            let r = run(e, &prompt, &req, stop_after);
+            assert_same(&base, &r, &format!("{kind:?}"));
+        });
+    }
+}
+
+/// The exact distribution of the first two completion tokens under `cfg` (enumerating the first token).
+fn exact_pairs(
+    model: &mut Model<CpuBackend>,
+    prompt: &[u32],
+    cfg: SamplerConfig,
+) -> Vec<((u32, u32), f64)> {
+    use verity::model::{Batch, LogitRows};
+    use verity::sample::Sampler;
+    let s = Sampler::new(cfg).unwrap();
+    let mut cache = model.new_cache(64);
+    let out = model
+        .forward(&mut cache, &Batch::causal(prompt, 0), LogitRows::Last, &[])
+        .unwrap();
+    let n = cache.len();
+    let mut pairs = Vec::new();
+    for (t1, p1) in s.distribution(&out.logits, prompt) {
+        cache.truncate(n);
+        let o2 = model
+            .forward(&mut cache, &Batch::causal(&[t1], n), LogitRows::Last, &[])
+            .unwrap();
+        let mut hist = prompt.to_vec();
+        hist.push(t1);
+        for (t2, p2) in s.distribution(&o2.logits, &hist) {
+            pairs.push(((t1, t2), p1 as f64 * p2 as f64));
+        }
+    }
+    pairs
+}
+
+/// Pearson χ² goodness of fit of `samples` to `exact`, pooling cells whose expected count is under 5.
+fn chi_square(exact: &[((u32, u32), f64)], samples: &[(u32, u32)]) -> (f64, usize) {
+    let n = samples.len() as f64;
+    let mut counts = std::collections::HashMap::new();
+    for s in samples {
+        *counts.entry(*s).or_insert(0usize) += 1;
+    }
+    let (mut chi, mut df, mut pool_e, mut pool_o) = (0.0, 0usize, 0.0, 0.0);
+    for (cell, p) in exact {
+        let e = p * n;
+        let o = *counts.get(cell).unwrap_or(&0) as f64;
+        if e < 5.0 {
+            pool_e += e;
+            pool_o += o;
+        } else {
+            chi += (o - e).powi(2) / e;
+            df += 1;
+        }
+    }
+    let known: std::collections::HashSet<_> = exact.iter().map(|c| c.0).collect();
+    pool_o += samples.iter().filter(|s| !known.contains(s)).count() as f64;
+    if pool_e > 0.0 {
+        chi += (pool_o - pool_e).powi(2) / pool_e;
+        df += 1;
+    }
+    (chi, df.saturating_sub(1))
+}
+
+/// χ² critical value at significance 1e-3 (Wilson–Hilferty approximation).
+fn chi_critical(df: usize) -> f64 {
+    let k = df as f64;
+    let z = 3.090; // one-sided 0.999 normal quantile
+    k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3)
+}
+
+/// Sampled speculation must give the AR sampler's distribution. For the first two completion tokens of a small
+/// model (temperature 1, top-k 6: 36 cells), 3,000 seeded runs per route are tested against the exact joint
+/// distribution with a χ² test at significance 1e-3. The same test with the drafter's distribution used as if it
+/// were the target's (a biased "route") fails by a wide margin, which shows the test has the power to see a
+/// wrong verifier: with 3,000 samples a shift of total variation ~0.05 gives χ² far above the critical value.
+#[test]
+fn sampled_routes_match_the_ar_distribution_of_the_first_tokens() {
+    let target_dir = hf_bundle("llama-f32");
+    let draft_dir = hf_bundle("llama-bf16"); // same tokenizer, different weights: q differs from p
+    let cfg = SamplerConfig {
+        temperature: 1.0,
+        top_k: 6,
+        ..SamplerConfig::default()
+    };
+    let be = Arc::new(CpuBackend::new(1).unwrap());
+    let mut target = Engine::load(&target_dir, be.clone(), &SpecMode::Off).unwrap();
+    let prompt = ids(&json(&target_dir.join("reference.json"))["token_ids"])[..6].to_vec();
+    let exact = exact_pairs(&mut target.model, &prompt, cfg);
+
+    let draft_model = |dir: &Path, fixed: Option<SamplerConfig>| -> Box<dyn Proposer> {
+        let m = Model::load(&Bundle::open(dir).unwrap(), be.clone()).unwrap();
+        Box::new(DraftModel::new(m, 320, fixed).unwrap())
+    };
+    let hot = SamplerConfig {
+        temperature: 1.7,
+        top_k: 0,
+        ..SamplerConfig::default()
+    };
+    let routes: Vec<(&str, Option<Box<dyn Proposer>>)> = vec![
+        ("ar", None),
+        (
+            "other model, request sampling",
+            Some(draft_model(&draft_dir, None)),
+        ),
+        (
+            "other model, hotter q",
+            Some(draft_model(&draft_dir, Some(hot))),
+        ),
+        (
+            "self, greedy q",
+            Some(draft_model(&target_dir, Some(SamplerConfig::greedy()))),
+        ),
+    ];
+    for (name, proposer) in routes {
+        target.set_proposer(proposer);
+        let samples: Vec<(u32, u32)> = (0..3000u64)
+            .map(|seed| {
+                let req = GenerateRequest {
+                    max_tokens: 2,
+                    sampling: SamplerConfig { seed, ..cfg },
+                    ignore_eos: true,
+                    speculate: true,
+                };
+                let r = run(&mut target, &prompt, &req, None);
+                (r.tokens[0], r.tokens[1])
+            })
+            .collect();
+        let (chi, df) = chi_square(&exact, &samples);
+        eprintln!(
+            "{name}: χ² = {chi:.1} on {df} df (critical {:.1})",
+            chi_critical(df)
+        );
+        assert!(
+            chi < chi_critical(df),
+            "{name}: χ² = {chi:.1} ≥ {:.1}",
+            chi_critical(df)
+        );
+    }
+    // Power check: samples from the drafter's own distribution (what a verifier that always accepted would emit).
+    let mut drafter = Engine::load(&draft_dir, be, &SpecMode::Off).unwrap();
+    let biased: Vec<(u32, u32)> = (0..3000u64)
+        .map(|seed| {
+            let req = GenerateRequest {
+                max_tokens: 2,
+                sampling: SamplerConfig { seed, ..cfg },
+                ignore_eos: true,
+                speculate: false,
+            };
+            let r = run(&mut drafter, &prompt, &req, None);
+            (r.tokens[0], r.tokens[1])
+        })
+        .collect();
+    let (chi, df) = chi_square(&exact, &biased);
+    assert!(
+        chi > 3.0 * chi_critical(df),
+        "the test cannot tell the drafter from the target (χ² = {chi:.1})"
+    );
+}
