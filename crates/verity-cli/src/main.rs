@@ -6,6 +6,7 @@ mod fetch;
 mod inspect;
 mod load;
 mod run;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -33,6 +34,8 @@ enum Command {
     Chat(chat::Args),
     /// Describe a bundle: architecture, sizes, quantization, template, special tokens.
     Inspect(inspect::Args),
+    /// An OpenAI-compatible HTTP server.
+    Serve(serve::Args),
     /// Benchmarks (JSON records and a summary table).
     #[command(subcommand)]
     Bench(bench::Command),
@@ -52,6 +55,7 @@ fn main() {
         Command::Run(a) => run::main(a, cli.threads),
         Command::Chat(a) => chat::main(a, cli.threads),
         Command::Inspect(a) => inspect::main(a),
+        Command::Serve(a) => serve::main(a, cli.threads),
         Command::Bench(c) => bench::main(c, cli.threads),
     };
     if let Err(e) = result {

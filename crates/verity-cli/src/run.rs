@@ -53,6 +53,8 @@ impl GenArgs {
             },
             ignore_eos: false,
             speculate: true,
+            want_logprob: false,
+            logprobs: 0,
         }
     }
 
@@ -95,7 +97,8 @@ pub fn stream(
     let mut dec = StreamDecoder::new();
     let mut out = std::io::stdout().lock();
     let mut err = None;
-    let stats = engine.generate(sess, prompt, req, |tok, t| {
+    let stats = engine.generate(sess, prompt, req, |tok, emitted| {
+        let t = emitted.id;
         ids.push(t);
         match dec.push(tok, t) {
             Ok(Some(text)) => {

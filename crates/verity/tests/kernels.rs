@@ -7,7 +7,7 @@ use common::*;
 use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use verity::backend::cpu::CpuBackend;
+use verity::backend::cpu::{Activations, CpuBackend};
 use verity::backend::Backend;
 use verity::quant::{GgmlType, MlxAffine, MlxScaleType, QMatrix};
 use verity::storage::Bytes;
@@ -131,7 +131,7 @@ fn run(be: &CpuBackend, m: &QMatrix, x: &[f32], rows: usize) -> Vec<f32> {
 #[test]
 fn matmul_matches_an_f64_reference_for_every_format() {
     let mut rng = ChaCha8Rng::seed_from_u64(1);
-    let be = CpuBackend::new(2).unwrap();
+    let be = CpuBackend::with_activations(2, Activations::F32).unwrap();
     for m in random_matrices(&mut rng) {
         let mut w = vec![0f32; m.rows * m.cols];
         for r in 0..m.rows {
@@ -163,11 +163,59 @@ fn matmul_matches_an_f64_reference_for_every_format() {
     }
 }
 
+/// With 8-bit activations each activation moves by at most half a quantization step (its block's max|x|/254),
+/// so |error| ≤ Σ_blocks (max|x_b| / 254) · Σ_{i∈b} |w_i|, plus f32 rounding. The test checks that rigorous bound.
+#[test]
+fn matmul_with_8_bit_activations_stays_within_the_quantization_bound() {
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let be = CpuBackend::with_activations(2, Activations::Q8).unwrap();
+    for m in random_matrices(&mut rng) {
+        let mut w = vec![0f32; m.rows * m.cols];
+        for r in 0..m.rows {
+            m.dequantize_row(r, &mut w[r * m.cols..(r + 1) * m.cols]);
+        }
+        let rows = 5;
+        let x: Vec<f32> = (0..rows * m.cols)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let got = run(&be, &m, &x, rows);
+        for r in 0..rows {
+            for n in 0..m.rows {
+                let (mut dot, mut mag, mut bound) = (0f64, 0f64, 0f64);
+                for b0 in (0..m.cols).step_by(32) {
+                    let b1 = (b0 + 32).min(m.cols);
+                    let amax = x[r * m.cols + b0..r * m.cols + b1]
+                        .iter()
+                        .fold(0f32, |a, v| a.max(v.abs())) as f64;
+                    for k in b0..b1 {
+                        let (wk, xk) = (w[n * m.cols + k] as f64, x[r * m.cols + k] as f64);
+                        dot += wk * xk;
+                        mag += (wk * xk).abs();
+                        bound += wk.abs() * amax / 254.0;
+                    }
+                }
+                let g = got[r * m.rows + n] as f64;
+                assert!(
+                    (g - dot).abs() <= bound * 1.001 + 1e-5 * mag.max(1e-3),
+                    "{}: r {r} n {n}: {g} vs {dot} (bound {bound})",
+                    m.name
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn matmul_rows_are_bitwise_independent_of_batch_width_and_threads() {
+    for acts in [Activations::F32, Activations::Q8] {
+        rows_are_independent(acts);
+    }
+}
+
+fn rows_are_independent(acts: Activations) {
     let mut rng = ChaCha8Rng::seed_from_u64(2);
-    let be2 = CpuBackend::new(2).unwrap();
-    let be1 = CpuBackend::new(1).unwrap();
+    let be2 = CpuBackend::with_activations(2, acts).unwrap();
+    let be1 = CpuBackend::with_activations(1, acts).unwrap();
     for m in random_matrices(&mut rng) {
         let x: Vec<f32> = (0..16 * m.cols)
             .map(|_| rng.random_range(-2.0f32..2.0))
@@ -183,7 +231,7 @@ fn matmul_rows_are_bitwise_independent_of_batch_width_and_threads() {
                     got.iter()
                         .zip(want)
                         .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{}: W={w} row {r} differs from the 1-row product",
+                    "{} ({acts:?}): W={w} row {r} differs from the 1-row product",
                     m.name
                 );
             }

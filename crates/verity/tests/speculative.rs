@@ -108,7 +108,8 @@ fn run(
     let mut sess = e.new_session();
     let mut tokens = Vec::new();
     let stats = e
-        .generate(&mut sess, prompt, req, |_, t| {
+        .generate(&mut sess, prompt, req, |_, emitted| {
+            let t = emitted.id;
             tokens.push(t);
             stop_after != Some(tokens.len())
         })
@@ -385,6 +386,8 @@ fn sampled_routes_match_the_ar_distribution_of_the_first_tokens() {
                     sampling: SamplerConfig { seed, ..cfg },
                     ignore_eos: true,
                     speculate: true,
+                    want_logprob: false,
+                    logprobs: 0,
                 };
                 let r = run(&mut target, &prompt, &req, None);
                 (r.tokens[0], r.tokens[1])
@@ -410,6 +413,8 @@ fn sampled_routes_match_the_ar_distribution_of_the_first_tokens() {
                 sampling: SamplerConfig { seed, ..cfg },
                 ignore_eos: true,
                 speculate: false,
+                want_logprob: false,
+                logprobs: 0,
             };
             let r = run(&mut drafter, &prompt, &req, None);
             (r.tokens[0], r.tokens[1])

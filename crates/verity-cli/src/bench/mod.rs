@@ -1,6 +1,8 @@
 //! `verity bench`: measurements written as JSON records, summarized as medians per route and category.
 
 mod prompts;
+mod rowcost;
+mod rowexact;
 mod speed;
 mod summary;
 
@@ -10,10 +12,16 @@ use anyhow::Result;
 pub enum Command {
     /// Decode speed per route and prompt category (see shared/bench/README.md for the record format).
     Speed(speed::Args),
+    /// Milliseconds of one verify forward at W rows.
+    Rowcost(rowcost::Args),
+    /// Teacher-forced comparison of verify rows with AR steps (bitwise).
+    Rowexact(rowexact::Args),
 }
 
 pub fn main(c: Command, threads: usize) -> Result<()> {
     match c {
         Command::Speed(a) => speed::main(a, threads),
+        Command::Rowcost(a) => rowcost::main(a, threads),
+        Command::Rowexact(a) => rowexact::main(a, threads),
     }
 }

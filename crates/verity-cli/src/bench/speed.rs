@@ -84,6 +84,8 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
         },
         ignore_eos: false,
         speculate: true,
+        want_logprob: false,
+        logprobs: 0,
     };
     let mut records = Vec::new();
     for repeat in 0..a.repeat {
@@ -96,7 +98,8 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
                     let prompt = engine.chat_prompt(&messages)?;
                     let mut ids = Vec::new();
                     let stats = engine
-                        .generate(&mut sess, &prompt, &req, |_, t| {
+                        .generate(&mut sess, &prompt, &req, |_, emitted| {
+                            let t = emitted.id;
                             ids.push(t);
                             true
                         })

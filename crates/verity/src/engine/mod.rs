@@ -36,6 +36,59 @@ pub struct GenerateRequest {
     pub ignore_eos: bool,
     /// Use the engine's speculative route (false = AR for this request).
     pub speculate: bool,
+    /// Report the chosen token's log-probability with each token.
+    pub want_logprob: bool,
+    /// Also report this many most likely alternatives per token.
+    pub logprobs: usize,
+}
+
+/// A completion token as it is emitted.
+#[derive(Debug, Clone)]
+pub struct Emitted {
+    pub id: u32,
+    pub logprobs: Option<Logprobs>,
+}
+
+/// Log-probabilities under the model's distribution (the log-softmax of its logits, before sampling settings).
+#[derive(Debug, Clone)]
+pub struct Logprobs {
+    pub logprob: f32,
+    /// The `n` most likely tokens and their log-probabilities, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl Logprobs {
+    fn of(logits: &[f32], token: u32, n: usize) -> Self {
+        let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let lse = max
+            + logits
+                .iter()
+                .map(|&v| ((v - max) as f64).exp())
+                .sum::<f64>()
+                .ln() as f32;
+        let mut top: Vec<(u32, f32)> = Vec::with_capacity(n);
+        if n > 0 {
+            let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+            let n = n.min(idx.len());
+            idx.select_nth_unstable_by(n - 1, |&a, &b| {
+                logits[b as usize].total_cmp(&logits[a as usize])
+            });
+            idx.truncate(n);
+            idx.sort_by(|&a, &b| {
+                logits[b as usize]
+                    .total_cmp(&logits[a as usize])
+                    .then(a.cmp(&b))
+            });
+            top = idx
+                .into_iter()
+                .map(|i| (i, logits[i as usize] - lse))
+                .collect();
+        }
+        Logprobs {
+            logprob: logits[token as usize] - lse,
+            top,
+        }
+    }
 }
 
 impl GenerateRequest {
@@ -45,6 +98,8 @@ impl GenerateRequest {
             sampling: SamplerConfig::greedy(),
             ignore_eos: false,
             speculate: true,
+            want_logprob: false,
+            logprobs: 0,
         }
     }
 }
@@ -179,7 +234,7 @@ impl<B: Backend> Engine<B> {
         sess: &mut Session<B>,
         prompt: &[u32],
         req: &GenerateRequest,
-        mut on_token: impl FnMut(&Tokenizer, u32) -> bool,
+        mut on_token: impl FnMut(&Tokenizer, &Emitted) -> bool,
     ) -> Result<GenerationStats> {
         if prompt.is_empty() {
             return Err(Error::Invalid("empty prompt".into()));
@@ -229,7 +284,7 @@ impl<B: Backend> Engine<B> {
         verifier: &mut Verifier,
         mut proposer: Option<&mut (dyn Proposer + 'static)>,
         start: Instant,
-        on_token: &mut impl FnMut(&Tokenizer, u32) -> bool,
+        on_token: &mut impl FnMut(&Tokenizer, &Emitted) -> bool,
     ) -> Result<GenerationStats> {
         let vocab = self.model.hp.vocab;
         let mut stats = GenerationStats::new(proposer.as_ref().map_or("ar", |p| p.name()));
@@ -313,7 +368,10 @@ impl<B: Backend> Engine<B> {
                 } else {
                     context.push(tok);
                     stats.completion_tokens += 1;
-                    if !on_token(&self.tokenizer, tok) {
+                    let logprobs = (req.logprobs > 0 || req.want_logprob).then(|| {
+                        Logprobs::of(&out.logits[j * vocab..(j + 1) * vocab], tok, req.logprobs)
+                    });
+                    if !on_token(&self.tokenizer, &Emitted { id: tok, logprobs }) {
                         Some(StopReason::Cancelled)
                     } else if stats.completion_tokens == req.max_tokens {
                         Some(StopReason::MaxTokens)

@@ -119,6 +119,11 @@ impl QMatrix {
             + self.biases.as_ref().map_or(0, |b| b.len())
     }
 
+    /// The encoded bytes (for GGML formats: `rows` consecutive encoded rows).
+    pub fn data(&self) -> &[u8] {
+        self.data.as_slice()
+    }
+
     /// A decoder bound to this matrix's bytes.
     pub fn decoder(&self) -> RowDecoder<'_> {
         match self.format {

@@ -133,10 +133,24 @@ mod tests {
             c.record(k, 0, k + 1, 0.010 + 0.002 * k as f64, 0.0);
         }
         let ks: Vec<usize> = (0..3 * PROBE_EVERY).map(|_| c.choose(8)).collect();
-        let probes: Vec<usize> = ks.iter().enumerate().filter(|(_, &k)| k > 0).map(|(i, _)| i).collect();
-        assert!(probes.len() >= 2, "probes after a streak of AR cycles: {ks:?}");
-        assert!(probes.windows(2).all(|w| w[1] - w[0] == PROBE_EVERY), "{ks:?}");
-        assert!(probes.iter().all(|&i| ks[i] <= 2), "probes are small: {ks:?}");
+        let probes: Vec<usize> = ks
+            .iter()
+            .enumerate()
+            .filter(|(_, &k)| k > 0)
+            .map(|(i, _)| i)
+            .collect();
+        assert!(
+            probes.len() >= 2,
+            "probes after a streak of AR cycles: {ks:?}"
+        );
+        assert!(
+            probes.windows(2).all(|w| w[1] - w[0] == PROBE_EVERY),
+            "{ks:?}"
+        );
+        assert!(
+            probes.iter().all(|&i| ks[i] <= 2),
+            "probes are small: {ks:?}"
+        );
     }
 
     #[test]

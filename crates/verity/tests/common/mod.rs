@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use verity::backend::cpu::CpuBackend;
+use verity::backend::cpu::{Activations, CpuBackend};
 use verity::bundle::Bundle;
 use verity::model::Model;
 
@@ -34,13 +34,23 @@ pub fn smollm2() -> PathBuf {
         .expect("fetching smollm2-135m")
 }
 
+/// The default backend (8-bit activations for the formats with integer kernels).
 pub fn backend() -> Arc<CpuBackend> {
-    Arc::new(CpuBackend::new(2).expect("cpu backend"))
+    Arc::new(CpuBackend::with_activations(2, Activations::Q8).expect("cpu backend"))
 }
 
 pub fn load_model(path: &Path) -> Model<CpuBackend> {
+    load_model_on(path, backend())
+}
+
+pub fn load_model_on(path: &Path, be: Arc<CpuBackend>) -> Model<CpuBackend> {
     let bundle = Bundle::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    Model::load(&bundle, backend()).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    Model::load(&bundle, be).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The f32-activation backend: the accurate path, compared with the references at tight tolerances.
+pub fn f32_backend() -> Arc<CpuBackend> {
+    Arc::new(CpuBackend::with_activations(2, Activations::F32).expect("cpu backend"))
 }
 
 pub fn read_f32(path: &Path) -> Vec<f32> {

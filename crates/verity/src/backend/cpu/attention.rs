@@ -4,8 +4,7 @@
 //! the value sum in slot order. A row at a given position sees the same slots in the same order whether it runs
 //! alone or in a batch, so its output is bitwise the same.
 
-use rayon::prelude::*;
-
+use super::pool::{share, Pool};
 use super::simd::dot;
 use crate::backend::{AttnMask, AttnShape};
 
@@ -21,7 +20,7 @@ impl OutPtr {
 }
 
 pub fn attention(
-    pool: &rayon::ThreadPool,
+    pool: &Pool,
     q: &[f32],
     k_cache: &[f32],
     v_cache: &[f32],
@@ -37,10 +36,10 @@ pub fn attention(
         k_cache.len() >= (s.base + s.rows) * kv_dim && v_cache.len() >= (s.base + s.rows) * kv_dim
     );
     let out_ptr = OutPtr(out.as_mut_ptr());
-    pool.install(|| {
-        (0..s.rows * s.n_heads).into_par_iter().for_each_init(
-            || (Vec::<f32>::new(), Vec::<usize>::new()),
-            |(scores, slots), task| {
+    pool.run(&|t| {
+        SCRATCH.with(|cell| {
+            let (scores, slots) = &mut *cell.borrow_mut();
+            for task in share(s.rows * s.n_heads, pool.threads(), t, 1) {
                 let (i, h) = (task / s.n_heads, task % s.n_heads);
                 let kvh = h / group;
                 let qv = &q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd];
@@ -78,7 +77,12 @@ pub fn attention(
                 for a in o.iter_mut() {
                     *a *= inv;
                 }
-            },
-        )
+            }
+        })
     });
+}
+
+thread_local! {
+    /// Per-thread scores and visible slots, grown to the longest context once.
+    static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<usize>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }

@@ -6,10 +6,20 @@
 //! operations on a row. Work is
 //! split across threads by output columns, so the thread count does not change any result either.
 
-use rayon::prelude::*;
-
+use super::pool::{share, Pool};
+use super::qmatmul;
 use super::simd::{self, Isa};
-use crate::quant::{QMatrix, RowDecoder};
+use crate::quant::{QMatrix, RowDecoder, WeightFormat};
+
+/// The precision of activations in the product.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activations {
+    /// f32 activations against decoded weights: the accurate reference path.
+    F32,
+    /// 8-bit activations with integer block dots for Q4_0/Q4_1/Q8_0 weights (llama.cpp's numerics); other
+    /// formats use the f32 path.
+    Q8,
+}
 
 struct OutPtr(*mut f32);
 // SAFETY: each task writes a disjoint set of output columns.
@@ -17,31 +27,38 @@ unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 /// `out[r * w.rows + n] = Σ_k x[r * w.cols + k] · w[n, k]` for `r < rows`.
-pub fn matmul(pool: &rayon::ThreadPool, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
+pub fn matmul(
+    pool: &Pool,
+    acts: Activations,
+    w: &QMatrix,
+    x: &[f32],
+    rows: usize,
+    out: &mut [f32],
+) {
     let (n_out, k) = (w.rows, w.cols);
     assert!(x.len() >= rows * k && out.len() >= rows * n_out);
+    if let (Activations::Q8, WeightFormat::Ggml(ty)) = (acts, w.format) {
+        if qmatmul::supports(ty) {
+            return qmatmul::matmul(pool, ty, w, x, rows, out);
+        }
+    }
     let dec = w.decoder();
     let bl = w.block_len();
-    let threads = pool.current_num_threads().max(1);
-    // Enough chunks to balance the threads, few enough that per-chunk overhead stays small.
-    let chunk = n_out.div_ceil(threads * 8).clamp(1, 256);
     let out_ptr = OutPtr(out.as_mut_ptr());
     let isa = simd::isa();
-    pool.install(|| {
-        (0..n_out.div_ceil(chunk)).into_par_iter().for_each(|c| {
-            let n0 = c * chunk;
-            let n1 = (n0 + chunk).min(n_out);
-            let out = &out_ptr;
-            match isa {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: Avx2 is only reported after runtime detection.
-                Isa::Avx2 => unsafe { tile_avx2(&dec, n0, n1, n_out, k, bl, x, rows, out.0) },
-                #[cfg(target_arch = "aarch64")]
-                // SAFETY: NEON is architectural on aarch64.
-                Isa::Neon => unsafe { tile_neon(&dec, n0, n1, n_out, k, bl, x, rows, out.0) },
-                _ => tile_scalar(&dec, n0, n1, n_out, k, bl, x, rows, out.0),
-            }
-        })
+    pool.run(&|t| {
+        let cols = share(n_out, pool.threads(), t, 4);
+        let out = &out_ptr;
+        let (n0, n1) = (cols.start, cols.end);
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: Avx2 is only reported after runtime detection.
+            Isa::Avx2 => unsafe { tile_avx2(&dec, n0, n1, n_out, k, bl, x, rows, out.0) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: NEON is architectural on aarch64.
+            Isa::Neon => unsafe { tile_neon(&dec, n0, n1, n_out, k, bl, x, rows, out.0) },
+            _ => tile_scalar(&dec, n0, n1, n_out, k, bl, x, rows, out.0),
+        }
     });
 }
 

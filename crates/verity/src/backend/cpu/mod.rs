@@ -6,7 +6,12 @@ mod attention;
 mod decode_x86;
 mod matmul;
 mod ops;
+mod pool;
+mod qmatmul;
 pub mod simd;
+
+pub use matmul::Activations;
+use pool::Pool;
 
 use crate::backend::{AttnMask, AttnShape, Backend};
 use crate::error::{Error, Result};
@@ -14,27 +19,43 @@ use crate::model::hparams::RopeStyle;
 use crate::quant::QMatrix;
 
 pub struct CpuBackend {
-    pool: rayon::ThreadPool,
+    pool: Pool,
+    activations: Activations,
 }
 
 impl CpuBackend {
-    /// A backend with `threads` worker threads (0 = one per available core).
+    /// A backend with `threads` threads (0 = one per available core) and the default activation precision:
+    /// 8-bit for the formats that have integer kernels, unless `VERITY_ACTIVATIONS=f32` asks for the f32 path.
     pub fn new(threads: usize) -> Result<Self> {
+        let acts = match std::env::var("VERITY_ACTIVATIONS").as_deref() {
+            Ok("f32") => Activations::F32,
+            Ok("q8") | Err(_) => Activations::Q8,
+            Ok(other) => {
+                return Err(Error::Invalid(format!(
+                    "VERITY_ACTIVATIONS={other} (expected q8 or f32)"
+                )))
+            }
+        };
+        Self::with_activations(threads, acts)
+    }
+
+    pub fn with_activations(threads: usize, activations: Activations) -> Result<Self> {
         let threads = if threads == 0 {
             std::thread::available_parallelism().map_or(1, |n| n.get())
         } else {
             threads
         };
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("verity-cpu-{i}"))
-            .build()
+        let pool = Pool::new(threads)
             .map_err(|e| Error::Invalid(format!("cannot start {threads} threads: {e}")))?;
-        Ok(CpuBackend { pool })
+        Ok(CpuBackend { pool, activations })
     }
 
     pub fn threads(&self) -> usize {
-        self.pool.current_num_threads()
+        self.pool.threads()
+    }
+
+    pub fn activations(&self) -> Activations {
+        self.activations
     }
 }
 
@@ -43,7 +64,12 @@ impl Backend for CpuBackend {
     type Matrix = QMatrix;
 
     fn name(&self) -> String {
-        format!("cpu ({:?}, {} threads)", simd::isa(), self.threads())
+        format!(
+            "cpu ({:?}, {:?} activations, {} threads)",
+            simd::isa(),
+            self.activations,
+            self.threads()
+        )
     }
 
     fn load_matrix(&self, m: QMatrix) -> Result<QMatrix> {
@@ -74,7 +100,7 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, w: &QMatrix, x: &Vec<f32>, rows: usize, out: &mut Vec<f32>) {
-        matmul::matmul(&self.pool, w, x, rows, out)
+        matmul::matmul(&self.pool, self.activations, w, x, rows, out)
     }
 
     fn add_bias(&self, x: &mut Vec<f32>, bias: &Vec<f32>, rows: usize, dim: usize) {

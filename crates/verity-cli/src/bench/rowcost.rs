@@ -1,0 +1,84 @@
+//! `verity bench rowcost`: milliseconds of one target forward of W rows in verify mode (logits for every row),
+//! W = 1, 2, 4, 8, 16, at a realistic context length; medians after warm-up, widths interleaved per repeat.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Result;
+use serde::Serialize;
+use verity::backend::cpu::CpuBackend;
+use verity::bundle::Bundle;
+use verity::model::{Batch, LogitRows, Model};
+
+use super::summary::median;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[arg(long, default_value = verity::registry::DEFAULT_MODEL)]
+    model: String,
+    /// Tokens already in the cache when the verify runs.
+    #[arg(long, default_value_t = 256)]
+    context: usize,
+    #[arg(long, default_value_t = 15)]
+    repeat: usize,
+    #[arg(long, default_value = "1,2,4,8,16")]
+    widths: String,
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(Serialize)]
+struct Cost {
+    w: usize,
+    median_ms: f64,
+    ratio_to_w1: f64,
+}
+
+pub fn main(a: Args, threads: usize) -> Result<()> {
+    let path = crate::load::resolve(&a.model)?;
+    let mut model = Model::load(&Bundle::open(&path)?, Arc::new(CpuBackend::new(threads)?))?;
+    let widths: Vec<usize> = a
+        .widths
+        .split(',')
+        .map(|w| w.trim().parse())
+        .collect::<Result<_, _>>()?;
+    let vocab = model.hp.vocab as u32;
+    // Deterministic, non-trivial token ids (never all zeros).
+    let tokens: Vec<u32> = (0..a.context + 32)
+        .map(|i| (i as u32 * 7919 + 13) % vocab)
+        .collect();
+    let mut cache = model.new_cache(a.context + 32);
+    for chunk in tokens[..a.context].chunks(64) {
+        let pos = cache.len();
+        model.forward(&mut cache, &Batch::causal(chunk, pos), LogitRows::None, &[])?;
+    }
+    let mut samples = vec![Vec::new(); widths.len()];
+    for rep in 0..a.repeat + 2 {
+        for (i, &w) in widths.iter().enumerate() {
+            cache.truncate(a.context);
+            let batch = Batch::causal(&tokens[a.context..a.context + w], a.context);
+            let t = Instant::now();
+            model.forward(&mut cache, &batch, LogitRows::All, &[])?;
+            if rep >= 2 {
+                samples[i].push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+    }
+    let base = median(samples[0].clone());
+    let mut costs = Vec::new();
+    println!("{:>4} {:>10} {:>8}", "W", "ms", "ratio");
+    for (i, &w) in widths.iter().enumerate() {
+        let ms = median(samples[i].clone());
+        println!("{w:>4} {ms:>10.2} {:>8.2}", ms / base);
+        costs.push(Cost {
+            w,
+            median_ms: ms,
+            ratio_to_w1: ms / base,
+        });
+    }
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_string_pretty(&costs)?)?;
+    }
+    Ok(())
+}

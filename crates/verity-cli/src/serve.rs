@@ -1,0 +1,43 @@
+use anyhow::{Context, Result};
+use verity::registry;
+use verity::spec::SpecMode;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A bundle path or a known model name.
+    #[arg(long, default_value = registry::DEFAULT_MODEL)]
+    model: String,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// 0 picks a free port (the address is printed).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Requests that may wait while one runs; more are answered 503.
+    #[arg(long, default_value_t = 16)]
+    queue: usize,
+    /// Speculative decoding: auto, off, copy, draft-model=PATH (requests may still ask for "off").
+    #[arg(long, default_value = "auto")]
+    speculation: SpecMode,
+}
+
+pub fn main(a: Args, threads: usize) -> Result<()> {
+    let engine = crate::load::engine(&a.model, threads, &a.speculation)?;
+    let model_id = if registry::known(&a.model).is_some() {
+        a.model.clone()
+    } else {
+        std::path::Path::new(&a.model)
+            .file_stem()
+            .map_or(a.model.clone(), |s| s.to_string_lossy().into_owned())
+    };
+    let router = verity_server::router(engine, &model_id, a.queue.max(1));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(verity_server::serve(
+        router,
+        &format!("{}:{}", a.host, a.port),
+    ))
+    .with_context(|| format!("serving on {}:{}", a.host, a.port))
+}

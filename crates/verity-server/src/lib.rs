@@ -1,0 +1,417 @@
+//! verity's OpenAI-compatible HTTP server (axum + tokio).
+//!
+//! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (both streaming over SSE or not),
+//! `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text), `POST /v1/cache/reset`.
+//! Requests are validated in [`api`] and run one at a time by the engine thread in [`worker`]; a full queue
+//! answers 503, a disconnected client cancels its generation.
+
+pub mod api;
+pub mod error;
+pub mod metrics;
+pub mod worker;
+
+use std::convert::Infallible;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::StatusCode;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use verity::backend::cpu::CpuBackend;
+use verity::engine::{Engine, GenerationStats};
+
+use api::Params;
+use error::ApiError;
+use metrics::Metrics;
+use worker::{Event, Input, Job, TokenLogprob, Worker};
+
+/// Largest accepted request body.
+pub const MAX_BODY: usize = 4 << 20;
+
+pub struct AppState {
+    pub model_id: String,
+    worker: Worker,
+    pub metrics: Arc<Metrics>,
+    created: u64,
+}
+
+/// Build the router around an engine; `queue` is how many requests may wait.
+pub fn router(engine: Engine<CpuBackend>, model_id: &str, queue: usize) -> Router {
+    let metrics = Arc::new(Metrics::default());
+    let state = Arc::new(AppState {
+        model_id: model_id.to_string(),
+        worker: Worker::start(engine, queue, metrics.clone()),
+        metrics,
+        created: now(),
+    });
+    Router::new()
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics_text))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/cache/reset", post(reset_cache))
+        .fallback(|| async {
+            ApiError {
+                status: StatusCode::NOT_FOUND,
+                kind: "not_found",
+                message: "no such endpoint".into(),
+                param: None,
+            }
+        })
+        .method_not_allowed_fallback(|| async {
+            ApiError {
+                status: StatusCode::METHOD_NOT_ALLOWED,
+                kind: "invalid_request_error",
+                message: "method not allowed".into(),
+                param: None,
+            }
+        })
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .with_state(state)
+}
+
+/// Serve until Ctrl-C. Prints the bound address (useful with port 0) on stdout.
+pub async fn serve(router: Router, addr: &str) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    println!("listening on http://{}", listener.local_addr()?);
+    axum::serve(listener, router)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
+    Json(
+        json!({"object": "list", "data": [{"id": s.model_id, "object": "model", "created": s.created, "owned_by": "verity"}]}),
+    )
+}
+
+async fn metrics_text(State(s): State<Arc<AppState>>) -> impl IntoResponse {
+    (
+        [("content-type", "text/plain; version=0.0.4")],
+        s.metrics.render(),
+    )
+}
+
+async fn reset_cache(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
+    s.worker.reset_cache(&s.metrics)?;
+    Ok(Json(json!({"status": "ok"})))
+}
+
+fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|e| ApiError {
+        status: if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            StatusCode::PAYLOAD_TOO_LARGE
+        } else {
+            StatusCode::BAD_REQUEST
+        },
+        kind: "invalid_request_error",
+        message: format!("cannot read the body: {e}"),
+        param: None,
+    })
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Text,
+}
+
+async fn chat(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    s.metrics.requests.fetch_add(1, Relaxed);
+    let r = async {
+        let body = body_bytes(body)?;
+        api::check_model(api::model_field(&body).as_deref(), &s.model_id)?;
+        let (messages, params) = api::parse_chat(&body)?;
+        generate(&s, Input::Chat(messages), params, Kind::Chat).await
+    }
+    .await;
+    r.unwrap_or_else(|e| {
+        s.metrics.errors.fetch_add(1, Relaxed);
+        e.into_response()
+    })
+}
+
+async fn completions(
+    State(s): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    s.metrics.requests.fetch_add(1, Relaxed);
+    let r = async {
+        let body = body_bytes(body)?;
+        api::check_model(api::model_field(&body).as_deref(), &s.model_id)?;
+        let (prompt, params) = api::parse_completion(&body)?;
+        generate(&s, Input::Text(prompt), params, Kind::Text).await
+    }
+    .await;
+    r.unwrap_or_else(|e| {
+        s.metrics.errors.fetch_add(1, Relaxed);
+        e.into_response()
+    })
+}
+
+/// Queue the job and wait for its first event: an error before any token is an HTTP error, not a stream.
+async fn generate(
+    s: &Arc<AppState>,
+    input: Input,
+    params: Params,
+    kind: Kind,
+) -> Result<Response, ApiError> {
+    let (tx, mut rx) = unbounded_channel();
+    let stream = params.stream;
+    let include_usage = params.include_usage;
+    let want_logprobs = params.logprobs.is_some();
+    s.worker.submit(
+        Job {
+            input,
+            params,
+            events: tx,
+        },
+        &s.metrics,
+    )?;
+    let first = rx
+        .recv()
+        .await
+        .ok_or_else(|| ApiError::internal("the engine dropped the request"))?;
+    if let Event::Error(e) = first {
+        return Err(e);
+    }
+    let id = format!(
+        "{}-{:x}",
+        if kind == Kind::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        },
+        rand_id()
+    );
+    let ctx = Reply {
+        id,
+        model: s.model_id.clone(),
+        created: now(),
+        kind,
+        want_logprobs,
+    };
+    if stream {
+        Ok(ctx.stream(first, rx, include_usage).into_response())
+    } else {
+        ctx.whole(first, rx).await.map(|v| Json(v).into_response())
+    }
+}
+
+fn rand_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(now());
+    h.finish()
+}
+
+struct Reply {
+    id: String,
+    model: String,
+    created: u64,
+    kind: Kind,
+    want_logprobs: bool,
+}
+
+fn usage(stats: &GenerationStats) -> Value {
+    json!({
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.restored_tokens},
+        "verity": {
+            "route": stats.route,
+            "cycles": stats.cycles,
+            "accepted_per_cycle": stats.tokens_per_cycle(),
+            "drafted": stats.drafted,
+            "accepted": stats.accepted,
+            "ttft_s": stats.ttft_s,
+            "decode_tok_s": stats.decode_tok_s(),
+        }
+    })
+}
+
+fn logprob_json(lp: &TokenLogprob) -> Value {
+    json!({
+        "token": lp.token,
+        "logprob": lp.logprob,
+        "bytes": lp.token.as_bytes(),
+        "top_logprobs": lp.top.iter().map(|(t, l)| json!({"token": t, "logprob": l, "bytes": t.as_bytes()})).collect::<Vec<_>>(),
+    })
+}
+
+impl Reply {
+    async fn whole(
+        &self,
+        first: Event,
+        mut rx: UnboundedReceiver<Event>,
+    ) -> Result<Value, ApiError> {
+        let mut text = String::new();
+        let mut lps = Vec::new();
+        let mut next = Some(first);
+        loop {
+            let ev = match next.take() {
+                Some(e) => e,
+                None => rx
+                    .recv()
+                    .await
+                    .ok_or_else(|| ApiError::internal("the engine dropped the request"))?,
+            };
+            match ev {
+                Event::Delta { text: t, logprob } => {
+                    text.push_str(&t);
+                    if let Some(lp) = logprob {
+                        lps.push(logprob_json(&lp));
+                    }
+                }
+                Event::Error(e) => return Err(e),
+                Event::Done {
+                    finish_reason,
+                    stats,
+                } => {
+                    let logprobs = if self.want_logprobs {
+                        json!({"content": lps})
+                    } else {
+                        Value::Null
+                    };
+                    let choice = match self.kind {
+                        Kind::Chat => {
+                            json!({"index": 0, "message": {"role": "assistant", "content": text},
+                                             "logprobs": logprobs, "finish_reason": finish_reason})
+                        }
+                        Kind::Text => {
+                            json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
+                        }
+                    };
+                    let object = if self.kind == Kind::Chat {
+                        "chat.completion"
+                    } else {
+                        "text_completion"
+                    };
+                    return Ok(
+                        json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
+                                     "choices": [choice], "usage": usage(&stats)}),
+                    );
+                }
+            }
+        }
+    }
+
+    fn chunk(&self, choices: Value, usage: Option<Value>) -> SseEvent {
+        let object = if self.kind == Kind::Chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
+        let mut v = json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices});
+        if let Some(u) = usage {
+            v["usage"] = u;
+        }
+        SseEvent::default().data(v.to_string())
+    }
+
+    /// Turn engine events into SSE chunks. A forwarding task owns the engine's receiver: when the client goes
+    /// away the SSE stream is dropped, the forwarder's sends fail, it drops the receiver, and the engine's next
+    /// send fails, which cancels the generation.
+    fn stream(
+        self,
+        first: Event,
+        mut rx: UnboundedReceiver<Event>,
+        include_usage: bool,
+    ) -> Sse<UnboundedReceiverStream<Result<SseEvent, Infallible>>> {
+        let (out, sse_rx) = unbounded_channel::<Result<SseEvent, Infallible>>();
+        tokio::spawn(async move {
+            if self.kind == Kind::Chat {
+                let role = json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
+                if out.send(Ok(self.chunk(role, None))).is_err() {
+                    return;
+                }
+            }
+            let mut next = Some(first);
+            loop {
+                let ev = match next.take() {
+                    Some(e) => e,
+                    None => match rx.recv().await {
+                        Some(e) => e,
+                        None => return,
+                    },
+                };
+                let (chunks, last) = self.render(ev, include_usage);
+                for c in chunks {
+                    if out.send(Ok(c)).is_err() {
+                        return; // client gone: dropping `rx` cancels the generation
+                    }
+                }
+                if last {
+                    return;
+                }
+            }
+        });
+        Sse::new(UnboundedReceiverStream::new(sse_rx))
+    }
+
+    /// The SSE events for one engine event, and whether it ends the stream.
+    fn render(&self, ev: Event, include_usage: bool) -> (Vec<SseEvent>, bool) {
+        match ev {
+            Event::Delta { text, logprob } => {
+                if text.is_empty() && logprob.is_none() {
+                    return (Vec::new(), false);
+                }
+                let lp = logprob.map_or(Value::Null, |l| json!({"content": [logprob_json(&l)]}));
+                let choice = match self.kind {
+                    Kind::Chat => {
+                        json!([{"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": null}])
+                    }
+                    Kind::Text => {
+                        json!([{"index": 0, "text": text, "logprobs": lp, "finish_reason": null}])
+                    }
+                };
+                (vec![self.chunk(choice, None)], false)
+            }
+            Event::Error(e) => (
+                vec![
+                    SseEvent::default().data(e.body().to_string()),
+                    SseEvent::default().data("[DONE]"),
+                ],
+                true,
+            ),
+            Event::Done {
+                finish_reason,
+                stats,
+            } => {
+                let choice = match self.kind {
+                    Kind::Chat => {
+                        json!([{"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish_reason}])
+                    }
+                    Kind::Text => {
+                        json!([{"index": 0, "text": "", "logprobs": null, "finish_reason": finish_reason}])
+                    }
+                };
+                let mut v = vec![self.chunk(choice, None)];
+                if include_usage {
+                    v.push(self.chunk(json!([]), Some(usage(&stats))));
+                }
+                v.push(SseEvent::default().data("[DONE]"));
+                (v, true)
+            }
+        }
+    }
+}

@@ -1,0 +1,301 @@
+//! The engine thread: one request at a time from a bounded queue.
+//!
+//! Why a queue and not batching: on a CPU a decode step streams every weight through memory once, and verity's
+//! speculative verify already fills that step with several rows of one request; interleaving requests would
+//! need a batched KV cache per request (future work). A bounded queue keeps latency predictable and answers
+//! 503 when it is full. The worker keeps one session, so a follow-up turn of the last conversation reuses its
+//! cached prefix. A request is cancelled as soon as its client goes away (its event channel closes).
+
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::Arc;
+
+use tokio::sync::mpsc::UnboundedSender;
+use verity::backend::cpu::CpuBackend;
+use verity::chat::{Message, StreamDecoder};
+use verity::engine::{Engine, GenerateRequest, GenerationStats, StopReason};
+
+use crate::api::Params;
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+
+pub enum Input {
+    Chat(Vec<Message>),
+    Text(String),
+}
+
+pub struct Job {
+    pub input: Input,
+    pub params: Params,
+    pub events: UnboundedSender<Event>,
+}
+
+/// A token's log-probability and the best alternatives, as text.
+#[derive(Debug, Clone)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub top: Vec<(String, f32)>,
+}
+
+#[derive(Debug)]
+pub enum Event {
+    /// New text (possibly empty when a token completes no character yet), with its token's log-probability.
+    Delta {
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
+    Done {
+        finish_reason: &'static str,
+        stats: GenerationStats,
+    },
+    Error(ApiError),
+}
+
+/// What the engine thread is asked to do.
+enum Task {
+    Generate(Job),
+    /// Forget the cached conversation (the prefix-cache reset endpoint).
+    ResetCache,
+}
+
+#[derive(Clone)]
+pub struct Worker {
+    queue: SyncSender<Task>,
+}
+
+impl Worker {
+    /// Start the engine thread with a queue of `capacity` waiting requests.
+    pub fn start(mut engine: Engine<CpuBackend>, capacity: usize, metrics: Arc<Metrics>) -> Self {
+        let (tx, rx) = sync_channel::<Task>(capacity);
+        std::thread::Builder::new()
+            .name("verity-engine".into())
+            .spawn(move || {
+                let mut session = engine.new_session();
+                while let Ok(task) = rx.recv() {
+                    metrics
+                        .queue_depth
+                        .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+                    let job = match task {
+                        Task::ResetCache => {
+                            session = engine.new_session();
+                            continue;
+                        }
+                        Task::Generate(job) => job,
+                    };
+                    if job.events.is_closed() {
+                        continue; // the client left while queued
+                    }
+                    let events = job.events.clone();
+                    if let Err(e) = run(&mut engine, &mut session, job, &metrics) {
+                        let _ = events.send(Event::Error(e));
+                    }
+                }
+            })
+            .expect("spawning the engine thread");
+        Worker { queue: tx }
+    }
+
+    pub fn submit(&self, job: Job, metrics: &Metrics) -> Result<(), ApiError> {
+        self.send(Task::Generate(job), metrics)
+    }
+
+    /// Forget the cached conversation; runs after the requests already queued.
+    pub fn reset_cache(&self, metrics: &Metrics) -> Result<(), ApiError> {
+        self.send(Task::ResetCache, metrics)
+    }
+
+    fn send(&self, task: Task, metrics: &Metrics) -> Result<(), ApiError> {
+        metrics
+            .queue_depth
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        match self.queue.try_send(task) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(_)) => {
+                metrics
+                    .queue_depth
+                    .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+                metrics
+                    .rejected
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Err(ApiError::overloaded())
+            }
+            Err(TrySendError::Disconnected(_)) => {
+                Err(ApiError::internal("the engine thread has stopped"))
+            }
+        }
+    }
+}
+
+/// Holds back text that may be the start of a stop string, and cuts at the first stop string.
+struct StopScan {
+    stops: Vec<String>,
+    held: String,
+}
+
+impl StopScan {
+    /// Returns the text that is safe to emit and whether a stop string was reached.
+    fn push(&mut self, text: &str) -> (String, bool) {
+        self.held.push_str(text);
+        if let Some(cut) = self
+            .stops
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min()
+        {
+            let out = self.held[..cut].to_string();
+            self.held.clear();
+            return (out, true);
+        }
+        // Keep the longest suffix that is a proper prefix of a stop string.
+        let mut keep = 0;
+        for s in &self.stops {
+            for l in (1..s.len()).rev() {
+                if l <= self.held.len() && s.is_char_boundary(l) && self.held.ends_with(&s[..l]) {
+                    keep = keep.max(l);
+                    break;
+                }
+            }
+        }
+        let emit_to = self.held.len() - keep;
+        let out = self.held[..emit_to].to_string();
+        self.held.drain(..emit_to);
+        (out, false)
+    }
+
+    fn flush(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+}
+
+fn run(
+    engine: &mut Engine<CpuBackend>,
+    session: &mut verity::engine::Session<CpuBackend>,
+    job: Job,
+    metrics: &Metrics,
+) -> Result<(), ApiError> {
+    let prompt = match &job.input {
+        Input::Chat(messages) => engine.chat_prompt(messages),
+        Input::Text(text) => engine.tokenizer.encode(text, true),
+    }
+    .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?;
+    let context = engine.model.hp.context_len;
+    if prompt.is_empty() {
+        return Err(ApiError::invalid(
+            "the prompt is empty after tokenization",
+            Some("messages"),
+        ));
+    }
+    if prompt.len() >= context {
+        return Err(ApiError::invalid(
+            format!(
+                "the prompt ({} tokens) does not fit the context ({context})",
+                prompt.len()
+            ),
+            Some("messages"),
+        ));
+    }
+    let room = context - prompt.len();
+    let max_tokens = match job.params.max_tokens {
+        Some(m) if m > room => {
+            return Err(ApiError::invalid(
+                format!(
+                "max_tokens {m} exceeds the context left after the prompt ({room} of {context})"
+            ),
+                Some("max_tokens"),
+            ))
+        }
+        Some(m) => m,
+        None => room.min(4096),
+    };
+    let req = GenerateRequest {
+        max_tokens,
+        sampling: job.params.sampling,
+        ignore_eos: false,
+        speculate: job.params.speculate,
+        want_logprob: job.params.logprobs.is_some(),
+        logprobs: job.params.logprobs.unwrap_or(0),
+    };
+    let mut decoder = StreamDecoder::new();
+    let mut scan = StopScan {
+        stops: job.params.stop.clone(),
+        held: String::new(),
+    };
+    let mut hit_stop = false;
+    let mut failure = None;
+    let events = &job.events;
+    let stats = engine
+        .generate(session, &prompt, &req, |tok, emitted| {
+            let text = match decoder.push(tok, emitted.id) {
+                Ok(t) => t.unwrap_or_default(),
+                Err(e) => {
+                    failure = Some(ApiError::internal(e.to_string()));
+                    return false;
+                }
+            };
+            let (text, stop) = scan.push(&text);
+            let logprob = emitted.logprobs.as_ref().map(|lp| TokenLogprob {
+                token: tok.decode_with_special(&[emitted.id]).unwrap_or_default(),
+                logprob: lp.logprob,
+                top: lp
+                    .top
+                    .iter()
+                    .map(|&(id, l)| (tok.decode_with_special(&[id]).unwrap_or_default(), l))
+                    .collect(),
+            });
+            if events.send(Event::Delta { text, logprob }).is_err() {
+                return false; // the client went away: cancel
+            }
+            hit_stop = stop;
+            !stop
+        })
+        .map_err(|e| ApiError::invalid(e.to_string(), None))?;
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    let tail = scan.flush();
+    if !tail.is_empty() && !hit_stop {
+        let _ = events.send(Event::Delta {
+            text: tail,
+            logprob: None,
+        });
+    }
+    let finish_reason = match stats.stop {
+        _ if hit_stop => "stop",
+        StopReason::Stop => "stop",
+        StopReason::MaxTokens | StopReason::ContextFull => "length",
+        StopReason::Cancelled => {
+            metrics
+                .cancelled
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            "cancelled"
+        }
+    };
+    metrics.record(&stats);
+    let _ = events.send(Event::Done {
+        finish_reason,
+        stats,
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StopScan;
+
+    #[test]
+    fn stop_strings_are_cut_even_across_deltas() {
+        let mut s = StopScan {
+            stops: vec!["END".into()],
+            held: String::new(),
+        };
+        assert_eq!(s.push("hello E"), ("hello ".to_string(), false));
+        assert_eq!(s.push("N"), (String::new(), false));
+        assert_eq!(s.push("D more"), (String::new(), true));
+        let mut s = StopScan {
+            stops: vec!["END".into()],
+            held: String::new(),
+        };
+        assert_eq!(s.push("hello E"), ("hello ".to_string(), false));
+        assert_eq!(s.push("x"), ("Ex".to_string(), false));
+    }
+}
