@@ -15,7 +15,8 @@ Covered (the contract of `verity serve`):
   * GET /health -> {"status": "ok"}; GET /v1/models (raw and client.models.list()).
   * POST /v1/chat/completions, non-streaming: full ChatCompletion schema, usage
     incl. prompt_tokens_details.cached_tokens and the `usage.verity` extension.
-  * Greedy known answer ("capital of France" -> "Paris").
+  * Greedy known answer ("capital of Japan" -> "Tokyo"). (Not France: with 8-bit activations, the default
+    numerics, SmolLM2-135M answers that one with a list of French words, exactly as llama.cpp does.)
   * Streaming (client and raw SSE): chunk schema, role in first delta,
     concatenated deltas == non-streaming greedy text, final finish_reason,
     `data: [DONE]`, and stream_options.include_usage (usage chunk, empty choices).
@@ -77,9 +78,9 @@ class Config:
 
 CFG = Config()
 
-# Prompts used across tests. Greedy decoding of FRANCE is expected to mention Paris.
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
-FRANCE_MAX_TOKENS = 32
+# Prompts used across tests. Greedy decoding of CAPITAL is expected to mention Tokyo.
+CAPITAL = [{"role": "user", "content": "What is the capital of Japan?"}]
+CAPITAL_MAX_TOKENS = 32
 # A prompt whose answer is long, so small token limits are always hit.
 STORY = [{"role": "user", "content": "Write a long story about a brave knight and a dragon."}]
 
@@ -270,11 +271,11 @@ def chat(**kwargs):
 _memo = {}
 
 
-def france_greedy():
-    """The non-streaming greedy answer to FRANCE (computed once, shared by tests)."""
-    if "france" not in _memo:
-        _memo["france"] = chat(messages=FRANCE, temperature=0, max_tokens=FRANCE_MAX_TOKENS)
-    return _memo["france"]
+def capital_greedy():
+    """The non-streaming greedy answer to CAPITAL (computed once, shared by tests)."""
+    if "capital" not in _memo:
+        _memo["capital"] = chat(messages=CAPITAL, temperature=0, max_tokens=CAPITAL_MAX_TOKENS)
+    return _memo["capital"]
 
 
 def error_of(exc):
@@ -362,7 +363,8 @@ class ServerTestCase(unittest.TestCase):
         try:
             body = res.json()
         except ValueError:
-            self.fail("error body is not JSON: %r" % res)
+            body = None
+        self.assertIsNotNone(body, "error body is not JSON: %r" % res)
         self.assertIsInstance(body, dict, "error body must be a JSON object: %r" % res)
         err = body.get("error")
         self.assertIsInstance(err, dict, "error body lacks an `error` object: %r" % res)
@@ -503,18 +505,18 @@ class TestChatCompletions(ServerTestCase):
 
     def test_response_schema_raw_http(self):
         res = post_json("/v1/chat/completions", {
-            "model": CFG.model, "messages": FRANCE, "temperature": 0, "n": 1,
-            "max_tokens": FRANCE_MAX_TOKENS})
+            "model": CFG.model, "messages": CAPITAL, "temperature": 0, "n": 1,
+            "max_tokens": CAPITAL_MAX_TOKENS})
         self.assertEqual(res.status, 200, res)
         self.assertTrue(res.headers.get("content-type", "").startswith("application/json"))
         body = res.json()
         self.assert_chat_completion(body)
         self.assertEqual(body["model"], CFG.model)
 
-    def test_known_answer_paris(self):
-        resp, raw = france_greedy()
+    def test_known_answer_tokyo(self):
+        resp, raw = capital_greedy()
         self.assert_chat_completion(raw)
-        self.assertIn("Paris", resp.choices[0].message.content)
+        self.assertIn("Tokyo", resp.choices[0].message.content)
 
     def test_max_tokens_hits_length(self):
         _, raw = chat(messages=STORY, temperature=0, max_tokens=8)
@@ -529,25 +531,25 @@ class TestChatCompletions(ServerTestCase):
         self.assertEqual(raw["usage"]["completion_tokens"], 6)
 
     def _check_stop(self, stop):
-        full = france_greedy()[0].choices[0].message.content
-        self.assertIn("Paris", full, "precondition: greedy answer mentions Paris")
-        _, raw = chat(messages=FRANCE, temperature=0, max_tokens=FRANCE_MAX_TOKENS, stop=stop)
+        full = capital_greedy()[0].choices[0].message.content
+        self.assertIn("Tokyo", full, "precondition: greedy answer mentions Tokyo")
+        _, raw = chat(messages=CAPITAL, temperature=0, max_tokens=CAPITAL_MAX_TOKENS, stop=stop)
         choice = self.assert_chat_completion(raw)
         content = choice["message"]["content"]
-        self.assertNotIn("Paris", content)
+        self.assertNotIn("Tokyo", content)
         self.assertEqual(choice["finish_reason"], "stop")
         self.assertTrue(full.startswith(content),
                         "stopped text %r is not a prefix of the full answer %r" % (content, full))
 
     def test_stop_string(self):
-        self._check_stop("Paris")
+        self._check_stop("Tokyo")
 
     def test_stop_list(self):
-        self._check_stop(["@@never-appears@@", "Paris"])
+        self._check_stop(["@@never-appears@@", "Tokyo"])
 
     def test_n_other_than_one_rejected(self):
         with self.assertRaises(openai.BadRequestError):
-            chat(messages=FRANCE, max_tokens=8, n=2)
+            chat(messages=CAPITAL, max_tokens=8, n=2)
 
     def test_logprobs(self):
         _, raw = chat(messages=STORY, temperature=0, max_tokens=8, logprobs=True, top_logprobs=1)
@@ -572,7 +574,7 @@ class TestChatCompletions(ServerTestCase):
             self.assertAlmostEqual(tops[0]["logprob"], entry["logprob"], places=3)
 
     def test_sampling_fields_accepted(self):
-        _, raw = chat(messages=FRANCE, temperature=0.7, top_p=0.9, seed=7, max_tokens=12,
+        _, raw = chat(messages=CAPITAL, temperature=0.7, top_p=0.9, seed=7, max_tokens=12,
                       extra_body={"top_k": 40, "min_p": 0.05})
         self.assert_chat_completion(raw)
 
@@ -584,22 +586,22 @@ class TestChatCompletions(ServerTestCase):
         self.assertEqual(a.choices[0].message.content, b.choices[0].message.content)
 
     def test_top_k_1_matches_greedy(self):
-        greedy = france_greedy()[0].choices[0].message.content
-        resp, _ = chat(messages=FRANCE, temperature=1.0, seed=3, max_tokens=FRANCE_MAX_TOKENS,
+        greedy = capital_greedy()[0].choices[0].message.content
+        resp, _ = chat(messages=CAPITAL, temperature=1.0, seed=3, max_tokens=CAPITAL_MAX_TOKENS,
                        extra_body={"top_k": 1})
         self.assertEqual(resp.choices[0].message.content, greedy)
 
     def test_speculation_off_and_auto_agree(self):
-        _, off = chat(messages=FRANCE, temperature=0, max_tokens=FRANCE_MAX_TOKENS,
+        _, off = chat(messages=CAPITAL, temperature=0, max_tokens=CAPITAL_MAX_TOKENS,
                       extra_body={"speculation": "off"})
-        _, auto = chat(messages=FRANCE, temperature=0, max_tokens=FRANCE_MAX_TOKENS,
+        _, auto = chat(messages=CAPITAL, temperature=0, max_tokens=CAPITAL_MAX_TOKENS,
                        extra_body={"speculation": "auto"})
         self.assert_chat_completion(off)
         self.assert_chat_completion(auto)
         self.assertEqual(off["usage"]["verity"]["route"], "ar")
         self.assertEqual(off["choices"][0]["message"]["content"], auto["choices"][0]["message"]["content"])
         self.assertEqual(off["choices"][0]["message"]["content"],
-                         france_greedy()[0].choices[0].message.content)
+                         capital_greedy()[0].choices[0].message.content)
 
 
 # --------------------------------------------------------------------------
@@ -609,9 +611,9 @@ class TestChatCompletions(ServerTestCase):
 class TestStreaming(ServerTestCase):
 
     def test_client_stream_matches_non_streaming(self):
-        expected = france_greedy()[0].choices[0].message.content
+        expected = capital_greedy()[0].choices[0].message.content
         stream = client().chat.completions.create(
-            model=CFG.model, messages=FRANCE, temperature=0, max_tokens=FRANCE_MAX_TOKENS, stream=True)
+            model=CFG.model, messages=CAPITAL, temperature=0, max_tokens=CAPITAL_MAX_TOKENS, stream=True)
         parts, roles, finish = [], [], None
         for chunk in stream:
             self.assertEqual(chunk.object, "chat.completion.chunk")
@@ -629,22 +631,22 @@ class TestStreaming(ServerTestCase):
         self.assertEqual("".join(parts), expected)
 
     def test_raw_sse_format(self):
-        expected = france_greedy()[0].choices[0].message.content
+        expected = capital_greedy()[0].choices[0].message.content
         status, headers, payloads = stream_raw("/v1/chat/completions", {
-            "model": CFG.model, "messages": FRANCE, "temperature": 0,
-            "max_tokens": FRANCE_MAX_TOKENS, "stream": True})
+            "model": CFG.model, "messages": CAPITAL, "temperature": 0,
+            "max_tokens": CAPITAL_MAX_TOKENS, "stream": True})
         self.assertEqual(status, 200, payloads)
         self.assertTrue(headers.get("content-type", "").startswith("text/event-stream"),
                         "content-type %r" % headers.get("content-type"))
         text, finish, _ = self.parse_chat_stream(payloads)
         self.assertEqual(text, expected)
-        self.assertEqual(finish, france_greedy()[1]["choices"][0]["finish_reason"])
+        self.assertEqual(finish, capital_greedy()[1]["choices"][0]["finish_reason"])
 
     def test_include_usage(self):
-        expected = france_greedy()[1]
+        expected = capital_greedy()[1]
         status, _, payloads = stream_raw("/v1/chat/completions", {
-            "model": CFG.model, "messages": FRANCE, "temperature": 0,
-            "max_tokens": FRANCE_MAX_TOKENS, "stream": True,
+            "model": CFG.model, "messages": CAPITAL, "temperature": 0,
+            "max_tokens": CAPITAL_MAX_TOKENS, "stream": True,
             "stream_options": {"include_usage": True}})
         self.assertEqual(status, 200, payloads)
         text, _, usage = self.parse_chat_stream(payloads, expect_usage_chunk=True)
@@ -655,7 +657,7 @@ class TestStreaming(ServerTestCase):
     def test_client_include_usage(self):
         usage_chunks = []
         stream = client().chat.completions.create(
-            model=CFG.model, messages=FRANCE, temperature=0, max_tokens=8, stream=True,
+            model=CFG.model, messages=CAPITAL, temperature=0, max_tokens=8, stream=True,
             stream_options={"include_usage": True})
         for chunk in stream:
             if chunk.usage is not None:
@@ -779,7 +781,8 @@ class TestOptionalFeatures(ServerTestCase):
         try:
             return json.loads(content)
         except ValueError:
-            self.fail("content is not JSON (finish_reason=%s): %r" % (choice["finish_reason"], content))
+            pass
+        self.fail("content is not JSON (finish_reason=%s): %r" % (choice["finish_reason"], content))
 
     def test_optional_response_format_json_object(self):
         _, raw = self._chat_or_skip(
@@ -819,8 +822,9 @@ class TestOptionalFeatures(ServerTestCase):
         try:
             args = json.loads(call["function"]["arguments"])
         except (TypeError, ValueError):
-            self.fail("tool call arguments are not JSON: %r" % call["function"].get("arguments"))
-        self.assertIsInstance(args, dict)
+            args = None
+        self.assertIsInstance(args, dict, "tool call arguments are not a JSON object: %r"
+                              % call["function"].get("arguments"))
 
 
 # --------------------------------------------------------------------------
@@ -849,7 +853,7 @@ class TestRobustness(ServerTestCase):
         conn.close()
 
         start = time.monotonic()
-        _, raw = chat(messages=FRANCE, temperature=0, max_tokens=16, timeout=30)
+        _, raw = chat(messages=CAPITAL, temperature=0, max_tokens=16, timeout=30)
         elapsed = time.monotonic() - start
         self.assert_chat_completion(raw)
         self.assertLess(elapsed, 20.0, "request after a disconnect took %.1fs: "
@@ -994,7 +998,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8080 (no /v1)")
     parser.add_argument("--model", default="smollm2-135m", help="served model id")
-    parser.add_argument("--wait", type=float, default=30.0, help="seconds to wait for /health first")
+    parser.add_argument("--wait", type=float, default=60.0, help="seconds to wait for /health first")
     parser.add_argument("--deadline", type=float, default=360.0, help="abort the whole run after this")
     parser.add_argument("--timeout", type=float, default=60.0, help="per-request timeout (s)")
     args, rest = parser.parse_known_args()
