@@ -29,6 +29,41 @@ pub struct Args {
 }
 
 #[derive(Serialize)]
+struct Floor {
+    /// Bytes one decode step reads: every weight matrix once (the tied output reads the whole embedding).
+    bytes_per_token: usize,
+    /// Measured read bandwidth of this machine with the same thread count, GB/s.
+    bandwidth_gb_s: f64,
+    floor_ms: f64,
+    /// ms(W=1) / floor_ms.
+    w1_over_floor: f64,
+}
+
+/// Read bandwidth: `threads` threads each summing their share of a 1 GiB buffer (far larger than any cache),
+/// best of 5 passes after the pages are touched.
+fn read_bandwidth(threads: usize) -> f64 {
+    let len = 1usize << 27; // u64 words = 1 GiB
+    let buf: Vec<u64> = (0..len as u64).collect();
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let total: u64 = std::thread::scope(|s| {
+            let handles: Vec<_> = buf
+                .chunks(len.div_ceil(threads))
+                .map(|c| s.spawn(move || c.iter().fold(0u64, |a, &v| a.wrapping_add(v))))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .fold(0u64, u64::wrapping_add)
+        });
+        std::hint::black_box(total);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (len * 8) as f64 / best / 1e9
+}
+
+#[derive(Serialize)]
 struct Cost {
     w: usize,
     median_ms: f64,
@@ -77,8 +112,31 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
             ratio_to_w1: ms / base,
         });
     }
+    let bytes = model.weight_bytes();
+    let bw = read_bandwidth(if threads == 0 {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        threads
+    });
+    let floor_ms = bytes as f64 / (bw * 1e9) * 1e3;
+    let floor = Floor {
+        bytes_per_token: bytes,
+        bandwidth_gb_s: bw,
+        floor_ms,
+        w1_over_floor: base / floor_ms,
+    };
+    println!(
+        "floor: {:.1} MB per token at {:.1} GB/s = {:.2} ms; W=1 takes {:.2}x the floor",
+        bytes as f64 / 1e6,
+        bw,
+        floor_ms,
+        floor.w1_over_floor
+    );
     if let Some(p) = &a.json {
-        std::fs::write(p, serde_json::to_string_pretty(&costs)?)?;
+        std::fs::write(
+            p,
+            serde_json::to_string_pretty(&serde_json::json!({"widths": costs, "floor": floor}))?,
+        )?;
     }
     Ok(())
 }

@@ -14,7 +14,7 @@ const ALPHA: f32 = 0.25;
 /// Initial acceptance belief: optimistic enough to try speculation, learned away within a few cycles.
 const PRIOR: f32 = 0.6;
 /// After this many AR cycles in a row, probe with a small draft.
-const PROBE_EVERY: usize = 24;
+const PROBE_EVERY: usize = 8;
 
 #[derive(Debug, Clone)]
 pub struct Controller {

@@ -8,7 +8,7 @@
 //!   and truncated when the context shrinks (a rolled-back draft is never indexed: only confirmed context is).
 //! - Width adapts per window: start at `MIN_WIDTH`, grow to `MAX_WIDTH` after a fully accepted window, back to
 //!   `MIN_WIDTH` after a window with under half accepted; two consecutive first-token misses silence the proposer
-//!   for `SILENCE` proposals.
+//!   for the next `SILENCE` tokens of context (counted in tokens, so silence ends even when nothing is asked).
 
 use std::collections::HashMap;
 
@@ -29,7 +29,8 @@ pub struct SuffixCopy {
     seen: Vec<u32>,
     width: usize,
     first_misses: usize,
-    silent_for: usize,
+    /// Propose nothing until the context reaches this length.
+    silent_until: usize,
 }
 
 impl SuffixCopy {
@@ -39,7 +40,7 @@ impl SuffixCopy {
             seen: Vec::new(),
             width: MIN_WIDTH,
             first_misses: 0,
-            silent_for: 0,
+            silent_until: 0,
         }
     }
 
@@ -77,21 +78,16 @@ impl Proposer for SuffixCopy {
     fn reset(&mut self, _sampling: &crate::sample::SamplerConfig) {
         self.width = MIN_WIDTH;
         self.first_misses = 0;
-        self.silent_for = 0;
+        self.silent_until = 0;
     }
 
     fn width(&self, k: usize) -> usize {
-        if self.silent_for > 0 {
-            0
-        } else {
-            self.width.min(k)
-        }
+        self.width.min(k)
     }
 
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft> {
         self.sync(context);
-        if self.silent_for > 0 {
-            self.silent_for -= 1;
+        if context.len() < self.silent_until {
             return Ok(Draft::default());
         }
         let k = self.width.min(k);
@@ -117,7 +113,7 @@ impl Proposer for SuffixCopy {
         if accepted == 0 {
             self.first_misses += 1;
             if self.first_misses >= 2 {
-                self.silent_for = SILENCE;
+                self.silent_until = self.seen.len() + SILENCE;
                 self.first_misses = 0;
             }
         } else {
@@ -166,12 +162,15 @@ mod tests {
     #[test]
     fn two_first_token_misses_silence_it_for_a_while() {
         let mut p = SuffixCopy::new();
-        let ctx = [1, 2, 3, 4, 1, 2];
+        let mut ctx = vec![1, 2, 3, 4, 1, 2];
         p.observe(3, 0);
         assert_eq!(p.propose(&ctx, 8).unwrap().tokens, vec![3, 4, 1]);
         p.observe(3, 0);
-        for _ in 0..SILENCE {
+        // Silent for the next SILENCE tokens of context, however often it is asked.
+        for t in 0..SILENCE {
             assert!(p.propose(&ctx, 8).unwrap().tokens.is_empty());
+            assert!(p.propose(&ctx, 8).unwrap().tokens.is_empty());
+            ctx.push(if t % 2 == 0 { 1 } else { 2 });
         }
         assert!(!p.propose(&ctx, 8).unwrap().tokens.is_empty());
     }
