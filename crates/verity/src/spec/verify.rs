@@ -14,7 +14,7 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::sample::{Sampler, SamplerConfig};
+use crate::sample::{draw, Sampler, SamplerConfig};
 
 /// A proposer's distribution for one drafted token: `None` for a deterministic proposer (one-hot on the token).
 pub type DraftDist = Option<Vec<(u32, f32)>>;
@@ -98,15 +98,7 @@ impl Verifier {
     }
 
     fn draw(&mut self, dist: &[(u32, f32)]) -> u32 {
-        let u: f32 = self.rng.random();
-        let mut acc = 0f32;
-        for &(t, p) in dist {
-            acc += p;
-            if u < acc {
-                return t;
-            }
-        }
-        dist.last().expect("non-empty distribution").0
+        draw(dist, self.rng.random())
     }
 }
 

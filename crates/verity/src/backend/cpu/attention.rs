@@ -4,20 +4,9 @@
 //! the value sum in slot order. A row at a given position sees the same slots in the same order whether it runs
 //! alone or in a batch, so its output is bitwise the same.
 
-use super::pool::{share, Pool};
+use super::pool::{share, Pool, SharedOut};
 use super::simd::dot;
 use crate::backend::{AttnMask, AttnShape};
-
-struct OutPtr(*mut f32);
-// SAFETY: each (row, head) task writes its own head_dim-long slice.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    fn at(&self, i: usize) -> *mut f32 {
-        self.0.wrapping_add(i)
-    }
-}
 
 pub fn attention(
     pool: &Pool,
@@ -35,7 +24,7 @@ pub fn attention(
     assert!(
         k_cache.len() >= (s.base + s.rows) * kv_dim && v_cache.len() >= (s.base + s.rows) * kv_dim
     );
-    let out_ptr = OutPtr(out.as_mut_ptr());
+    let out_ptr = SharedOut::new(out);
     pool.run(&|t| {
         SCRATCH.with(|cell| {
             let (scores, slots) = &mut *cell.borrow_mut();

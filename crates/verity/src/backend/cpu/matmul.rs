@@ -6,7 +6,7 @@
 //! operations on a row. Work is
 //! split across threads by output columns, so the thread count does not change any result either.
 
-use super::pool::{share, Pool};
+use super::pool::{share, Pool, SharedOut};
 use super::qmatmul;
 use super::simd::{self, Isa};
 use crate::quant::{QMatrix, RowDecoder, WeightFormat};
@@ -20,11 +20,6 @@ pub enum Activations {
     /// formats use the f32 path.
     Q8,
 }
-
-struct OutPtr(*mut f32);
-// SAFETY: each task writes a disjoint set of output columns.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
 
 /// `out[r * w.rows + n] = Σ_k x[r * w.cols + k] · w[n, k]` for `r < rows`.
 pub fn matmul(
@@ -44,7 +39,7 @@ pub fn matmul(
     }
     let dec = w.decoder();
     let bl = w.block_len();
-    let out_ptr = OutPtr(out.as_mut_ptr());
+    let out_ptr = SharedOut::new(out);
     let isa = simd::isa();
     pool.run(&|t| {
         let cols = share(n_out, pool.threads(), t, 4);
@@ -53,11 +48,11 @@ pub fn matmul(
         match isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: Avx2 is only reported after runtime detection.
-            Isa::Avx2 => unsafe { tile_avx2(&dec, n0, n1, n_out, k, bl, x, rows, out.0) },
+            Isa::Avx2 => unsafe { tile_avx2(&dec, n0, n1, n_out, k, bl, x, rows, out.at(0)) },
             #[cfg(target_arch = "aarch64")]
             // SAFETY: NEON is architectural on aarch64.
-            Isa::Neon => unsafe { tile_neon(&dec, n0, n1, n_out, k, bl, x, rows, out.0) },
-            _ => tile_scalar(&dec, n0, n1, n_out, k, bl, x, rows, out.0),
+            Isa::Neon => unsafe { tile_neon(&dec, n0, n1, n_out, k, bl, x, rows, out.at(0)) },
+            _ => tile_scalar(&dec, n0, n1, n_out, k, bl, x, rows, out.at(0)),
         }
     });
 }

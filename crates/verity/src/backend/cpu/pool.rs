@@ -150,6 +150,25 @@ impl Drop for Pool {
     }
 }
 
+/// A raw output pointer shared by the tasks of one job, each writing its own disjoint part of the output.
+pub struct SharedOut(*mut f32);
+
+// SAFETY: tasks write disjoint elements (each kernel states its partition), and `run` returns only after all
+// tasks are done, so the borrow the pointer came from outlives every write.
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    pub fn new(out: &mut [f32]) -> Self {
+        SharedOut(out.as_mut_ptr())
+    }
+
+    /// The address of element `i`.
+    pub fn at(&self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
 /// The `i`-th of `n` contiguous shares of `0..len`, in units of `align` (share sizes differ by one unit at most).
 pub fn share(len: usize, n: usize, i: usize, align: usize) -> std::ops::Range<usize> {
     let units = len.div_ceil(align);

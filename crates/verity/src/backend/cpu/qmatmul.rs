@@ -8,7 +8,7 @@
 //! lanes, so it gives bitwise the AVX2 result; and a row's operations never depend on how many rows share a
 //! call, so a W-row verify is row-exact.
 
-use super::pool::{share, Pool};
+use super::pool::{share, Pool, SharedOut};
 use super::simd::{self, Isa};
 use crate::quant::{GgmlType, QMatrix};
 use half::f16;
@@ -63,17 +63,6 @@ thread_local! {
     static QX: std::cell::RefCell<Vec<Q8Block>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-struct OutPtr(*mut f32);
-// SAFETY: every task writes a disjoint set of output columns.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    fn at(&self, i: usize) -> *mut f32 {
-        self.0.wrapping_add(i)
-    }
-}
-
 /// `out[r * n_out + n] = Σ_k x[r, k] · w[n, k]` with 8-bit activations.
 pub fn matmul(pool: &Pool, ty: GgmlType, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
     let (data, n_out, k) = (w.data(), w.rows, w.cols);
@@ -90,7 +79,7 @@ pub fn matmul(pool: &Pool, ty: GgmlType, w: &QMatrix, x: &[f32], rows: usize, ou
             quantize_row(&x[r * k..(r + 1) * k], &mut qx[r * nb..(r + 1) * nb]);
         }
         let qx = &qx[..rows * nb];
-        let out = OutPtr(out.as_mut_ptr());
+        let out = SharedOut::new(out);
         let isa = simd::isa();
         pool.run(&|t| {
             let cols = share(n_out, pool.threads(), t, 4);

