@@ -104,7 +104,7 @@ impl GgmlType {
         match self {
             GgmlType::F32 => cols.checked_mul(4),
             GgmlType::F16 | GgmlType::BF16 => cols.checked_mul(2),
-            _ if cols % self.block_len() != 0 => None,
+            _ if !cols.is_multiple_of(self.block_len()) => None,
             _ => (cols / self.block_len()).checked_mul(self.block_bytes()),
         }
     }

@@ -72,7 +72,7 @@ impl MlxAffine {
         s: usize,
         b: usize,
     ) -> Result<()> {
-        if cols % self.group != 0 {
+        if !cols.is_multiple_of(self.group) {
             return Err(Error::tensor(
                 name,
                 format!(

@@ -117,7 +117,7 @@ fn worker(s: Arc<Shared>, index: usize) {
                 break;
             }
             spins = spins.wrapping_add(1);
-            if spins % 1024 == 0 && started.elapsed() > SPIN {
+            if spins.is_multiple_of(1024) && started.elapsed() > SPIN {
                 s.sleeping.fetch_add(1, Ordering::SeqCst);
                 let mut g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
                 while s.epoch.load(Ordering::SeqCst) == seen && !s.stop.load(Ordering::SeqCst) {
