@@ -38,6 +38,44 @@ fn run_streams_an_answer_and_reports_speed() {
 }
 
 #[test]
+fn chat_keeps_the_conversation_and_reuses_its_cache() {
+    use std::io::Write;
+    let b = fixture("llama-f32");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_verity"))
+        .args([
+            "--threads",
+            "2",
+            "chat",
+            "--model",
+            b.to_str().unwrap(),
+            "--max-tokens",
+            "5",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .as_mut()
+        .unwrap()
+        .write_all(b"hello there\nand again\n\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let turns: Vec<&str> = err.lines().filter(|l| l.contains("route ")).collect();
+    assert_eq!(turns.len(), 2, "{err}");
+    assert!(turns[0].contains("(0 restored)"), "{}", turns[0]);
+    assert!(
+        !turns[1].contains("(0 restored)"),
+        "the second turn reuses the first turn's cache: {}",
+        turns[1]
+    );
+}
+
+#[test]
 fn fetch_is_idempotent_and_inspect_describes_the_default_model() {
     let a = verity(&["fetch"]);
     let b = verity(&["fetch"]);
