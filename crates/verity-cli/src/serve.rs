@@ -15,13 +15,17 @@ pub struct Args {
     /// Requests that may wait while one runs; more are answered 503.
     #[arg(long, default_value_t = 16)]
     queue: usize,
+    /// RAM for prefix-cache checkpoints of earlier conversations, in MiB (0 = off).
+    #[arg(long, default_value_t = 512)]
+    prefix_cache_mb: usize,
     /// Speculative decoding: auto, off, copy, draft-model=PATH (requests may still ask for "off").
     #[arg(long, default_value = "auto")]
     speculation: SpecMode,
 }
 
 pub fn main(a: Args, threads: usize) -> Result<()> {
-    let engine = crate::load::engine(&a.model, threads, &a.speculation)?;
+    let mut engine = crate::load::engine(&a.model, threads, &a.speculation)?;
+    engine.set_prefix_cache_budget(a.prefix_cache_mb << 20);
     let model_id = if registry::known(&a.model).is_some() {
         a.model.clone()
     } else {

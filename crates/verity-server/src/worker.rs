@@ -78,6 +78,7 @@ impl Worker {
                     let job = match task {
                         Task::ResetCache => {
                             session = engine.new_session();
+                            engine.clear_prefix_cache();
                             continue;
                         }
                         Task::Generate(job) => job,
@@ -173,9 +174,9 @@ fn run(
     job: Job,
     metrics: &Metrics,
 ) -> Result<(), ApiError> {
-    let prompt = match &job.input {
-        Input::Chat(messages) => engine.chat_prompt(messages),
-        Input::Text(text) => engine.tokenizer.encode(text, true),
+    let (prompt, boundary) = match &job.input {
+        Input::Chat(messages) => engine.chat_prompt_with_boundary(messages),
+        Input::Text(text) => engine.tokenizer.encode(text, true).map(|p| (p, None)),
     }
     .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?;
     let context = engine.model.hp.context_len;
@@ -214,6 +215,7 @@ fn run(
         speculate: job.params.speculate,
         want_logprob: job.params.logprobs.is_some(),
         logprobs: job.params.logprobs.unwrap_or(0),
+        store_prefix: boundary,
     };
     let mut decoder = StreamDecoder::new();
     let mut scan = StopScan {

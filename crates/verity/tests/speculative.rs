@@ -388,6 +388,7 @@ fn sampled_routes_match_the_ar_distribution_of_the_first_tokens() {
                     speculate: true,
                     want_logprob: false,
                     logprobs: 0,
+                    store_prefix: None,
                 };
                 let r = run(&mut target, &prompt, &req, None);
                 (r.tokens[0], r.tokens[1])
@@ -415,6 +416,7 @@ fn sampled_routes_match_the_ar_distribution_of_the_first_tokens() {
                 speculate: false,
                 want_logprob: false,
                 logprobs: 0,
+                store_prefix: None,
             };
             let r = run(&mut drafter, &prompt, &req, None);
             (r.tokens[0], r.tokens[1])

@@ -86,6 +86,7 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
         speculate: true,
         want_logprob: false,
         logprobs: 0,
+        store_prefix: None,
     };
     let mut records = Vec::new();
     for repeat in 0..a.repeat {

@@ -88,8 +88,65 @@ impl<B: Backend> KvCache<B> {
             .collect()
     }
 
+    /// A copy of the committed state, to restore later (the prefix cache stores these).
+    pub fn checkpoint(&self, backend: &B) -> KvCheckpoint {
+        let n = self.len * self.kv_dim;
+        KvCheckpoint {
+            len: self.len,
+            kv_dim: self.kv_dim,
+            layers: self
+                .k
+                .iter()
+                .zip(&self.v)
+                .map(|(k, v)| (backend.download(k, n), backend.download(v, n)))
+                .collect(),
+        }
+    }
+
+    /// Replace the committed state with a checkpoint taken from a cache of the same shape.
+    pub fn restore(&mut self, backend: &B, ckpt: &KvCheckpoint) -> Result<()> {
+        if ckpt.kv_dim != self.kv_dim || ckpt.layers.len() != self.k.len() {
+            return Err(Error::Invalid("checkpoint of another model shape".into()));
+        }
+        self.len = 0;
+        self.reserve(backend, ckpt.len)?;
+        for ((k, v), (ck, cv)) in self.k.iter_mut().zip(self.v.iter_mut()).zip(&ckpt.layers) {
+            let (ku, vu) = (backend.upload(ck), backend.upload(cv));
+            backend.copy(&ku, 0, k, 0, ck.len());
+            backend.copy(&vu, 0, v, 0, cv.len());
+        }
+        self.len = ckpt.len;
+        Ok(())
+    }
+
     /// Roll back to the first `len` slots (a rejected speculative suffix, or a new conversation sharing a prefix).
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
+    }
+}
+
+/// The committed K/V of every layer at some fill, held in host memory.
+#[derive(Debug, Clone)]
+pub struct KvCheckpoint {
+    len: usize,
+    kv_dim: usize,
+    layers: Vec<(Vec<f32>, Vec<f32>)>,
+}
+
+impl KvCheckpoint {
+    /// Committed slots it holds.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|(k, v)| (k.len() + v.len()) * 4)
+            .sum()
     }
 }

@@ -16,7 +16,7 @@ pub use stats::{GenerationStats, StopReason};
 
 use crate::backend::Backend;
 use crate::bundle::Bundle;
-use crate::cache::KvCache;
+use crate::cache::{KvCache, KvCheckpoint, PrefixCache};
 use crate::chat::{ChatTemplate, Message, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::{Batch, LogitRows, Model};
@@ -40,6 +40,9 @@ pub struct GenerateRequest {
     pub want_logprob: bool,
     /// Also report this many most likely alternatives per token.
     pub logprobs: usize,
+    /// Store a prefix-cache checkpoint after this many prompt tokens (the canonical boundary: the conversation
+    /// without the generation prompt), captured during prefill.
+    pub store_prefix: Option<usize>,
 }
 
 /// A completion token as it is emitted.
@@ -100,6 +103,7 @@ impl GenerateRequest {
             speculate: true,
             want_logprob: false,
             logprobs: 0,
+            store_prefix: None,
         }
     }
 }
@@ -116,6 +120,8 @@ pub struct Engine<B: Backend> {
     template: Option<ChatTemplate>,
     pub plan: Plan,
     proposer: Option<Box<dyn Proposer>>,
+    /// Checkpoints of earlier prompts (off until a budget is set).
+    prefix: PrefixCache<KvCheckpoint>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -168,7 +174,18 @@ impl<B: Backend> Engine<B> {
             template,
             plan,
             proposer,
+            prefix: PrefixCache::new(0),
         })
+    }
+
+    /// Keep prefix-cache checkpoints up to `bytes` in RAM (0 turns the cache off and drops what it holds).
+    pub fn set_prefix_cache_budget(&mut self, bytes: usize) {
+        self.prefix = PrefixCache::new(bytes);
+    }
+
+    /// Drop every prefix-cache checkpoint.
+    pub fn clear_prefix_cache(&mut self) {
+        self.prefix.clear();
     }
 
     /// Replace the proposer (tests drive the loop with adversarial proposers through this).
@@ -202,20 +219,61 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// Bring the session's cache to `prompt[..len - 1]`, reusing the longest cached prefix; the last prompt
-    /// token stays out of the cache (it starts the first decode cycle). Returns the number of reused tokens.
-    fn prefill(&mut self, sess: &mut Session<B>, prompt: &[u32]) -> Result<usize> {
+    /// The prompt for a conversation and its canonical boundary: the length of the conversation rendered
+    /// without the generation prompt, when that rendering is a token prefix of the full prompt.
+    pub fn chat_prompt_with_boundary(
+        &self,
+        messages: &[Message],
+    ) -> Result<(Vec<u32>, Option<usize>)> {
+        let prompt = self.chat_prompt(messages)?;
+        let boundary = match &self.template {
+            Some(t) => {
+                let head = self.tokenizer.encode(&t.render(messages, false)?, true)?;
+                (head.len() < prompt.len() && prompt.starts_with(&head)).then_some(head.len())
+            }
+            None => None,
+        };
+        Ok((prompt, boundary))
+    }
+
+    /// Bring the session's cache to `prompt[..len - 1]`, reusing the session's cached prefix or the longest
+    /// prefix-cache checkpoint, whichever is longer; the last prompt token stays out of the cache (it starts the
+    /// first decode cycle). A checkpoint is stored when prefill passes `store_at`. Returns the reused tokens
+    /// and the seconds spent storing.
+    fn prefill(
+        &mut self,
+        sess: &mut Session<B>,
+        prompt: &[u32],
+        store_at: Option<usize>,
+    ) -> Result<(usize, f64)> {
         let body = &prompt[..prompt.len() - 1];
-        let common = sess
+        let mut common = sess
             .tokens
             .iter()
             .zip(body)
             .take_while(|(a, b)| a == b)
             .count();
+        if let Some((m, ckpt)) = self.prefix.longest(body) {
+            if m > common {
+                sess.cache.restore(self.model.backend(), ckpt)?;
+                sess.tokens.clear();
+                sess.tokens.extend_from_slice(&body[..m]);
+                common = m;
+            }
+        }
         sess.cache.truncate(common);
         sess.tokens.truncate(common);
-        for chunk in body[common..].chunks(PREFILL_CHUNK) {
-            let pos = sess.tokens.len();
+        let store_at =
+            store_at.filter(|&b| b > common && b <= body.len() && self.prefix.budget() > 0);
+        let mut store_s = 0.0;
+        let mut pos = common;
+        while pos < body.len() {
+            // Chunks end at the canonical boundary so the checkpoint is taken exactly there.
+            let end = match store_at {
+                Some(b) if pos < b => (pos + PREFILL_CHUNK).min(b),
+                _ => (pos + PREFILL_CHUNK).min(body.len()),
+            };
+            let chunk = &body[pos..end];
             self.model.forward(
                 &mut sess.cache,
                 &Batch::causal(chunk, pos),
@@ -223,8 +281,16 @@ impl<B: Backend> Engine<B> {
                 &[],
             )?;
             sess.tokens.extend_from_slice(chunk);
+            pos = end;
+            if Some(pos) == store_at {
+                let t = Instant::now();
+                let ckpt = sess.cache.checkpoint(self.model.backend());
+                let bytes = ckpt.bytes();
+                self.prefix.insert(&body[..pos], ckpt, bytes);
+                store_s = t.elapsed().as_secs_f64();
+            }
         }
-        Ok(common)
+        Ok((common, store_s))
     }
 
     /// Generate a completion of `prompt`. `on_token` receives each completion token as it is produced (with the
@@ -248,7 +314,7 @@ impl<B: Backend> Engine<B> {
                 sess.cache.max_capacity()
             )));
         }
-        let restored = self.prefill(sess, prompt)?;
+        let (restored, store_s) = self.prefill(sess, prompt, req.store_prefix)?;
         let mut proposer = if req.speculate {
             self.proposer.take()
         } else {
@@ -272,6 +338,7 @@ impl<B: Backend> Engine<B> {
         let mut stats = result?;
         stats.prompt_tokens = prompt.len();
         stats.restored_tokens = restored;
+        stats.store_s = store_s;
         Ok(stats)
     }
 

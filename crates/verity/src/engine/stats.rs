@@ -32,6 +32,8 @@ pub struct GenerationStats {
     pub verify_s: f64,
     /// Verification decisions, commits and bookkeeping.
     pub other_s: f64,
+    /// Time spent storing the prefix-cache checkpoint during prefill.
+    pub store_s: f64,
 }
 
 impl GenerationStats {
@@ -50,6 +52,7 @@ impl GenerationStats {
             draft_s: 0.0,
             verify_s: 0.0,
             other_s: 0.0,
+            store_s: 0.0,
         }
     }
 
