@@ -1,5 +1,6 @@
 //! `verity bench`: measurements written as JSON records, summarized as medians per route and category.
 
+mod conversation;
 mod prompts;
 mod rowcost;
 mod rowexact;
@@ -12,6 +13,8 @@ use anyhow::Result;
 pub enum Command {
     /// Decode speed per route and prompt category (see shared/bench/README.md for the record format).
     Speed(speed::Args),
+    /// Two-turn conversations with the prefix cache on and off.
+    Conversation(conversation::Args),
     /// Milliseconds of one verify forward at W rows.
     Rowcost(rowcost::Args),
     /// Teacher-forced comparison of verify rows with AR steps (bitwise).
@@ -21,6 +24,7 @@ pub enum Command {
 pub fn main(c: Command, threads: usize) -> Result<()> {
     match c {
         Command::Speed(a) => speed::main(a, threads),
+        Command::Conversation(a) => conversation::main(a, threads),
         Command::Rowcost(a) => rowcost::main(a, threads),
         Command::Rowexact(a) => rowexact::main(a, threads),
     }

@@ -8,11 +8,11 @@ use std::sync::Arc;
 
 use verity::backend::cpu::CpuBackend;
 use verity::chat::Message;
-use verity::engine::GenerateRequest;
+use verity::engine::{Engine, GenerateRequest};
 use verity::sample::SamplerConfig;
 use verity::spec::SpecMode;
 
-use super::prompts;
+use super::prompts::{self, BenchPrompt};
 use super::summary::{self, Record};
 
 #[derive(clap::Args)]
@@ -92,62 +92,107 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
     for repeat in 0..a.repeat {
         for p in &prompts {
             for (route, engine) in routes.iter().zip(engines.iter_mut()) {
-                let mut sess = engine.new_session();
-                let mut messages: Vec<Message> = Vec::new();
-                for (ti, turn) in p.turns().into_iter().enumerate() {
-                    messages.extend(turn);
-                    let prompt = engine.chat_prompt(&messages)?;
-                    let mut ids = Vec::new();
-                    let stats = engine
-                        .generate(&mut sess, &prompt, &req, |_, emitted| {
-                            let t = emitted.id;
-                            ids.push(t);
-                            true
-                        })
-                        .with_context(|| format!("prompt {} turn {}", p.id, ti + 1))?;
-                    let text = engine.tokenizer.decode(&ids)?;
-                    messages.push(Message::new("assistant", &text));
-                    let rec = Record {
-                        prompt_id: p.id.clone(),
-                        category: p.category.clone(),
-                        turn: ti + 1,
-                        route: route.clone(),
-                        repeat,
-                        prompt_tokens: stats.prompt_tokens,
-                        restored_tokens: stats.restored_tokens,
-                        completion_tokens: stats.completion_tokens,
-                        ttft_s: stats.ttft_s,
-                        decode_tok_s: stats.decode_tok_s(),
-                        cycles: stats.cycles,
-                        accepted_per_cycle: stats.tokens_per_cycle(),
-                        draft_s: stats.draft_s,
-                        verify_s: stats.verify_s,
-                        other_s: stats.other_s,
-                        text,
-                    };
-                    eprintln!(
-                        "{:<14} turn {} {:<4} rep {}: {:>4} tokens, {:>6.1} tok/s, ttft {:.3} s",
-                        rec.prompt_id,
-                        rec.turn,
-                        rec.route,
-                        repeat,
-                        rec.completion_tokens,
-                        rec.decode_tok_s,
-                        rec.ttft_s
-                    );
-                    records.push(rec);
-                }
+                records.extend(run_prompt(
+                    engine,
+                    p,
+                    route,
+                    repeat,
+                    &req,
+                    Turns::OneSession,
+                )?);
             }
         }
     }
-    if let Some(path) = &a.json {
-        let json = serde_json::to_string_pretty(&records)?;
-        if path.as_os_str() == "-" {
-            println!("{json}");
-        } else {
-            std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
-        }
-    }
+    write_json(a.json.as_deref(), &records)?;
     summary::print(&records);
+    Ok(())
+}
+
+/// How the turns of a conversation share state.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Turns {
+    /// One session for all turns (a chat client's connection).
+    OneSession,
+    /// A fresh session per turn: only the prefix cache can restore anything.
+    FreshSessions,
+}
+
+/// Run every turn of `p` (appending each answer) and record each turn.
+pub fn run_prompt(
+    engine: &mut Engine<CpuBackend>,
+    p: &BenchPrompt,
+    route: &str,
+    repeat: usize,
+    req: &GenerateRequest,
+    turns: Turns,
+) -> Result<Vec<Record>> {
+    let mut sess = engine.new_session();
+    let mut messages: Vec<Message> = Vec::new();
+    let mut out = Vec::new();
+    for (ti, turn) in p.turns().into_iter().enumerate() {
+        if turns == Turns::FreshSessions {
+            sess = engine.new_session();
+        }
+        messages.extend(turn);
+        let (prompt, boundary) = engine.chat_prompt_with_boundary(&messages)?;
+        let req = GenerateRequest {
+            store_prefix: boundary,
+            ..req.clone()
+        };
+        let mut ids = Vec::new();
+        let stats = engine
+            .generate(&mut sess, &prompt, &req, |_, emitted| {
+                ids.push(emitted.id);
+                true
+            })
+            .with_context(|| format!("prompt {} turn {}", p.id, ti + 1))?;
+        let text = engine.tokenizer.decode(&ids)?;
+        messages.push(Message::new("assistant", &text));
+        let rec = Record {
+            prompt_id: p.id.clone(),
+            category: p.category.clone(),
+            turn: ti + 1,
+            route: route.to_string(),
+            repeat,
+            prompt_tokens: stats.prompt_tokens,
+            restored_tokens: stats.restored_tokens,
+            completion_tokens: stats.completion_tokens,
+            ttft_s: stats.ttft_s,
+            decode_tok_s: stats.decode_tok_s(),
+            cycles: stats.cycles,
+            accepted_per_cycle: stats.tokens_per_cycle(),
+            draft_s: stats.draft_s,
+            verify_s: stats.verify_s,
+            other_s: stats.other_s,
+            text,
+            cache: None,
+            store_s: stats.store_s,
+        };
+        eprintln!(
+            "{:<14} turn {} {:<11} rep {}: {:>4} tokens, {:>6.1} tok/s, {:.2} tok/cycle, ttft {:.3} s, restored {}",
+            rec.prompt_id,
+            rec.turn,
+            rec.route,
+            repeat,
+            rec.completion_tokens,
+            rec.decode_tok_s,
+            rec.accepted_per_cycle,
+            rec.ttft_s,
+            rec.restored_tokens
+        );
+        out.push(rec);
+    }
+    Ok(out)
+}
+
+/// Write records as a JSON list to `path` ("-" = stdout).
+pub fn write_json(path: Option<&std::path::Path>, records: &[Record]) -> Result<()> {
+    let Some(path) = path else { return Ok(()) };
+    let json = serde_json::to_string_pretty(records)?;
+    if path.as_os_str() == "-" {
+        println!("{json}");
+    } else {
+        std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
+    }
     Ok(())
 }

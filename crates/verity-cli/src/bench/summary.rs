@@ -23,6 +23,11 @@ pub struct Record {
     pub verify_s: f64,
     pub other_s: f64,
     pub text: String,
+    /// `verity bench conversation` only: the prefix-cache arm (`on`/`off`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache: Option<String>,
+    /// Seconds spent storing the prefix-cache checkpoint (during prefill).
+    pub store_s: f64,
 }
 
 pub fn median(mut v: Vec<f64>) -> f64 {

@@ -41,7 +41,7 @@ pub struct GenerateRequest {
     /// Also report this many most likely alternatives per token.
     pub logprobs: usize,
     /// Store a prefix-cache checkpoint after this many prompt tokens (the canonical boundary: the conversation
-    /// without the generation prompt), captured during prefill.
+    /// without the generation prompt), captured during prefill; and one of the state after the answer.
     pub store_prefix: Option<usize>,
 }
 
@@ -339,6 +339,18 @@ impl<B: Backend> Engine<B> {
         stats.prompt_tokens = prompt.len();
         stats.restored_tokens = restored;
         stats.store_s = store_s;
+        if req.store_prefix.is_some()
+            && self.prefix.budget() > 0
+            && sess.tokens.len() > prompt.len()
+        {
+            // Also keep the state after the answer: the next turn's prompt usually re-tokenizes it to the same
+            // ids, so the follow-up restores the answer too. Taken from the live cache, never by replaying.
+            let t = Instant::now();
+            let ckpt = sess.cache.checkpoint(self.model.backend());
+            let bytes = ckpt.bytes();
+            self.prefix.insert(&sess.tokens, ckpt, bytes);
+            stats.store_s += t.elapsed().as_secs_f64();
+        }
         Ok(stats)
     }
 
