@@ -9,17 +9,16 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use verity::backend::cpu::CpuBackend;
 use verity::engine::GenerateRequest;
-use verity::spec::SpecMode;
 
 use super::prompts;
-use super::speed::{run_prompt, write_json, Turns};
+use super::speed::{route_mode, run_prompt, write_json, Turns};
 use super::summary::median;
 
 #[derive(clap::Args)]
 pub struct Args {
     #[arg(long, default_value = verity::registry::DEFAULT_MODEL)]
     model: String,
-    /// Speculative route of both arms: ar, copy or auto.
+    /// Speculative route of both arms: ar, copy, draft_model (self-drafting) or auto.
     #[arg(long, default_value = "auto")]
     route: String,
     #[arg(long, default_value = "../shared/bench/prompts.jsonl")]
@@ -33,12 +32,6 @@ pub struct Args {
 }
 
 pub fn main(a: Args, threads: usize) -> Result<()> {
-    let mode = match a.route.as_str() {
-        "ar" => SpecMode::Off,
-        "copy" => SpecMode::Copy,
-        "auto" => SpecMode::Auto,
-        other => bail!("route {other:?}: ar, copy or auto"),
-    };
     let prompts: Vec<_> = prompts::load(&a.prompts)?
         .into_iter()
         .filter(|p| !p.turns.is_empty())
@@ -49,6 +42,7 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
     let backend = Arc::new(CpuBackend::new(threads)?);
     let target = crate::load::resolve(&a.model)?;
     let target = target.to_str().context("model path is not UTF-8")?;
+    let mode = route_mode(&a.route, target)?;
     let mut arms = Vec::new();
     for (label, budget) in [("off", 0usize), ("on", 1 << 30)] {
         let mut e = crate::load::engine_on(target, backend.clone(), &mode)?;

@@ -63,16 +63,7 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
     let target = target.to_str().context("model path is not UTF-8")?;
     let mut engines = Vec::new();
     for r in &routes {
-        let mode = match r.as_str() {
-            "ar" => SpecMode::Off,
-            "copy" => SpecMode::Copy,
-            "auto" => SpecMode::Auto,
-            "draft_model" => {
-                let d = a.draft_model.as_deref().unwrap_or(target);
-                SpecMode::DraftModel(Some(crate::load::resolve(d)?))
-            }
-            other => bail!("unknown route {other:?} (ar, copy, draft_model, auto)"),
-        };
+        let mode = route_mode(r, a.draft_model.as_deref().unwrap_or(target))?;
         engines.push(crate::load::engine_on(target, backend.clone(), &mode)?);
     }
     let req = GenerateRequest {
@@ -106,6 +97,17 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
     write_json(a.json.as_deref(), &records)?;
     summary::print(&records);
     Ok(())
+}
+
+/// The speculation mode of a benchmark route name (`ar`, `copy`, `draft_model`, `auto`).
+pub fn route_mode(route: &str, draft_model: &str) -> Result<SpecMode> {
+    Ok(match route {
+        "ar" => SpecMode::Off,
+        "copy" => SpecMode::Copy,
+        "auto" => SpecMode::Auto,
+        "draft_model" => SpecMode::DraftModel(Some(crate::load::resolve(draft_model)?)),
+        other => bail!("unknown route {other:?} (ar, copy, draft_model, auto)"),
+    })
 }
 
 /// How the turns of a conversation share state.
