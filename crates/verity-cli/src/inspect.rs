@@ -49,14 +49,41 @@ pub fn main(a: Args) -> Result<()> {
                 record(&t.name, t.ty.name().to_string(), t.range.len());
             }
         }
-        Source::Safetensors { tensors, .. } => {
+        Source::Safetensors {
+            tensors, config, ..
+        } => {
             println!(
                 "safetensors   {} shards, {} tensors",
                 tensors.shards.len(),
                 tensors.tensors.len()
             );
+            let quant = config
+                .quantization
+                .as_ref()
+                .or(config.quantization_config.as_ref());
             for (name, t) in &tensors.tensors {
-                record(name, t.dtype_name.clone(), t.range.len());
+                // An MLX-quantized weight is reported as one tensor: its packed words plus scales and biases.
+                let base = name.strip_suffix(".weight").unwrap_or(name);
+                let quantized = tensors.get(&format!("{base}.scales")).is_some();
+                if name.ends_with(".scales") || name.ends_with(".biases") {
+                    let owner = name.rsplit_once('.').map_or("", |x| x.0);
+                    if tensors.get(&format!("{owner}.weight")).is_some() {
+                        continue;
+                    }
+                }
+                let fmt = match (quantized, quant) {
+                    (true, Some(q)) => {
+                        let q = q.get(base).unwrap_or(q);
+                        format!("mlx-affine-q{}-g{}", q["bits"], q["group_size"])
+                    }
+                    _ => t.dtype_name.clone(),
+                };
+                let extra: usize = [".scales", ".biases"]
+                    .iter()
+                    .filter_map(|s| tensors.get(&format!("{base}{s}")))
+                    .map(|x| x.range.len())
+                    .sum();
+                record(name, fmt, t.range.len() + extra);
             }
         }
     }

@@ -203,3 +203,19 @@ fn bench_speed_writes_the_documented_records() {
     );
     assert!(text(&out.stdout).contains("route"), "summary table printed");
 }
+
+#[test]
+fn inspect_names_mlx_quantization_per_tensor_kind() {
+    let out = verity(&["inspect", fixture("mlx-llama-q8-g128").to_str().unwrap()]);
+    let s = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(s.contains("mlx-safetensors"), "{s}");
+    assert!(
+        s.contains("self_attn.q_proj.weight mlx-affine-q8-g128 ×2"),
+        "{s}"
+    );
+    assert!(
+        !s.contains(".scales"),
+        "scales are part of the quantized weight: {s}"
+    );
+}
