@@ -1,6 +1,7 @@
 //! `verity`: run, chat with, inspect, fetch and benchmark local models.
 
 mod bench;
+mod cache;
 mod chat;
 mod fetch;
 mod inspect;
@@ -36,6 +37,9 @@ enum Command {
     Inspect(inspect::Args),
     /// An OpenAI-compatible HTTP server.
     Serve(serve::Args),
+    /// The prefix cache on disk: `ls`, `clear`.
+    #[command(subcommand)]
+    Cache(cache::Command),
     /// Benchmarks (JSON records and a summary table).
     #[command(subcommand)]
     Bench(bench::Command),
@@ -56,6 +60,7 @@ fn main() {
         Command::Chat(a) => chat::main(a, cli.threads),
         Command::Inspect(a) => inspect::main(a),
         Command::Serve(a) => serve::main(a, cli.threads),
+        Command::Cache(c) => cache::main(c, cli.threads),
         Command::Bench(c) => bench::main(c, cli.threads),
     };
     if let Err(e) = result {

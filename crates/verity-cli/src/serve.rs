@@ -18,6 +18,9 @@ pub struct Args {
     /// RAM for prefix-cache checkpoints of earlier conversations, in MiB (0 = off).
     #[arg(long, default_value_t = 512)]
     prefix_cache_mb: usize,
+    /// Disk for persistent prefix-cache checkpoints, in MiB (0 = off), under `<cache folder>/prefix`.
+    #[arg(long, default_value_t = 2048)]
+    prefix_cache_disk_mb: u64,
     /// Speculative decoding: auto, off, copy, draft-model=PATH (requests may still ask for "off").
     #[arg(long, default_value = "auto")]
     speculation: SpecMode,
@@ -26,6 +29,9 @@ pub struct Args {
 pub fn main(a: Args, threads: usize) -> Result<()> {
     let mut engine = crate::load::engine(&a.model, threads, &a.speculation)?;
     engine.set_prefix_cache_budget(a.prefix_cache_mb << 20);
+    if a.prefix_cache_disk_mb > 0 {
+        engine.set_prefix_cache_dir(&crate::cache::root()?, a.prefix_cache_disk_mb << 20);
+    }
     let model_id = if registry::known(&a.model).is_some() {
         a.model.clone()
     } else {

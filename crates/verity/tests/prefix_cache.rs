@@ -67,3 +67,94 @@ fn a_displaced_conversation_restores_from_the_prefix_cache_and_answers_like_a_co
         );
     }
 }
+
+/// The disk tier: a new engine (a restart) restores from the folder; corrupted, truncated, foreign and
+/// half-written files are rejected (and removed), and the answer is still identical to a cold run.
+#[test]
+fn the_disk_tier_survives_a_restart_and_rejects_damaged_files() {
+    let root = std::env::temp_dir().join(format!("verity-prefix-disk-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let conversation = |e: &mut Engine<CpuBackend>| -> Vec<Message> {
+        let mut sess = e.new_session();
+        let mut a = vec![Message::new("user", "Name three colors of the rainbow.")];
+        let (a1, _, _) = turn(e, &mut sess, &a);
+        a.push(Message::new("assistant", &a1));
+        a.push(Message::new("user", "And three more?"));
+        a
+    };
+    // First "process": answer turn 1 with the disk tier on (RAM tier off, so only the disk can restore).
+    let mut first = Engine::load(&smollm2(), backend(), &SpecMode::Off).unwrap();
+    assert!(first.set_prefix_cache_dir(&root, 1 << 30));
+    let msgs = conversation(&mut first);
+    let files = first.prefix_disk().unwrap().list();
+    assert_eq!(files.len(), 2, "the boundary and the answer: {files:?}");
+    let dir = first.prefix_disk().unwrap().dir().to_path_buf();
+    drop(first);
+
+    let cold = {
+        let mut e = Engine::load(&smollm2(), backend(), &SpecMode::Off).unwrap();
+        let mut s = e.new_session();
+        turn(&mut e, &mut s, &msgs).0
+    };
+    let restart = |expect_restore: bool| -> String {
+        let mut e = Engine::load(&smollm2(), backend(), &SpecMode::Off).unwrap();
+        assert!(e.set_prefix_cache_dir(&root, 1 << 30));
+        let mut s = e.new_session();
+        let (text, restored, _) = turn(&mut e, &mut s, &msgs);
+        assert_eq!(restored > 0, expect_restore, "restored {restored}");
+        text
+    };
+    assert_eq!(restart(true), cold, "restored from disk after a restart");
+
+    let longest = || {
+        let mut files: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "vkv"))
+            .collect();
+        files.sort_by_key(|p| std::fs::metadata(p).unwrap().len());
+        files
+    };
+    // Damage every stored file in a different way; each must be rejected.
+    let files = longest();
+    for (i, f) in files.iter().enumerate() {
+        let mut bytes = std::fs::read(f).unwrap();
+        match i % 2 {
+            0 => {
+                let n = bytes.len();
+                bytes[n - 7] ^= 0x40; // corrupt the data: checksum mismatch
+            }
+            _ => bytes.truncate(bytes.len() - 100), // truncated
+        }
+        std::fs::write(f, bytes).unwrap();
+    }
+    // A half-written store and a foreign model's file.
+    std::fs::write(dir.join(".tmp-999-x.vkv"), b"VRTYKV01 partial").unwrap();
+    let foreign = std::fs::read(&files[0]).unwrap();
+    let foreign = String::from_utf8_lossy(&foreign).replacen(
+        &format!(
+            "\"fingerprint\":\"{}\"",
+            dir.file_name().unwrap().to_string_lossy()
+        ),
+        "\"fingerprint\":\"0000000000000000\"",
+        1,
+    );
+    std::fs::write(dir.join("foreign.vkv"), foreign.as_bytes()).unwrap();
+    assert_eq!(
+        restart(false),
+        cold,
+        "damaged files are skipped and the answer is unchanged"
+    );
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        left.iter()
+            .all(|n| !n.starts_with(".tmp-") && n != "foreign.vkv"),
+        "rejected files are removed: {left:?}"
+    );
+    std::fs::remove_dir_all(&root).unwrap();
+}

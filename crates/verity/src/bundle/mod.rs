@@ -85,6 +85,33 @@ impl Bundle {
         })
     }
 
+    /// A stable fingerprint of the model as the headers describe it (metadata, config, tensor directory): two
+    /// bundles with the same fingerprint hold the same weights layout, so their cache checkpoints are
+    /// interchangeable.
+    pub fn fingerprint(&self) -> u64 {
+        let desc = match &self.source {
+            Source::Gguf(g) => {
+                let tensors: Vec<_> = g
+                    .tensors
+                    .iter()
+                    .map(|t| (&t.name, &t.dims, t.ty.name(), &t.range))
+                    .collect();
+                format!("gguf {:?} {:?} {}", g.metadata, tensors, g.file_len())
+            }
+            Source::Safetensors {
+                config, tensors, ..
+            } => {
+                let ts: Vec<_> = tensors
+                    .tensors
+                    .iter()
+                    .map(|(n, t)| (n, &t.dtype_name, &t.shape, &t.range))
+                    .collect();
+                format!("safetensors {config:?} {ts:?}")
+            }
+        };
+        crate::cache::fnv1a(desc.as_bytes(), 0)
+    }
+
     /// The name of a tensor in this bundle's format.
     pub fn tensor_name(&self, key: TensorKey) -> String {
         match self.source {

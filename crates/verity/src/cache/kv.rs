@@ -134,6 +134,19 @@ pub struct KvCheckpoint {
 }
 
 impl KvCheckpoint {
+    pub(crate) fn from_parts(len: usize, kv_dim: usize, layers: Vec<(Vec<f32>, Vec<f32>)>) -> Self {
+        KvCheckpoint {
+            len,
+            kv_dim,
+            layers,
+        }
+    }
+
+    /// Each layer's K and V, `len × kv_dim` values each.
+    pub fn layers(&self) -> &[(Vec<f32>, Vec<f32>)] {
+        &self.layers
+    }
+
     /// Committed slots it holds.
     pub fn len(&self) -> usize {
         self.len

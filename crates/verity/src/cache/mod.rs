@@ -1,7 +1,10 @@
-//! Caches of model state: the per-layer KV cache of the target model, and the prefix cache of checkpoints.
+//! Caches of model state: the per-layer KV cache of the target model, and the prefix cache of checkpoints
+//! (RAM radix tree, disk tier).
 
+mod disk;
 mod kv;
 mod prefix;
 
+pub use disk::{fnv1a, DiskTier};
 pub use kv::{KvCache, KvCheckpoint};
 pub use prefix::PrefixCache;

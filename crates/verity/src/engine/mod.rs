@@ -16,7 +16,7 @@ pub use stats::{GenerationStats, StopReason};
 
 use crate::backend::Backend;
 use crate::bundle::Bundle;
-use crate::cache::{KvCache, KvCheckpoint, PrefixCache};
+use crate::cache::{DiskTier, KvCache, KvCheckpoint, PrefixCache};
 use crate::chat::{ChatTemplate, Message, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::{Batch, LogitRows, Model};
@@ -122,6 +122,10 @@ pub struct Engine<B: Backend> {
     proposer: Option<Box<dyn Proposer>>,
     /// Checkpoints of earlier prompts (off until a budget is set).
     prefix: PrefixCache<KvCheckpoint>,
+    /// Their persistent copies (off until a folder is set).
+    disk: Option<DiskTier>,
+    /// Identifies the model's layout in the disk tier.
+    fingerprint: u64,
 }
 
 impl<B: Backend> Engine<B> {
@@ -150,6 +154,7 @@ impl<B: Backend> Engine<B> {
             None => None,
         };
         let plan = spec::plan(&bundle, mode)?;
+        let fingerprint = bundle.fingerprint();
         let proposer: Option<Box<dyn Proposer>> = match &plan.route {
             Route::Ar => None,
             Route::Copy => Some(Box::new(SuffixCopy::new())),
@@ -175,6 +180,8 @@ impl<B: Backend> Engine<B> {
             plan,
             proposer,
             prefix: PrefixCache::new(0),
+            disk: None,
+            fingerprint,
         })
     }
 
@@ -183,9 +190,43 @@ impl<B: Backend> Engine<B> {
         self.prefix = PrefixCache::new(bytes);
     }
 
-    /// Drop every prefix-cache checkpoint.
+    /// Persist prefix-cache checkpoints under `root` (a folder per model fingerprint), up to `quota` bytes.
+    /// Returns false (with a warning logged) when the folder cannot be used; generation is unaffected.
+    pub fn set_prefix_cache_dir(&mut self, root: &Path, quota: u64) -> bool {
+        let kv_dim = self.model.hp.n_kv_heads * self.model.hp.head_dim;
+        self.disk = DiskTier::open(
+            root,
+            self.fingerprint,
+            self.model.hp.n_layers,
+            kv_dim,
+            quota,
+        );
+        self.disk.is_some()
+    }
+
+    /// The disk tier, if one is set.
+    pub fn prefix_disk(&self) -> Option<&DiskTier> {
+        self.disk.as_ref()
+    }
+
+    /// Drop every prefix-cache checkpoint, in RAM and on disk.
     pub fn clear_prefix_cache(&mut self) {
         self.prefix.clear();
+        if let Some(d) = self.disk.as_mut() {
+            d.clear();
+        }
+    }
+
+    /// Keep a checkpoint of the session's committed state for `tokens`, in RAM and on disk.
+    fn store_checkpoint(&mut self, sess: &Session<B>, tokens: &[u32]) -> f64 {
+        let t = Instant::now();
+        let ckpt = sess.cache.checkpoint(self.model.backend());
+        if let Some(d) = self.disk.as_mut() {
+            d.store(tokens, &ckpt);
+        }
+        let bytes = ckpt.bytes();
+        self.prefix.insert(tokens, ckpt, bytes);
+        t.elapsed().as_secs_f64()
     }
 
     /// Replace the proposer (tests drive the loop with adversarial proposers through this).
@@ -253,8 +294,22 @@ impl<B: Backend> Engine<B> {
             .zip(body)
             .take_while(|(a, b)| a == b)
             .count();
-        if let Some((m, ckpt)) = self.prefix.longest(body) {
-            if m > common {
+        let in_ram = self.prefix.longest(body).map_or(0, |(m, _)| m);
+        let on_disk = self.disk.as_ref().map_or(0, |d| d.best_len(body));
+        if on_disk > in_ram.max(common) {
+            if let Some((m, ckpt)) = self.disk.as_mut().and_then(|d| d.longest(body)) {
+                if m > common {
+                    sess.cache.restore(self.model.backend(), &ckpt)?;
+                    sess.tokens.clear();
+                    sess.tokens.extend_from_slice(&body[..m]);
+                    common = m;
+                    let bytes = ckpt.bytes();
+                    self.prefix.insert(&body[..m], ckpt, bytes);
+                }
+            }
+        }
+        if in_ram > common {
+            if let Some((m, ckpt)) = self.prefix.longest(body) {
                 sess.cache.restore(self.model.backend(), ckpt)?;
                 sess.tokens.clear();
                 sess.tokens.extend_from_slice(&body[..m]);
@@ -263,8 +318,8 @@ impl<B: Backend> Engine<B> {
         }
         sess.cache.truncate(common);
         sess.tokens.truncate(common);
-        let store_at =
-            store_at.filter(|&b| b > common && b <= body.len() && self.prefix.budget() > 0);
+        let caching = self.prefix.budget() > 0 || self.disk.is_some();
+        let store_at = store_at.filter(|&b| b > common && b <= body.len() && caching);
         let mut store_s = 0.0;
         let mut pos = common;
         while pos < body.len() {
@@ -283,11 +338,7 @@ impl<B: Backend> Engine<B> {
             sess.tokens.extend_from_slice(chunk);
             pos = end;
             if Some(pos) == store_at {
-                let t = Instant::now();
-                let ckpt = sess.cache.checkpoint(self.model.backend());
-                let bytes = ckpt.bytes();
-                self.prefix.insert(&body[..pos], ckpt, bytes);
-                store_s = t.elapsed().as_secs_f64();
+                store_s = self.store_checkpoint(sess, &body[..pos]);
             }
         }
         Ok((common, store_s))
@@ -340,16 +391,13 @@ impl<B: Backend> Engine<B> {
         stats.restored_tokens = restored;
         stats.store_s = store_s;
         if req.store_prefix.is_some()
-            && self.prefix.budget() > 0
+            && (self.prefix.budget() > 0 || self.disk.is_some())
             && sess.tokens.len() > prompt.len()
         {
             // Also keep the state after the answer: the next turn's prompt usually re-tokenizes it to the same
             // ids, so the follow-up restores the answer too. Taken from the live cache, never by replaying.
-            let t = Instant::now();
-            let ckpt = sess.cache.checkpoint(self.model.backend());
-            let bytes = ckpt.bytes();
-            self.prefix.insert(&sess.tokens, ckpt, bytes);
-            stats.store_s += t.elapsed().as_secs_f64();
+            let tokens = sess.tokens.clone();
+            stats.store_s += self.store_checkpoint(sess, &tokens);
         }
         Ok(stats)
     }
