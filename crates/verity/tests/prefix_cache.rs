@@ -35,7 +35,13 @@ fn turn(
 
 #[test]
 fn a_displaced_conversation_restores_from_the_prefix_cache_and_answers_like_a_cold_run() {
-    for mode in [SpecMode::Off, SpecMode::Copy] {
+    // The draft model (here the target drafting for itself) keeps its own cache: after a restore it catches up
+    // by prefilling exactly the tokens it lacks, which must not change a single output token.
+    for mode in [
+        SpecMode::Off,
+        SpecMode::Copy,
+        SpecMode::DraftModel(Some(smollm2())),
+    ] {
         let mut e = Engine::load(&smollm2(), backend(), &mode).unwrap();
         e.set_prefix_cache_budget(256 << 20);
         let mut sess = e.new_session();
@@ -157,4 +163,17 @@ fn the_disk_tier_survives_a_restart_and_rejects_damaged_files() {
         "rejected files are removed: {left:?}"
     );
     std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn an_unusable_cache_folder_turns_the_disk_tier_off_without_affecting_answers() {
+    let mut e = Engine::load(&smollm2(), backend(), &SpecMode::Off).unwrap();
+    assert!(!e.set_prefix_cache_dir(std::path::Path::new("/proc/verity-no-such-folder"), 1 << 30));
+    let mut s = e.new_session();
+    let (text, _, _) = turn(
+        &mut e,
+        &mut s,
+        &[Message::new("user", "What is the capital of Japan?")],
+    );
+    assert!(text.contains("Tokyo"), "{text:?}");
 }
