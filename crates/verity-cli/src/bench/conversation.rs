@@ -1,4 +1,4 @@
-//! `verity bench conversation`: the two-turn prompts with the prefix cache on and off. Every turn starts from a
+//! `verity bench conversation`: the two-turn prompts with the prefix cache off, on (RAM) and on disk only. Every turn starts from a
 //! fresh session, so turn 2 can reuse turn 1 only through the prefix cache; the arms are interleaved per
 //! prompt and repeat. Reported: turn-2 TTFT, restored tokens, decode tok/s, tokens per cycle, and the time the
 //! checkpoint store added (`store_s`).
@@ -44,9 +44,14 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
     let target = target.to_str().context("model path is not UTF-8")?;
     let mode = route_mode(&a.route, target)?;
     let mut arms = Vec::new();
-    for (label, budget) in [("off", 0usize), ("on", 1 << 30)] {
+    // off: nothing to restore; on: the RAM tier; disk: the disk tier alone (a restarted server).
+    let disk_root = std::env::temp_dir().join(format!("verity-bench-prefix-{}", std::process::id()));
+    for (label, budget, disk) in [("off", 0usize, false), ("on", 1 << 30, false), ("disk", 0, true)] {
         let mut e = crate::load::engine_on(target, backend.clone(), &mode)?;
         e.set_prefix_cache_budget(budget);
+        if disk && !e.set_prefix_cache_dir(&disk_root, 1 << 32) {
+            bail!("cannot use {} for the disk arm", disk_root.display());
+        }
         arms.push((label, e));
     }
     let req = GenerateRequest::greedy(a.max_tokens);
@@ -67,7 +72,8 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
         "{:<6} {:>5} {:>10} {:>10} {:>10} {:>9} {:>10}",
         "cache", "runs", "ttft2 s", "restored", "tok/s", "tok/cyc", "store ms"
     );
-    for label in ["off", "on"] {
+    let _ = std::fs::remove_dir_all(&disk_root);
+    for label in ["off", "on", "disk"] {
         let t2: Vec<_> = records
             .iter()
             .filter(|r| r.turn == 2 && r.cache.as_deref() == Some(label))

@@ -35,6 +35,8 @@ pub fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
 #[derive(Serialize, Deserialize)]
 struct Header {
     fingerprint: String,
+    /// Element type of the data (only "f32" so far).
+    dtype: String,
     tokens: Vec<u32>,
     len: usize,
     kv_dim: usize,
@@ -158,6 +160,7 @@ impl DiskTier {
             .checked_mul(h.n_layers as u64)?;
         let file_len = f.metadata().ok()?.len();
         let ok = h.fingerprint == self.fingerprint
+            && h.dtype == "f32"
             && h.n_layers == self.n_layers
             && h.kv_dim == self.kv_dim
             && h.tokens.len() == h.len
@@ -185,6 +188,7 @@ impl DiskTier {
         }
         let header = Header {
             fingerprint: self.fingerprint.clone(),
+            dtype: "f32".into(),
             tokens: tokens.to_vec(),
             len: ckpt.len(),
             kv_dim: self.kv_dim,
