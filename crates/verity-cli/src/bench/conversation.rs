@@ -45,8 +45,13 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
     let mode = route_mode(&a.route, target)?;
     let mut arms = Vec::new();
     // off: nothing to restore; on: the RAM tier; disk: the disk tier alone (a restarted server).
-    let disk_root = std::env::temp_dir().join(format!("verity-bench-prefix-{}", std::process::id()));
-    for (label, budget, disk) in [("off", 0usize, false), ("on", 1 << 30, false), ("disk", 0, true)] {
+    let disk_root =
+        std::env::temp_dir().join(format!("verity-bench-prefix-{}", std::process::id()));
+    for (label, budget, disk) in [
+        ("off", 0usize, false),
+        ("on", 1 << 30, false),
+        ("disk", 0, true),
+    ] {
         let mut e = crate::load::engine_on(target, backend.clone(), &mode)?;
         e.set_prefix_cache_budget(budget);
         if disk && !e.set_prefix_cache_dir(&disk_root, 1 << 32) {
