@@ -295,7 +295,6 @@ fn params(c: &Common) -> Result<Params, ApiError> {
             ))
         }
     };
-    let _ = &c.tool_choice; // meaningful only with tools
     Ok(Params {
         max_tokens: max,
         sampling: SamplerConfig {

@@ -114,7 +114,7 @@ fn run(
             stop_after != Some(tokens.len())
         })
         .unwrap();
-    let cache = sess.cache.snapshot(e.model.backend());
+    let cache = sess.cache.checkpoint(e.model.backend()).layers().to_vec();
     Run {
         tokens,
         cache,

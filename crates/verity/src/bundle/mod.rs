@@ -253,14 +253,6 @@ impl Bundle {
         Ok(out)
     }
 
-    /// The folder holding the bundle's side files (tokenizer.json, tokenizer_config.json).
-    pub fn dir(&self) -> Option<&Path> {
-        match &self.source {
-            Source::Gguf(_) => None,
-            Source::Safetensors { dir, .. } => Some(dir),
-        }
-    }
-
     pub fn format_name(&self) -> &'static str {
         match &self.source {
             Source::Gguf(_) => "gguf",

@@ -78,16 +78,6 @@ impl<B: Backend> KvCache<B> {
         self.len += rows;
     }
 
-    /// The committed K and V of every layer, downloaded (tests compare caches of different routes with it).
-    pub fn snapshot(&self, backend: &B) -> Vec<(Vec<f32>, Vec<f32>)> {
-        let n = self.len * self.kv_dim;
-        self.k
-            .iter()
-            .zip(&self.v)
-            .map(|(k, v)| (backend.download(k, n), backend.download(v, n)))
-            .collect()
-    }
-
     /// A copy of the committed state, to restore later (the prefix cache stores these).
     pub fn checkpoint(&self, backend: &B) -> KvCheckpoint {
         let n = self.len * self.kv_dim;

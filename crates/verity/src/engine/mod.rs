@@ -234,10 +234,6 @@ impl<B: Backend> Engine<B> {
         self.proposer = proposer;
     }
 
-    pub fn has_chat_template(&self) -> bool {
-        self.template.is_some()
-    }
-
     pub fn new_session(&self) -> Session<B> {
         Session {
             cache: self.model.new_cache(self.model.hp.context_len),
@@ -421,11 +417,10 @@ impl<B: Backend> Engine<B> {
         let mut first_at = None;
         'cycles: while stats.completion_tokens < req.max_tokens {
             let n = sess.cache.len();
-            let room = sess.cache.max_capacity().saturating_sub(n + 1);
-            if n + 1 > sess.cache.max_capacity() {
+            let Some(room) = sess.cache.max_capacity().checked_sub(n + 1) else {
                 stats.stop = StopReason::ContextFull;
                 break;
-            }
+            };
             // Drafting past the token limit or the context is wasted work.
             let limit = (req.max_tokens - stats.completion_tokens - 1).min(room);
             let t0 = Instant::now();

@@ -90,15 +90,6 @@ impl GenerationStats {
         }
     }
 
-    /// Fraction of drafted tokens accepted.
-    pub fn acceptance(&self) -> f64 {
-        if self.drafted == 0 {
-            0.0
-        } else {
-            self.accepted as f64 / self.drafted as f64
-        }
-    }
-
     /// One line for logs and `verity run`.
     pub fn summary(&self) -> String {
         format!(

@@ -55,10 +55,6 @@ impl<B: Backend> DraftModel<B> {
         })
     }
 
-    pub fn cache(&self) -> &KvCache<B> {
-        &self.cache
-    }
-
     fn draw(&mut self, dist: &[(u32, f32)]) -> u32 {
         draw(dist, self.rng.random())
     }
