@@ -115,6 +115,7 @@ pub fn main(a: Args) -> Result<()> {
         }
         Err(e) => println!("tokenizer     unavailable: {e}"),
     }
+    println!("mtp head      {}", b.mtp.describe());
     let plan = verity::spec::plan(&b, &verity::spec::SpecMode::Auto)?;
     println!(
         "speculation   auto → {} ({})",

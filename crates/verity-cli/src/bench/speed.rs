@@ -20,7 +20,7 @@ pub struct Args {
     /// A bundle path or a known model name.
     #[arg(long, default_value = verity::registry::DEFAULT_MODEL)]
     model: String,
-    /// Comma-separated routes: ar, copy, draft_model, auto.
+    /// Comma-separated routes: ar, copy, mtp, draft_model, auto.
     #[arg(long, default_value = "ar")]
     routes: String,
     /// The draft model of the draft_model route (default: the target itself, i.e. self-drafting).
@@ -99,14 +99,15 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
     Ok(())
 }
 
-/// The speculation mode of a benchmark route name (`ar`, `copy`, `draft_model`, `auto`).
+/// The speculation mode of a benchmark route name (`ar`, `copy`, `mtp`, `draft_model`, `auto`).
 pub fn route_mode(route: &str, draft_model: &str) -> Result<SpecMode> {
     Ok(match route {
         "ar" => SpecMode::Off,
         "copy" => SpecMode::Copy,
+        "mtp" => SpecMode::Mtp,
         "auto" => SpecMode::Auto,
         "draft_model" => SpecMode::DraftModel(Some(crate::load::resolve(draft_model)?)),
-        other => bail!("unknown route {other:?} (ar, copy, draft_model, auto)"),
+        other => bail!("unknown route {other:?} (ar, copy, mtp, draft_model, auto)"),
     })
 }
 

@@ -4,11 +4,13 @@
 //! model code never sees a format's naming scheme.
 
 pub mod gguf;
+pub mod mtp;
 mod names;
 pub mod safetensors;
 
 use std::path::{Path, PathBuf};
 
+pub use mtp::{MtpHeadSpec, MtpStatus};
 pub use names::TensorKey;
 
 use crate::error::{Error, Result};
@@ -34,6 +36,10 @@ pub struct Bundle {
     pub path: PathBuf,
     pub source: Source,
     pub hparams: HParams,
+    /// What the bundle offers for native MTP.
+    pub mtp: MtpStatus,
+    /// A complete head's tensors (from the main shards or the side file).
+    mtp_tensors: Option<SafetensorsSet>,
 }
 
 impl Bundle {
@@ -78,11 +84,19 @@ impl Bundle {
             Source::Gguf(g) => HParams::from_gguf(g)?,
             Source::Safetensors { config, .. } => HParams::from_hf(config)?,
         };
+        let (mtp, mtp_tensors) = find_mtp(path, meta.is_dir(), &source, &hparams);
         Ok(Bundle {
             path: path.to_path_buf(),
             source,
             hparams,
+            mtp,
+            mtp_tensors,
         })
+    }
+
+    /// The tensors of the complete MTP head (`None` unless [`Bundle::mtp`] is complete).
+    pub fn mtp_tensors(&self) -> Option<&SafetensorsSet> {
+        self.mtp_tensors.as_ref()
     }
 
     /// A stable fingerprint of the model as the headers describe it (metadata, config, tensor directory): two
@@ -145,65 +159,14 @@ impl Bundle {
             }
             Source::Safetensors {
                 config, tensors, ..
-            } => {
-                let module = key.hf_module();
-                let name = key.hf();
-                let t = tensors
-                    .get(&name)
-                    .ok_or_else(|| Error::tensor(&name, "missing from the safetensors shards"))?;
-                if let Some(scales) = tensors.get(&format!("{module}.scales")) {
-                    let biases = tensors
-                        .get(&format!("{module}.biases"))
-                        .ok_or_else(|| Error::tensor(&name, "MLX-quantized but has no .biases"))?;
-                    let (bits, group) = mlx_params(config, &module).ok_or_else(|| {
-                        Error::tensor(&name, "has .scales but config.json has no quantization")
-                    })?;
-                    if t.dtype != StDtype::U32 {
-                        return Err(Error::tensor(
-                            &name,
-                            format!("MLX packed weight is {}, expected U32", t.dtype_name),
-                        ));
-                    }
-                    if scales.dtype != biases.dtype {
-                        return Err(Error::tensor(&name, "scales and biases differ in dtype"));
-                    }
-                    let q = MlxAffine::new(bits, group, mlx_scale_type(&name, scales.dtype)?)?;
-                    let want = [rows, cols * bits as usize / 32];
-                    if t.shape != want {
-                        return Err(Error::tensor(
-                            &name,
-                            format!("packed shape {:?}, expected {want:?}", t.shape),
-                        ));
-                    }
-                    return QMatrix::mlx(
-                        &name,
-                        q,
-                        rows,
-                        cols,
-                        tensors.bytes(t),
-                        tensors.bytes(scales),
-                        tensors.bytes(biases),
-                    );
-                }
-                if t.shape != [rows, cols] {
-                    return Err(Error::tensor(
-                        &name,
-                        format!("shape {:?}, expected [{rows}, {cols}]", t.shape),
-                    ));
-                }
-                let ty = match t.dtype {
-                    StDtype::F32 => GgmlType::F32,
-                    StDtype::F16 => GgmlType::F16,
-                    StDtype::BF16 => GgmlType::BF16,
-                    _ => {
-                        return Err(Error::Unsupported(format!(
-                            "tensor {name} has dtype {}",
-                            t.dtype_name
-                        )))
-                    }
-                };
-                QMatrix::ggml(&name, ty, rows, cols, tensors.bytes(t))
-            }
+            } => st_matrix(
+                tensors,
+                Some(config),
+                &key.hf_module(),
+                &key.hf(),
+                rows,
+                cols,
+            ),
         }
     }
 
@@ -223,30 +186,7 @@ impl Bundle {
                 }
                 QMatrix::ggml(&name, t.ty, 1, len, g.tensor_bytes(t))?
             }
-            Source::Safetensors { tensors, .. } => {
-                let name = key.hf();
-                let t = tensors
-                    .get(&name)
-                    .ok_or_else(|| Error::tensor(&name, "missing from the safetensors shards"))?;
-                if t.shape != [len] {
-                    return Err(Error::tensor(
-                        &name,
-                        format!("shape {:?}, expected [{len}]", t.shape),
-                    ));
-                }
-                let ty = match t.dtype {
-                    StDtype::F32 => GgmlType::F32,
-                    StDtype::F16 => GgmlType::F16,
-                    StDtype::BF16 => GgmlType::BF16,
-                    _ => {
-                        return Err(Error::Unsupported(format!(
-                            "tensor {name} has dtype {}",
-                            t.dtype_name
-                        )))
-                    }
-                };
-                QMatrix::ggml(&name, ty, 1, len, tensors.bytes(t))?
-            }
+            Source::Safetensors { tensors, .. } => return st_vector(tensors, &key.hf(), len),
         };
         let mut out = vec![0.0; len];
         m.dequantize_row(0, &mut out);
@@ -261,6 +201,175 @@ impl Bundle {
             }
             Source::Safetensors { .. } => "safetensors",
         }
+    }
+}
+
+/// Look for an MTP head: in the main shards first, then in a side file of a bundle folder. A side file that
+/// cannot be read makes the head incomplete, never the bundle unreadable.
+fn find_mtp(
+    path: &Path,
+    is_dir: bool,
+    source: &Source,
+    hp: &HParams,
+) -> (MtpStatus, Option<SafetensorsSet>) {
+    let mut status = MtpStatus::Absent;
+    let mut set = None;
+    if let Source::Safetensors {
+        config, tensors, ..
+    } = source
+    {
+        let nextn = config
+            .num_nextn_predict_layers
+            .or(config.mtp_num_hidden_layers);
+        let names = tensors.tensors.keys().chain(tensors.unindexed.keys());
+        status = mtp::inspect(names.map(String::as_str), hp.n_layers, nextn);
+        if let MtpStatus::Complete(spec) = &status {
+            set = Some(tensors.physical_subset(|n| spec.owns(n)));
+        }
+    }
+    let side = path.join(mtp::SIDE_FILE);
+    let side_is_shard =
+        matches!(source, Source::Safetensors { tensors, .. } if tensors.shards.contains(&side));
+    if status == MtpStatus::Absent && is_dir && side.is_file() && !side_is_shard {
+        match SafetensorsSet::open_file(&side) {
+            Ok(side_set) => {
+                let nextn = side_set
+                    .metadata
+                    .get("num_nextn_predict_layers")
+                    .and_then(|v| v.parse().ok());
+                status = mtp::inspect(
+                    side_set.tensors.keys().map(String::as_str),
+                    hp.n_layers,
+                    nextn,
+                );
+                if let MtpStatus::Complete(spec) = &mut status {
+                    spec.side_file = Some(side.clone());
+                    set = Some(side_set);
+                } else if status == MtpStatus::Absent {
+                    status =
+                        MtpStatus::Incomplete(format!("{} holds no MTP tensors", side.display()));
+                }
+            }
+            Err(e) => status = MtpStatus::Incomplete(e.to_string()),
+        }
+    }
+    (status, set)
+}
+
+/// A weight matrix `[rows, cols]` from a safetensors set: float, or MLX affine-quantized when `module.scales`
+/// exists (the quantization read from `config`).
+pub(crate) fn st_matrix(
+    tensors: &SafetensorsSet,
+    config: Option<&HfConfig>,
+    module: &str,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<QMatrix> {
+    let t = tensors
+        .get(name)
+        .ok_or_else(|| Error::tensor(name, tensors.why_missing(name)))?;
+    if let Some(scales) = tensors.get(&format!("{module}.scales")) {
+        let biases = tensors
+            .get(&format!("{module}.biases"))
+            .ok_or_else(|| Error::tensor(name, "MLX-quantized but has no .biases"))?;
+        let (bits, group) = config.and_then(|c| mlx_params(c, module)).ok_or_else(|| {
+            Error::tensor(name, "has .scales but config.json has no quantization")
+        })?;
+        if t.dtype != StDtype::U32 {
+            return Err(Error::tensor(
+                name,
+                format!("MLX packed weight is {}, expected U32", t.dtype_name),
+            ));
+        }
+        if scales.dtype != biases.dtype {
+            return Err(Error::tensor(name, "scales and biases differ in dtype"));
+        }
+        let q = MlxAffine::new(bits, group, mlx_scale_type(name, scales.dtype)?)?;
+        let want = [rows, cols * bits as usize / 32];
+        if t.shape != want {
+            return Err(Error::tensor(
+                name,
+                format!("packed shape {:?}, expected {want:?}", t.shape),
+            ));
+        }
+        return QMatrix::mlx(
+            name,
+            q,
+            rows,
+            cols,
+            tensors.bytes(t),
+            tensors.bytes(scales),
+            tensors.bytes(biases),
+        );
+    }
+    if t.shape != [rows, cols] {
+        return Err(Error::tensor(
+            name,
+            format!("shape {:?}, expected [{rows}, {cols}]", t.shape),
+        ));
+    }
+    QMatrix::ggml(name, float_type(name, t)?, rows, cols, tensors.bytes(t))
+}
+
+/// A 1-D float tensor of `len` values from a safetensors set, converted to f32.
+pub(crate) fn st_vector(tensors: &SafetensorsSet, name: &str, len: usize) -> Result<Vec<f32>> {
+    let t = tensors
+        .get(name)
+        .ok_or_else(|| Error::tensor(name, tensors.why_missing(name)))?;
+    if t.shape != [len] {
+        return Err(Error::tensor(
+            name,
+            format!("shape {:?}, expected [{len}]", t.shape),
+        ));
+    }
+    let m = QMatrix::ggml(name, float_type(name, t)?, 1, len, tensors.bytes(t))?;
+    let mut out = vec![0.0; len];
+    m.dequantize_row(0, &mut out);
+    Ok(out)
+}
+
+/// A 1-D I32 tensor of token ids, each checked to be below `vocab`.
+pub(crate) fn st_token_ids(tensors: &SafetensorsSet, name: &str, vocab: usize) -> Result<Vec<u32>> {
+    let t = tensors
+        .get(name)
+        .ok_or_else(|| Error::tensor(name, tensors.why_missing(name)))?;
+    if t.dtype != StDtype::I32 || t.shape.len() != 1 {
+        return Err(Error::tensor(
+            name,
+            format!("{} {:?}, expected a 1-D I32 list", t.dtype_name, t.shape),
+        ));
+    }
+    let bytes = tensors.bytes(t);
+    let ids: Vec<i32> = bytes
+        .as_slice()
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    ids.iter()
+        .map(|&i| {
+            u32::try_from(i)
+                .ok()
+                .filter(|&u| (u as usize) < vocab)
+                .ok_or_else(|| {
+                    Error::tensor(
+                        name,
+                        format!("token id {i} outside the vocabulary ({vocab})"),
+                    )
+                })
+        })
+        .collect()
+}
+
+fn float_type(name: &str, t: &safetensors::StTensor) -> Result<GgmlType> {
+    match t.dtype {
+        StDtype::F32 => Ok(GgmlType::F32),
+        StDtype::F16 => Ok(GgmlType::F16),
+        StDtype::BF16 => Ok(GgmlType::BF16),
+        _ => Err(Error::Unsupported(format!(
+            "tensor {name} has dtype {}",
+            t.dtype_name
+        ))),
     }
 }
 

@@ -47,34 +47,56 @@ impl TensorKey {
         }
     }
 
-    /// The Hugging Face transformers name, without the `.weight`/`.bias` suffix (MLX adds `.scales`/`.biases`).
-    pub fn hf_module(self) -> String {
+    /// The layer index of a per-layer tensor.
+    pub fn layer(self) -> Option<usize> {
         use TensorKey::*;
         match self {
-            TokenEmbedding => "model.embed_tokens".into(),
-            OutputNorm => "model.norm".into(),
-            Output => "lm_head".into(),
-            AttnNorm(l) => format!("model.layers.{l}.input_layernorm"),
-            Q(l) | QBias(l) => format!("model.layers.{l}.self_attn.q_proj"),
-            K(l) | KBias(l) => format!("model.layers.{l}.self_attn.k_proj"),
-            V(l) | VBias(l) => format!("model.layers.{l}.self_attn.v_proj"),
-            O(l) => format!("model.layers.{l}.self_attn.o_proj"),
-            QNorm(l) => format!("model.layers.{l}.self_attn.q_norm"),
-            KNorm(l) => format!("model.layers.{l}.self_attn.k_norm"),
-            FfnNorm(l) => format!("model.layers.{l}.post_attention_layernorm"),
-            Gate(l) => format!("model.layers.{l}.mlp.gate_proj"),
-            Up(l) => format!("model.layers.{l}.mlp.up_proj"),
-            Down(l) => format!("model.layers.{l}.mlp.down_proj"),
+            TokenEmbedding | OutputNorm | Output => None,
+            AttnNorm(l) | Q(l) | K(l) | V(l) | O(l) | QBias(l) | KBias(l) | VBias(l) | QNorm(l)
+            | KNorm(l) | FfnNorm(l) | Gate(l) | Up(l) | Down(l) => Some(l),
+        }
+    }
+
+    /// The Hugging Face module path of a per-layer tensor inside its layer (`self_attn.q_proj`).
+    pub fn hf_layer_module(self) -> Option<&'static str> {
+        use TensorKey::*;
+        Some(match self {
+            TokenEmbedding | OutputNorm | Output => return None,
+            AttnNorm(_) => "input_layernorm",
+            Q(_) | QBias(_) => "self_attn.q_proj",
+            K(_) | KBias(_) => "self_attn.k_proj",
+            V(_) | VBias(_) => "self_attn.v_proj",
+            O(_) => "self_attn.o_proj",
+            QNorm(_) => "self_attn.q_norm",
+            KNorm(_) => "self_attn.k_norm",
+            FfnNorm(_) => "post_attention_layernorm",
+            Gate(_) => "mlp.gate_proj",
+            Up(_) => "mlp.up_proj",
+            Down(_) => "mlp.down_proj",
+        })
+    }
+
+    /// The Hugging Face transformers name, without the `.weight`/`.bias` suffix (MLX adds `.scales`/`.biases`).
+    pub fn hf_module(self) -> String {
+        match (self, self.layer(), self.hf_layer_module()) {
+            (_, Some(l), Some(m)) => format!("model.layers.{l}.{m}"),
+            (TensorKey::TokenEmbedding, ..) => "model.embed_tokens".into(),
+            (TensorKey::OutputNorm, ..) => "model.norm".into(),
+            _ => "lm_head".into(),
+        }
+    }
+
+    /// `.weight` or `.bias`.
+    pub fn hf_suffix(self) -> &'static str {
+        use TensorKey::*;
+        match self {
+            QBias(_) | KBias(_) | VBias(_) => "bias",
+            _ => "weight",
         }
     }
 
     /// The Hugging Face tensor name.
     pub fn hf(self) -> String {
-        use TensorKey::*;
-        let suffix = match self {
-            QBias(_) | KBias(_) | VBias(_) => "bias",
-            _ => "weight",
-        };
-        format!("{}.{suffix}", self.hf_module())
+        format!("{}.{}", self.hf_module(), self.hf_suffix())
     }
 }

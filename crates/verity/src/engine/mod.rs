@@ -19,10 +19,11 @@ use crate::bundle::Bundle;
 use crate::cache::{DiskTier, KvCache, KvCheckpoint, PrefixCache};
 use crate::chat::{ChatTemplate, Message, Tokenizer};
 use crate::error::{Error, Result};
-use crate::model::{Batch, LogitRows, Model};
+use crate::model::{Batch, LogitRows, Model, MtpHead};
 use crate::sample::SamplerConfig;
 use crate::spec::copy::SuffixCopy;
 use crate::spec::draft_model::DraftModel;
+use crate::spec::mtp::MtpProposer;
 use crate::spec::{self, Controller, Plan, Proposer, Route, SpecMode, Verifier};
 
 /// Rows per prefill forward: large enough to amortize weight reads, small enough to bound scratch memory.
@@ -153,11 +154,28 @@ impl<B: Backend> Engine<B> {
             }
             None => None,
         };
-        let plan = spec::plan(&bundle, mode)?;
+        let mut plan = spec::plan(&bundle, mode)?;
         let fingerprint = bundle.fingerprint();
         let proposer: Option<Box<dyn Proposer>> = match &plan.route {
             Route::Ar => None,
             Route::Copy => Some(Box::new(SuffixCopy::new())),
+            Route::Mtp => match MtpHead::load(&bundle, &model) {
+                Ok(head) => Some(Box::new(MtpProposer::new(
+                    head,
+                    model.hp.vocab,
+                    model.hp.context_len,
+                )?)),
+                Err(e) if *mode == SpecMode::Auto => {
+                    // A head that looked complete but does not load is not a reason to fail: take the next route.
+                    tracing::warn!("MTP head unusable, copying instead: {e}");
+                    plan = Plan {
+                        route: Route::Copy,
+                        reason: format!("MTP head unusable ({e}): copy from the prompt"),
+                    };
+                    Some(Box::new(SuffixCopy::new()))
+                }
+                Err(e) => return Err(e),
+            },
             Route::DraftModel(p) => {
                 let draft_bundle = Bundle::open(p)?;
                 let draft_tok = Tokenizer::from_bundle(&draft_bundle)?;
@@ -282,6 +300,7 @@ impl<B: Backend> Engine<B> {
         sess: &mut Session<B>,
         prompt: &[u32],
         store_at: Option<usize>,
+        mut proposer: Option<&mut (dyn Proposer + 'static)>,
     ) -> Result<(usize, f64)> {
         let body = &prompt[..prompt.len() - 1];
         let mut common = sess
@@ -325,12 +344,19 @@ impl<B: Backend> Engine<B> {
                 _ => (pos + PREFILL_CHUNK).min(body.len()),
             };
             let chunk = &body[pos..end];
-            self.model.forward(
-                &mut sess.cache,
-                &Batch::causal(chunk, pos),
-                LogitRows::None,
-                &[],
-            )?;
+            let batch = Batch::causal(chunk, pos);
+            match proposer.as_deref_mut().filter(|p| p.wants_hidden()) {
+                Some(p) => {
+                    let out =
+                        self.model
+                            .forward_with_hidden(&mut sess.cache, &batch, LogitRows::None)?;
+                    p.observe_hidden(pos, &out.final_hidden);
+                }
+                None => {
+                    self.model
+                        .forward(&mut sess.cache, &batch, LogitRows::None, &[])?;
+                }
+            }
             sess.tokens.extend_from_slice(chunk);
             pos = end;
             if Some(pos) == store_at {
@@ -361,7 +387,6 @@ impl<B: Backend> Engine<B> {
                 sess.cache.max_capacity()
             )));
         }
-        let (restored, store_s) = self.prefill(sess, prompt, req.store_prefix)?;
         let mut proposer = if req.speculate {
             self.proposer.take()
         } else {
@@ -370,6 +395,16 @@ impl<B: Backend> Engine<B> {
         if let Some(p) = proposer.as_mut() {
             p.reset(&req.sampling);
         }
+        let prefilled = self.prefill(sess, prompt, req.store_prefix, proposer.as_deref_mut());
+        let (restored, store_s) = match prefilled {
+            Ok(x) => x,
+            Err(e) => {
+                if proposer.is_some() {
+                    self.proposer = proposer;
+                }
+                return Err(e);
+            }
+        };
         let result = self.decode(
             sess,
             prompt,
@@ -443,12 +478,15 @@ impl<B: Backend> Engine<B> {
             let mut rows = Vec::with_capacity(1 + draft.tokens.len());
             rows.push(pending);
             rows.extend_from_slice(&draft.tokens);
-            let out = self.model.forward(
-                &mut sess.cache,
-                &Batch::causal(&rows, n),
-                LogitRows::All,
-                &[],
-            )?;
+            let batch = Batch::causal(&rows, n);
+            let wants_hidden = proposer.as_deref().is_some_and(|p| p.wants_hidden());
+            let out = if wants_hidden {
+                self.model
+                    .forward_with_hidden(&mut sess.cache, &batch, LogitRows::All)?
+            } else {
+                self.model
+                    .forward(&mut sess.cache, &batch, LogitRows::All, &[])?
+            };
             let t2 = Instant::now();
             let verdict = verifier.verify(&out.logits, vocab, &context, &draft.tokens, &draft.q);
             // Commit the kept path: pending + accepted drafts; roll back the rest everywhere.
@@ -458,6 +496,10 @@ impl<B: Backend> Engine<B> {
                 .extend_from_slice(&draft.tokens[..verdict.accepted]);
             if let Some(p) = proposer.as_deref_mut() {
                 p.observe(draft.tokens.len(), verdict.accepted);
+                if wants_hidden {
+                    let h = self.model.hp.hidden;
+                    p.observe_hidden(n, &out.final_hidden[..(1 + verdict.accepted) * h]);
+                }
             }
             controller.record(
                 draft.tokens.len(),

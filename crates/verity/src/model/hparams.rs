@@ -237,4 +237,8 @@ pub struct HfConfig {
     /// MLX affine quantization: `{"group_size": G, "bits": B}`, possibly with per-module overrides.
     pub quantization: Option<serde_json::Value>,
     pub quantization_config: Option<serde_json::Value>,
+    /// Native MTP heads (DeepSeek-V3, MiMo, Qwen3-Next).
+    pub num_nextn_predict_layers: Option<usize>,
+    /// The same, as Qwen3.5-style configs name it.
+    pub mtp_num_hidden_layers: Option<usize>,
 }

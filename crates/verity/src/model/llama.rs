@@ -3,14 +3,14 @@
 
 use std::sync::Arc;
 
-use super::hparams::{Arch, HParams};
+use super::hparams::{Arch, HParams, RopeStyle};
 use super::{Batch, ForwardOutput, LogitRows};
 use crate::backend::{AttnMask, AttnShape, Backend};
 use crate::bundle::{Bundle, TensorKey};
 use crate::cache::KvCache;
 use crate::error::{Error, Result};
 
-struct Layer<B: Backend> {
+pub(super) struct Layer<B: Backend> {
     attn_norm: B::Buffer,
     q: B::Matrix,
     k: B::Matrix,
@@ -25,27 +25,27 @@ struct Layer<B: Backend> {
 }
 
 /// Activation buffers for up to `rows` rows, reused across forwards.
-struct Scratch<B: Backend> {
-    rows: usize,
-    x: B::Buffer,
-    xn: B::Buffer,
-    q: B::Buffer,
-    k: B::Buffer,
-    v: B::Buffer,
-    tmp: B::Buffer,
-    attn: B::Buffer,
-    proj: B::Buffer,
-    gate: B::Buffer,
-    up: B::Buffer,
-    act: B::Buffer,
-    logits: B::Buffer,
+pub(super) struct Scratch<B: Backend> {
+    pub(super) rows: usize,
+    pub(super) x: B::Buffer,
+    pub(super) xn: B::Buffer,
+    pub(super) q: B::Buffer,
+    pub(super) k: B::Buffer,
+    pub(super) v: B::Buffer,
+    pub(super) tmp: B::Buffer,
+    pub(super) attn: B::Buffer,
+    pub(super) proj: B::Buffer,
+    pub(super) gate: B::Buffer,
+    pub(super) up: B::Buffer,
+    pub(super) act: B::Buffer,
+    pub(super) logits: B::Buffer,
 }
 
 /// A loaded decoder on backend `B`.
 pub struct Model<B: Backend> {
     pub hp: HParams,
     backend: Arc<B>,
-    embed: B::Matrix,
+    embed: Arc<B::Matrix>,
     /// `None` when the output projection is tied to the embedding.
     output: Option<B::Matrix>,
     output_norm: B::Buffer,
@@ -58,12 +58,7 @@ impl<B: Backend> Model<B> {
     pub fn load(bundle: &Bundle, backend: Arc<B>) -> Result<Self> {
         let hp = bundle.hparams.clone();
         let be = backend.as_ref();
-        let (h, qd, kvd, f) = (
-            hp.hidden,
-            hp.n_heads * hp.head_dim,
-            hp.n_kv_heads * hp.head_dim,
-            hp.ffn_hidden,
-        );
+        let h = hp.hidden;
         let mut weight_bytes = 0usize;
         let mut mat = |key: TensorKey, rows: usize, cols: usize| -> Result<B::Matrix> {
             let m = be.load_matrix(bundle.matrix(key, rows, cols)?)?;
@@ -76,37 +71,12 @@ impl<B: Backend> Model<B> {
         } else {
             Some(mat(TensorKey::Output, hp.vocab, h)?)
         };
-        let mut layers = Vec::with_capacity(hp.n_layers);
-        for l in 0..hp.n_layers {
-            layers.push(Layer {
-                attn_norm: be.upload(&bundle.vector(TensorKey::AttnNorm(l), h)?),
-                q: mat(TensorKey::Q(l), qd, h)?,
-                k: mat(TensorKey::K(l), kvd, h)?,
-                v: mat(TensorKey::V(l), kvd, h)?,
-                o: mat(TensorKey::O(l), h, qd)?,
-                qkv_bias: if hp.qkv_bias {
-                    Some([
-                        be.upload(&bundle.vector(TensorKey::QBias(l), qd)?),
-                        be.upload(&bundle.vector(TensorKey::KBias(l), kvd)?),
-                        be.upload(&bundle.vector(TensorKey::VBias(l), kvd)?),
-                    ])
-                } else {
-                    None
-                },
-                qk_norm: if hp.qk_norm {
-                    Some([
-                        be.upload(&bundle.vector(TensorKey::QNorm(l), hp.head_dim)?),
-                        be.upload(&bundle.vector(TensorKey::KNorm(l), hp.head_dim)?),
-                    ])
-                } else {
-                    None
-                },
-                ffn_norm: be.upload(&bundle.vector(TensorKey::FfnNorm(l), h)?),
-                gate: mat(TensorKey::Gate(l), f, h)?,
-                up: mat(TensorKey::Up(l), f, h)?,
-                down: mat(TensorKey::Down(l), h, f)?,
-            });
-        }
+        let mut vec = |key: TensorKey, len: usize| -> Result<B::Buffer> {
+            Ok(be.upload(&bundle.vector(key, len)?))
+        };
+        let layers = (0..hp.n_layers)
+            .map(|l| Layer::load(&hp, l, &mut mat, &mut vec))
+            .collect::<Result<Vec<_>>>()?;
         let output_norm = be.upload(&bundle.vector(TensorKey::OutputNorm, h)?);
         if hp.arch == Arch::Qwen3 && !hp.qk_norm {
             return Err(Error::Invalid("qwen3 without q/k norms".into()));
@@ -114,7 +84,7 @@ impl<B: Backend> Model<B> {
         Ok(Model {
             hp,
             backend,
-            embed,
+            embed: Arc::new(embed),
             output,
             output_norm,
             layers,
@@ -146,29 +116,13 @@ impl<B: Backend> Model<B> {
     fn scratch(&mut self, rows: usize) -> Scratch<B> {
         match self.scratch.take() {
             Some(s) if s.rows >= rows => s,
-            _ => {
-                let hp = &self.hp;
-                let be = self.backend.as_ref();
-                let rows = rows.next_power_of_two();
-                let qd = hp.n_heads * hp.head_dim;
-                let kvd = hp.n_kv_heads * hp.head_dim;
-                Scratch {
-                    rows,
-                    x: be.buffer(rows * hp.hidden),
-                    xn: be.buffer(rows * hp.hidden),
-                    q: be.buffer(rows * qd),
-                    k: be.buffer(rows * kvd),
-                    v: be.buffer(rows * kvd),
-                    tmp: be.buffer(rows * qd.max(hp.hidden)),
-                    attn: be.buffer(rows * qd),
-                    proj: be.buffer(rows * hp.hidden),
-                    gate: be.buffer(rows * hp.ffn_hidden),
-                    up: be.buffer(rows * hp.ffn_hidden),
-                    act: be.buffer(rows * hp.ffn_hidden),
-                    logits: be.buffer(rows * hp.vocab),
-                }
-            }
+            _ => Scratch::new(self.backend.as_ref(), &self.hp, rows, self.hp.vocab),
         }
+    }
+
+    /// The token embedding table (shared with an MTP head, which embeds its drafted tokens with it).
+    pub(crate) fn embedding(&self) -> Arc<B::Matrix> {
+        self.embed.clone()
     }
 
     /// Run `batch` through the model: append its K/V to `cache` (slots `cache.len()..+rows`), return logits for
@@ -184,7 +138,24 @@ impl<B: Backend> Model<B> {
         self.check_batch(batch, hidden_layers)?;
         cache.reserve(self.backend.as_ref(), rows)?;
         let mut s = self.scratch(rows);
-        let out = self.run(cache, batch, logit_rows, hidden_layers, &mut s);
+        let out = self.run(cache, batch, logit_rows, hidden_layers, false, &mut s);
+        self.scratch = Some(s);
+        Ok(out)
+    }
+
+    /// [`Model::forward`] that also returns every row's final hidden state (after the output norm, what the
+    /// output projection reads) in [`ForwardOutput::final_hidden`]: what an MTP head conditions on.
+    pub fn forward_with_hidden(
+        &mut self,
+        cache: &mut KvCache<B>,
+        batch: &Batch,
+        logit_rows: LogitRows,
+    ) -> Result<ForwardOutput> {
+        let rows = batch.rows();
+        self.check_batch(batch, &[])?;
+        cache.reserve(self.backend.as_ref(), rows)?;
+        let mut s = self.scratch(rows);
+        let out = self.run(cache, batch, logit_rows, &[], true, &mut s);
         self.scratch = Some(s);
         Ok(out)
     }
@@ -228,13 +199,13 @@ impl<B: Backend> Model<B> {
         batch: &Batch,
         logit_rows: LogitRows,
         hidden_layers: &[usize],
+        final_hidden: bool,
         s: &mut Scratch<B>,
     ) -> ForwardOutput {
         let be = self.backend.as_ref();
         let hp = &self.hp;
         let rows = batch.rows();
         let (h, hd) = (hp.hidden, hp.head_dim);
-        let (qd, kvd) = (hp.n_heads * hd, hp.n_kv_heads * hd);
         let base = cache.len();
         let shape = AttnShape {
             rows,
@@ -248,62 +219,27 @@ impl<B: Backend> Model<B> {
 
         be.embed(&self.embed, &batch.tokens, &mut s.x);
         for (l, layer) in self.layers.iter().enumerate() {
-            be.rms_norm(&s.x, &layer.attn_norm, rows, h, hp.rms_eps, &mut s.xn);
-            be.matmul(&layer.q, &s.xn, rows, &mut s.q);
-            be.matmul(&layer.k, &s.xn, rows, &mut s.k);
-            be.matmul(&layer.v, &s.xn, rows, &mut s.v);
-            if let Some([bq, bk, bv]) = &layer.qkv_bias {
-                be.add_bias(&mut s.q, bq, rows, qd);
-                be.add_bias(&mut s.k, bk, rows, kvd);
-                be.add_bias(&mut s.v, bv, rows, kvd);
-            }
-            if let Some([nq, nk]) = &layer.qk_norm {
-                be.rms_norm(&s.q, nq, rows * hp.n_heads, hd, hp.rms_eps, &mut s.tmp);
-                be.copy(&s.tmp, 0, &mut s.q, 0, rows * qd);
-                be.rms_norm(&s.k, nk, rows * hp.n_kv_heads, hd, hp.rms_eps, &mut s.tmp);
-                be.copy(&s.tmp, 0, &mut s.k, 0, rows * kvd);
-            }
-            be.rope(
-                &mut s.q,
-                &batch.positions,
-                hp.n_heads,
-                hd,
-                hp.rope_theta,
+            let (kc, vc) = (&mut cache.k[l], &mut cache.v[l]);
+            layer.run(
+                be,
+                hp,
                 hp.rope_style,
-            );
-            be.rope(
-                &mut s.k,
+                s,
                 &batch.positions,
-                hp.n_kv_heads,
-                hd,
-                hp.rope_theta,
-                hp.rope_style,
-            );
-            be.kv_write(&mut cache.k[l], &s.k, base, rows, kvd);
-            be.kv_write(&mut cache.v[l], &s.v, base, rows, kvd);
-            be.attention(
-                &s.q,
-                &cache.k[l],
-                &cache.v[l],
+                kc,
+                vc,
                 shape,
                 &batch.mask,
-                &mut s.attn,
             );
-            be.matmul(&layer.o, &s.attn, rows, &mut s.proj);
-            be.add_assign(&mut s.x, &s.proj, rows * h);
-
-            be.rms_norm(&s.x, &layer.ffn_norm, rows, h, hp.rms_eps, &mut s.xn);
-            be.matmul(&layer.gate, &s.xn, rows, &mut s.gate);
-            be.matmul(&layer.up, &s.xn, rows, &mut s.up);
-            be.swiglu(&s.gate, &s.up, rows * hp.ffn_hidden, &mut s.act);
-            be.matmul(&layer.down, &s.act, rows, &mut s.proj);
-            be.add_assign(&mut s.x, &s.proj, rows * h);
-
             if hidden_layers.contains(&l) {
                 out.hidden.push((l, be.download(&s.x, rows * h)));
             }
         }
         cache.advance(rows);
+        if final_hidden {
+            be.rms_norm(&s.x, &self.output_norm, rows, h, hp.rms_eps, &mut s.xn);
+            out.final_hidden = be.download(&s.xn, rows * h);
+        }
 
         let (first, n) = match logit_rows {
             LogitRows::All => (0, rows),
@@ -313,12 +249,130 @@ impl<B: Backend> Model<B> {
         be.copy(&s.x, first * h, &mut s.tmp, 0, n * h);
         be.rms_norm(&s.tmp, &self.output_norm, n, h, hp.rms_eps, &mut s.xn);
         be.matmul(
-            self.output.as_ref().unwrap_or(&self.embed),
+            self.output.as_ref().unwrap_or(self.embed.as_ref()),
             &s.xn,
             n,
             &mut s.logits,
         );
         out.logits = be.download(&s.logits, n * hp.vocab);
         out
+    }
+}
+
+impl<B: Backend> Scratch<B> {
+    /// Buffers for up to `rows` rows (rounded up to a power of two) and `vocab` logits per row.
+    pub(super) fn new(be: &B, hp: &HParams, rows: usize, vocab: usize) -> Self {
+        let rows = rows.next_power_of_two();
+        let qd = hp.n_heads * hp.head_dim;
+        let kvd = hp.n_kv_heads * hp.head_dim;
+        Scratch {
+            rows,
+            x: be.buffer(rows * hp.hidden),
+            xn: be.buffer(rows * hp.hidden),
+            q: be.buffer(rows * qd),
+            k: be.buffer(rows * kvd),
+            v: be.buffer(rows * kvd),
+            tmp: be.buffer(rows * qd.max(hp.hidden)),
+            attn: be.buffer(rows * qd),
+            proj: be.buffer(rows * hp.hidden),
+            gate: be.buffer(rows * hp.ffn_hidden),
+            up: be.buffer(rows * hp.ffn_hidden),
+            act: be.buffer(rows * hp.ffn_hidden),
+            logits: be.buffer(rows * vocab),
+        }
+    }
+}
+
+impl<B: Backend> Layer<B> {
+    /// Load layer `l` through `mat(key, rows, cols)` and `vec(key, len)`, which resolve the tensor names.
+    pub(super) fn load(
+        hp: &HParams,
+        l: usize,
+        mat: &mut impl FnMut(TensorKey, usize, usize) -> Result<B::Matrix>,
+        vec: &mut impl FnMut(TensorKey, usize) -> Result<B::Buffer>,
+    ) -> Result<Self> {
+        let (h, qd, kvd, f) = (
+            hp.hidden,
+            hp.n_heads * hp.head_dim,
+            hp.n_kv_heads * hp.head_dim,
+            hp.ffn_hidden,
+        );
+        Ok(Layer {
+            attn_norm: vec(TensorKey::AttnNorm(l), h)?,
+            q: mat(TensorKey::Q(l), qd, h)?,
+            k: mat(TensorKey::K(l), kvd, h)?,
+            v: mat(TensorKey::V(l), kvd, h)?,
+            o: mat(TensorKey::O(l), h, qd)?,
+            qkv_bias: if hp.qkv_bias {
+                Some([
+                    vec(TensorKey::QBias(l), qd)?,
+                    vec(TensorKey::KBias(l), kvd)?,
+                    vec(TensorKey::VBias(l), kvd)?,
+                ])
+            } else {
+                None
+            },
+            qk_norm: if hp.qk_norm {
+                Some([
+                    vec(TensorKey::QNorm(l), hp.head_dim)?,
+                    vec(TensorKey::KNorm(l), hp.head_dim)?,
+                ])
+            } else {
+                None
+            },
+            ffn_norm: vec(TensorKey::FfnNorm(l), h)?,
+            gate: mat(TensorKey::Gate(l), f, h)?,
+            up: mat(TensorKey::Up(l), f, h)?,
+            down: mat(TensorKey::Down(l), h, f)?,
+        })
+    }
+
+    /// The block over `rows = shape.rows` rows of `s.x`, in place: attention (its K/V written to the cache
+    /// layer's slots `shape.base..`) and the MLP, each added to the residual stream.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn run(
+        &self,
+        be: &B,
+        hp: &HParams,
+        rope: RopeStyle,
+        s: &mut Scratch<B>,
+        positions: &[usize],
+        k_cache: &mut B::Buffer,
+        v_cache: &mut B::Buffer,
+        shape: AttnShape,
+        mask: &AttnMask,
+    ) {
+        let rows = shape.rows;
+        let (h, hd) = (hp.hidden, hp.head_dim);
+        let (qd, kvd) = (hp.n_heads * hd, hp.n_kv_heads * hd);
+        be.rms_norm(&s.x, &self.attn_norm, rows, h, hp.rms_eps, &mut s.xn);
+        be.matmul(&self.q, &s.xn, rows, &mut s.q);
+        be.matmul(&self.k, &s.xn, rows, &mut s.k);
+        be.matmul(&self.v, &s.xn, rows, &mut s.v);
+        if let Some([bq, bk, bv]) = &self.qkv_bias {
+            be.add_bias(&mut s.q, bq, rows, qd);
+            be.add_bias(&mut s.k, bk, rows, kvd);
+            be.add_bias(&mut s.v, bv, rows, kvd);
+        }
+        if let Some([nq, nk]) = &self.qk_norm {
+            be.rms_norm(&s.q, nq, rows * hp.n_heads, hd, hp.rms_eps, &mut s.tmp);
+            be.copy(&s.tmp, 0, &mut s.q, 0, rows * qd);
+            be.rms_norm(&s.k, nk, rows * hp.n_kv_heads, hd, hp.rms_eps, &mut s.tmp);
+            be.copy(&s.tmp, 0, &mut s.k, 0, rows * kvd);
+        }
+        be.rope(&mut s.q, positions, hp.n_heads, hd, hp.rope_theta, rope);
+        be.rope(&mut s.k, positions, hp.n_kv_heads, hd, hp.rope_theta, rope);
+        be.kv_write(k_cache, &s.k, shape.base, rows, kvd);
+        be.kv_write(v_cache, &s.v, shape.base, rows, kvd);
+        be.attention(&s.q, k_cache, v_cache, shape, mask, &mut s.attn);
+        be.matmul(&self.o, &s.attn, rows, &mut s.proj);
+        be.add_assign(&mut s.x, &s.proj, rows * h);
+
+        be.rms_norm(&s.x, &self.ffn_norm, rows, h, hp.rms_eps, &mut s.xn);
+        be.matmul(&self.gate, &s.xn, rows, &mut s.gate);
+        be.matmul(&self.up, &s.xn, rows, &mut s.up);
+        be.swiglu(&s.gate, &s.up, rows * hp.ffn_hidden, &mut s.act);
+        be.matmul(&self.down, &s.act, rows, &mut s.proj);
+        be.add_assign(&mut s.x, &s.proj, rows * h);
     }
 }

@@ -6,8 +6,10 @@
 
 pub mod hparams;
 mod llama;
+mod mtp;
 
 pub use llama::Model;
+pub use mtp::{HeadOutput, MtpHead};
 
 use crate::backend::AttnMask;
 
@@ -53,4 +55,6 @@ pub struct ForwardOutput {
     pub logits: Vec<f32>,
     /// For each requested layer `l`: the residual stream after layer `l`, `rows × hidden`.
     pub hidden: Vec<(usize, Vec<f32>)>,
+    /// `rows × hidden`: each row's state after the output norm ([`Model::forward_with_hidden`] only).
+    pub final_hidden: Vec<f32>,
 }

@@ -142,6 +142,31 @@ impl QMatrix {
         }
     }
 
+    /// A new matrix of the chosen rows, in order (a drafter's output projection restricted to its draft
+    /// vocabulary). GGML formats only; the rows are copied.
+    pub fn select_rows(&self, rows: &[u32]) -> Result<QMatrix> {
+        let WeightFormat::Ggml(ty) = self.format else {
+            return Err(Error::Unsupported(format!(
+                "{}: row selection of {}",
+                self.name, self.format
+            )));
+        };
+        let rb = ty.row_bytes(self.cols).expect("checked at construction");
+        let src = self.data.as_slice();
+        let mut data = Vec::with_capacity(rows.len() * rb);
+        for &r in rows {
+            let r = r as usize;
+            if r >= self.rows {
+                return Err(Error::tensor(
+                    &self.name,
+                    format!("row {r} selected from {} rows", self.rows),
+                ));
+            }
+            data.extend_from_slice(&src[r * rb..(r + 1) * rb]);
+        }
+        QMatrix::ggml(&self.name, ty, rows.len(), self.cols, Bytes::owned(data))
+    }
+
     /// Decode one whole row to f32 (embedding lookups, tests).
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         assert_eq!(out.len(), self.cols);

@@ -70,6 +70,36 @@ impl SuffixCopy {
     }
 }
 
+impl SuffixCopy {
+    /// The longest earlier match of the context's suffix: its n-gram length and up to `min(width, k)` tokens
+    /// that followed it. `None` while silenced or without a match.
+    pub fn lookup(&mut self, context: &[u32], k: usize) -> Option<(usize, Vec<u32>)> {
+        self.sync(context);
+        if context.len() < self.silent_until {
+            return None;
+        }
+        let k = self.width.min(k);
+        let len = context.len();
+        for n in (MIN_MATCH..=MAX_MATCH).rev() {
+            if len < n {
+                continue;
+            }
+            // The suffix itself was indexed with end = len - ... only once a successor arrived, so any hit is an
+            // earlier occurrence.
+            if let Some(&end) = self.index[n - MIN_MATCH].get(&context[len - n..]) {
+                let tokens: Vec<u32> = context[end..].iter().take(k).copied().collect();
+                return (!tokens.is_empty()).then_some((n, tokens));
+            }
+        }
+        None
+    }
+
+    /// Whether the last window was fully accepted (the width is at its maximum): the copy is on a streak.
+    pub fn on_streak(&self) -> bool {
+        self.width == MAX_WIDTH
+    }
+}
+
 impl Proposer for SuffixCopy {
     fn name(&self) -> &'static str {
         "copy"
@@ -86,24 +116,10 @@ impl Proposer for SuffixCopy {
     }
 
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft> {
-        self.sync(context);
-        if context.len() < self.silent_until {
-            return Ok(Draft::default());
-        }
-        let k = self.width.min(k);
-        let len = context.len();
-        for n in (MIN_MATCH..=MAX_MATCH).rev() {
-            if len < n {
-                continue;
-            }
-            // The suffix itself was indexed with end = len - ... only once a successor arrived, so any hit is an
-            // earlier occurrence.
-            if let Some(&end) = self.index[n - MIN_MATCH].get(&context[len - n..]) {
-                let tokens: Vec<u32> = context[end..].iter().take(k).copied().collect();
-                return Ok(Draft::deterministic(tokens));
-            }
-        }
-        Ok(Draft::default())
+        Ok(self
+            .lookup(context, k)
+            .map(|(_, tokens)| Draft::deterministic(tokens))
+            .unwrap_or_default())
     }
 
     fn observe(&mut self, drafted: usize, accepted: usize) {

@@ -15,6 +15,7 @@
 pub mod controller;
 pub mod copy;
 pub mod draft_model;
+pub mod mtp;
 pub mod proposer;
 pub mod verify;
 
@@ -25,7 +26,7 @@ pub use controller::Controller;
 pub use proposer::{Draft, Proposer};
 pub use verify::{Verdict, Verifier};
 
-use crate::bundle::Bundle;
+use crate::bundle::{Bundle, MtpStatus};
 use crate::error::{Error, Result};
 
 /// What the user asked for (`--speculation`).
@@ -36,6 +37,8 @@ pub enum SpecMode {
     /// Plain autoregressive decoding; disables every speculative route.
     Off,
     Copy,
+    /// The bundle's native multi-token-prediction head.
+    Mtp,
     /// A separate draft model with the same tokenizer.
     DraftModel(Option<PathBuf>),
 }
@@ -47,12 +50,13 @@ impl FromStr for SpecMode {
             "auto" => SpecMode::Auto,
             "off" | "ar" | "none" => SpecMode::Off,
             "copy" => SpecMode::Copy,
+            "mtp" => SpecMode::Mtp,
             "draft-model" => SpecMode::DraftModel(None),
             _ => match s.strip_prefix("draft-model=") {
                 Some(p) if !p.is_empty() => SpecMode::DraftModel(Some(PathBuf::from(p))),
                 _ => {
                     return Err(Error::Invalid(format!(
-                        "speculation {s:?}: expected auto, off, copy or draft-model=PATH"
+                        "speculation {s:?}: expected auto, off, copy, mtp or draft-model=PATH"
                     )))
                 }
             },
@@ -65,6 +69,7 @@ impl FromStr for SpecMode {
 pub enum Route {
     Ar,
     Copy,
+    Mtp,
     DraftModel(PathBuf),
 }
 
@@ -73,6 +78,7 @@ impl Route {
         match self {
             Route::Ar => "ar",
             Route::Copy => "copy",
+            Route::Mtp => "mtp",
             Route::DraftModel(_) => "draft_model",
         }
     }
@@ -85,8 +91,13 @@ pub struct Plan {
     pub reason: String,
 }
 
-/// Resolve a mode against what the bundle offers.
-pub fn plan(_bundle: &Bundle, mode: &SpecMode) -> Result<Plan> {
+/// Resolve a mode against what the bundle offers. `off` always wins; `auto` takes a complete native MTP head,
+/// else copying from the prompt; an explicit `mtp` on a bundle without a complete head is an error that says why.
+pub fn plan(bundle: &Bundle, mode: &SpecMode) -> Result<Plan> {
+    let head = match &bundle.mtp {
+        MtpStatus::Complete(_) => Ok(()),
+        other => Err(other.describe()),
+    };
     Ok(match mode {
         SpecMode::Off => Plan {
             route: Route::Ar,
@@ -96,6 +107,17 @@ pub fn plan(_bundle: &Bundle, mode: &SpecMode) -> Result<Plan> {
             route: Route::Copy,
             reason: "copy requested".into(),
         },
+        SpecMode::Mtp => match head {
+            Ok(()) => Plan {
+                route: Route::Mtp,
+                reason: format!("MTP requested: {}", bundle.mtp.describe()),
+            },
+            Err(why) => {
+                return Err(Error::Invalid(format!(
+                    "the mtp route needs a complete MTP head; this bundle has {why}"
+                )))
+            }
+        },
         SpecMode::DraftModel(Some(p)) => Plan {
             route: Route::DraftModel(p.clone()),
             reason: format!("draft model {} requested", p.display()),
@@ -103,11 +125,18 @@ pub fn plan(_bundle: &Bundle, mode: &SpecMode) -> Result<Plan> {
         SpecMode::DraftModel(None) => {
             return Err(Error::Invalid("the draft-model route needs a bundle: draft-model=PATH".into()))
         }
-        SpecMode::Auto => Plan {
-            route: Route::Copy,
-            reason: "the bundle has no MTP head and no drafter: copy from the prompt (the controller falls back to \
-                     AR where copying does not pay)"
-                .into(),
+        SpecMode::Auto => match head {
+            Ok(()) => Plan {
+                route: Route::Mtp,
+                reason: format!("native MTP: {}", bundle.mtp.describe()),
+            },
+            Err(why) => Plan {
+                route: Route::Copy,
+                reason: format!(
+                    "MTP head: {why}; no drafter: copy from the prompt (the controller falls back to AR where \
+                     copying does not pay)"
+                ),
+            },
         },
     })
 }

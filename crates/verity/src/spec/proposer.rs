@@ -39,4 +39,14 @@ pub trait Proposer: Send {
     /// After verification: `drafted` tokens were offered and the first `accepted` were kept. The proposer must
     /// forget everything past them (its caches roll back to the kept path).
     fn observe(&mut self, drafted: usize, accepted: usize);
+
+    /// Whether the proposer conditions on the target's final hidden states (an MTP head). The engine then runs
+    /// the target with hidden-state output and reports committed rows through [`Proposer::observe_hidden`].
+    fn wants_hidden(&self) -> bool {
+        false
+    }
+
+    /// The target's final hidden states (after its output norm) of committed rows at positions `start..`,
+    /// `rows × hidden`, row-major. Called after prefill chunks and after each cycle's commit.
+    fn observe_hidden(&mut self, _start: usize, _hidden: &[f32]) {}
 }

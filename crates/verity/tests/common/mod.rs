@@ -72,3 +72,116 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
         .map(|x| x.as_u64().unwrap() as u32)
         .collect()
 }
+
+/// A tensor to write into a safetensors file: name, dtype (`F32`, `BF16`, `I32`…), shape, little-endian bytes.
+pub type StEntry = (String, &'static str, Vec<usize>, Vec<u8>);
+
+/// Write a safetensors file (header JSON with `__metadata__`, then the tensors in order).
+pub fn write_safetensors(path: &Path, tensors: &[StEntry], metadata: &[(&str, &str)]) {
+    let mut header = serde_json::Map::new();
+    if !metadata.is_empty() {
+        let m: serde_json::Map<String, serde_json::Value> = metadata
+            .iter()
+            .map(|(k, v)| (k.to_string(), serde_json::Value::from(*v)))
+            .collect();
+        header.insert("__metadata__".into(), m.into());
+    }
+    let mut offset = 0usize;
+    for (name, dtype, shape, bytes) in tensors {
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + bytes.len()]}),
+        );
+        offset += bytes.len();
+    }
+    let h = serde_json::Value::Object(header).to_string();
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend(h.as_bytes());
+    for (_, _, _, bytes) in tensors {
+        out.extend(bytes);
+    }
+    std::fs::write(path, out).unwrap();
+}
+
+/// Deterministic pseudo-random f32 values in `[-scale, scale)` (SplitMix64).
+pub fn random_f32(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            ((z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// The tensors of a random Qwen3-Next-style MTP head (one Llama block, F32) for a model of hidden size `h`,
+/// `heads`/`kv_heads` of `head_dim`, MLP width `ffn`, with an optional draft vocabulary.
+pub fn random_mtp_head(
+    h: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    ffn: usize,
+    seed: u64,
+    draft_vocab: Option<&[u32]>,
+) -> Vec<StEntry> {
+    let (qd, kvd) = (heads * head_dim, kv_heads * head_dim);
+    let mat = |name: &str, r: usize, c: usize, i: u64| -> StEntry {
+        let scale = 1.0 / (c as f32).sqrt();
+        (
+            name.to_string(),
+            "F32",
+            vec![r, c],
+            f32_bytes(&random_f32(r * c, seed * 1000 + i, scale)),
+        )
+    };
+    let norm = |name: &str, i: u64| -> StEntry {
+        let v: Vec<f32> = random_f32(h, seed * 1000 + i, 0.2)
+            .iter()
+            .map(|x| 1.0 + x)
+            .collect();
+        (name.to_string(), "F32", vec![h], f32_bytes(&v))
+    };
+    let p = "mtp.layers.0.";
+    let mut t = vec![
+        mat("mtp.fc.weight", h, 2 * h, 1),
+        norm("mtp.pre_fc_norm_embedding.weight", 2),
+        norm("mtp.pre_fc_norm_hidden.weight", 3),
+        norm(&format!("{p}input_layernorm.weight"), 4),
+        mat(&format!("{p}self_attn.q_proj.weight"), qd, h, 5),
+        mat(&format!("{p}self_attn.k_proj.weight"), kvd, h, 6),
+        mat(&format!("{p}self_attn.v_proj.weight"), kvd, h, 7),
+        mat(&format!("{p}self_attn.o_proj.weight"), h, qd, 8),
+        norm(&format!("{p}post_attention_layernorm.weight"), 9),
+        mat(&format!("{p}mlp.gate_proj.weight"), ffn, h, 10),
+        mat(&format!("{p}mlp.up_proj.weight"), ffn, h, 11),
+        mat(&format!("{p}mlp.down_proj.weight"), h, ffn, 12),
+        norm("mtp.norm.weight", 13),
+    ];
+    if let Some(ids) = draft_vocab {
+        let bytes = ids.iter().flat_map(|&i| (i as i32).to_le_bytes()).collect();
+        t.push(("mtp.draft_vocab".into(), "I32", vec![ids.len()], bytes));
+    }
+    t
+}
+
+/// A copy of the HF fixture bundle `name` in a fresh scratch folder.
+pub fn copy_bundle(name: &str, tag: &str) -> PathBuf {
+    let src = hf_bundle(name);
+    let dst = std::env::temp_dir().join(format!("verity-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dst);
+    std::fs::create_dir_all(&dst).unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+    }
+    dst
+}

@@ -1,0 +1,309 @@
+//! A native multi-token-prediction head, run on the target's backend beside the target.
+//!
+//! One head step at position `p` takes the previous hidden state `h` and the token `t_p`:
+//! `x = fc([norm_e(E[t_p]); norm_h(h)])` (or `fc_e(·) + fc_h(·)` for a split fusion), then the head's compute
+//! block(s) at position `p` with the head's own KV cache, then `out = norm_f(x)` and `logits = lm_head(out)`,
+//! its guess for `t_{p+1}`. `E` and `lm_head` are the target's (tied) matrices; `lm_head` is restricted to the
+//! head's draft vocabulary when the head ships one (the verifier still judges every draft against the full
+//! target distribution, so a smaller drafting vocabulary costs acceptance, never correctness).
+//!
+//! `h` is the target's final hidden state (after its output norm) at `p - 1` for committed positions, and the
+//! head's own `out` of the previous step when drafting recursively.
+
+use std::sync::Arc;
+
+use super::hparams::{HParams, RopeStyle};
+use super::llama::{Layer, Scratch};
+use super::Model;
+use crate::backend::{AttnMask, AttnShape, Backend};
+use crate::bundle::mtp::Fusion;
+use crate::bundle::{st_matrix, st_token_ids, st_vector, Bundle, MtpStatus, TensorKey};
+use crate::cache::KvCache;
+use crate::error::{Error, Result};
+
+enum HeadFusion<B: Backend> {
+    Joint(B::Matrix),
+    Split {
+        embedding: B::Matrix,
+        hidden: B::Matrix,
+    },
+}
+
+/// Work buffers of the head beyond a block's scratch.
+struct HeadScratch<B: Backend> {
+    block: Scratch<B>,
+    /// `rows × hidden` normed embeddings, then (split fusion) the embedding half's projection.
+    e: B::Buffer,
+    /// `rows × hidden` incoming hidden states, normed in place into `hn`.
+    h: B::Buffer,
+    hn: B::Buffer,
+    /// `rows × 2·hidden`: `[e; hn]` for a joint fusion.
+    fused: B::Buffer,
+}
+
+/// What one head forward returns.
+#[derive(Debug, Clone, Default)]
+pub struct HeadOutput {
+    /// `rows × hidden`: each row's `out` (the next recursive step's `h`).
+    pub hidden: Vec<f32>,
+    /// The last row's logits over the draft vocabulary (see [`MtpHead::token`]).
+    pub logits: Vec<f32>,
+}
+
+pub struct MtpHead<B: Backend> {
+    hp: HParams,
+    backend: Arc<B>,
+    rope: RopeStyle,
+    embed: Arc<B::Matrix>,
+    embedding_norm: B::Buffer,
+    hidden_norm: B::Buffer,
+    fusion: HeadFusion<B>,
+    blocks: Vec<Layer<B>>,
+    final_norm: B::Buffer,
+    lm_head: B::Matrix,
+    /// Row `i` of `lm_head` is token `draft_vocab[i]`; `None` = the full vocabulary.
+    draft_vocab: Option<Vec<u32>>,
+    scratch: Option<HeadScratch<B>>,
+    weight_bytes: usize,
+}
+
+impl<B: Backend> MtpHead<B> {
+    /// Load the bundle's complete head for `target`. Fails (and the planner takes the next route) when the
+    /// bundle's head is not complete or its tensors do not fit the target.
+    pub fn load(bundle: &Bundle, target: &Model<B>) -> Result<Self> {
+        let MtpStatus::Complete(spec) = &bundle.mtp else {
+            return Err(Error::Invalid(format!(
+                "no usable MTP head: {}",
+                bundle.mtp.describe()
+            )));
+        };
+        let tensors = bundle
+            .mtp_tensors()
+            .expect("a complete head has its tensors");
+        let hp = target.hp.clone();
+        let backend = target.backend().clone();
+        let be = backend.as_ref();
+        let h = hp.hidden;
+        let mut weight_bytes = 0usize;
+        let mut load = |name: &str, rows: usize, cols: usize| -> Result<B::Matrix> {
+            let module = name.strip_suffix(".weight").unwrap_or(name);
+            let m = be.load_matrix(st_matrix(tensors, None, module, name, rows, cols)?)?;
+            weight_bytes += be.matrix_bytes(&m);
+            Ok(m)
+        };
+        let fusion = match &spec.fusion {
+            Fusion::Joint(n) => HeadFusion::Joint(load(n, h, 2 * h)?),
+            Fusion::Split { embedding, hidden } => HeadFusion::Split {
+                embedding: load(embedding, h, h)?,
+                hidden: load(hidden, h, h)?,
+            },
+        };
+        let mut blocks = Vec::with_capacity(spec.blocks.len());
+        for prefix in &spec.blocks {
+            let name = |key: TensorKey| {
+                format!(
+                    "{prefix}{}.{}",
+                    key.hf_layer_module().expect("a layer tensor"),
+                    key.hf_suffix()
+                )
+            };
+            let mut mat = |key: TensorKey, rows: usize, cols: usize| load(&name(key), rows, cols);
+            let mut vec =
+                |key: TensorKey, len: usize| Ok(be.upload(&st_vector(tensors, &name(key), len)?));
+            blocks.push(Layer::load(&hp, 0, &mut mat, &mut vec)?);
+        }
+        let vector =
+            |name: &str| -> Result<B::Buffer> { Ok(be.upload(&st_vector(tensors, name, h)?)) };
+        let draft_vocab = match &spec.draft_vocab {
+            Some(n) => {
+                let mut ids = st_token_ids(tensors, n, hp.vocab)?;
+                ids.sort_unstable();
+                ids.dedup();
+                if ids.is_empty() {
+                    return Err(Error::tensor(n, "empty draft vocabulary"));
+                }
+                Some(ids)
+            }
+            None => None,
+        };
+        let out_key = if bundle.has(TensorKey::Output) {
+            TensorKey::Output
+        } else {
+            TensorKey::TokenEmbedding
+        };
+        let full = bundle.matrix(out_key, hp.vocab, h)?;
+        let lm_head = match &draft_vocab {
+            Some(ids) => full.select_rows(ids)?,
+            None => full,
+        };
+        let lm_head = be.load_matrix(lm_head)?;
+        weight_bytes += be.matrix_bytes(&lm_head);
+        let rope = match tensors.metadata.get("rope_style").map(String::as_str) {
+            Some("interleaved") => RopeStyle::Interleaved,
+            Some("half_split") | None => RopeStyle::HalfSplit,
+            Some(other) => {
+                return Err(Error::Unsupported(format!(
+                    "MTP head rope_style {other:?} (expected half_split or interleaved)"
+                )))
+            }
+        };
+        Ok(MtpHead {
+            embedding_norm: vector(&spec.embedding_norm)?,
+            hidden_norm: vector(&spec.hidden_norm)?,
+            final_norm: vector(&spec.final_norm)?,
+            hp,
+            rope,
+            embed: target.embedding(),
+            fusion,
+            blocks,
+            lm_head,
+            draft_vocab,
+            scratch: None,
+            weight_bytes,
+            backend,
+        })
+    }
+
+    pub fn hidden_size(&self) -> usize {
+        self.hp.hidden
+    }
+
+    /// Bytes of the head's own matrices (its block(s), fusion and draft output projection).
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    /// Size of the vocabulary the head drafts from.
+    pub fn draft_vocab_len(&self) -> usize {
+        self.draft_vocab.as_ref().map_or(self.hp.vocab, Vec::len)
+    }
+
+    /// The token id of logit `i`.
+    pub fn token(&self, i: usize) -> u32 {
+        match &self.draft_vocab {
+            Some(ids) => ids[i],
+            None => i as u32,
+        }
+    }
+
+    /// A fresh KV cache for the head (one layer per block).
+    pub fn new_cache(&self, max_tokens: usize) -> KvCache<B> {
+        KvCache::new(
+            self.backend.as_ref(),
+            self.blocks.len(),
+            self.hp.n_kv_heads * self.hp.head_dim,
+            max_tokens.min(self.hp.context_len).max(1),
+        )
+    }
+
+    fn scratch(&mut self, rows: usize) -> HeadScratch<B> {
+        match self.scratch.take() {
+            Some(s) if s.block.rows >= rows => s,
+            _ => {
+                let be = self.backend.as_ref();
+                let block = Scratch::new(be, &self.hp, rows, self.draft_vocab_len());
+                let n = block.rows * self.hp.hidden;
+                HeadScratch {
+                    block,
+                    e: be.buffer(n),
+                    h: be.buffer(n),
+                    hn: be.buffer(n),
+                    fused: be.buffer(2 * n),
+                }
+            }
+        }
+    }
+
+    /// Run head steps for `tokens` at positions `start..`, row `i` conditioned on `hidden` row `i` (`rows ×
+    /// hidden`); their K/V are appended to `cache`. Returns every row's `out` and the last row's logits.
+    pub fn forward(
+        &mut self,
+        cache: &mut KvCache<B>,
+        tokens: &[u32],
+        start: usize,
+        hidden: &[f32],
+    ) -> Result<HeadOutput> {
+        let rows = tokens.len();
+        let hd = self.hp.hidden;
+        if rows == 0 || hidden.len() != rows * hd {
+            return Err(Error::Invalid(format!(
+                "MTP head: {rows} tokens with {} hidden values",
+                hidden.len()
+            )));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.hp.vocab) {
+            return Err(Error::Invalid(format!(
+                "token id {t} outside the vocabulary"
+            )));
+        }
+        cache.reserve(self.backend.as_ref(), rows)?;
+        let mut s = self.scratch(rows);
+        let out = self.run(cache, tokens, start, hidden, &mut s);
+        self.scratch = Some(s);
+        Ok(out)
+    }
+
+    fn run(
+        &self,
+        cache: &mut KvCache<B>,
+        tokens: &[u32],
+        start: usize,
+        hidden: &[f32],
+        s: &mut HeadScratch<B>,
+    ) -> HeadOutput {
+        let be = self.backend.as_ref();
+        let hp = &self.hp;
+        let (rows, h) = (tokens.len(), hp.hidden);
+        let eps = hp.rms_eps;
+        be.embed(&self.embed, tokens, &mut s.block.tmp);
+        be.rms_norm(&s.block.tmp, &self.embedding_norm, rows, h, eps, &mut s.e);
+        s.h = be.upload(hidden);
+        be.rms_norm(&s.h, &self.hidden_norm, rows, h, eps, &mut s.hn);
+        match &self.fusion {
+            HeadFusion::Joint(fc) => {
+                for r in 0..rows {
+                    be.copy(&s.e, r * h, &mut s.fused, 2 * r * h, h);
+                    be.copy(&s.hn, r * h, &mut s.fused, (2 * r + 1) * h, h);
+                }
+                be.matmul(fc, &s.fused, rows, &mut s.block.x);
+            }
+            HeadFusion::Split { embedding, hidden } => {
+                be.matmul(embedding, &s.e, rows, &mut s.block.x);
+                be.matmul(hidden, &s.hn, rows, &mut s.block.proj);
+                be.add_assign(&mut s.block.x, &s.block.proj, rows * h);
+            }
+        }
+        let positions: Vec<usize> = (start..start + rows).collect();
+        let shape = AttnShape {
+            rows,
+            n_heads: hp.n_heads,
+            n_kv_heads: hp.n_kv_heads,
+            head_dim: hp.head_dim,
+            base: cache.len(),
+            scale: 1.0 / (hp.head_dim as f32).sqrt(),
+        };
+        for (i, block) in self.blocks.iter().enumerate() {
+            let (kc, vc) = (&mut cache.k[i], &mut cache.v[i]);
+            block.run(
+                be,
+                hp,
+                self.rope,
+                &mut s.block,
+                &positions,
+                kc,
+                vc,
+                shape,
+                &AttnMask::Causal,
+            );
+        }
+        cache.advance(rows);
+        be.rms_norm(&s.block.x, &self.final_norm, rows, h, eps, &mut s.block.xn);
+        let hidden = be.download(&s.block.xn, rows * h);
+        be.copy(&s.block.xn, (rows - 1) * h, &mut s.block.tmp, 0, h);
+        be.matmul(&self.lm_head, &s.block.tmp, 1, &mut s.block.logits);
+        HeadOutput {
+            hidden,
+            logits: be.download(&s.block.logits, self.draft_vocab_len()),
+        }
+    }
+}

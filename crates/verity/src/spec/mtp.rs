@@ -1,0 +1,225 @@
+//! The native-MTP proposer: the bundle's multi-token-prediction head drafts by applying itself recursively.
+//!
+//! Each cycle first *catches up*: the head runs over every position committed since its last cycle, each row
+//! conditioned on the target's final hidden state of the position before (reported by the engine through
+//! [`Proposer::observe_hidden`]); the last row's prediction is draft 1. Drafts 2..d feed the head its own output
+//! state and its previous draft. The controller picks `d` each cycle from measured acceptance per depth and
+//! measured verify cost per width (the adaptive-depth governor).
+//!
+//! Invariants:
+//! - **Cache alignment.** Head cache slot `i` holds position `first + i`, and every slot up to the committed
+//!   mark was computed from the target's hidden state and a committed token. Recursive drafting writes slots past
+//!   the mark; [`Proposer::observe`] truncates back to it, so a rejected (or even an accepted) draft's slot is
+//!   never kept — accepted positions are recomputed from the target's hidden state in the next catch-up. (The
+//!   reference system's drafter-offset bug was a head cache one position off the target's commits.)
+//! - A context that no longer agrees with the head's cached tokens rolls the head back to the agreeing prefix;
+//!   a gap in the reported hidden states (a restored prefix) restarts the head's cache at the first position it
+//!   can condition; without the hidden state of the position before `pending` the head proposes nothing.
+//! - When the suffix-copy proposer is on a streak with a full-length match, its tokens replace the head's drafts
+//!   for that cycle (copying is free and long); the head still catches up, so its cache stays aligned.
+//! - With sampling, drafts are drawn from the head's processed distribution `q`, reported to the verifier.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::copy::{SuffixCopy, MAX_MATCH};
+use super::proposer::{Draft, Proposer};
+use crate::backend::Backend;
+use crate::cache::KvCache;
+use crate::error::Result;
+use crate::model::MtpHead;
+use crate::sample::{argmax, draw, Sampler, SamplerConfig};
+
+/// The deepest recursion offered to the controller.
+pub const MAX_DEPTH: usize = 8;
+/// Derives the head's random stream from the request seed, distinct from the verifier's.
+const MTP_SEED: u64 = 0x3a7b_9000_0000_0002;
+
+/// Who drafted the current cycle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    None,
+    Head,
+    Copy,
+}
+
+pub struct MtpProposer<B: Backend> {
+    head: MtpHead<B>,
+    cache: KvCache<B>,
+    vocab: usize,
+    /// Position of head cache slot 0.
+    first: usize,
+    /// The tokens at the positions the head cache holds (up to the committed mark).
+    cached: Vec<u32>,
+    /// Slots computed from committed inputs; drafting writes past this mark.
+    committed: usize,
+    /// Target hidden states for positions `hid_start..`, `rows × hidden`.
+    hid_start: usize,
+    hid: Vec<f32>,
+    copy: SuffixCopy,
+    source: Source,
+    sampler: Sampler,
+    rng: ChaCha8Rng,
+}
+
+impl<B: Backend> MtpProposer<B> {
+    pub fn new(head: MtpHead<B>, vocab: usize, context_len: usize) -> Result<Self> {
+        let cache = head.new_cache(context_len);
+        let sampling = SamplerConfig::greedy();
+        Ok(MtpProposer {
+            head,
+            cache,
+            vocab,
+            first: 0,
+            cached: Vec::new(),
+            committed: 0,
+            hid_start: 0,
+            hid: Vec::new(),
+            copy: SuffixCopy::new(),
+            source: Source::None,
+            sampler: Sampler::new(sampling)?,
+            rng: ChaCha8Rng::seed_from_u64(sampling.seed ^ MTP_SEED),
+        })
+    }
+
+    fn hidden_rows(&self) -> usize {
+        self.hid.len() / self.head.hidden_size()
+    }
+
+    /// Roll the head back to slots that still agree with `context`.
+    fn align(&mut self, context: &[u32]) {
+        let agree = self
+            .cached
+            .iter()
+            .zip(context.get(self.first..).unwrap_or(&[]))
+            .take_while(|(a, b)| a == b)
+            .count();
+        self.cached.truncate(agree);
+        self.cache.truncate(agree);
+        self.committed = agree;
+    }
+
+    /// Pick a token from head logits (over the draft vocabulary) and its draft distribution.
+    fn choose(&mut self, logits: &[f32], history: &[u32]) -> (u32, Option<Vec<(u32, f32)>>) {
+        if self.sampler.config().is_greedy() {
+            return (self.head.token(argmax(logits) as usize), None);
+        }
+        let mut full = vec![f32::NEG_INFINITY; self.vocab];
+        for (i, &l) in logits.iter().enumerate() {
+            full[self.head.token(i) as usize] = l;
+        }
+        let q = self.sampler.distribution(&full, history);
+        (draw(&q, self.rng.random()), Some(q))
+    }
+}
+
+impl<B: Backend> Proposer for MtpProposer<B> {
+    fn name(&self) -> &'static str {
+        "mtp"
+    }
+
+    fn reset(&mut self, sampling: &SamplerConfig) {
+        self.sampler = Sampler::new(*sampling).expect("validated by the request");
+        self.rng = ChaCha8Rng::seed_from_u64(sampling.seed ^ MTP_SEED);
+        self.copy.reset(sampling);
+        self.cache.truncate(0);
+        self.cached.clear();
+        self.committed = 0;
+        self.first = 0;
+        self.hid.clear();
+        self.hid_start = 0;
+    }
+
+    fn width(&self, k: usize) -> usize {
+        k.min(MAX_DEPTH.max(if self.copy.on_streak() {
+            super::copy::MAX_WIDTH
+        } else {
+            0
+        }))
+    }
+
+    fn wants_hidden(&self) -> bool {
+        true
+    }
+
+    fn observe_hidden(&mut self, start: usize, hidden: &[f32]) {
+        if !self.hid.is_empty() && start == self.hid_start + self.hidden_rows() {
+            self.hid.extend_from_slice(hidden);
+        } else {
+            self.hid_start = start;
+            self.hid.clear();
+            self.hid.extend_from_slice(hidden);
+        }
+    }
+
+    fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft> {
+        self.source = Source::None;
+        if k == 0 || context.len() < 2 {
+            return Ok(Draft::default());
+        }
+        let h = self.head.hidden_size();
+        let n = context.len() - 1; // position of `pending`
+        self.align(context);
+        let hid_end = self.hid_start + self.hidden_rows(); // hidden known for positions < hid_end
+        if self.hid.is_empty() || hid_end < n || self.hid_start >= n {
+            return Ok(Draft::default()); // the hidden state before `pending` is not known yet
+        }
+        let mut next = self.first + self.cached.len();
+        if self.cached.is_empty() || next < self.hid_start + 1 {
+            // Start (or restart) the head's cache where the target's hidden states begin.
+            self.first = self.hid_start + 1;
+            self.cached.clear();
+            self.cache.truncate(0);
+            next = self.first;
+        } else if next > n {
+            // Asked again without a commit in between: redo position `n` only.
+            let keep = n - self.first;
+            self.cached.truncate(keep);
+            self.cache.truncate(keep);
+            next = n;
+        }
+        // Catch up on positions next..=n, each conditioned on the target's hidden state of the one before.
+        let rows = &self.hid[(next - 1 - self.hid_start) * h..(n - self.hid_start) * h];
+        let out = self
+            .head
+            .forward(&mut self.cache, &context[next..=n], next, rows)?;
+        self.cached.extend_from_slice(&context[next..=n]);
+        self.committed = self.cache.len();
+
+        if let Some((m, tokens)) = self.copy.lookup(context, k) {
+            if m == MAX_MATCH && self.copy.on_streak() {
+                self.source = Source::Copy;
+                return Ok(Draft::deterministic(tokens));
+            }
+        }
+        self.source = Source::Head;
+        let mut draft = Draft::default();
+        let mut history = context.to_vec();
+        let (mut logits, mut state) = (out.logits, out.hidden[out.hidden.len() - h..].to_vec());
+        for i in 0..k.min(MAX_DEPTH) {
+            let (tok, q) = self.choose(&logits, &history);
+            draft.tokens.push(tok);
+            draft.q.push(q);
+            history.push(tok);
+            if i + 1 < k.min(MAX_DEPTH) {
+                if self.cache.len() + 1 > self.cache.max_capacity() {
+                    break;
+                }
+                let o = self
+                    .head
+                    .forward(&mut self.cache, &[tok], n + 1 + i, &state)?;
+                logits = o.logits;
+                state = o.hidden;
+            }
+        }
+        Ok(draft)
+    }
+
+    fn observe(&mut self, drafted: usize, accepted: usize) {
+        self.cache.truncate(self.committed);
+        if self.source == Source::Copy {
+            self.copy.observe(drafted, accepted);
+        }
+        self.source = Source::None;
+    }
+}

@@ -1,0 +1,344 @@
+//! Native MTP heads: the route every bundle resolves to (complete heads, incomplete and malformed ones), the
+//! head cache's alignment with the target's committed positions under any accept pattern, and greedy MTP
+//! output equal to AR.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use common::*;
+use verity::backend::cpu::CpuBackend;
+use verity::bundle::{Bundle, MtpStatus, Source};
+use verity::engine::{Engine, GenerateRequest};
+use verity::model::{Batch, LogitRows, Model, MtpHead};
+use verity::spec::mtp::MtpProposer;
+use verity::spec::{Proposer, SpecMode};
+
+// The tiny llama fixture: hidden 64, 4 heads / 2 KV heads of 16, MLP 128, vocab 320.
+const H: usize = 64;
+
+fn tiny_head(seed: u64, draft_vocab: Option<&[u32]>) -> Vec<StEntry> {
+    random_mtp_head(H, 4, 2, 16, 128, seed, draft_vocab)
+}
+
+fn be() -> Arc<CpuBackend> {
+    Arc::new(CpuBackend::new(1).unwrap())
+}
+
+/// The tiny bundle with `mtp.safetensors` holding `head` (a shard of the folder, as real MTP bundles ship).
+fn tiny_with(tag: &str, head: &[StEntry]) -> PathBuf {
+    let d = copy_bundle("llama-f32", tag);
+    write_safetensors(
+        &d.join("mtp.safetensors"),
+        head,
+        &[("num_nextn_predict_layers", "1")],
+    );
+    d
+}
+
+fn route(dir: &Path, mode: &SpecMode) -> verity::Result<String> {
+    Engine::load(dir, be(), mode).map(|e| e.plan.route.name().to_string())
+}
+
+fn assert_route(dir: &Path, want: &str) {
+    assert_eq!(
+        route(dir, &SpecMode::Auto).unwrap(),
+        want,
+        "{}: {}",
+        dir.display(),
+        Bundle::open(dir).unwrap().mtp.describe()
+    );
+}
+
+/// The fixture's own tensors as safetensors entries (to rewrite its shard with extra tensors).
+fn fixture_entries() -> Vec<StEntry> {
+    let b = Bundle::open(&hf_bundle("llama-f32")).unwrap();
+    let Source::Safetensors { tensors, .. } = &b.source else {
+        unreachable!()
+    };
+    tensors
+        .tensors
+        .iter()
+        .map(|(n, t)| {
+            assert_eq!(t.dtype_name, "F32");
+            (
+                n.clone(),
+                "F32",
+                t.shape.clone(),
+                tensors.bytes(t).as_slice().to_vec(),
+            )
+        })
+        .collect()
+}
+
+fn write_index(dir: &Path, map: &[(String, &str)]) {
+    let m: serde_json::Map<String, serde_json::Value> = map
+        .iter()
+        .map(|(t, s)| (t.clone(), serde_json::Value::from(*s)))
+        .collect();
+    let index = serde_json::json!({"metadata": {}, "weight_map": m});
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+}
+
+#[test]
+fn a_complete_head_in_the_shards_resolves_to_mtp_and_off_still_wins() {
+    let d = tiny_with("mtp-complete", &tiny_head(1, None));
+    assert!(matches!(
+        Bundle::open(&d).unwrap().mtp,
+        MtpStatus::Complete(_)
+    ));
+    assert_route(&d, "mtp");
+    assert_eq!(route(&d, &SpecMode::Mtp).unwrap(), "mtp");
+    assert_eq!(route(&d, &SpecMode::Off).unwrap(), "ar");
+    assert_eq!(route(&d, &SpecMode::Copy).unwrap(), "copy");
+}
+
+#[test]
+fn a_bundle_without_a_head_resolves_to_copy_and_refuses_an_explicit_mtp() {
+    let d = hf_bundle("llama-f32");
+    assert_eq!(Bundle::open(&d).unwrap().mtp, MtpStatus::Absent);
+    assert_route(&d, "copy");
+    let e = route(&d, &SpecMode::Mtp).unwrap_err().to_string();
+    assert!(e.contains("complete MTP head"), "{e}");
+}
+
+#[test]
+fn a_stray_fusion_projection_alone_is_incomplete_and_resolves_to_copy() {
+    let fc: Vec<StEntry> = tiny_head(1, None)
+        .into_iter()
+        .filter(|t| t.0 == "mtp.fc.weight")
+        .collect();
+    let d = tiny_with("mtp-stray", &fc);
+    assert_eq!(
+        Bundle::open(&d).unwrap().mtp,
+        MtpStatus::Incomplete("no compute block".into())
+    );
+    assert_route(&d, "copy");
+    let e = route(&d, &SpecMode::Mtp).unwrap_err().to_string();
+    assert!(e.contains("incomplete"), "{e}");
+}
+
+#[test]
+fn index_entries_whose_shard_is_missing_do_not_make_a_head() {
+    let d = copy_bundle("llama-f32", "mtp-index-missing");
+    let mut map: Vec<(String, &str)> = fixture_entries()
+        .into_iter()
+        .map(|t| (t.0, "model.safetensors"))
+        .collect();
+    map.extend(
+        tiny_head(1, None)
+            .into_iter()
+            .map(|t| (t.0, "model-mtp.safetensors")),
+    );
+    write_index(&d, &map);
+    let b = Bundle::open(&d).unwrap();
+    assert_eq!(b.mtp, MtpStatus::Absent);
+    assert_route(&d, "copy");
+}
+
+#[test]
+fn a_head_present_in_a_shard_but_omitted_from_the_index_is_discovered() {
+    let d = copy_bundle("llama-f32", "mtp-unindexed");
+    let main = fixture_entries();
+    let mut all = main.clone();
+    all.extend(tiny_head(1, None));
+    write_safetensors(&d.join("model.safetensors"), &all, &[]);
+    let map: Vec<(String, &str)> = main
+        .into_iter()
+        .map(|t| (t.0, "model.safetensors"))
+        .collect();
+    write_index(&d, &map);
+    assert!(matches!(
+        Bundle::open(&d).unwrap().mtp,
+        MtpStatus::Complete(_)
+    ));
+    assert_route(&d, "mtp");
+}
+
+#[test]
+fn a_truncated_head_payload_leaves_an_incomplete_head_and_a_working_model() {
+    let d = tiny_with("mtp-truncated", &tiny_head(1, None));
+    let p = d.join("mtp.safetensors");
+    let bytes = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &bytes[..bytes.len() - 100]).unwrap(); // cuts into mtp.norm.weight, the last tensor
+    let b = Bundle::open(&d).unwrap();
+    assert!(
+        matches!(&b.mtp, MtpStatus::Incomplete(r) if r.contains("mtp.safetensors")),
+        "{:?}",
+        b.mtp
+    );
+    assert_route(&d, "copy");
+    // The target itself is untouched by the damaged head.
+    assert!(Model::load(&b, be()).is_ok());
+}
+
+#[test]
+fn offsets_at_integer_extremes_are_rejected_without_a_crash() {
+    for (i, offsets) in [
+        [0u64, u64::MAX],
+        [u64::MAX - 4, u64::MAX],
+        [u64::MAX, 3],
+        [1 << 62, (1 << 62) + 4 * 64],
+    ]
+    .iter()
+    .enumerate()
+    {
+        let d = copy_bundle("llama-f32", &format!("mtp-extreme-{i}"));
+        let mut h = serde_json::Map::new();
+        for name in ["mtp.fc.weight", "mtp.layers.0.mlp.up_proj.weight"] {
+            h.insert(
+                name.into(),
+                serde_json::json!({"dtype": "F32", "shape": [64], "data_offsets": offsets}),
+            );
+        }
+        let h = serde_json::Value::Object(h).to_string();
+        let mut f = (h.len() as u64).to_le_bytes().to_vec();
+        f.extend(h.as_bytes());
+        f.extend([0u8; 256]);
+        std::fs::write(d.join("mtp.safetensors"), f).unwrap();
+        let b = Bundle::open(&d).unwrap();
+        assert!(
+            !matches!(b.mtp, MtpStatus::Complete(_)),
+            "{offsets:?}: {:?}",
+            b.mtp
+        );
+        assert_route(&d, "copy");
+    }
+}
+
+#[test]
+fn a_head_whose_shapes_do_not_fit_the_target_falls_back_under_auto_and_fails_explicitly() {
+    let mut head = tiny_head(1, None);
+    let fc = head.iter_mut().find(|t| t.0 == "mtp.fc.weight").unwrap();
+    fc.2 = vec![H, H];
+    fc.3.truncate(H * H * 4);
+    let d = tiny_with("mtp-shape", &head);
+    assert!(matches!(
+        Bundle::open(&d).unwrap().mtp,
+        MtpStatus::Complete(_)
+    ));
+    let e = Engine::load(&d, be(), &SpecMode::Auto).unwrap();
+    assert_eq!(e.plan.route.name(), "copy");
+    assert!(e.plan.reason.contains("mtp.fc.weight"), "{}", e.plan.reason);
+    assert!(route(&d, &SpecMode::Mtp).is_err());
+}
+
+#[test]
+fn a_draft_vocabulary_id_outside_the_vocabulary_is_refused() {
+    let d = tiny_with("mtp-vocab", &tiny_head(1, Some(&[1, 2, 9999])));
+    let e = Engine::load(&d, be(), &SpecMode::Auto).unwrap();
+    assert_eq!(e.plan.route.name(), "copy");
+    assert!(e.plan.reason.contains("9999"), "{}", e.plan.reason);
+}
+
+/// Target hidden states for `tokens` at positions `0..`, from a fresh cache.
+fn target_hidden(model: &mut Model<CpuBackend>, tokens: &[u32]) -> Vec<f32> {
+    let mut cache = model.new_cache(256);
+    model
+        .forward_with_hidden(&mut cache, &Batch::causal(tokens, 0), LogitRows::None)
+        .unwrap()
+        .final_hidden
+}
+
+/// Drive an MTP proposer through many cycles with random accept counts and random bonus tokens; at every cycle
+/// its drafts must equal those of a fresh proposer that sees the whole committed context at once. A head cache
+/// one slot off, a kept speculative slot or a stale hidden row changes the drafts.
+#[test]
+fn the_head_cache_stays_aligned_with_the_committed_positions_under_any_accept_pattern() {
+    for (seed, draft_vocab) in [
+        (3u64, None),
+        (4, Some((0..320).step_by(3).collect::<Vec<u32>>())),
+    ] {
+        let d = tiny_with(
+            &format!("mtp-align-{seed}"),
+            &tiny_head(seed, draft_vocab.as_deref()),
+        );
+        let bundle = Bundle::open(&d).unwrap();
+        let mut model = Model::load(&bundle, be()).unwrap();
+        let new_proposer = |m: &Model<CpuBackend>| {
+            MtpProposer::new(MtpHead::load(&bundle, m).unwrap(), 320, 256).unwrap()
+        };
+        let mut inc = new_proposer(&model);
+        inc.reset(&verity::sample::SamplerConfig::greedy());
+        let rnd = random_f32(400, seed, 1.0);
+        let mut r = rnd.iter().map(|x| (x.abs() * 1e6) as usize);
+        let mut context: Vec<u32> = (0..9).map(|_| (r.next().unwrap() % 320) as u32).collect();
+        // Prefill all but `pending`.
+        let mut cache = model.new_cache(256);
+        let n0 = context.len() - 1;
+        let out = model
+            .forward_with_hidden(
+                &mut cache,
+                &Batch::causal(&context[..n0], 0),
+                LogitRows::None,
+            )
+            .unwrap();
+        inc.observe_hidden(0, &out.final_hidden);
+        let mut drafted_total = 0;
+        for cycle in 0..25 {
+            let n = context.len() - 1;
+            let k = 1 + r.next().unwrap() % 5;
+            let draft = inc.propose(&context, k).unwrap();
+            assert_eq!(draft.tokens.len(), k, "cycle {cycle}");
+            drafted_total += k;
+
+            let mut fresh = new_proposer(&model);
+            fresh.reset(&verity::sample::SamplerConfig::greedy());
+            fresh.observe_hidden(0, &target_hidden(&mut model, &context[..n]));
+            let want = fresh.propose(&context, k).unwrap();
+            assert_eq!(
+                draft.tokens, want.tokens,
+                "cycle {cycle}: drafts differ from a fresh head"
+            );
+
+            // Verify on the target, keep a random prefix, add a random bonus token.
+            let mut rows = vec![context[n]];
+            rows.extend(&draft.tokens);
+            let out = model
+                .forward_with_hidden(&mut cache, &Batch::causal(&rows, n), LogitRows::All)
+                .unwrap();
+            let a = r.next().unwrap() % (k + 1);
+            cache.truncate(n + 1 + a);
+            inc.observe(k, a);
+            inc.observe_hidden(n, &out.final_hidden[..(1 + a) * H]);
+            context.extend(&draft.tokens[..a]);
+            context.push((r.next().unwrap() % 320) as u32);
+        }
+        assert!(drafted_total > 25);
+    }
+}
+
+#[test]
+fn greedy_mtp_output_and_cache_equal_ar_on_the_tiny_model() {
+    let d = tiny_with("mtp-greedy", &tiny_head(5, None));
+    let mut ar = Engine::load(&d, be(), &SpecMode::Off).unwrap();
+    let mut mtp = Engine::load(&d, be(), &SpecMode::Mtp).unwrap();
+    let req = GenerateRequest {
+        ignore_eos: true,
+        ..GenerateRequest::greedy(48)
+    };
+    let rnd = random_f32(64, 11, 1.0);
+    for p in 0..4 {
+        let prompt: Vec<u32> = rnd[p * 12..p * 12 + 12]
+            .iter()
+            .map(|x| ((x.abs() * 1e6) as u32) % 320)
+            .collect();
+        let run = |e: &mut Engine<CpuBackend>| {
+            let mut s = e.new_session();
+            let mut toks = Vec::new();
+            let stats = e
+                .generate(&mut s, &prompt, &req, |_, t| {
+                    toks.push(t.id);
+                    true
+                })
+                .unwrap();
+            (toks, s.cache.checkpoint(e.model.backend()), stats)
+        };
+        let (a, ca, _) = run(&mut ar);
+        let (b, cb, stats) = run(&mut mtp);
+        assert_eq!(a, b, "prompt {p}");
+        assert_eq!(ca.layers(), cb.layers(), "prompt {p}: caches differ");
+        assert_eq!(stats.route, "mtp");
+    }
+}
