@@ -1,8 +1,11 @@
-//! Text in and out: tokenizers (from `tokenizer.json` or GGUF metadata), chat templates, streaming detokenization.
+//! Text in and out: tokenizers (from `tokenizer.json` or GGUF metadata), chat templates, streaming detokenization,
+//! and splitting generated text into answer, reasoning and tool calls.
 
 mod gguf_vocab;
+mod output;
 mod template;
 mod tokenizer;
 
+pub use output::{OutputParser, Split, ToolCall};
 pub use template::{ChatTemplate, Message};
 pub use tokenizer::{StreamDecoder, Tokenizer};
