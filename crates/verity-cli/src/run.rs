@@ -55,6 +55,7 @@ impl GenArgs {
             speculate: true,
             want_logprob: false,
             logprobs: 0,
+            constraint: None,
             store_prefix: None,
         }
     }

@@ -35,6 +35,10 @@ pub struct Part {
 pub struct ChatMessage {
     pub role: String,
     pub content: Option<Content>,
+    /// An assistant turn's calls: `[{id, type: "function", function: {name, arguments: "<json>"}}]`.
+    pub tool_calls: Option<Vec<Value>>,
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -65,6 +69,10 @@ pub struct Common {
     pub tool_choice: Option<Value>,
     /// verity extension: `auto` or `off`.
     pub speculation: Option<String>,
+    /// Extra chat-template variables (e.g. `{"enable_thinking": false}`).
+    pub chat_template_kwargs: Option<Value>,
+    /// `none`/`minimal` turn reasoning off (`enable_thinking = false`), other efforts on.
+    pub reasoning_effort: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -81,9 +89,38 @@ pub struct CompletionRequest {
     pub common: Common,
 }
 
+/// Which tool calls the answer may or must make.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// Tools are not offered.
+    None,
+    /// The model decides.
+    Auto,
+    /// At least one call, to any tool (enforced by a grammar).
+    Required,
+    /// A call to this function (enforced by a grammar).
+    Named(String),
+}
+
+/// The shape the answer must take.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ResponseFormat {
+    Text,
+    /// Any JSON object.
+    JsonObject,
+    /// A value of this JSON schema.
+    JsonSchema(Value),
+}
+
 /// What the worker needs for one request, validated.
 #[derive(Debug, Clone)]
 pub struct Params {
+    /// The `tools` array, when tools are offered (`tool_choice` is not `none`).
+    pub tools: Option<Value>,
+    pub tool_choice: ToolChoice,
+    pub response_format: ResponseFormat,
+    /// Chat-template variables.
+    pub template_kwargs: serde_json::Map<String, Value>,
     pub max_tokens: Option<usize>,
     pub sampling: SamplerConfig,
     pub stop: Vec<String>,
@@ -150,13 +187,57 @@ pub fn parse_chat(body: &[u8]) -> Result<(Vec<Message>, Params), ApiError> {
         } else {
             m.role.as_str()
         };
-        messages.push(Message::new(role, &text));
+        let mut msg = Message::new(role, &text);
+        if let Some(calls) = &m.tool_calls {
+            if role != "assistant" {
+                return Err(ApiError::invalid(
+                    "only assistant messages carry tool_calls",
+                    Some("messages"),
+                ));
+            }
+            msg.tool_calls = Some(calls.iter().map(template_call).collect::<Result<_, _>>()?);
+        }
+        msg.tool_call_id = m.tool_call_id.clone();
+        msg.name = m.name.clone();
+        messages.push(msg);
     }
-    Ok((messages, params(&req.common)?))
+    let params = params(&req.common)?;
+    Ok((messages, params))
+}
+
+/// An OpenAI tool call as chat templates read it: `arguments` as an object, not JSON text.
+fn template_call(c: &Value) -> Result<Value, ApiError> {
+    let bad = || {
+        ApiError::invalid(
+            "tool_calls entries are {id, type: \"function\", function: {name, arguments}}",
+            Some("messages"),
+        )
+    };
+    let f = c.get("function").ok_or_else(bad)?;
+    let name = f.get("name").and_then(Value::as_str).ok_or_else(bad)?;
+    let arguments = match f.get("arguments") {
+        Some(Value::String(s)) => {
+            serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone()))
+        }
+        Some(v) => v.clone(),
+        None => serde_json::json!({}),
+    };
+    let mut out =
+        serde_json::json!({"type": "function", "function": {"name": name, "arguments": arguments}});
+    if let Some(id) = c.get("id") {
+        out["id"] = id.clone();
+    }
+    Ok(out)
 }
 
 pub fn parse_completion(body: &[u8]) -> Result<(String, Params), ApiError> {
     let req: CompletionRequest = parse(body)?;
+    if req.common.tools.as_ref().is_some_and(|t| !t.is_null()) {
+        return Err(ApiError::invalid(
+            "tools need /v1/chat/completions",
+            Some("tools"),
+        ));
+    }
     let prompt = match &req.prompt {
         Value::String(s) if !s.is_empty() => s.clone(),
         Value::Array(a) if a.len() == 1 && a[0].as_str().is_some_and(|s| !s.is_empty()) => {
@@ -259,31 +340,61 @@ fn params(c: &Common) -> Result<Params, ApiError> {
             ))
         }
     };
-    if let Some(rf) = &c.response_format {
-        match rf.get("type").and_then(|t| t.as_str()) {
-            Some("text") => {}
-            Some(t @ ("json_object" | "json_schema")) => {
-                return Err(ApiError::unsupported(
-                    format!("response_format {t} (constrained decoding is not built yet)"),
-                    "response_format",
-                ))
-            }
+    let response_format = match &c.response_format {
+        None | Some(Value::Null) => ResponseFormat::Text,
+        Some(rf) => match rf.get("type").and_then(|t| t.as_str()) {
+            Some("text") => ResponseFormat::Text,
+            Some("json_object") => ResponseFormat::JsonObject,
+            Some("json_schema") => match rf.get("json_schema").and_then(|j| j.get("schema")) {
+                Some(schema) if schema.is_object() || schema.is_boolean() => {
+                    ResponseFormat::JsonSchema(schema.clone())
+                }
+                _ => return Err(ApiError::invalid(
+                    "response_format json_schema needs json_schema.schema (a JSON schema object)",
+                    Some("response_format"),
+                )),
+            },
             _ => {
                 return Err(ApiError::invalid(
                     "response_format.type must be text, json_object or json_schema",
                     Some("response_format"),
                 ))
             }
-        }
-    }
-    if c.tools
-        .as_ref()
-        .is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty()))
+        },
+    };
+    let (tools, tool_choice) = tools(c)?;
+    if response_format != ResponseFormat::Text
+        && matches!(tool_choice, ToolChoice::Required | ToolChoice::Named(_))
     {
-        return Err(ApiError::unsupported(
-            "tools (tool calling is not built yet)",
-            "tools",
+        return Err(ApiError::invalid(
+            "a forced tool call and response_format cannot be combined",
+            Some("tool_choice"),
         ));
+    }
+    let mut template_kwargs = match &c.chat_template_kwargs {
+        None | Some(Value::Null) => serde_json::Map::new(),
+        Some(Value::Object(m)) => m.clone(),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "chat_template_kwargs must be an object",
+                Some("chat_template_kwargs"),
+            ))
+        }
+    };
+    if let Some(effort) = &c.reasoning_effort {
+        let on = match effort.as_str() {
+            "none" | "minimal" => false,
+            "low" | "medium" | "high" => true,
+            _ => {
+                return Err(ApiError::invalid(
+                    "reasoning_effort must be none, minimal, low, medium or high",
+                    Some("reasoning_effort"),
+                ))
+            }
+        };
+        template_kwargs
+            .entry("enable_thinking")
+            .or_insert(Value::Bool(on));
     }
     let speculate = match c.speculation.as_deref() {
         None | Some("auto") => true,
@@ -296,6 +407,10 @@ fn params(c: &Common) -> Result<Params, ApiError> {
         }
     };
     Ok(Params {
+        tools,
+        tool_choice,
+        response_format,
+        template_kwargs,
         max_tokens: max,
         sampling: SamplerConfig {
             temperature,
@@ -315,6 +430,82 @@ fn params(c: &Common) -> Result<Params, ApiError> {
         logprobs,
         speculate,
     })
+}
+
+/// Validate `tools` and `tool_choice`: the tools offered (none when `tool_choice` is `none`) and the choice.
+fn tools(c: &Common) -> Result<(Option<Value>, ToolChoice), ApiError> {
+    let list = match &c.tools {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(a)) => a.clone(),
+        Some(_) => return Err(ApiError::invalid("tools must be an array", Some("tools"))),
+    };
+    let mut names = Vec::with_capacity(list.len());
+    for t in &list {
+        let f = t.get("function");
+        let name = f.and_then(|f| f.get("name")).and_then(Value::as_str);
+        let ok_name = name.is_some_and(|n| {
+            !n.is_empty()
+                && n.len() <= 64
+                && n.chars()
+                    .all(|ch| ch.is_ascii_alphanumeric() || ch == '_' || ch == '-')
+        });
+        let params_ok = f
+            .and_then(|f| f.get("parameters"))
+            .is_none_or(|p| p.is_object());
+        if t.get("type").and_then(Value::as_str) != Some("function") || !ok_name || !params_ok {
+            return Err(ApiError::invalid(
+                "each tool is {type: \"function\", function: {name: [A-Za-z0-9_-]{1,64}, description?, parameters?: object}}",
+                Some("tools"),
+            ));
+        }
+        names.push(name.unwrap_or_default().to_string());
+    }
+    let choice = match &c.tool_choice {
+        None | Some(Value::Null) => {
+            if list.is_empty() {
+                ToolChoice::None
+            } else {
+                ToolChoice::Auto
+            }
+        }
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            _ => return Err(ApiError::invalid(
+                "tool_choice must be none, auto, required or {type: function, function: {name}}",
+                Some("tool_choice"),
+            )),
+        },
+        Some(v) => match v
+            .get("function")
+            .and_then(|f| f.get("name"))
+            .and_then(Value::as_str)
+        {
+            Some(n) => ToolChoice::Named(n.to_string()),
+            None => return Err(ApiError::invalid(
+                "tool_choice must be none, auto, required or {type: function, function: {name}}",
+                Some("tool_choice"),
+            )),
+        },
+    };
+    match &choice {
+        ToolChoice::Required | ToolChoice::Auto if list.is_empty() => {
+            return Err(ApiError::invalid(
+                "tool_choice needs tools",
+                Some("tool_choice"),
+            ))
+        }
+        ToolChoice::Named(n) if !names.contains(n) => {
+            return Err(ApiError::invalid(
+                format!("tool_choice names {n:?}, which is not among the tools"),
+                Some("tool_choice"),
+            ))
+        }
+        _ => {}
+    }
+    let offered = (choice != ToolChoice::None && !list.is_empty()).then(|| Value::Array(list));
+    Ok((offered, choice))
 }
 
 /// The model a request names must be the one served (a missing name means the served one).

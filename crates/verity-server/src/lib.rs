@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod error;
+pub mod grammar;
 pub mod metrics;
 pub mod worker;
 
@@ -246,6 +247,22 @@ fn usage(stats: &GenerationStats) -> Value {
     })
 }
 
+/// OpenAI `tool_calls` (with `index` in stream deltas).
+fn tool_calls_json(calls: &[verity::chat::ToolCall], indexed: bool) -> Value {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let mut v = json!({"id": format!("call_{:x}{i}", rand_id()), "type": "function",
+                               "function": {"name": c.name, "arguments": c.arguments}});
+            if indexed {
+                v["index"] = i.into();
+            }
+            v
+        })
+        .collect()
+}
+
 fn logprob_json(lp: &TokenLogprob) -> Value {
     json!({
         "token": lp.token,
@@ -262,6 +279,7 @@ impl Reply {
         mut rx: UnboundedReceiver<Event>,
     ) -> Result<Value, ApiError> {
         let mut text = String::new();
+        let mut reasoning = String::new();
         let mut lps = Vec::new();
         let mut next = Some(first);
         loop {
@@ -273,8 +291,13 @@ impl Reply {
                     .ok_or_else(|| ApiError::internal("the engine dropped the request"))?,
             };
             match ev {
-                Event::Delta { text: t, logprob } => {
+                Event::Delta {
+                    text: t,
+                    reasoning: r,
+                    logprob,
+                } => {
                     text.push_str(&t);
+                    reasoning.push_str(&r);
                     if let Some(lp) = logprob {
                         lps.push(logprob_json(&lp));
                     }
@@ -283,6 +306,7 @@ impl Reply {
                 Event::Done {
                     finish_reason,
                     stats,
+                    tool_calls,
                 } => {
                     let logprobs = if self.want_logprobs {
                         json!({"content": lps})
@@ -291,8 +315,18 @@ impl Reply {
                     };
                     let choice = match self.kind {
                         Kind::Chat => {
-                            json!({"index": 0, "message": {"role": "assistant", "content": text},
-                                             "logprobs": logprobs, "finish_reason": finish_reason})
+                            let mut message = json!({"role": "assistant", "content": text});
+                            if !reasoning.is_empty() {
+                                message["reasoning_content"] = reasoning.into();
+                            }
+                            if !tool_calls.is_empty() {
+                                if text.is_empty() {
+                                    message["content"] = Value::Null;
+                                }
+                                message["tool_calls"] = tool_calls_json(&tool_calls, false);
+                            }
+                            json!({"index": 0, "message": message, "logprobs": logprobs,
+                                   "finish_reason": finish_reason})
                         }
                         Kind::Text => {
                             json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
@@ -368,14 +402,22 @@ impl Reply {
     /// The SSE events for one engine event, and whether it ends the stream.
     fn render(&self, ev: Event, include_usage: bool) -> (Vec<SseEvent>, bool) {
         match ev {
-            Event::Delta { text, logprob } => {
-                if text.is_empty() && logprob.is_none() {
+            Event::Delta {
+                text,
+                reasoning,
+                logprob,
+            } => {
+                if text.is_empty() && reasoning.is_empty() && logprob.is_none() {
                     return (Vec::new(), false);
                 }
                 let lp = logprob.map_or(Value::Null, |l| json!({"content": [logprob_json(&l)]}));
                 let choice = match self.kind {
                     Kind::Chat => {
-                        json!([{"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": null}])
+                        let mut delta = json!({"content": text});
+                        if !reasoning.is_empty() {
+                            delta["reasoning_content"] = reasoning.into();
+                        }
+                        json!([{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": null}])
                     }
                     Kind::Text => {
                         json!([{"index": 0, "text": text, "logprobs": lp, "finish_reason": null}])
@@ -393,7 +435,16 @@ impl Reply {
             Event::Done {
                 finish_reason,
                 stats,
+                tool_calls,
             } => {
+                let mut v = Vec::new();
+                if !tool_calls.is_empty() {
+                    let delta = json!({"tool_calls": tool_calls_json(&tool_calls, true)});
+                    v.push(self.chunk(
+                        json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": null}]),
+                        None,
+                    ));
+                }
                 let choice = match self.kind {
                     Kind::Chat => {
                         json!([{"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish_reason}])
@@ -402,7 +453,7 @@ impl Reply {
                         json!([{"index": 0, "text": "", "logprobs": null, "finish_reason": finish_reason}])
                     }
                 };
-                let mut v = vec![self.chunk(choice, None)];
+                v.push(self.chunk(choice, None));
                 if include_usage {
                     v.push(self.chunk(json!([]), Some(usage(&stats))));
                 }

@@ -11,11 +11,13 @@ use std::sync::Arc;
 
 use tokio::sync::mpsc::UnboundedSender;
 use verity::backend::cpu::CpuBackend;
-use verity::chat::{Message, StreamDecoder};
+use verity::chat::{Message, OutputParser, StreamDecoder, TemplateArgs, ToolCall};
 use verity::engine::{Engine, GenerateRequest, GenerationStats, StopReason};
+use verity::sample::constraint::SharedConstraint;
 
-use crate::api::Params;
+use crate::api::{Params, ResponseFormat, ToolChoice};
 use crate::error::ApiError;
+use crate::grammar::Grammars;
 use crate::metrics::Metrics;
 
 pub enum Input {
@@ -39,21 +41,25 @@ pub struct TokenLogprob {
 
 #[derive(Debug)]
 pub enum Event {
-    /// New text (possibly empty when a token completes no character yet), with its token's log-probability.
+    /// New answer text and reasoning text (either possibly empty when a token completes no character yet),
+    /// with its token's log-probability.
     Delta {
         text: String,
+        reasoning: String,
         logprob: Option<TokenLogprob>,
     },
     Done {
         finish_reason: &'static str,
         stats: GenerationStats,
+        /// Tool calls parsed from the answer.
+        tool_calls: Vec<ToolCall>,
     },
     Error(ApiError),
 }
 
 /// What the engine thread is asked to do.
 enum Task {
-    Generate(Job),
+    Generate(Box<Job>),
     /// Forget the cached conversation (the prefix-cache reset endpoint).
     ResetCache,
 }
@@ -71,6 +77,8 @@ impl Worker {
             .name("verity-engine".into())
             .spawn(move || {
                 let mut session = engine.new_session();
+                // Built on the first constrained request: indexing the vocabulary takes a moment.
+                let mut grammars: Option<Grammars> = None;
                 while let Ok(task) = rx.recv() {
                     metrics
                         .queue_depth
@@ -81,13 +89,13 @@ impl Worker {
                             engine.clear_prefix_cache();
                             continue;
                         }
-                        Task::Generate(job) => job,
+                        Task::Generate(job) => *job,
                     };
                     if job.events.is_closed() {
                         continue; // the client left while queued
                     }
                     let events = job.events.clone();
-                    if let Err(e) = run(&mut engine, &mut session, job, &metrics) {
+                    if let Err(e) = run(&mut engine, &mut session, &mut grammars, job, &metrics) {
                         let _ = events.send(Event::Error(e));
                     }
                 }
@@ -97,7 +105,7 @@ impl Worker {
     }
 
     pub fn submit(&self, job: Job, metrics: &Metrics) -> Result<(), ApiError> {
-        self.send(Task::Generate(job), metrics)
+        self.send(Task::Generate(Box::new(job)), metrics)
     }
 
     /// Forget the cached conversation; runs after the requests already queued.
@@ -168,17 +176,79 @@ impl StopScan {
     }
 }
 
+/// The grammar a request's answer must follow, if any.
+fn constraint(
+    engine: &Engine<CpuBackend>,
+    grammars: &mut Option<Grammars>,
+    p: &Params,
+) -> Result<Option<SharedConstraint>, ApiError> {
+    let wanted = p.response_format != ResponseFormat::Text
+        || matches!(p.tool_choice, ToolChoice::Required | ToolChoice::Named(_));
+    if !wanted {
+        return Ok(None);
+    }
+    if grammars.is_none() {
+        let g = Grammars::new(&engine.tokenizer, engine.model.hp.vocab).map_err(|e| {
+            ApiError::internal(format!("indexing the vocabulary for grammars: {e}"))
+        })?;
+        *grammars = Some(g);
+    }
+    let g = grammars.as_ref().expect("set above");
+    let functions: Vec<&serde_json::Value> = p
+        .tools
+        .as_ref()
+        .and_then(|t| t.as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|t| t.get("function"))
+        .collect();
+    let grammar = match (&p.response_format, &p.tool_choice) {
+        (ResponseFormat::JsonObject, _) => g.json(None),
+        (ResponseFormat::JsonSchema(s), _) => g.json(Some(s)),
+        (_, ToolChoice::Required) => g.tool_calls(&functions),
+        (_, ToolChoice::Named(n)) => {
+            let f: Vec<&serde_json::Value> = functions
+                .into_iter()
+                .filter(|f| f.get("name").and_then(|x| x.as_str()) == Some(n.as_str()))
+                .collect();
+            g.tool_calls(&f)
+        }
+        _ => unreachable!("checked by `wanted`"),
+    };
+    let param = if p.response_format != ResponseFormat::Text {
+        "response_format"
+    } else {
+        "tools"
+    };
+    grammar
+        .map(|g| Some(SharedConstraint::new(g)))
+        .map_err(|e| ApiError::invalid(format!("cannot compile the grammar: {e}"), Some(param)))
+}
+
 fn run(
     engine: &mut Engine<CpuBackend>,
     session: &mut verity::engine::Session<CpuBackend>,
+    grammars: &mut Option<Grammars>,
     job: Job,
     metrics: &Metrics,
 ) -> Result<(), ApiError> {
-    let (prompt, boundary) = match &job.input {
-        Input::Chat(messages) => engine.chat_prompt_with_boundary(messages),
-        Input::Text(text) => engine.tokenizer.encode(text, true).map(|p| (p, None)),
+    let (prompt, boundary, opens_reasoning) = match &job.input {
+        Input::Chat(messages) => {
+            let args = TemplateArgs {
+                tools: job.params.tools.clone(),
+                kwargs: job.params.template_kwargs.clone(),
+            };
+            engine
+                .render_chat(messages, &args)
+                .map(|p| (p.tokens, p.boundary, p.opens_reasoning))
+        }
+        Input::Text(text) => engine
+            .tokenizer
+            .encode(text, true)
+            .map(|p| (p, None, false)),
     }
     .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?;
+    let constraint = constraint(engine, grammars, &job.params)?;
     let context = engine.model.hp.context_len;
     if prompt.is_empty() {
         return Err(ApiError::invalid(
@@ -215,6 +285,7 @@ fn run(
         speculate: job.params.speculate,
         want_logprob: job.params.logprobs.is_some(),
         logprobs: job.params.logprobs.unwrap_or(0),
+        constraint,
         store_prefix: boundary,
     };
     let mut decoder = StreamDecoder::new();
@@ -222,6 +293,12 @@ fn run(
         stops: job.params.stop.clone(),
         held: String::new(),
     };
+    let mut parser = OutputParser::new(
+        opens_reasoning,
+        engine.reasoning_tags(),
+        job.params.tools.is_some(),
+    );
+    let mut tool_calls = Vec::new();
     let mut hit_stop = false;
     let mut failure = None;
     let events = &job.events;
@@ -244,7 +321,14 @@ fn run(
                     .map(|&(id, l)| (tok.decode_with_special(&[id]).unwrap_or_default(), l))
                     .collect(),
             });
-            if events.send(Event::Delta { text, logprob }).is_err() {
+            let split = parser.push(&text);
+            tool_calls.extend(split.tool_calls);
+            let delta = Event::Delta {
+                text: split.content,
+                reasoning: split.reasoning,
+                logprob,
+            };
+            if events.send(delta).is_err() {
                 return false; // the client went away: cancel
             }
             hit_stop = stop;
@@ -254,14 +338,25 @@ fn run(
     if let Some(e) = failure {
         return Err(e);
     }
-    let tail = scan.flush();
-    if !tail.is_empty() && !hit_stop {
+    let tail = if hit_stop {
+        String::new()
+    } else {
+        scan.flush()
+    };
+    let mut rest = parser.push(&tail);
+    let end = parser.finish();
+    rest.content.push_str(&end.content);
+    rest.reasoning.push_str(&end.reasoning);
+    tool_calls.extend(rest.tool_calls.into_iter().chain(end.tool_calls));
+    if !rest.content.is_empty() || !rest.reasoning.is_empty() {
         let _ = events.send(Event::Delta {
-            text: tail,
+            text: rest.content,
+            reasoning: rest.reasoning,
             logprob: None,
         });
     }
     let finish_reason = match stats.stop {
+        StopReason::Stop | StopReason::MaxTokens if !tool_calls.is_empty() => "tool_calls",
         _ if hit_stop => "stop",
         StopReason::Stop => "stop",
         StopReason::MaxTokens | StopReason::ContextFull => "length",
@@ -276,6 +371,7 @@ fn run(
     let _ = events.send(Event::Done {
         finish_reason,
         stats,
+        tool_calls,
     });
     Ok(())
 }

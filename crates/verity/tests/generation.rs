@@ -99,6 +99,7 @@ fn sampling_is_fixed_by_the_seed() {
         speculate: true,
         want_logprob: false,
         logprobs: 0,
+        constraint: None,
         store_prefix: None,
     };
     let q = "Tell me a story about a dragon.";

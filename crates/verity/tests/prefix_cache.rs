@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use verity::backend::cpu::CpuBackend;
-use verity::chat::Message;
+use verity::chat::{Message, TemplateArgs};
 use verity::engine::{Engine, GenerateRequest, Session};
 use verity::spec::SpecMode;
 
@@ -14,8 +14,10 @@ fn turn(
     sess: &mut Session<CpuBackend>,
     messages: &[Message],
 ) -> (String, usize, usize) {
-    let (prompt, boundary) = e.chat_prompt_with_boundary(messages).unwrap();
+    let p = e.render_chat(messages, &TemplateArgs::default()).unwrap();
+    let (prompt, boundary) = (p.tokens, p.boundary);
     let req = GenerateRequest {
+        constraint: None,
         store_prefix: boundary,
         ..GenerateRequest::greedy(24)
     };
@@ -56,7 +58,11 @@ fn a_displaced_conversation_restores_from_the_prefix_cache_and_answers_like_a_co
         );
         a.push(Message::new("user", "And three more?"));
         let (warm, restored, boundary) = turn(&mut e, &mut sess, &a);
-        let first_turn = e.chat_prompt_with_boundary(&a[..1]).unwrap().1.unwrap();
+        let first_turn = e
+            .render_chat(&a[..1], &TemplateArgs::default())
+            .unwrap()
+            .boundary
+            .unwrap();
         assert!(
             restored >= first_turn,
             "{mode:?}: restored {restored} < first turn's boundary {first_turn}"

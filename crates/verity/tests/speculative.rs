@@ -12,9 +12,10 @@ use verity::backend::cpu::CpuBackend;
 use verity::bundle::Bundle;
 use verity::chat::Message;
 use verity::engine::{Engine, GenerateRequest, GenerationStats};
-use verity::model::Model;
+use verity::model::{Model, MtpHead};
 use verity::sample::SamplerConfig;
 use verity::spec::draft_model::DraftModel;
+use verity::spec::mtp::MtpProposer;
 use verity::spec::{Draft, Proposer, SpecMode};
 
 /// Adversarial proposers: they know (or not) the AR answer and draft accordingly.
@@ -362,8 +363,27 @@ fn sampled_routes_match_the_ar_distribution_of_the_first_tokens() {
         top_k: 0,
         ..SamplerConfig::default()
     };
+    // A random MTP head drafting from half the vocabulary: its q differs from p everywhere and is zero on the
+    // other half, the hardest case for the verifier.
+    let head_dir = copy_bundle("llama-f32", "spec-mtp-sampled");
+    let half: Vec<u32> = (0..320).step_by(2).collect();
+    write_safetensors(
+        &head_dir.join("mtp.safetensors"),
+        &random_mtp_head(64, 4, 2, 16, 128, 21, Some(&half)),
+        &[],
+    );
+    let head_bundle = Bundle::open(&head_dir).unwrap();
+    let mtp: Box<dyn Proposer> = Box::new(
+        MtpProposer::new(
+            MtpHead::load(&head_bundle, &target.model).unwrap(),
+            320,
+            256,
+        )
+        .unwrap(),
+    );
     let routes: Vec<(&str, Option<Box<dyn Proposer>>)> = vec![
         ("ar", None),
+        ("mtp head (random), request sampling", Some(mtp)),
         (
             "other model, request sampling",
             Some(draft_model(&draft_dir, None)),
@@ -388,6 +408,7 @@ fn sampled_routes_match_the_ar_distribution_of_the_first_tokens() {
                     speculate: true,
                     want_logprob: false,
                     logprobs: 0,
+                    constraint: None,
                     store_prefix: None,
                 };
                 let r = run(&mut target, &prompt, &req, None);
@@ -416,6 +437,7 @@ fn sampled_routes_match_the_ar_distribution_of_the_first_tokens() {
                 speculate: false,
                 want_logprob: false,
                 logprobs: 0,
+                constraint: None,
                 store_prefix: None,
             };
             let r = run(&mut drafter, &prompt, &req, None);

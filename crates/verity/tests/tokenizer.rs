@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use verity::bundle::Bundle;
-use verity::chat::{ChatTemplate, Message, StreamDecoder, Tokenizer};
+use verity::chat::{ChatTemplate, Message, StreamDecoder, TemplateArgs, Tokenizer};
 
 fn smollm2_tokenizer() -> Tokenizer {
     Tokenizer::from_bundle(&Bundle::open(&smollm2()).unwrap()).unwrap()
@@ -108,7 +108,13 @@ fn smollm2_template_renders_chatml_with_its_default_system_prompt() {
         "<|endoftext|>",
     )
     .unwrap();
-    let text = t.render(&[Message::new("user", "Hi")], true).unwrap();
+    let text = t
+        .render(
+            &[Message::new("user", "Hi")],
+            true,
+            &TemplateArgs::default(),
+        )
+        .unwrap();
     assert_eq!(
         text,
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
@@ -140,12 +146,47 @@ fn hugging_face_template_features_render_like_jinja() {
         Message::new("user", "Q1 "),
         Message::new("assistant", "A1"),
     ];
-    let text = t.render(&msgs, true).unwrap();
+    let text = t.render(&msgs, true, &TemplateArgs::default()).unwrap();
     // Expected output produced by Python jinja2 configured as transformers configures it.
     assert_eq!(
         text,
         "[SYS \"Be \\\"brief\\\".\"]\n    1:USER:Q1?\n    2:ASSISTANT:A1\n<s>>"
     );
-    let err = t.render(&[Message::new("tool", "x")], false).unwrap_err();
+    let err = t
+        .render(
+            &[Message::new("tool", "x")],
+            false,
+            &TemplateArgs::default(),
+        )
+        .unwrap_err();
     assert!(err.to_string().contains("bad role tool"), "{err}");
+}
+
+/// A Qwen3-style template: tools and `enable_thinking` come from the request through [`TemplateArgs`].
+const THINKING: &str = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}\
+{% if tools %}[{{ tools | length }} tools: {{ tools[0].function.name }}]{% endif %}\
+{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}\
+<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}";
+
+#[test]
+fn tools_and_template_kwargs_reach_the_template() {
+    let t = ChatTemplate::new(THINKING, "", "").unwrap();
+    assert!(t.knows_tools() && t.knows_reasoning());
+    let msgs = [Message::new("user", "Hi")];
+    let tools = serde_json::json!([{"type": "function", "function": {"name": "add"}}]);
+    let mut args = TemplateArgs {
+        tools: Some(tools),
+        ..TemplateArgs::default()
+    };
+    assert_eq!(
+        t.render(&msgs, true, &args).unwrap(),
+        "<|user|>Hi[1 tools: add]<|assistant|><think>\n"
+    );
+    args.tools = None;
+    args.kwargs
+        .insert("enable_thinking".into(), serde_json::Value::Bool(false));
+    assert_eq!(
+        t.render(&msgs, true, &args).unwrap(),
+        "<|user|>Hi<|assistant|><think>\n\n</think>\n\n"
+    );
 }

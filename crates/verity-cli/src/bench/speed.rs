@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use std::sync::Arc;
 
 use verity::backend::cpu::CpuBackend;
-use verity::chat::Message;
+use verity::chat::{Message, TemplateArgs};
 use verity::engine::{Engine, GenerateRequest};
 use verity::sample::SamplerConfig;
 use verity::spec::SpecMode;
@@ -77,6 +77,7 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
         speculate: true,
         want_logprob: false,
         logprobs: 0,
+        constraint: None,
         store_prefix: None,
     };
     let mut records = Vec::new();
@@ -137,8 +138,10 @@ pub fn run_prompt(
             sess = engine.new_session();
         }
         messages.extend(turn);
-        let (prompt, boundary) = engine.chat_prompt_with_boundary(&messages)?;
+        let rendered = engine.render_chat(&messages, &TemplateArgs::default())?;
+        let (prompt, boundary) = (rendered.tokens, rendered.boundary);
         let req = GenerateRequest {
+            constraint: None,
             store_prefix: boundary,
             ..req.clone()
         };

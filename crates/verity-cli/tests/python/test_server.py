@@ -30,15 +30,19 @@ Covered (the contract of `verity serve`):
   * Prefix cache: multi-turn reuse (cached_tokens > 0), POST /v1/cache/reset.
   * POST /v1/completions (legacy), non-streaming and streaming.
   * GET /metrics: Prometheus text with the required verity_* series, counters move.
-  * Optional features (skipped, not failed, while the server answers 400 with
-    error type "unsupported_feature"): response_format json_object and
-    json_schema, tools + forced tool_choice.
+  * Structured output: response_format json_object and json_schema (llguidance
+    grammar; streamed too), tools with tool_choice auto, required and a named
+    function (grammar-forced calls parsed into `tool_calls`, finish_reason
+    "tool_calls", streamed as a tool_calls delta), a tool round trip (assistant
+    tool_calls + tool results in the history), reasoning switches
+    (chat_template_kwargs.enable_thinking, reasoning_effort) accepted.
   * Cancellation: a dropped streaming connection stops generation.
   * Concurrency: 4 simultaneous requests all succeed.
   * Bad input (raw HTTP): 4xx with an OpenAI-style error body for malformed
     JSON, wrong shapes/types/ranges, unknown model, n=3, bad stop and
-    response_format, wrong method (405), a 10 MB body (413/400); the server
-    stays healthy after each.
+    response_format, malformed tools / tool_choice / json_schema / template
+    kwargs, wrong method (405), a 10 MB body (413/400); the server stays
+    healthy after each.
 Not covered here: queue-full behaviour (tested from Rust).
 """
 
@@ -378,14 +382,6 @@ class ServerTestCase(unittest.TestCase):
         res = http_request("GET", "/health", timeout=20)
         self.assertEqual(res.status, 200, "server unhealthy: %r" % res)
         self.assertEqual(res.json().get("status"), "ok")
-
-    def skip_if_unsupported(self, exc, feature):
-        """Skip when the server declares the feature unimplemented (400 unsupported_feature)."""
-        if getattr(exc, "status_code", None) == 400 and error_of(exc).get("type") == "unsupported_feature":
-            self.skipTest("%s: server answered 400 unsupported_feature" % feature)
-        raise exc
-
-    # -- streaming ----------------------------------------------------------
 
     def parse_chat_stream(self, payloads, expect_usage_chunk=False):
         """Validate raw SSE payloads of a chat stream; return (text, finish_reason, usage)."""
@@ -743,7 +739,7 @@ class TestCompletions(ServerTestCase):
 
 
 # --------------------------------------------------------------------------
-# Optional features (skipped while the server reports unsupported_feature)
+# Structured output: JSON answers, tool calls, reasoning switches
 # --------------------------------------------------------------------------
 
 CITY_SCHEMA = {
@@ -767,13 +763,7 @@ WEATHER_TOOL = {
 }
 
 
-class TestOptionalFeatures(ServerTestCase):
-
-    def _chat_or_skip(self, feature, **kwargs):
-        try:
-            return chat(**kwargs)
-        except openai.APIStatusError as e:
-            self.skip_if_unsupported(e, feature)
+class TestStructuredOutput(ServerTestCase):
 
     def _parse_json_content(self, raw):
         choice = self.assert_chat_completion(raw)
@@ -784,18 +774,16 @@ class TestOptionalFeatures(ServerTestCase):
             pass
         self.fail("content is not JSON (finish_reason=%s): %r" % (choice["finish_reason"], content))
 
-    def test_optional_response_format_json_object(self):
-        _, raw = self._chat_or_skip(
-            "response_format json_object",
+    def test_response_format_json_object(self):
+        _, raw = chat(
             messages=[{"role": "user", "content":
                        "Reply with a JSON object with one key \"city\" naming the capital of France."}],
             temperature=0, max_tokens=48, response_format={"type": "json_object"})
         value = self._parse_json_content(raw)
         self.assertIsInstance(value, dict, "json_object must produce a JSON object")
 
-    def test_optional_response_format_json_schema(self):
-        _, raw = self._chat_or_skip(
-            "response_format json_schema",
+    def test_response_format_json_schema(self):
+        _, raw = chat(
             messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
             temperature=0, max_tokens=48,
             response_format={"type": "json_schema",
@@ -805,9 +793,8 @@ class TestOptionalFeatures(ServerTestCase):
         self.assertEqual(set(value), {"city"}, "schema allows exactly the key 'city': %r" % value)
         self.assertIsInstance(value["city"], str)
 
-    def test_optional_tools_forced_function(self):
-        _, raw = self._chat_or_skip(
-            "tools",
+    def test_tools_forced_function(self):
+        _, raw = chat(
             messages=[{"role": "user", "content": "What is the weather in Paris?"}],
             temperature=0, max_tokens=48, tools=[WEATHER_TOOL],
             tool_choice={"type": "function", "function": {"name": "get_weather"}})
@@ -825,6 +812,61 @@ class TestOptionalFeatures(ServerTestCase):
             args = None
         self.assertIsInstance(args, dict, "tool call arguments are not a JSON object: %r"
                               % call["function"].get("arguments"))
+        self.assertIsInstance(args.get("city"), str, "arguments follow the tool's schema: %r" % args)
+
+    def test_tools_required_streamed_as_a_tool_calls_delta(self):
+        stream = client().chat.completions.create(
+            model=CFG.model, stream=True, temperature=0, max_tokens=48,
+            messages=[{"role": "user", "content": "What is the weather in Rome?"}],
+            tools=[WEATHER_TOOL], tool_choice="required")
+        calls, finish = [], None
+        for chunk in stream:
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            if delta.tool_calls:
+                calls.extend(delta.tool_calls)
+            finish = chunk.choices[0].finish_reason or finish
+        self.assertEqual(finish, "tool_calls")
+        self.assertGreaterEqual(len(calls), 1)
+        self.assertEqual(calls[0].function.name, "get_weather")
+        self.assertIsInstance(json.loads(calls[0].function.arguments), dict)
+
+    def test_tools_auto_answers_with_text_or_calls(self):
+        _, raw = chat(
+            messages=[{"role": "user", "content": "Say hello."}],
+            temperature=0, max_tokens=24, tools=[WEATHER_TOOL], tool_choice="auto")
+        choice = self.assert_chat_completion(raw, finish_reasons=("stop", "length", "tool_calls"))
+        msg = choice["message"]
+        self.assertTrue(msg.get("content") or msg.get("tool_calls"))
+
+    def test_a_tool_round_trip_in_the_history_is_accepted(self):
+        _, raw = chat(
+            messages=[
+                {"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "{\"temperature_c\": 21}"},
+            ],
+            temperature=0, max_tokens=24, tools=[WEATHER_TOOL])
+        self.assert_chat_completion(raw, finish_reasons=("stop", "length", "tool_calls"))
+
+    def test_json_schema_streamed_concatenates_to_valid_json(self):
+        stream = client().chat.completions.create(
+            model=CFG.model, stream=True, temperature=0, max_tokens=48,
+            messages=[{"role": "user", "content": "Name a city as JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": CITY_SCHEMA}})
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        value = json.loads(text)
+        self.assertEqual(set(value), {"city"})
+
+    def test_reasoning_switches_are_accepted(self):
+        for extra in ({"chat_template_kwargs": {"enable_thinking": False}},
+                      {"reasoning_effort": "none"}, {"reasoning_effort": "high"}):
+            _, raw = chat(messages=[{"role": "user", "content": "Hi"}], temperature=0, max_tokens=4,
+                          extra_body=extra)
+            self.assert_chat_completion(raw)
 
 
 # --------------------------------------------------------------------------
@@ -928,6 +970,28 @@ BAD_INPUT_CASES = [
     ("stop_number", "POST", "/v1/chat/completions", lambda: _chat_body(stop=5), None),
     ("response_format_xml", "POST", "/v1/chat/completions",
      lambda: _chat_body(response_format={"type": "xml"}), None),
+    ("json_schema_without_schema", "POST", "/v1/chat/completions",
+     lambda: _chat_body(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), (400,)),
+    ("json_schema_that_does_not_compile", "POST", "/v1/chat/completions",
+     lambda: _chat_body(response_format={"type": "json_schema", "json_schema": {
+         "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}},
+                                 "required": ["a"]}}}), (400,)),
+    ("tools_not_a_list", "POST", "/v1/chat/completions",
+     lambda: _chat_body(tools={"type": "function"}), (400,)),
+    ("tool_without_name", "POST", "/v1/chat/completions",
+     lambda: _chat_body(tools=[{"type": "function", "function": {"parameters": {}}}]), (400,)),
+    ("tool_choice_unknown_function", "POST", "/v1/chat/completions",
+     lambda: _chat_body(tools=[WEATHER_TOOL],
+                        tool_choice={"type": "function", "function": {"name": "nope"}}), (400,)),
+    ("tool_choice_required_without_tools", "POST", "/v1/chat/completions",
+     lambda: _chat_body(tool_choice="required"), (400,)),
+    ("tool_calls_on_a_user_message", "POST", "/v1/chat/completions",
+     lambda: _chat_body(messages=[{"role": "user", "content": "x", "tool_calls": [
+         {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), (400,)),
+    ("chat_template_kwargs_not_an_object", "POST", "/v1/chat/completions",
+     lambda: _chat_body(chat_template_kwargs=[1]), (400,)),
+    ("reasoning_effort_unknown", "POST", "/v1/chat/completions",
+     lambda: _chat_body(reasoning_effort="extreme"), (400,)),
     ("get_on_chat_completions", "GET", "/v1/chat/completions", lambda: None, (405,)),
     ("body_10mb", "POST", "/v1/chat/completions",
      lambda: _chat_body(messages=[{"role": "user", "content": "a" * (10 * 1024 * 1024)}]), (400, 413)),

@@ -5,7 +5,8 @@ mod gguf_vocab;
 mod output;
 mod template;
 mod tokenizer;
+pub mod tools;
 
 pub use output::{OutputParser, Split, ToolCall};
-pub use template::{ChatTemplate, Message};
+pub use template::{ChatTemplate, Message, TemplateArgs};
 pub use tokenizer::{StreamDecoder, Tokenizer};

@@ -6,10 +6,20 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, serde::Deserialize)]
 pub struct Message {
     pub role: String,
     pub content: String,
+    /// An assistant turn's tool calls, in the form Hugging Face templates read:
+    /// `[{"type": "function", "function": {"name": …, "arguments": {…}}}]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A tool result's call id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A tool result's function name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl Message {
@@ -17,12 +27,24 @@ impl Message {
         Message {
             role: role.into(),
             content: content.into(),
+            ..Message::default()
         }
     }
 }
 
+/// What a request adds to the template's context beyond the messages.
+#[derive(Debug, Clone, Default)]
+pub struct TemplateArgs {
+    /// OpenAI-style `tools` (`[{"type": "function", "function": {name, description, parameters}}]`), passed as
+    /// the `tools` variable that tool-aware templates read.
+    pub tools: Option<serde_json::Value>,
+    /// Extra template variables (`chat_template_kwargs`, e.g. `enable_thinking`).
+    pub kwargs: serde_json::Map<String, serde_json::Value>,
+}
+
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos: String,
     eos: String,
 }
@@ -44,12 +66,18 @@ impl ChatTemplate {
             .map_err(|e| Error::Template(format!("cannot compile: {e}")))?;
         Ok(ChatTemplate {
             env,
+            source: source.to_string(),
             bos: bos.into(),
             eos: eos.into(),
         })
     }
 
-    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+    pub fn render(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+        args: &TemplateArgs,
+    ) -> Result<String> {
         let t = self
             .env
             .get_template("chat")
@@ -59,7 +87,19 @@ impl ChatTemplate {
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos,
             eos_token => self.eos,
+            tools => args.tools,
+            ..minijinja::Value::from_serialize(&args.kwargs)
         })
         .map_err(|e| Error::Template(e.to_string()))
+    }
+
+    /// Whether the template reads the `tools` variable (else tools are described in a system message).
+    pub fn knows_tools(&self) -> bool {
+        self.source.contains("tools")
+    }
+
+    /// Whether the template formats reasoning blocks (`<think>`).
+    pub fn knows_reasoning(&self) -> bool {
+        self.source.contains("<think>")
     }
 }

@@ -177,6 +177,58 @@ impl Tokenizer {
     pub fn is_stop(&self, id: u32) -> bool {
         self.stop_tokens.contains(&id)
     }
+
+    /// The end-of-sequence token, if the tokenizer has one.
+    pub fn eos(&self) -> Option<u32> {
+        self.eos
+    }
+
+    /// Whether `id` is a special (control) token rather than text.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.inner
+            .get_added_tokens_decoder()
+            .get(&id)
+            .is_some_and(|t| t.special)
+    }
+
+    /// The bytes a text token stands for (what a grammar engine matches against); `None` for special tokens and
+    /// unknown ids. Byte-level BPE tokens map through the GPT-2 byte alphabet; SentencePiece tokens through `▁`
+    /// and `<0xNN>` byte fallbacks.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        if self.is_special(id) {
+            return None;
+        }
+        let piece = self.inner.id_to_token(id)?;
+        let byte_level = matches!(
+            self.inner.get_decoder(),
+            Some(tokenizers::DecoderWrapper::ByteLevel(_))
+        );
+        if byte_level {
+            return piece.chars().map(byte_level_byte).collect();
+        }
+        if let Some(hex) = piece.strip_prefix("<0x").and_then(|h| h.strip_suffix('>')) {
+            if let Ok(b) = u8::from_str_radix(hex, 16) {
+                return Some(vec![b]);
+            }
+        }
+        Some(piece.replace('\u{2581}', " ").into_bytes())
+    }
+}
+
+/// The byte a character of the GPT-2 byte-level alphabet stands for: printable bytes are themselves, the others
+/// were shifted to U+0100 and up in byte order.
+fn byte_level_byte(c: char) -> Option<u8> {
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let c = c as u32;
+    if c < 256 && printable(c) {
+        return Some(c as u8);
+    }
+    let n = c.checked_sub(256)?;
+    (0u32..256)
+        .filter(|&b| !printable(b))
+        .nth(n as usize)
+        .map(|b| b as u8)
 }
 
 fn first_id(v: &Value) -> Option<u32> {

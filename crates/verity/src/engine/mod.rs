@@ -17,9 +17,10 @@ pub use stats::{GenerationStats, StopReason};
 use crate::backend::Backend;
 use crate::bundle::Bundle;
 use crate::cache::{DiskTier, KvCache, KvCheckpoint, PrefixCache};
-use crate::chat::{ChatTemplate, Message, Tokenizer};
+use crate::chat::{tools, ChatTemplate, Message, TemplateArgs, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::{Batch, LogitRows, Model, MtpHead};
+use crate::sample::constraint::SharedConstraint;
 use crate::sample::SamplerConfig;
 use crate::spec::copy::SuffixCopy;
 use crate::spec::draft_model::DraftModel;
@@ -41,6 +42,8 @@ pub struct GenerateRequest {
     pub want_logprob: bool,
     /// Also report this many most likely alternatives per token.
     pub logprobs: usize,
+    /// A grammar the output must follow (decoded on the verified AR path: no drafts).
+    pub constraint: Option<SharedConstraint>,
     /// Store a prefix-cache checkpoint after this many prompt tokens (the canonical boundary: the conversation
     /// without the generation prompt), captured during prefill; and one of the state after the answer.
     pub store_prefix: Option<usize>,
@@ -104,9 +107,21 @@ impl GenerateRequest {
             speculate: true,
             want_logprob: false,
             logprobs: 0,
+            constraint: None,
             store_prefix: None,
         }
     }
+}
+
+/// A conversation rendered for the model.
+#[derive(Debug, Clone)]
+pub struct ChatPrompt {
+    pub tokens: Vec<u32>,
+    /// The canonical boundary: the length of the conversation rendered without the generation prompt, when that
+    /// rendering is a token prefix of the prompt (where a prefix-cache checkpoint is worth storing).
+    pub boundary: Option<usize>,
+    /// The prompt ends inside an open reasoning block (the template opened `<think>`).
+    pub opens_reasoning: bool,
 }
 
 /// A conversation's model state: the cache and the tokens whose K/V it holds.
@@ -259,36 +274,52 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// The prompt tokens for a conversation: the chat template with a generation prompt, or — for a bundle
-    /// without a template (a base model) — the messages' contents as raw text.
+    /// The prompt tokens for a conversation (see [`Engine::render_chat`]).
     pub fn chat_prompt(&self, messages: &[Message]) -> Result<Vec<u32>> {
-        match &self.template {
-            Some(t) => {
-                let text = t.render(messages, true)?;
-                self.tokenizer.encode(&text, true)
-            }
-            None => {
-                let text: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
-                self.tokenizer.encode(&text.join("\n"), true)
-            }
-        }
+        Ok(self.render_chat(messages, &TemplateArgs::default())?.tokens)
     }
 
-    /// The prompt for a conversation and its canonical boundary: the length of the conversation rendered
-    /// without the generation prompt, when that rendering is a token prefix of the full prompt.
-    pub fn chat_prompt_with_boundary(
-        &self,
-        messages: &[Message],
-    ) -> Result<(Vec<u32>, Option<usize>)> {
-        let prompt = self.chat_prompt(messages)?;
-        let boundary = match &self.template {
-            Some(t) => {
-                let head = self.tokenizer.encode(&t.render(messages, false)?, true)?;
-                (head.len() < prompt.len() && prompt.starts_with(&head)).then_some(head.len())
-            }
-            None => None,
+    /// Whether the model writes reasoning blocks (`<think>`), which the answer then returns separately.
+    pub fn reasoning_tags(&self) -> bool {
+        self.template.as_ref().is_some_and(|t| t.knows_reasoning())
+    }
+
+    /// The prompt for a conversation: the chat template with a generation prompt, or — for a bundle without a
+    /// template (a base model) — the messages' contents as raw text. Tools reach a template that knows none
+    /// through its system message ([`crate::chat::tools`]).
+    pub fn render_chat(&self, messages: &[Message], args: &TemplateArgs) -> Result<ChatPrompt> {
+        let Some(t) = &self.template else {
+            let text: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
+            return Ok(ChatPrompt {
+                tokens: self.tokenizer.encode(&text.join("\n"), true)?,
+                boundary: None,
+                opens_reasoning: false,
+            });
         };
-        Ok((prompt, boundary))
+        let adapted;
+        let plain_args;
+        let (messages, args) = if args.tools.is_some() && !t.knows_tools() {
+            adapted = tools::for_plain_template(messages, args.tools.as_ref());
+            plain_args = TemplateArgs {
+                tools: None,
+                kwargs: args.kwargs.clone(),
+            };
+            (adapted.as_slice(), &plain_args)
+        } else {
+            (messages, args)
+        };
+        let text = t.render(messages, true, args)?;
+        let tokens = self.tokenizer.encode(&text, true)?;
+        let head = self
+            .tokenizer
+            .encode(&t.render(messages, false, args)?, true)?;
+        let boundary =
+            (head.len() < tokens.len() && tokens.starts_with(&head)).then_some(head.len());
+        Ok(ChatPrompt {
+            tokens,
+            boundary,
+            opens_reasoning: t.knows_reasoning() && text.trim_end().ends_with("<think>"),
+        })
     }
 
     /// Bring the session's cache to `prompt[..len - 1]`, reusing the session's cached prefix or the longest
@@ -387,7 +418,7 @@ impl<B: Backend> Engine<B> {
                 sess.cache.max_capacity()
             )));
         }
-        let mut proposer = if req.speculate {
+        let mut proposer = if req.speculate && req.constraint.is_none() {
             self.proposer.take()
         } else {
             None
@@ -480,13 +511,21 @@ impl<B: Backend> Engine<B> {
             rows.extend_from_slice(&draft.tokens);
             let batch = Batch::causal(&rows, n);
             let wants_hidden = proposer.as_deref().is_some_and(|p| p.wants_hidden());
-            let out = if wants_hidden {
+            let mut out = if wants_hidden {
                 self.model
                     .forward_with_hidden(&mut sess.cache, &batch, LogitRows::All)?
             } else {
                 self.model
                     .forward(&mut sess.cache, &batch, LogitRows::All, &[])?
             };
+            if let Some(c) = &req.constraint {
+                // Drafts are off under a constraint: the one row is the next token's.
+                if !c.mask(&mut out.logits[..vocab])? {
+                    sess.cache.truncate(n);
+                    stats.stop = StopReason::Stop;
+                    break;
+                }
+            }
             let t2 = Instant::now();
             let verdict = verifier.verify(&out.logits, vocab, &context, &draft.tokens, &draft.q);
             // Commit the kept path: pending + accepted drafts; roll back the rest everywhere.
@@ -535,8 +574,17 @@ impl<B: Backend> Engine<B> {
                     let logprobs = (req.logprobs > 0 || req.want_logprob).then(|| {
                         Logprobs::of(&out.logits[j * vocab..(j + 1) * vocab], tok, req.logprobs)
                     });
+                    let grammar_done = match &req.constraint {
+                        Some(c) => {
+                            c.commit(tok)?;
+                            c.finished()
+                        }
+                        None => false,
+                    };
                     if !on_token(&self.tokenizer, &Emitted { id: tok, logprobs }) {
                         Some(StopReason::Cancelled)
+                    } else if grammar_done {
+                        Some(StopReason::Stop)
                     } else if stats.completion_tokens == req.max_tokens {
                         Some(StopReason::MaxTokens)
                     } else {

@@ -2,6 +2,8 @@
 //! min-p. [`Sampler::distribution`] exposes the processed distribution so a speculative verifier can run
 //! rejection sampling against exactly what the AR sampler would draw from.
 
+pub mod constraint;
+
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 

@@ -34,6 +34,13 @@ pub fn smollm2() -> PathBuf {
         .expect("fetching smollm2-135m")
 }
 
+/// SmolLM2-135M-Instruct with verity's trained MTP head: the bundle folder `verity fetch smollm2-135m-mtp`
+/// assembles.
+pub fn smollm2_mtp() -> PathBuf {
+    verity::registry::resolve("smollm2-135m-mtp", &mut |_, _| {})
+        .expect("fetching smollm2-135m-mtp")
+}
+
 /// The default backend (8-bit activations for the formats with integer kernels).
 pub fn backend() -> Arc<CpuBackend> {
     Arc::new(CpuBackend::with_activations(2, Activations::Q8).expect("cpu backend"))
