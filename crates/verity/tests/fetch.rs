@@ -1,5 +1,6 @@
 //! Fetching the default model the way `verity fetch` does: concurrent fetches into an empty cache all succeed
-//! with one whole file (they serialize on a lock file), and a present file is not fetched again.
+//! with one whole file (they serialize on a lock file), and a present file is not fetched again; the MTP bundle
+//! is assembled from those weights and verity's trained head.
 
 use verity::registry::{fetch_in, known, DEFAULT_MODEL};
 
@@ -37,5 +38,25 @@ fn concurrent_fetches_into_an_empty_cache_agree_on_one_whole_file() {
         .filter(|n| n.starts_with(".download") || n.ends_with(".partial"))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
+
+    // The MTP bundle reuses the fetched weights (no second download) and adds verity's head beside them;
+    // a damaged head file is replaced by the next fetch.
+    let mtp = known("smollm2-135m-mtp").unwrap();
+    let dir = fetch_in(&root, mtp, &mut |_, _| {
+        panic!("the weights are already here")
+    })
+    .unwrap();
+    assert!(dir.is_dir());
+    let bundle = verity::bundle::Bundle::open(&dir).unwrap();
+    assert!(
+        matches!(bundle.mtp, verity::bundle::MtpStatus::Complete(_)),
+        "{}",
+        bundle.mtp.describe()
+    );
+    let head = dir.join("mtp.safetensors");
+    let good = std::fs::read(&head).unwrap();
+    std::fs::write(&head, &good[..good.len() / 2]).unwrap();
+    fetch_in(&root, mtp, &mut |_, _| panic!("no download expected")).unwrap();
+    assert_eq!(std::fs::read(&head).unwrap(), good);
     std::fs::remove_dir_all(&root).unwrap();
 }

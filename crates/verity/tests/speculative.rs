@@ -179,6 +179,10 @@ fn every_route_reproduces_ar_greedy_output_on_smollm2_over_256_tokens() {
             "auto",
             Engine::load(&path, be.clone(), &SpecMode::Auto).unwrap(),
         ),
+        (
+            "mtp (trained head)",
+            Engine::load(&smollm2_mtp(), be.clone(), &SpecMode::Mtp).unwrap(),
+        ),
     ];
     let req = no_eos(256);
     for (id, prompt) in prompts(&ar) {

@@ -7,6 +7,9 @@
 //! head's draft vocabulary when the head ships one (the verifier still judges every draft against the full
 //! target distribution, so a smaller drafting vocabulary costs acceptance, never correctness).
 //!
+//! Float head weights are re-encoded as Q8_0 at load: a draft step reads every head weight, and the drafter's
+//! numerics never reach the output.
+//!
 //! `h` is the target's final hidden state (after its output norm) at `p - 1` for committed positions, and the
 //! head's own `out` of the previous step when drafting recursively.
 
@@ -20,6 +23,7 @@ use crate::bundle::mtp::Fusion;
 use crate::bundle::{st_matrix, st_token_ids, st_vector, Bundle, MtpStatus, TensorKey};
 use crate::cache::KvCache;
 use crate::error::{Error, Result};
+use crate::quant::{GgmlType, WeightFormat};
 
 enum HeadFusion<B: Backend> {
     Joint(B::Matrix),
@@ -87,7 +91,15 @@ impl<B: Backend> MtpHead<B> {
         let mut weight_bytes = 0usize;
         let mut load = |name: &str, rows: usize, cols: usize| -> Result<B::Matrix> {
             let module = name.strip_suffix(".weight").unwrap_or(name);
-            let m = be.load_matrix(st_matrix(tensors, None, module, name, rows, cols)?)?;
+            let mut q = st_matrix(tensors, None, module, name, rows, cols)?;
+            if matches!(
+                q.format,
+                WeightFormat::Ggml(GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+            ) && cols.is_multiple_of(32)
+            {
+                q = q.to_q8_0()?;
+            }
+            let m = be.load_matrix(q)?;
             weight_bytes += be.matrix_bytes(&m);
             Ok(m)
         };

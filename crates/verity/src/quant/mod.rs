@@ -167,6 +167,44 @@ impl QMatrix {
         QMatrix::ggml(&self.name, ty, rows.len(), self.cols, Bytes::owned(data))
     }
 
+    /// This matrix re-encoded as Q8_0 (32 values per block, an f16 scale of max|x|/127): for a drafter's float
+    /// weights, whose numerics never reach the output (every draft is verified) but whose bytes are read on
+    /// every draft step. Needs a row length that is a multiple of 32.
+    pub fn to_q8_0(&self) -> Result<QMatrix> {
+        if !self.cols.is_multiple_of(32) {
+            return Err(Error::tensor(
+                &self.name,
+                format!(
+                    "Q8_0 needs rows of a multiple of 32 values, not {}",
+                    self.cols
+                ),
+            ));
+        }
+        let mut data = Vec::with_capacity(self.rows * self.cols / 32 * 34);
+        let mut row = vec![0f32; self.cols];
+        for r in 0..self.rows {
+            self.dequantize_row(r, &mut row);
+            for block in row.chunks_exact(32) {
+                let amax = block.iter().fold(0f32, |m, &x| m.max(x.abs()));
+                let d = amax / 127.0;
+                let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+                data.extend_from_slice(&half::f16::from_f32(d).to_le_bytes());
+                data.extend(
+                    block
+                        .iter()
+                        .map(|&x| (x * inv).round().clamp(-127.0, 127.0) as i8 as u8),
+                );
+            }
+        }
+        QMatrix::ggml(
+            &self.name,
+            GgmlType::Q8_0,
+            self.rows,
+            self.cols,
+            Bytes::owned(data),
+        )
+    }
+
     /// Decode one whole row to f32 (embedding lookups, tests).
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         assert_eq!(out.len(), self.cols);
