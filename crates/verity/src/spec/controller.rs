@@ -37,18 +37,29 @@ impl Default for Controller {
 }
 
 impl Controller {
-    /// Seconds for a verify of `w` rows: measured, or extrapolated from the nearest measured width assuming the
-    /// weight-streaming cost dominates (a small per-row increment), which keeps unmeasured widths worth trying.
+    /// Seconds for a verify of `w` rows: measured; else, once two widths are measured, the least-squares line
+    /// through every measured width (how this machine's cost really grows per row); else extrapolated from the
+    /// one measured width assuming weight streaming dominates (a small per-row increment), which keeps
+    /// unmeasured widths worth trying.
     fn verify_cost(&self, w: usize) -> f64 {
         if let Some(t) = self.verify_s[w] {
             return t;
         }
-        let nearest = (1..=MAX_K + 1)
-            .filter_map(|v| self.verify_s.get(v).copied().flatten().map(|t| (v, t)))
-            .min_by_key(|(v, _)| v.abs_diff(w));
-        match nearest {
-            Some((v, t)) => t * (1.0 + 0.05 * (w as f64 - v as f64)).max(0.5),
-            None => 1.0 + 0.05 * (w as f64 - 1.0),
+        let measured: Vec<(f64, f64)> = (1..=MAX_K + 1)
+            .filter_map(|v| self.verify_s[v].map(|t| (v as f64, t)))
+            .collect();
+        match measured.as_slice() {
+            [] => 1.0 + 0.05 * (w as f64 - 1.0),
+            [(v, t)] => t * (1.0 + 0.05 * (w as f64 - v)).max(0.5),
+            pts => {
+                let n = pts.len() as f64;
+                let mx = pts.iter().map(|p| p.0).sum::<f64>() / n;
+                let my = pts.iter().map(|p| p.1).sum::<f64>() / n;
+                let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+                let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+                let slope = (sxy / sxx).max(0.0);
+                (my + slope * (w as f64 - mx)).max(my * 0.5)
+            }
         }
     }
 
@@ -151,6 +162,23 @@ mod tests {
             probes.iter().all(|&i| ks[i] <= 2),
             "probes are small: {ks:?}"
         );
+    }
+
+    #[test]
+    fn unmeasured_widths_are_priced_by_the_measured_per_row_cost() {
+        let mut c = Controller::default();
+        // This machine: every extra row costs 30% of a one-row step.
+        c.record(0, 0, 1, 0.010, 0.0);
+        c.record(2, 1, 3, 0.016, 0.0);
+        assert!((c.verify_cost(6) - 0.025).abs() < 1e-9, "{}", c.verify_cost(6));
+        // A proposer right 35% of the time does not pay at that cost: no wide drafts.
+        for i in 0..40 {
+            let k = c.choose(8);
+            let acc = usize::from(k > 0 && i % 3 == 0);
+            c.record(k, acc, k + 1, 0.010 + 0.003 * k as f64, 0.0002 * k as f64);
+        }
+        let ks: Vec<usize> = (0..16).map(|_| c.choose(8)).collect();
+        assert!(ks.iter().all(|&k| k <= 2), "{ks:?}");
     }
 
     #[test]

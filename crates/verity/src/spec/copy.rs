@@ -94,10 +94,6 @@ impl SuffixCopy {
         None
     }
 
-    /// Whether the last window was fully accepted (the width is at its maximum): the copy is on a streak.
-    pub fn on_streak(&self) -> bool {
-        self.width == MAX_WIDTH
-    }
 }
 
 impl Proposer for SuffixCopy {

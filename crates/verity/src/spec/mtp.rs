@@ -15,8 +15,9 @@
 //! - A context that no longer agrees with the head's cached tokens rolls the head back to the agreeing prefix;
 //!   a gap in the reported hidden states (a restored prefix) restarts the head's cache at the first position it
 //!   can condition; without the hidden state of the position before `pending` the head proposes nothing.
-//! - When the suffix-copy proposer is on a streak with a full-length match, its tokens replace the head's drafts
-//!   for that cycle (copying is free and long); the head still catches up, so its cache stays aligned.
+//! - When the suffix-copy proposer finds a full-length (4-gram) match, its tokens replace the head's drafts for
+//!   that cycle (copying is free, and long matches run long); the head still catches up, so its cache stays
+//!   aligned. The copy proposer learns from the cycles it drafted (its width and its silence after misses).
 //! - With sampling, drafts are drawn from the head's processed distribution `q`, reported to the verifier.
 
 use rand::{Rng, SeedableRng};
@@ -131,11 +132,7 @@ impl<B: Backend> Proposer for MtpProposer<B> {
     }
 
     fn width(&self, k: usize) -> usize {
-        k.min(MAX_DEPTH.max(if self.copy.on_streak() {
-            super::copy::MAX_WIDTH
-        } else {
-            0
-        }))
+        k.min(MAX_DEPTH)
     }
 
     fn wants_hidden(&self) -> bool {
@@ -187,7 +184,7 @@ impl<B: Backend> Proposer for MtpProposer<B> {
         self.committed = self.cache.len();
 
         if let Some((m, tokens)) = self.copy.lookup(context, k) {
-            if m == MAX_MATCH && self.copy.on_streak() {
+            if m == MAX_MATCH && tokens.len() >= 2 {
                 self.source = Source::Copy;
                 return Ok(Draft::deterministic(tokens));
             }
