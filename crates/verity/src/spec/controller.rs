@@ -170,7 +170,11 @@ mod tests {
         // This machine: every extra row costs 30% of a one-row step.
         c.record(0, 0, 1, 0.010, 0.0);
         c.record(2, 1, 3, 0.016, 0.0);
-        assert!((c.verify_cost(6) - 0.025).abs() < 1e-9, "{}", c.verify_cost(6));
+        assert!(
+            (c.verify_cost(6) - 0.025).abs() < 1e-9,
+            "{}",
+            c.verify_cost(6)
+        );
         // A proposer right 35% of the time does not pay at that cost: no wide drafts.
         for i in 0..40 {
             let k = c.choose(8);

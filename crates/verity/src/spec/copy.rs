@@ -93,7 +93,6 @@ impl SuffixCopy {
         }
         None
     }
-
 }
 
 impl Proposer for SuffixCopy {
