@@ -6,6 +6,8 @@
 //! that is what makes a W-row verify forward row-exact against the 1-row decode step.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use crate::error::Result;
 use crate::model::hparams::RopeStyle;

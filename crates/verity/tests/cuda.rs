@@ -1,0 +1,159 @@
+//! The CUDA backend (feature `cuda`; these tests need a GPU and are built and run on one, see
+//! `../shared/docs/gpu.md`): logits against the CPU backend on the fixture bundles, row-exact verify rows, and
+//! greedy speculative output equal to AR for every route on the GPU.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use verity::backend::cuda::CudaBackend;
+use verity::bundle::Bundle;
+use verity::chat::Message;
+use verity::engine::{Engine, GenerateRequest};
+use verity::model::{Batch, LogitRows, Model};
+use verity::spec::SpecMode;
+
+fn gpu() -> Arc<CudaBackend> {
+    Arc::new(CudaBackend::new(0).expect("a CUDA device"))
+}
+
+/// The fixture bundles whose weight formats the CUDA backend runs.
+const CUDA_BUNDLES: &[&str] = &[
+    "llama-f32",
+    "llama-bf16",
+    "llama-f16-tied",
+    "qwen2-f32",
+    "qwen3-f32",
+    "qwen3-bf16",
+];
+
+#[test]
+fn cuda_logits_match_the_cpu_backend_on_the_fixture_bundles() {
+    let be = gpu();
+    for name in CUDA_BUNDLES {
+        let dir = hf_bundle(name);
+        let bundle = Bundle::open(&dir).unwrap();
+        let tokens = ids(&json(&dir.join("reference.json"))["token_ids"]);
+        let mut cpu = Model::load(&bundle, f32_backend()).unwrap();
+        let mut gpu_model = Model::load(&bundle, be.clone()).unwrap();
+        let batch = Batch::causal(&tokens, 0);
+        let mut cc = cpu.new_cache(64);
+        let mut gc = gpu_model.new_cache(64);
+        let a = cpu.forward(&mut cc, &batch, LogitRows::All, &[]).unwrap();
+        let b = gpu_model
+            .forward(&mut gc, &batch, LogitRows::All, &[])
+            .unwrap();
+        let scale = a.logits.iter().fold(0f32, |m, v| m.max(v.abs())).max(1.0);
+        let worst = a
+            .logits
+            .iter()
+            .zip(&b.logits)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        eprintln!("{name}: max |cpu - cuda| = {worst:.2e} (logit scale {scale:.1})");
+        assert!(worst <= 2e-3 * scale, "{name}: max |Δ| {worst}");
+    }
+}
+
+/// Every row of a W-row verify is bitwise the logits of the one-row step at that position (W = 2…16).
+#[test]
+fn cuda_verify_rows_are_bitwise_the_one_row_step() {
+    let be = gpu();
+    let path = smollm2();
+    let bundle = Bundle::open(&path).unwrap();
+    let mut m = Model::load(&bundle, be).unwrap();
+    let e = Engine::load(&path, f32_backend(), &SpecMode::Off).unwrap();
+    let text = e
+        .chat_prompt(&[Message::new(
+            "user",
+            "Explain how a hash map works, with an example in Rust, and say when to avoid one.",
+        )])
+        .unwrap();
+    let vocab = m.hp.vocab;
+    for w in 2..=16usize {
+        let (ctx, rows) = (&text[..text.len() - w], &text[text.len() - w..]);
+        let mut cache = m.new_cache(512);
+        m.forward(&mut cache, &Batch::causal(ctx, 0), LogitRows::None, &[])
+            .unwrap();
+        let base = cache.len();
+        let wide = m
+            .forward(&mut cache, &Batch::causal(rows, base), LogitRows::All, &[])
+            .unwrap()
+            .logits;
+        cache.truncate(base);
+        for (i, &t) in rows.iter().enumerate() {
+            let one = m
+                .forward(
+                    &mut cache,
+                    &Batch::causal(&[t], base + i),
+                    LogitRows::All,
+                    &[],
+                )
+                .unwrap()
+                .logits;
+            let row = &wide[i * vocab..(i + 1) * vocab];
+            assert!(
+                row.iter()
+                    .zip(&one)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "W={w}, row {i}: not bitwise equal to the one-row step"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_route_reproduces_cuda_ar_greedy_output_on_smollm2() {
+    let be = gpu();
+    let path = smollm2();
+    let mtp_path = smollm2_mtp();
+    let mut ar = Engine::load(&path, be.clone(), &SpecMode::Off).unwrap();
+    let mut routes = [
+        (
+            "copy",
+            Engine::load(&path, be.clone(), &SpecMode::Copy).unwrap(),
+        ),
+        (
+            "mtp",
+            Engine::load(&mtp_path, be.clone(), &SpecMode::Mtp).unwrap(),
+        ),
+        (
+            "draft-model (self)",
+            Engine::load(&path, be.clone(), &SpecMode::DraftModel(Some(path.clone()))).unwrap(),
+        ),
+    ];
+    let req = GenerateRequest {
+        ignore_eos: true,
+        ..GenerateRequest::greedy(128)
+    };
+    for q in [
+        "Write a Python function that checks whether a number is prime.",
+        "Rewrite this sentence in the passive voice: The cat chased the mouse across the garden.",
+        "List five facts about the Moon.",
+    ] {
+        let prompt = ar.chat_prompt(&[Message::new("user", q)]).unwrap();
+        let gen = |e: &mut Engine<CudaBackend>| {
+            let mut s = e.new_session();
+            let mut out = Vec::new();
+            let stats = e
+                .generate(&mut s, &prompt, &req, |_, t| {
+                    out.push(t.id);
+                    true
+                })
+                .unwrap();
+            (out, stats)
+        };
+        let (base, st) = gen(&mut ar);
+        eprintln!("{q:?}: ar {:.1} tok/s", st.decode_tok_s());
+        for (name, e) in routes.iter_mut() {
+            let (toks, st) = gen(e);
+            eprintln!(
+                "  {name}: {:.1} tok/s, {:.2} tokens/cycle",
+                st.decode_tok_s(),
+                st.tokens_per_cycle()
+            );
+            assert_eq!(toks, base, "{q:?} / {name}: differs from AR on the GPU");
+        }
+    }
+}
