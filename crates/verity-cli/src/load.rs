@@ -6,6 +6,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use verity::backend::cpu::CpuBackend;
+use verity::backend::Backend;
 use verity::engine::Engine;
 use verity::registry;
 use verity::spec::SpecMode;
@@ -33,12 +34,8 @@ pub fn engine(model: &str, threads: usize, mode: &SpecMode) -> Result<Engine<Cpu
     engine_on(model, Arc::new(CpuBackend::new(threads)?), mode)
 }
 
-/// Load on an existing backend (several engines of one benchmark share its thread pool).
-pub fn engine_on(
-    model: &str,
-    backend: Arc<CpuBackend>,
-    mode: &SpecMode,
-) -> Result<Engine<CpuBackend>> {
+/// Load on an existing backend (several engines of one benchmark share it).
+pub fn engine_on<B: Backend>(model: &str, backend: Arc<B>, mode: &SpecMode) -> Result<Engine<B>> {
     let path = resolve(model)?;
     Engine::load(&path, backend, mode).with_context(|| format!("loading {}", path.display()))
 }

@@ -3,6 +3,7 @@
 mod bench;
 mod cache;
 mod chat;
+mod device;
 mod fetch;
 mod inspect;
 mod load;
@@ -21,6 +22,9 @@ struct Cli {
     /// CPU threads (0 = one per core).
     #[arg(long, global = true, default_value_t = 0)]
     threads: usize,
+    /// The backend: cpu, or cuda (GPU 0; builds with `--features cuda`).
+    #[arg(long, global = true, value_enum, default_value_t = device::Device::Cpu)]
+    device: device::Device,
     #[command(subcommand)]
     command: Command,
 }
@@ -54,14 +58,15 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    let (threads, dev) = (cli.threads, cli.device);
     let result = match cli.command {
         Command::Fetch(a) => fetch::main(a),
-        Command::Run(a) => run::main(a, cli.threads),
-        Command::Chat(a) => chat::main(a, cli.threads),
+        Command::Run(a) => run::main(a, dev, threads),
+        Command::Chat(a) => device::cpu_only(dev, "chat").and_then(|_| chat::main(a, threads)),
         Command::Inspect(a) => inspect::main(a),
-        Command::Serve(a) => serve::main(a, cli.threads),
-        Command::Cache(c) => cache::main(c, cli.threads),
-        Command::Bench(c) => bench::main(c, cli.threads),
+        Command::Serve(a) => device::cpu_only(dev, "serve").and_then(|_| serve::main(a, threads)),
+        Command::Cache(c) => device::cpu_only(dev, "cache").and_then(|_| cache::main(c, threads)),
+        Command::Bench(c) => bench::main(c, dev, threads),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

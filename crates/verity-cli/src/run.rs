@@ -1,6 +1,11 @@
 use std::io::Write;
 
+use std::sync::Arc;
+
 use anyhow::Result;
+use verity::backend::Backend;
+
+use crate::device::{with_backend, Device, WithBackend};
 use verity::chat::{Message, StreamDecoder};
 use verity::engine::GenerateRequest;
 use verity::registry;
@@ -76,22 +81,30 @@ pub struct Args {
     prompt: String,
 }
 
-pub fn main(a: Args, threads: usize) -> Result<()> {
-    let mut engine = crate::load::engine(&a.gen.model, threads, &a.gen.speculation)?;
-    let mut messages = a.gen.first_messages();
-    messages.push(Message::new("user", &a.prompt));
-    let prompt = engine.chat_prompt(&messages)?;
-    let mut sess = engine.new_session();
-    let req = a.gen.request();
-    let (_, stats) = stream(&mut engine, &mut sess, &prompt, &req)?;
-    eprintln!("\n[{}]", stats.summary());
-    Ok(())
+pub fn main(a: Args, device: Device, threads: usize) -> Result<()> {
+    with_backend(device, threads, a)
+}
+
+impl WithBackend for Args {
+    type Out = ();
+    fn run<B: Backend>(self, backend: Arc<B>) -> Result<()> {
+        let a = self;
+        let mut engine = crate::load::engine_on(&a.gen.model, backend, &a.gen.speculation)?;
+        let mut messages = a.gen.first_messages();
+        messages.push(Message::new("user", &a.prompt));
+        let prompt = engine.chat_prompt(&messages)?;
+        let mut sess = engine.new_session();
+        let req = a.gen.request();
+        let (_, stats) = stream(&mut engine, &mut sess, &prompt, &req)?;
+        eprintln!("\n[{}]", stats.summary());
+        Ok(())
+    }
 }
 
 /// Generate and stream text to stdout; returns the completion's token ids and the statistics.
-pub fn stream(
-    engine: &mut verity::engine::Engine<verity::backend::cpu::CpuBackend>,
-    sess: &mut verity::engine::Session<verity::backend::cpu::CpuBackend>,
+pub fn stream<B: Backend>(
+    engine: &mut verity::engine::Engine<B>,
+    sess: &mut verity::engine::Session<B>,
     prompt: &[u32],
     req: &GenerateRequest,
 ) -> Result<(Vec<u32>, verity::engine::GenerationStats)> {

@@ -9,6 +9,8 @@ mod summary;
 
 use anyhow::Result;
 
+use crate::device::Device;
+
 #[derive(clap::Subcommand)]
 pub enum Command {
     /// Decode speed per route and prompt category (see shared/bench/README.md for the record format).
@@ -21,11 +23,14 @@ pub enum Command {
     Rowexact(rowexact::Args),
 }
 
-pub fn main(c: Command, threads: usize) -> Result<()> {
+pub fn main(c: Command, device: Device, threads: usize) -> Result<()> {
     match c {
-        Command::Speed(a) => speed::main(a, threads),
-        Command::Conversation(a) => conversation::main(a, threads),
-        Command::Rowcost(a) => rowcost::main(a, threads),
-        Command::Rowexact(a) => rowexact::main(a, threads),
+        Command::Speed(a) => speed::main(a, device, threads),
+        Command::Conversation(a) => {
+            crate::device::cpu_only(device, "bench conversation")?;
+            conversation::main(a, threads)
+        }
+        Command::Rowcost(a) => rowcost::main(a, device, threads),
+        Command::Rowexact(a) => rowexact::main(a, device, threads),
     }
 }

@@ -6,8 +6,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Result;
+
+use crate::device::{with_backend, Device, WithBackend};
 use serde::Serialize;
-use verity::backend::cpu::CpuBackend;
+use verity::backend::Backend;
 use verity::bundle::Bundle;
 use verity::model::{Batch, LogitRows, Model};
 
@@ -70,9 +72,26 @@ struct Cost {
     ratio_to_w1: f64,
 }
 
-pub fn main(a: Args, threads: usize) -> Result<()> {
+pub fn main(a: Args, device: Device, threads: usize) -> Result<()> {
+    with_backend(device, threads, RowCost { a, device, threads })
+}
+
+struct RowCost {
+    a: Args,
+    device: Device,
+    threads: usize,
+}
+
+impl WithBackend for RowCost {
+    type Out = ();
+    fn run<B: Backend>(self, backend: Arc<B>) -> Result<()> {
+        run(self.a, backend, self.device, self.threads)
+    }
+}
+
+fn run<B: Backend>(a: Args, backend: Arc<B>, device: Device, threads: usize) -> Result<()> {
     let path = crate::load::resolve(&a.model)?;
-    let mut model = Model::load(&Bundle::open(&path)?, Arc::new(CpuBackend::new(threads)?))?;
+    let mut model = Model::load(&Bundle::open(&path)?, backend)?;
     let widths: Vec<usize> = a
         .widths
         .split(',')
@@ -113,25 +132,29 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
         });
     }
     let bytes = model.weight_bytes();
-    let bw = read_bandwidth(if threads == 0 {
-        std::thread::available_parallelism().map_or(1, |n| n.get())
-    } else {
-        threads
+    // The floor uses this machine's measured CPU read bandwidth; on a GPU the card's bandwidth is the floor
+    // (about 3.3–4.3 TB/s on the H100/H200), which this command does not measure.
+    let floor = (device == Device::Cpu).then(|| {
+        let bw = read_bandwidth(if threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            threads
+        });
+        let floor_ms = bytes as f64 / (bw * 1e9) * 1e3;
+        println!(
+            "floor: {:.1} MB per token at {:.1} GB/s = {:.2} ms; W=1 takes {:.2}x the floor",
+            bytes as f64 / 1e6,
+            bw,
+            floor_ms,
+            base / floor_ms
+        );
+        Floor {
+            bytes_per_token: bytes,
+            bandwidth_gb_s: bw,
+            floor_ms,
+            w1_over_floor: base / floor_ms,
+        }
     });
-    let floor_ms = bytes as f64 / (bw * 1e9) * 1e3;
-    let floor = Floor {
-        bytes_per_token: bytes,
-        bandwidth_gb_s: bw,
-        floor_ms,
-        w1_over_floor: base / floor_ms,
-    };
-    println!(
-        "floor: {:.1} MB per token at {:.1} GB/s = {:.2} ms; W=1 takes {:.2}x the floor",
-        bytes as f64 / 1e6,
-        bw,
-        floor_ms,
-        floor.w1_over_floor
-    );
     if let Some(p) = &a.json {
         std::fs::write(
             p,

@@ -5,8 +5,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
+
+use crate::device::{with_backend, Device, WithBackend};
 use serde::Serialize;
-use verity::backend::cpu::CpuBackend;
+use verity::backend::Backend;
 use verity::bundle::Bundle;
 use verity::chat::Tokenizer;
 use verity::model::{Batch, LogitRows, Model};
@@ -35,11 +37,22 @@ struct WidthResult {
     argmax_agree: usize,
 }
 
-pub fn main(a: Args, threads: usize) -> Result<()> {
+pub fn main(a: Args, device: Device, threads: usize) -> Result<()> {
+    with_backend(device, threads, a)
+}
+
+impl WithBackend for Args {
+    type Out = ();
+    fn run<B: Backend>(self, backend: Arc<B>) -> Result<()> {
+        run(self, backend)
+    }
+}
+
+fn run<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
     let path = crate::load::resolve(&a.model)?;
     let bundle = Bundle::open(&path)?;
     let tokenizer = Tokenizer::from_bundle(&bundle)?;
-    let mut model = Model::load(&bundle, Arc::new(CpuBackend::new(threads)?))?;
+    let mut model = Model::load(&bundle, backend)?;
     let text = std::fs::read_to_string(&a.prompts)
         .with_context(|| format!("reading {}", a.prompts.display()))?;
     let tokens = tokenizer.encode(&text, false)?;

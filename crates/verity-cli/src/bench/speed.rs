@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use std::sync::Arc;
 
-use verity::backend::cpu::CpuBackend;
+use verity::backend::Backend;
+
+use crate::device::{with_backend, Device, WithBackend};
 use verity::chat::{Message, TemplateArgs};
 use verity::engine::{Engine, GenerateRequest};
 use verity::sample::SamplerConfig;
@@ -44,7 +46,18 @@ pub struct Args {
     json: Option<PathBuf>,
 }
 
-pub fn main(a: Args, threads: usize) -> Result<()> {
+pub fn main(a: Args, device: Device, threads: usize) -> Result<()> {
+    with_backend(device, threads, a)
+}
+
+impl WithBackend for Args {
+    type Out = ();
+    fn run<B: Backend>(self, backend: Arc<B>) -> Result<()> {
+        run(self, backend)
+    }
+}
+
+fn run<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
     let routes: Vec<String> = a
         .routes
         .split(',')
@@ -58,7 +71,6 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
     if prompts.is_empty() {
         bail!("no prompts selected from {}", a.prompts.display());
     }
-    let backend = Arc::new(CpuBackend::new(threads)?);
     let target = crate::load::resolve(&a.model)?;
     let target = target.to_str().context("model path is not UTF-8")?;
     let mut engines = Vec::new();
@@ -122,8 +134,8 @@ pub enum Turns {
 }
 
 /// Run every turn of `p` (appending each answer) and record each turn.
-pub fn run_prompt(
-    engine: &mut Engine<CpuBackend>,
+pub fn run_prompt<B: Backend>(
+    engine: &mut Engine<B>,
     p: &BenchPrompt,
     route: &str,
     repeat: usize,

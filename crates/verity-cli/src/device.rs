@@ -1,0 +1,53 @@
+//! `--device`: which backend runs the model. Commands written once against `Backend` are instantiated per
+//! backend through [`WithBackend`] (a generic function cannot be passed as a closure).
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use verity::backend::cpu::CpuBackend;
+use verity::backend::Backend;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Device {
+    /// The CPU backend (every command).
+    #[default]
+    Cpu,
+    /// The CUDA backend on GPU 0 (`run` and `bench speed|rowcost|rowexact`; needs a build with `--features cuda`).
+    Cuda,
+}
+
+/// A command body generic over the backend.
+pub trait WithBackend {
+    type Out;
+    fn run<B: Backend>(self, backend: Arc<B>) -> Result<Self::Out>;
+}
+
+/// Run `body` on the chosen device.
+pub fn with_backend<W: WithBackend>(device: Device, threads: usize, body: W) -> Result<W::Out> {
+    match device {
+        Device::Cpu => body.run(Arc::new(CpuBackend::new(threads)?)),
+        Device::Cuda => cuda(body),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda<W: WithBackend>(body: W) -> Result<W::Out> {
+    let backend = verity::backend::cuda::CudaBackend::new(0)?;
+    eprintln!("device: {}", backend.name());
+    body.run(Arc::new(backend))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda<W: WithBackend>(_: W) -> Result<W::Out> {
+    anyhow::bail!(
+        "this verity was built without the CUDA backend: cargo build --release --features cuda"
+    )
+}
+
+/// Commands that run on the CPU only say so instead of silently ignoring `--device`.
+pub fn cpu_only(device: Device, command: &str) -> Result<()> {
+    if device != Device::Cpu {
+        anyhow::bail!("`{command}` runs on the CPU only for now (--device cuda: run, bench speed|rowcost|rowexact)");
+    }
+    Ok(())
+}
