@@ -182,6 +182,8 @@ impl<B: Backend> Proposer for MtpProposer<B> {
             .forward(&mut self.cache, &context[next..=n], next, rows)?;
         self.cached.extend_from_slice(&context[next..=n]);
         self.committed = self.cache.len();
+        // Consumed: the next catch-up starts at n + 1 and needs h_n onwards, which the next verify reports.
+        self.hid.clear();
 
         if let Some((m, tokens)) = self.copy.lookup(context, k) {
             if m == MAX_MATCH && tokens.len() >= 2 {

@@ -87,11 +87,42 @@ pub fn matmul(pool: &Pool, ty: GgmlType, w: &QMatrix, x: &[f32], rows: usize, ou
                 let wrow = &data[n * row_bytes..(n + 1) * row_bytes];
                 let mut r0 = 0;
                 while r0 < rows {
-                    let take = (rows - r0).min(4);
+                    let take = (rows - r0).min(R_MAX);
                     let xs = |i: usize| &qx[(r0 + i) * nb..(r0 + i + 1) * nb];
-                    let mut res = [0f32; 4];
+                    let mut res = [0f32; R_MAX];
                     match take {
-                        4 => res = dot_rows::<4>(isa, ty, wrow, [xs(0), xs(1), xs(2), xs(3)]),
+                        8 => {
+                            res = dot_rows::<8>(
+                                isa,
+                                ty,
+                                wrow,
+                                [xs(0), xs(1), xs(2), xs(3), xs(4), xs(5), xs(6), xs(7)],
+                            )
+                        }
+                        7 => res[..7].copy_from_slice(&dot_rows::<7>(
+                            isa,
+                            ty,
+                            wrow,
+                            [xs(0), xs(1), xs(2), xs(3), xs(4), xs(5), xs(6)],
+                        )),
+                        6 => res[..6].copy_from_slice(&dot_rows::<6>(
+                            isa,
+                            ty,
+                            wrow,
+                            [xs(0), xs(1), xs(2), xs(3), xs(4), xs(5)],
+                        )),
+                        5 => res[..5].copy_from_slice(&dot_rows::<5>(
+                            isa,
+                            ty,
+                            wrow,
+                            [xs(0), xs(1), xs(2), xs(3), xs(4)],
+                        )),
+                        4 => res[..4].copy_from_slice(&dot_rows::<4>(
+                            isa,
+                            ty,
+                            wrow,
+                            [xs(0), xs(1), xs(2), xs(3)],
+                        )),
                         3 => res[..3].copy_from_slice(&dot_rows::<3>(
                             isa,
                             ty,
@@ -258,7 +289,7 @@ mod avx2 {
 }
 
 /// Rows handled per weight-block load.
-const R_MAX: usize = 4;
+const R_MAX: usize = 8;
 
 #[cfg(test)]
 mod tests {
