@@ -383,3 +383,39 @@ fn the_trained_head_predicts_what_the_pytorch_reference_predicts() {
         assert!(rate >= 0.95, "agreement with the PyTorch head {agree}/{n}");
     }
 }
+
+/// A follow-up turn in the same session (the session keeps the target's hidden states, so the head conditions on
+/// the whole conversation) still gives exactly AR's tokens and cache.
+#[test]
+fn a_follow_up_turn_in_one_session_equals_ar() {
+    let d = tiny_with("mtp-turns", &tiny_head(6, None));
+    let mut ar = Engine::load(&d, be(), &SpecMode::Off).unwrap();
+    let mut mtp = Engine::load(&d, be(), &SpecMode::Mtp).unwrap();
+    let req = GenerateRequest {
+        ignore_eos: true,
+        ..GenerateRequest::greedy(24)
+    };
+    let rnd = random_f32(40, 17, 1.0);
+    let tok = |i: usize| ((rnd[i].abs() * 1e6) as u32) % 320;
+    let run = |e: &mut Engine<CpuBackend>| {
+        let mut s = e.new_session();
+        let mut history: Vec<u32> = (0..10).map(tok).collect();
+        let mut turns = Vec::new();
+        for t in 0..3 {
+            let mut out = Vec::new();
+            e.generate(&mut s, &history, &req, |_, x| {
+                out.push(x.id);
+                true
+            })
+            .unwrap();
+            history.extend(&out);
+            history.extend((0..5).map(|i| tok(10 + 5 * t + i)));
+            turns.push(out);
+        }
+        (turns, s.cache.checkpoint(e.model.backend()))
+    };
+    let (a, ca) = run(&mut ar);
+    let (b, cb) = run(&mut mtp);
+    assert_eq!(a, b);
+    assert_eq!(ca.layers(), cb.layers());
+}

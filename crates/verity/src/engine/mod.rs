@@ -128,6 +128,43 @@ pub struct ChatPrompt {
 pub struct Session<B: Backend> {
     pub cache: KvCache<B>,
     pub tokens: Vec<u32>,
+    /// The target's final hidden states of committed positions, kept while the route's proposer conditions on
+    /// them (an MTP head), so that a follow-up turn's head sees the whole conversation, not only the new part.
+    hidden: HiddenTrail,
+}
+
+/// Final hidden states of a contiguous run of committed positions `start..start + rows`.
+#[derive(Debug, Default)]
+struct HiddenTrail {
+    start: usize,
+    width: usize,
+    rows: Vec<f32>,
+}
+
+impl HiddenTrail {
+    fn end(&self) -> usize {
+        self.start + self.rows.len().checked_div(self.width).unwrap_or(0)
+    }
+
+    /// Forget positions `pos..`.
+    fn truncate(&mut self, pos: usize) {
+        if pos <= self.start {
+            self.rows.clear();
+            self.start = pos;
+        } else if pos < self.end() {
+            self.rows.truncate((pos - self.start) * self.width);
+        }
+    }
+
+    /// Rows for positions `pos..`: appended when they continue the run, else they start a new one.
+    fn push(&mut self, pos: usize, rows: &[f32], width: usize) {
+        if self.width != width || pos != self.end() {
+            self.rows.clear();
+            self.start = pos;
+            self.width = width;
+        }
+        self.rows.extend_from_slice(rows);
+    }
 }
 
 pub struct Engine<B: Backend> {
@@ -271,6 +308,7 @@ impl<B: Backend> Engine<B> {
         Session {
             cache: self.model.new_cache(self.model.hp.context_len),
             tokens: Vec::new(),
+            hidden: HiddenTrail::default(),
         }
     }
 
@@ -346,6 +384,7 @@ impl<B: Backend> Engine<B> {
             if let Some((m, ckpt)) = self.disk.as_mut().and_then(|d| d.longest(body)) {
                 if m > common {
                     sess.cache.restore(self.model.backend(), &ckpt)?;
+                    sess.hidden.truncate(0);
                     sess.tokens.clear();
                     sess.tokens.extend_from_slice(&body[..m]);
                     common = m;
@@ -357,6 +396,7 @@ impl<B: Backend> Engine<B> {
         if in_ram > common {
             if let Some((m, ckpt)) = self.prefix.longest(body) {
                 sess.cache.restore(self.model.backend(), ckpt)?;
+                sess.hidden.truncate(0);
                 sess.tokens.clear();
                 sess.tokens.extend_from_slice(&body[..m]);
                 common = m;
@@ -364,6 +404,8 @@ impl<B: Backend> Engine<B> {
         }
         sess.cache.truncate(common);
         sess.tokens.truncate(common);
+        sess.hidden.truncate(common);
+        let h = self.model.hp.hidden;
         let caching = self.prefix.budget() > 0 || self.disk.is_some();
         let store_at = store_at.filter(|&b| b > common && b <= body.len() && caching);
         let mut store_s = 0.0;
@@ -376,22 +418,24 @@ impl<B: Backend> Engine<B> {
             };
             let chunk = &body[pos..end];
             let batch = Batch::causal(chunk, pos);
-            match proposer.as_deref_mut().filter(|p| p.wants_hidden()) {
-                Some(p) => {
-                    let out =
-                        self.model
-                            .forward_with_hidden(&mut sess.cache, &batch, LogitRows::None)?;
-                    p.observe_hidden(pos, &out.final_hidden);
-                }
-                None => {
+            if proposer.as_deref().is_some_and(|p| p.wants_hidden()) {
+                let out =
                     self.model
-                        .forward(&mut sess.cache, &batch, LogitRows::None, &[])?;
-                }
+                        .forward_with_hidden(&mut sess.cache, &batch, LogitRows::None)?;
+                sess.hidden.push(pos, &out.final_hidden, h);
+            } else {
+                self.model
+                    .forward(&mut sess.cache, &batch, LogitRows::None, &[])?;
             }
             sess.tokens.extend_from_slice(chunk);
             pos = end;
             if Some(pos) == store_at {
                 store_s = self.store_checkpoint(sess, &body[..pos]);
+            }
+        }
+        if let Some(p) = proposer.filter(|p| p.wants_hidden()) {
+            if sess.hidden.end() == body.len() && !sess.hidden.rows.is_empty() {
+                p.observe_hidden(sess.hidden.start, &sess.hidden.rows);
             }
         }
         Ok((common, store_s))
@@ -537,7 +581,9 @@ impl<B: Backend> Engine<B> {
                 p.observe(draft.tokens.len(), verdict.accepted);
                 if wants_hidden {
                     let h = self.model.hp.hidden;
-                    p.observe_hidden(n, &out.final_hidden[..(1 + verdict.accepted) * h]);
+                    let kept = &out.final_hidden[..(1 + verdict.accepted) * h];
+                    p.observe_hidden(n, kept);
+                    sess.hidden.push(n, kept, h);
                 }
             }
             controller.record(
@@ -595,6 +641,7 @@ impl<B: Backend> Engine<B> {
                     // End exactly where AR would: the cache holds everything before `tok`.
                     sess.cache.truncate(n + 1 + j);
                     sess.tokens.truncate(n + 1 + j);
+                    sess.hidden.truncate(n + 1 + j);
                     stats.stop = reason;
                     break 'cycles;
                 }

@@ -12,7 +12,8 @@
 //!   the mark; [`Proposer::observe`] truncates back to it, so a rejected (or even an accepted) draft's slot is
 //!   never kept — accepted positions are recomputed from the target's hidden state in the next catch-up. (The
 //!   reference system's drafter-offset bug was a head cache one position off the target's commits.)
-//! - A context that no longer agrees with the head's cached tokens rolls the head back to the agreeing prefix;
+//! - A context that no longer agrees with the head's cached tokens rolls the head back to the agreeing prefix
+//!   (also across requests: a follow-up turn keeps the head's cache of the shared conversation);
 //!   a gap in the reported hidden states (a restored prefix) restarts the head's cache at the first position it
 //!   can condition; without the hidden state of the position before `pending` the head proposes nothing.
 //! - When the suffix-copy proposer finds a full-length (4-gram) match, its tokens replace the head's drafts for
@@ -123,10 +124,8 @@ impl<B: Backend> Proposer for MtpProposer<B> {
         self.sampler = Sampler::new(*sampling).expect("validated by the request");
         self.rng = ChaCha8Rng::seed_from_u64(sampling.seed ^ MTP_SEED);
         self.copy.reset(sampling);
-        self.cache.truncate(0);
-        self.cached.clear();
-        self.committed = 0;
-        self.first = 0;
+        // The head's cache is kept: the next propose rolls it back to the prefix the new context shares (a
+        // follow-up turn continues where the last one ended instead of recomputing the conversation).
         self.hid.clear();
         self.hid_start = 0;
     }
