@@ -369,7 +369,7 @@ impl<B: Backend> Engine<B> {
         sess: &mut Session<B>,
         prompt: &[u32],
         store_at: Option<usize>,
-        mut proposer: Option<&mut (dyn Proposer + 'static)>,
+        proposer: Option<&mut (dyn Proposer + 'static)>,
     ) -> Result<(usize, f64)> {
         let body = &prompt[..prompt.len() - 1];
         let mut common = sess
