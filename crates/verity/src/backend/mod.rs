@@ -33,6 +33,15 @@ impl AttnMask {
     }
 }
 
+/// The RoPE rotation `(cos, sin)` of pair `i` of a `head_dim`-wide head at `pos`, for `i < head_dim / 2`. Every
+/// backend uses it: the angle is computed in f64 and rounded once, so it is as accurate as f32 allows and the
+/// same for a position in any batch.
+pub fn rope_angle(pos: usize, i: usize, head_dim: usize, theta: f32) -> (f32, f32) {
+    let inv_freq = (theta as f64).powf(-2.0 * i as f64 / head_dim as f64);
+    let a = pos as f64 * inv_freq;
+    (a.cos() as f32, a.sin() as f32)
+}
+
 /// Shapes of one attention call.
 #[derive(Debug, Clone, Copy)]
 pub struct AttnShape {

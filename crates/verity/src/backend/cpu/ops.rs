@@ -14,8 +14,7 @@ pub fn rms_norm(x: &[f32], w: &[f32], rows: usize, dim: usize, eps: f32, out: &m
     }
 }
 
-/// Rotate every head of every row by its position. Angles are computed in f64 and rounded once, so they are
-/// as accurate as f32 allows and identical for a given position in any batch.
+/// Rotate every head of every row by its position ([`crate::backend::rope_angle`]).
 pub fn rope(
     x: &mut [f32],
     positions: &[usize],
@@ -28,9 +27,7 @@ pub fn rope(
     let mut cs = vec![(0f32, 0f32); half];
     for (r, &pos) in positions.iter().enumerate() {
         for (i, c) in cs.iter_mut().enumerate() {
-            let inv_freq = (theta as f64).powf(-2.0 * i as f64 / head_dim as f64);
-            let a = pos as f64 * inv_freq;
-            *c = (a.cos() as f32, a.sin() as f32);
+            *c = crate::backend::rope_angle(pos, i, head_dim, theta);
         }
         let row = &mut x[r * n_heads * head_dim..(r + 1) * n_heads * head_dim];
         for head in row.chunks_exact_mut(head_dim) {

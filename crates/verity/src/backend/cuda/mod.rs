@@ -259,15 +259,13 @@ impl Backend for CudaBackend {
         theta: f32,
         style: RopeStyle,
     ) {
-        // The angles in f64 on the host, as the CPU backend computes them.
+        // The angles on the host, as every backend computes them.
         let half = head_dim / 2;
         let mut cs = Vec::with_capacity(positions.len() * half * 2);
         for &pos in positions {
             for i in 0..half {
-                let inv_freq = (theta as f64).powf(-2.0 * i as f64 / head_dim as f64);
-                let a = pos as f64 * inv_freq;
-                cs.push(a.cos() as f32);
-                cs.push(a.sin() as f32);
+                let (c, s) = crate::backend::rope_angle(pos, i, head_dim, theta);
+                cs.extend([c, s]);
             }
         }
         let cs = dev("upload", self.stream.clone_htod(&cs));
