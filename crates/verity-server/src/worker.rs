@@ -344,10 +344,8 @@ fn run(
         scan.flush()
     };
     let mut rest = parser.push(&tail);
-    let end = parser.finish();
-    rest.content.push_str(&end.content);
-    rest.reasoning.push_str(&end.reasoning);
-    tool_calls.extend(rest.tool_calls.into_iter().chain(end.tool_calls));
+    rest.append(parser.finish());
+    tool_calls.append(&mut rest.tool_calls);
     if !rest.content.is_empty() || !rest.reasoning.is_empty() {
         let _ = events.send(Event::Delta {
             text: rest.content,

@@ -63,11 +63,19 @@ pub trait Backend: Send + Sync + 'static {
 
     fn name(&self) -> String;
 
+    /// The most cache slots one attention call can cover on this device; caches are capped to it, so a longer
+    /// context is refused up front (a clear "context full") rather than failing inside a kernel.
+    fn max_attention_slots(&self) -> usize {
+        usize::MAX
+    }
+
     fn load_matrix(&self, m: QMatrix) -> Result<Self::Matrix>;
     /// Bytes the matrix occupies on the device.
     fn matrix_bytes(&self, m: &Self::Matrix) -> usize;
     fn buffer(&self, len: usize) -> Self::Buffer;
     fn upload(&self, data: &[f32]) -> Self::Buffer;
+    /// Copy `data` into the start of an existing buffer (no allocation: for per-step inputs).
+    fn write(&self, buf: &mut Self::Buffer, data: &[f32]);
     fn download(&self, buf: &Self::Buffer, len: usize) -> Vec<f32>;
 
     /// `out[r] = table[tokens[r]]` for each row.

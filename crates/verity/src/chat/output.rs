@@ -29,11 +29,8 @@ pub struct Split {
 }
 
 impl Split {
-    pub fn is_empty(&self) -> bool {
-        self.content.is_empty() && self.reasoning.is_empty() && self.tool_calls.is_empty()
-    }
-
-    fn append(&mut self, other: Split) {
+    /// Add what a later push (or the final flush) produced.
+    pub fn append(&mut self, other: Split) {
         self.content.push_str(&other.content);
         self.reasoning.push_str(&other.reasoning);
         self.tool_calls.extend(other.tool_calls);
@@ -73,11 +70,6 @@ impl OutputParser {
             held: String::new(),
             trim_start: false,
         }
-    }
-
-    /// Whether the parser changes anything (a plain parser passes text through).
-    pub fn is_active(&self) -> bool {
-        self.reasoning_tags || self.tools
     }
 
     /// Feed generated text; returns what can be released now.

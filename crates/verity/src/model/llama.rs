@@ -104,7 +104,10 @@ impl<B: Backend> Model<B> {
 
     /// A fresh KV cache for this model holding up to `max_tokens` slots (capped by the context length).
     pub fn new_cache(&self, max_tokens: usize) -> KvCache<B> {
-        let cap = max_tokens.min(self.hp.context_len).max(1);
+        let cap = max_tokens
+            .min(self.hp.context_len)
+            .min(self.backend.max_attention_slots())
+            .max(1);
         KvCache::new(
             self.backend.as_ref(),
             self.hp.n_layers,
@@ -246,8 +249,14 @@ impl<B: Backend> Model<B> {
             LogitRows::Last => (rows - 1, 1),
             LogitRows::None => return out,
         };
-        be.copy(&s.x, first * h, &mut s.tmp, 0, n * h);
-        be.rms_norm(&s.tmp, &self.output_norm, n, h, hp.rms_eps, &mut s.xn);
+        // Rows from the first are normed in place (and already are when the final hidden states were asked
+        // for); the last row alone is moved to the front first.
+        if first > 0 {
+            be.copy(&s.x, first * h, &mut s.tmp, 0, n * h);
+            be.rms_norm(&s.tmp, &self.output_norm, n, h, hp.rms_eps, &mut s.xn);
+        } else if !final_hidden {
+            be.rms_norm(&s.x, &self.output_norm, n, h, hp.rms_eps, &mut s.xn);
+        }
         be.matmul(
             self.output.as_ref().unwrap_or(self.embed.as_ref()),
             &s.xn,

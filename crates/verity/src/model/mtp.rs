@@ -68,7 +68,6 @@ pub struct MtpHead<B: Backend> {
     /// Row `i` of `lm_head` is token `draft_vocab[i]`; `None` = the full vocabulary.
     draft_vocab: Option<Vec<u32>>,
     scratch: Option<HeadScratch<B>>,
-    weight_bytes: usize,
 }
 
 impl<B: Backend> MtpHead<B> {
@@ -88,8 +87,7 @@ impl<B: Backend> MtpHead<B> {
         let backend = target.backend().clone();
         let be = backend.as_ref();
         let h = hp.hidden;
-        let mut weight_bytes = 0usize;
-        let mut load = |name: &str, rows: usize, cols: usize| -> Result<B::Matrix> {
+        let load = |name: &str, rows: usize, cols: usize| -> Result<B::Matrix> {
             let module = name.strip_suffix(".weight").unwrap_or(name);
             let mut q = st_matrix(tensors, None, module, name, rows, cols)?;
             if matches!(
@@ -99,9 +97,7 @@ impl<B: Backend> MtpHead<B> {
             {
                 q = q.to_q8_0()?;
             }
-            let m = be.load_matrix(q)?;
-            weight_bytes += be.matrix_bytes(&m);
-            Ok(m)
+            be.load_matrix(q)
         };
         let fusion = match &spec.fusion {
             Fusion::Joint(n) => HeadFusion::Joint(load(n, h, 2 * h)?),
@@ -149,7 +145,6 @@ impl<B: Backend> MtpHead<B> {
             None => full,
         };
         let lm_head = be.load_matrix(lm_head)?;
-        weight_bytes += be.matrix_bytes(&lm_head);
         let rope = match tensors.metadata.get("rope_style").map(String::as_str) {
             Some("interleaved") => RopeStyle::Interleaved,
             Some("half_split") | None => RopeStyle::HalfSplit,
@@ -171,18 +166,12 @@ impl<B: Backend> MtpHead<B> {
             lm_head,
             draft_vocab,
             scratch: None,
-            weight_bytes,
             backend,
         })
     }
 
     pub fn hidden_size(&self) -> usize {
         self.hp.hidden
-    }
-
-    /// Bytes of the head's own matrices (its block(s), fusion and draft output projection).
-    pub fn weight_bytes(&self) -> usize {
-        self.weight_bytes
     }
 
     /// Size of the vocabulary the head drafts from.
@@ -204,7 +193,10 @@ impl<B: Backend> MtpHead<B> {
             self.backend.as_ref(),
             self.blocks.len(),
             self.hp.n_kv_heads * self.hp.head_dim,
-            max_tokens.min(self.hp.context_len).max(1),
+            max_tokens
+                .min(self.hp.context_len)
+                .min(self.backend.max_attention_slots())
+                .max(1),
         )
     }
 
@@ -269,7 +261,7 @@ impl<B: Backend> MtpHead<B> {
         let eps = hp.rms_eps;
         be.embed(&self.embed, tokens, &mut s.block.tmp);
         be.rms_norm(&s.block.tmp, &self.embedding_norm, rows, h, eps, &mut s.e);
-        s.h = be.upload(hidden);
+        be.write(&mut s.h, hidden);
         be.rms_norm(&s.h, &self.hidden_norm, rows, h, eps, &mut s.hn);
         match &self.fusion {
             HeadFusion::Joint(fc) => {

@@ -88,6 +88,10 @@ impl Backend for CpuBackend {
         data.to_vec()
     }
 
+    fn write(&self, buf: &mut Vec<f32>, data: &[f32]) {
+        buf[..data.len()].copy_from_slice(data);
+    }
+
     fn download(&self, buf: &Vec<f32>, len: usize) -> Vec<f32> {
         buf[..len].to_vec()
     }

@@ -28,6 +28,8 @@ use crate::quant::{GgmlType, QMatrix, WeightFormat};
 const SOURCE: &str = include_str!("kernels.cu");
 /// Rows per matmul launch (the kernel's `MAX_ROWS`).
 const MAX_ROWS: usize = 8;
+/// Dynamic shared memory of one attention block (the default limit without opting in to more).
+const ATTENTION_SHARED_BYTES: usize = 48 * 1024;
 
 /// A weight matrix on the device, in its GGML block format.
 pub struct CudaMatrix {
@@ -107,11 +109,6 @@ impl CudaBackend {
             name,
         })
     }
-
-    /// Wait for every launched kernel (timings).
-    pub fn synchronize(&self) {
-        dev("synchronize", self.stream.synchronize());
-    }
 }
 
 fn type_tag(name: &str, ty: GgmlType) -> Result<i32> {
@@ -137,6 +134,11 @@ impl Backend for CudaBackend {
 
     fn name(&self) -> String {
         self.name.clone()
+    }
+
+    /// The attention kernel keeps a row's scores in 48 KB of shared memory.
+    fn max_attention_slots(&self) -> usize {
+        ATTENTION_SHARED_BYTES / 4
     }
 
     fn load_matrix(&self, m: QMatrix) -> Result<CudaMatrix> {
@@ -178,6 +180,14 @@ impl Backend for CudaBackend {
             return self.buffer(1);
         }
         dev("upload", self.stream.clone_htod(data))
+    }
+
+    fn write(&self, buf: &mut CudaSlice<f32>, data: &[f32]) {
+        dev(
+            "upload",
+            self.stream
+                .memcpy_htod(data, &mut buf.slice_mut(..data.len())),
+        );
     }
 
     fn download(&self, buf: &CudaSlice<f32>, len: usize) -> Vec<f32> {
@@ -303,11 +313,12 @@ impl Backend for CudaBackend {
         out: &mut CudaSlice<f32>,
     ) {
         let slots = shape.base + shape.rows;
-        let shared = (slots * 4) as u32;
+        // Caches are capped to `max_attention_slots`, so this holds for every cache this backend made.
         assert!(
-            shared <= 48 * 1024,
-            "CUDA attention over {slots} slots needs more than 48 KB of shared memory (not supported yet)"
+            slots <= self.max_attention_slots(),
+            "{slots} attention slots"
         );
+        let shared = (slots * 4) as u32;
         let tree: Option<CudaSlice<u8>> = match mask {
             AttnMask::Causal => None,
             AttnMask::Tree(v) => {
