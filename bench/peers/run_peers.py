@@ -65,7 +65,8 @@ def make_record(prompt: dict, arm: str, repeat: int, *, prompt_tokens: int, comp
 class VerityArm:
     name = "verity-ar"
 
-    def __init__(self, binary: str, model: str, threads: int, max_tokens: int, timeout_s: float):
+    def __init__(self, binary: str, model: str, threads: int, max_tokens: int, timeout_s: float,
+                 gpu: bool = False):
         resolved = binary if os.path.sep in binary else shutil.which(binary)
         if not resolved or not os.path.isfile(resolved) or not os.access(resolved, os.X_OK):
             raise SystemExit(
@@ -74,6 +75,7 @@ class VerityArm:
                 f"  or leave the verity arm out with --arms llama.cpp,mistralrs")
         self.binary = os.path.abspath(resolved)
         self.model, self.threads, self.max_tokens, self.timeout_s = model, threads, max_tokens, timeout_s
+        self.device = ["--device", "cuda"] if gpu else []
         self.tmpdir = tempfile.mkdtemp(prefix="verity-peers-")
         self.version = self._version()
 
@@ -98,7 +100,7 @@ class VerityArm:
             f.write(json.dumps(prompt, ensure_ascii=False) + "\n")
         if os.path.exists(ofile):
             os.remove(ofile)
-        cmd = [self.binary, "--threads", str(self.threads), "bench", "speed", "--model", self.model,
+        cmd = [self.binary, "--threads", str(self.threads), *self.device, "bench", "speed", "--model", self.model,
                "--routes", "ar", "--prompts", pfile, "--max-tokens", str(self.max_tokens),
                "--temperature", "0", "--repeat", "1", "--json", ofile]
         try:
@@ -150,15 +152,17 @@ def read_records(path: str) -> list[dict]:
 class LlamaCppArm:
     name = "llama.cpp"
 
-    def __init__(self, model: str, threads: int, max_tokens: int):
+    def __init__(self, model: str, threads: int, max_tokens: int, gpu: bool = False, flash_attn: bool = False):
         import llama_cpp
         from llama_cpp import Llama
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-        self.version = f"llama-cpp-python {llama_cpp.__version__}"
+        self.version = f"llama-cpp-python {llama_cpp.__version__}" + (" (CUDA, all layers on the GPU)" if gpu else "")
+        if flash_attn:
+            self.version += " (flash attention)"
         self.max_tokens = max_tokens
         self.llm = Llama(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=2048,
-                         verbose=False)
+                         n_gpu_layers=-1 if gpu else 0, flash_attn=flash_attn, verbose=False)
         meta = self.llm.metadata
         template = meta.get("tokenizer.chat_template")
         if not template:
@@ -364,6 +368,9 @@ def main() -> int:
     ap.add_argument("--verity", default="target/release/verity", help="path of the verity binary")
     ap.add_argument("--verity-timeout", type=float, default=600.0, help="seconds per verity subprocess")
     ap.add_argument("--only", default="", help="comma-separated prompt ids or categories to keep")
+    ap.add_argument("--gpu", action="store_true",
+                    help="run on the GPU: verity with --device cuda, llama.cpp with every layer offloaded")
+    ap.add_argument("--flash-attn", action="store_true", help="llama.cpp with flash attention")
     ap.add_argument("--json", dest="json_out", default="", help="write the records here (a JSON list)")
     args = ap.parse_args()
 
@@ -400,11 +407,13 @@ def main() -> int:
     runners = {}
     # verity first: a missing binary should fail before minutes of peer model loading.
     if "verity-ar" in arms:
-        runners["verity-ar"] = VerityArm(args.verity, args.model, args.threads, args.max_tokens, args.verity_timeout)
+        runners["verity-ar"] = VerityArm(args.verity, args.model, args.threads, args.max_tokens, args.verity_timeout,
+                                          gpu=args.gpu)
     for a in arms:
         if a == "llama.cpp":
             try:
-                runners[a] = LlamaCppArm(args.model, args.threads, args.max_tokens)
+                runners[a] = LlamaCppArm(args.model, args.threads, args.max_tokens, gpu=args.gpu,
+                                         flash_attn=args.flash_attn)
             except ImportError as e:
                 raise SystemExit(f"error: llama.cpp arm needs llama-cpp-python ({e}); see bench/peers/README.md")
         elif a == "mistralrs":

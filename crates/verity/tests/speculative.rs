@@ -223,8 +223,11 @@ fn adversarial_proposers_never_change_smollm2_greedy_output_or_cache() {
         let r = run(&mut e, &prompt, &req, None);
         assert_same(&base, &r, &format!("{kind:?}"));
         if let Adversary::AlwaysRight = kind {
+            // How wide the controller drafts depends on this machine's measured verify costs; that every draft
+            // is kept and cycles carry several tokens each does not.
+            assert_eq!(r.stats.accepted, r.stats.drafted, "always right");
             assert!(
-                r.stats.cycles < 64 / 4,
+                r.stats.cycles < 64 / 2,
                 "an always-right proposer needs few cycles ({})",
                 r.stats.cycles
             );

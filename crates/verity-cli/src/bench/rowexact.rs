@@ -83,7 +83,7 @@ fn run<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
         );
     }
     let mut results = Vec::new();
-    for w in 2..=8 {
+    for w in 2..=16 {
         cache.truncate(prefix);
         let mut r = WidthResult {
             w,

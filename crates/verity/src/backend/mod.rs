@@ -42,24 +42,53 @@ pub fn rope_angle(pos: usize, i: usize, head_dim: usize, theta: f32) -> (f32, f3
     (a.cos() as f32, a.sin() as f32)
 }
 
-/// Shapes of one attention call.
+/// A process-unique id for a set of device buffers (one scratch, one cache allocation). Replay keys include
+/// it, so a recording is never replayed over buffers other than those it was made with.
+pub fn buffer_set_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Geometry of one attention call; the per-call inputs (first new slot, mask) are in the step.
 #[derive(Debug, Clone, Copy)]
 pub struct AttnShape {
     pub rows: usize,
     pub n_heads: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
-    /// Cache slots committed before this batch; the batch's K/V sit in slots `base..base + rows`.
-    pub base: usize,
     pub scale: f32,
 }
 
+/// A model's rotary position embedding.
+#[derive(Debug, Clone, Copy)]
+pub struct Rope {
+    pub theta: f32,
+    pub style: RopeStyle,
+}
+
+/// One forward's per-call inputs.
+#[derive(Debug, Clone, Copy)]
+pub struct StepInputs<'a> {
+    pub tokens: &'a [u32],
+    /// Absolute position of each row (RoPE).
+    pub positions: &'a [usize],
+    /// Cache slots committed before this forward; its rows' K/V go to slots `base..base + rows`.
+    pub base: usize,
+    pub mask: &'a AttnMask,
+}
+
 /// A device that runs decoder forwards.
+///
+/// A forward writes its per-call inputs once with [`Backend::set_step`]; every operation reads them from the
+/// step, never from host arguments, so the same operations on the same buffers can be recorded once and replayed
+/// with new inputs ([`Backend::replay_or_record`]: CUDA graphs on the GPU).
 pub trait Backend: Send + Sync + 'static {
     /// An activation buffer (f32).
     type Buffer: Send;
     /// A weight matrix resident on the device, in its stored format.
     type Matrix: Send + Sync;
+    /// One forward's inputs, resident on the device ([`StepInputs`]).
+    type Step: Send;
 
     fn name(&self) -> String;
 
@@ -78,10 +107,46 @@ pub trait Backend: Send + Sync + 'static {
     fn write(&self, buf: &mut Self::Buffer, data: &[f32]);
     fn download(&self, buf: &Self::Buffer, len: usize) -> Vec<f32>;
 
-    /// `out[r] = table[tokens[r]]` for each row.
-    fn embed(&self, table: &Self::Matrix, tokens: &[u32], out: &mut Self::Buffer);
+    /// A step holding the inputs of forwards of up to `max_rows` rows.
+    fn step(&self, max_rows: usize) -> Self::Step;
+    /// Write one forward's inputs into `step` (`inputs.tokens.len()` ≤ the step's `max_rows`).
+    fn set_step(&self, step: &mut Self::Step, inputs: StepInputs);
+    /// Run `work` (one forward's device operations, reading their inputs from a step), or replay what an
+    /// earlier call with the same `key` recorded. The caller guarantees that one key always means the same
+    /// operations on the same buffers. Backends without recording just run `work`.
+    fn replay_or_record(&self, key: u64, work: &mut dyn FnMut()) {
+        let _ = key;
+        work()
+    }
+
+    /// `out[r] = table[step.tokens[r]]` for each of `rows` rows.
+    fn embed(&self, table: &Self::Matrix, step: &Self::Step, rows: usize, out: &mut Self::Buffer);
     /// `out[r, n] = Σ_k x[r, k] · w[n, k]` for `rows` rows.
     fn matmul(&self, w: &Self::Matrix, x: &Self::Buffer, rows: usize, out: &mut Self::Buffer);
+    /// `out[r, n] += Σ_k x[r, k] · w[n, k]`: a projection added to the residual stream (the sum is formed
+    /// first, then added, as `matmul` + `add_assign` would).
+    fn matmul_add(&self, w: &Self::Matrix, x: &Self::Buffer, rows: usize, out: &mut Self::Buffer);
+    /// Several projections of one input, in one pass where the device can: `outs[i].1 = outs[i].0 · x̂`, where
+    /// x̂ is `x`, or with `norm = Some((weight, eps))` its RMS norm `x / sqrt(mean(x²) + eps) * weight` (fused
+    /// into the projections where the device can).
+    fn matmuls(
+        &self,
+        x: &Self::Buffer,
+        norm: Option<(&Self::Buffer, f32)>,
+        rows: usize,
+        outs: &mut [(&Self::Matrix, &mut Self::Buffer)],
+    );
+    /// The first half of a SwiGLU MLP: `out = silu(gate · x̂) ⊙ (up · x̂)`, with x̂ as in [`Backend::matmuls`].
+    #[allow(clippy::too_many_arguments)]
+    fn swiglu_matmul(
+        &self,
+        x: &Self::Buffer,
+        norm: Option<(&Self::Buffer, f32)>,
+        rows: usize,
+        gate: &Self::Matrix,
+        up: &Self::Matrix,
+        out: &mut Self::Buffer,
+    );
     /// `x[r, :] += bias` for `rows` rows.
     fn add_bias(&self, x: &mut Self::Buffer, bias: &Self::Buffer, rows: usize, dim: usize);
     /// RMS norm of each `dim`-long row: `out = x / sqrt(mean(x²) + eps) * w`.
@@ -94,39 +159,31 @@ pub trait Backend: Send + Sync + 'static {
         eps: f32,
         out: &mut Self::Buffer,
     );
-    /// Rotate each head of each row by its row's position.
-    fn rope(
+    /// Rotate each head of `q` (in place) and of `k` by its row's position, and write the rotated `k` and `v`
+    /// into the cache slots `step.base..` (`k` and `v` are scratch afterwards).
+    #[allow(clippy::too_many_arguments)]
+    fn rope_and_cache(
         &self,
-        x: &mut Self::Buffer,
-        positions: &[usize],
-        n_heads: usize,
-        head_dim: usize,
-        theta: f32,
-        style: RopeStyle,
+        q: &mut Self::Buffer,
+        k: &mut Self::Buffer,
+        v: &Self::Buffer,
+        k_cache: &mut Self::Buffer,
+        v_cache: &mut Self::Buffer,
+        shape: AttnShape,
+        rope: Rope,
+        step: &Self::Step,
     );
-    /// Write `rows` rows of K (or V) into cache slots starting at `slot`.
-    fn kv_write(
-        &self,
-        cache: &mut Self::Buffer,
-        src: &Self::Buffer,
-        slot: usize,
-        rows: usize,
-        kv_dim: usize,
-    );
-    /// Scaled-dot-product attention of the batch's queries over the cache (committed slots plus the batch).
+    /// Scaled-dot-product attention of the batch's queries over the cache (committed slots plus the batch, as
+    /// the step's mask allows).
     fn attention(
         &self,
         q: &Self::Buffer,
         k_cache: &Self::Buffer,
         v_cache: &Self::Buffer,
         shape: AttnShape,
-        mask: &AttnMask,
+        step: &Self::Step,
         out: &mut Self::Buffer,
     );
-    /// `out = silu(gate) * up`, elementwise over `len` values.
-    fn swiglu(&self, gate: &Self::Buffer, up: &Self::Buffer, len: usize, out: &mut Self::Buffer);
-    /// `x += y` over `len` values.
-    fn add_assign(&self, x: &mut Self::Buffer, y: &Self::Buffer, len: usize);
     /// Copy `len` values from `src[src_off..]` to `dst[dst_off..]`.
     fn copy(
         &self,

@@ -5,7 +5,7 @@
 //! cycle keeps a prefix of them with [`KvCache::truncate`]. Capacity grows by whole-buffer copies, never
 //! silently drops rows.
 
-use crate::backend::Backend;
+use crate::backend::{buffer_set_id, Backend};
 use crate::error::{Error, Result};
 
 pub struct KvCache<B: Backend> {
@@ -15,6 +15,8 @@ pub struct KvCache<B: Backend> {
     len: usize,
     capacity: usize,
     max_capacity: usize,
+    /// Changes whenever the buffers are reallocated (see [`buffer_set_id`]).
+    buffers_id: u64,
 }
 
 impl<B: Backend> KvCache<B> {
@@ -32,6 +34,7 @@ impl<B: Backend> KvCache<B> {
             len: 0,
             capacity,
             max_capacity,
+            buffers_id: buffer_set_id(),
         }
     }
 
@@ -46,6 +49,11 @@ impl<B: Backend> KvCache<B> {
 
     pub fn max_capacity(&self) -> usize {
         self.max_capacity
+    }
+
+    /// Identifies the current buffer allocation (it changes when the cache grows).
+    pub(crate) fn buffers_id(&self) -> u64 {
+        self.buffers_id
     }
 
     /// Make room for `extra` more slots after `len`.
@@ -69,6 +77,7 @@ impl<B: Backend> KvCache<B> {
             }
         }
         self.capacity = new_cap;
+        self.buffers_id = buffer_set_id();
         Ok(())
     }
 

@@ -1,11 +1,12 @@
 //! The Llama-family decoder (Llama, SmolLM, Mistral without sliding windows, Qwen2 with QKV biases, Qwen3 with
 //! per-head Q/K norms): pre-norm attention and SwiGLU MLP blocks over a residual stream.
 
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-use super::hparams::{Arch, HParams, RopeStyle};
+use super::hparams::{Arch, HParams};
 use super::{Batch, ForwardOutput, LogitRows};
-use crate::backend::{AttnMask, AttnShape, Backend};
+use crate::backend::{buffer_set_id, AttnMask, AttnShape, Backend, Rope, StepInputs};
 use crate::bundle::{Bundle, TensorKey};
 use crate::cache::KvCache;
 use crate::error::{Error, Result};
@@ -24,9 +25,16 @@ pub(super) struct Layer<B: Backend> {
     down: B::Matrix,
 }
 
+/// Forwards of up to this many rows (decode steps, verifies) are recorded for replay; longer ones (prefill
+/// chunks, whose lengths vary) run directly.
+const RECORDED_ROWS: usize = 16;
+
 /// Activation buffers for up to `rows` rows, reused across forwards.
 pub(super) struct Scratch<B: Backend> {
     pub(super) rows: usize,
+    /// Identifies this allocation in replay keys.
+    pub(super) id: u64,
+    pub(super) step: B::Step,
     pub(super) x: B::Buffer,
     pub(super) xn: B::Buffer,
     pub(super) q: B::Buffer,
@@ -34,9 +42,6 @@ pub(super) struct Scratch<B: Backend> {
     pub(super) v: B::Buffer,
     pub(super) tmp: B::Buffer,
     pub(super) attn: B::Buffer,
-    pub(super) proj: B::Buffer,
-    pub(super) gate: B::Buffer,
-    pub(super) up: B::Buffer,
     pub(super) act: B::Buffer,
     pub(super) logits: B::Buffer,
 }
@@ -206,65 +211,115 @@ impl<B: Backend> Model<B> {
         s: &mut Scratch<B>,
     ) -> ForwardOutput {
         let be = self.backend.as_ref();
-        let hp = &self.hp;
         let rows = batch.rows();
+        let h = self.hp.hidden;
+        be.set_step(
+            &mut s.step,
+            StepInputs {
+                tokens: &batch.tokens,
+                positions: &batch.positions,
+                base: cache.len(),
+                mask: &batch.mask,
+            },
+        );
+        let mut out = ForwardOutput::default();
+        if hidden_layers.is_empty() && rows <= RECORDED_ROWS {
+            let mut key = std::collections::hash_map::DefaultHasher::new();
+            (
+                s.id,
+                cache.buffers_id(),
+                rows,
+                matches!(batch.mask, AttnMask::Tree(_)),
+            )
+                .hash(&mut key);
+            (logit_rows, final_hidden).hash(&mut key);
+            be.replay_or_record(key.finish(), &mut || {
+                self.encode(cache, rows, logit_rows, final_hidden, s, &mut |_, _| {})
+            });
+        } else {
+            let mut keep = |l: usize, x: &B::Buffer| {
+                if hidden_layers.contains(&l) {
+                    out.hidden.push((l, be.download(x, rows * h)));
+                }
+            };
+            self.encode(cache, rows, logit_rows, final_hidden, s, &mut keep);
+        }
+        cache.advance(rows);
+        if final_hidden {
+            out.final_hidden = be.download(&s.xn, rows * h);
+        }
+        let n = match logit_rows {
+            LogitRows::All => rows,
+            LogitRows::Last => 1,
+            LogitRows::None => 0,
+        };
+        if n > 0 {
+            out.logits = be.download(&s.logits, n * self.hp.vocab);
+        }
+        out
+    }
+
+    /// The device work of a forward whose inputs are in `s.step`: the layers (each layer's residual stream is
+    /// shown to `after_layer`), then the final norm of every row into `s.xn` if `final_hidden`, and the logits
+    /// of the rows asked for into `s.logits`.
+    fn encode(
+        &self,
+        cache: &mut KvCache<B>,
+        rows: usize,
+        logit_rows: LogitRows,
+        final_hidden: bool,
+        s: &mut Scratch<B>,
+        after_layer: &mut dyn FnMut(usize, &B::Buffer),
+    ) {
+        let be = self.backend.as_ref();
+        let hp = &self.hp;
         let (h, hd) = (hp.hidden, hp.head_dim);
-        let base = cache.len();
         let shape = AttnShape {
             rows,
             n_heads: hp.n_heads,
             n_kv_heads: hp.n_kv_heads,
             head_dim: hd,
-            base,
             scale: 1.0 / (hd as f32).sqrt(),
         };
-        let mut out = ForwardOutput::default();
-
-        be.embed(&self.embed, &batch.tokens, &mut s.x);
+        let rope = Rope {
+            theta: hp.rope_theta,
+            style: hp.rope_style,
+        };
+        be.embed(&self.embed, &s.step, rows, &mut s.x);
         for (l, layer) in self.layers.iter().enumerate() {
             let (kc, vc) = (&mut cache.k[l], &mut cache.v[l]);
-            layer.run(
-                be,
-                hp,
-                hp.rope_style,
-                s,
-                &batch.positions,
-                kc,
-                vc,
-                shape,
-                &batch.mask,
-            );
-            if hidden_layers.contains(&l) {
-                out.hidden.push((l, be.download(&s.x, rows * h)));
+            layer.run(be, hp, rope, s, kc, vc, shape);
+            after_layer(l, &s.x);
+        }
+        let eps = hp.rms_eps;
+        if final_hidden {
+            be.rms_norm(&s.x, &self.output_norm, rows, h, eps, &mut s.xn);
+        }
+        let output = self.output.as_ref().unwrap_or(self.embed.as_ref());
+        match logit_rows {
+            LogitRows::None => {}
+            LogitRows::All => {
+                if !final_hidden {
+                    be.rms_norm(&s.x, &self.output_norm, rows, h, eps, &mut s.xn);
+                }
+                be.matmul(output, &s.xn, rows, &mut s.logits);
+            }
+            // The last row alone: moved to the front of `tmp` (normed there unless it already is).
+            LogitRows::Last if final_hidden => {
+                be.copy(&s.xn, (rows - 1) * h, &mut s.tmp, 0, h);
+                be.matmul(output, &s.tmp, 1, &mut s.logits);
+            }
+            LogitRows::Last => {
+                let last = if rows == 1 {
+                    &s.x
+                } else {
+                    be.copy(&s.x, (rows - 1) * h, &mut s.tmp, 0, h);
+                    &s.tmp
+                };
+                be.rms_norm(last, &self.output_norm, 1, h, eps, &mut s.xn);
+                be.matmul(output, &s.xn, 1, &mut s.logits);
             }
         }
-        cache.advance(rows);
-        if final_hidden {
-            be.rms_norm(&s.x, &self.output_norm, rows, h, hp.rms_eps, &mut s.xn);
-            out.final_hidden = be.download(&s.xn, rows * h);
-        }
-
-        let (first, n) = match logit_rows {
-            LogitRows::All => (0, rows),
-            LogitRows::Last => (rows - 1, 1),
-            LogitRows::None => return out,
-        };
-        // Rows from the first are normed in place (and already are when the final hidden states were asked
-        // for); the last row alone is moved to the front first.
-        if first > 0 {
-            be.copy(&s.x, first * h, &mut s.tmp, 0, n * h);
-            be.rms_norm(&s.tmp, &self.output_norm, n, h, hp.rms_eps, &mut s.xn);
-        } else if !final_hidden {
-            be.rms_norm(&s.x, &self.output_norm, n, h, hp.rms_eps, &mut s.xn);
-        }
-        be.matmul(
-            self.output.as_ref().unwrap_or(self.embed.as_ref()),
-            &s.xn,
-            n,
-            &mut s.logits,
-        );
-        out.logits = be.download(&s.logits, n * hp.vocab);
-        out
     }
 }
 
@@ -276,6 +331,8 @@ impl<B: Backend> Scratch<B> {
         let kvd = hp.n_kv_heads * hp.head_dim;
         Scratch {
             rows,
+            id: buffer_set_id(),
+            step: be.step(rows),
             x: be.buffer(rows * hp.hidden),
             xn: be.buffer(rows * hp.hidden),
             q: be.buffer(rows * qd),
@@ -283,9 +340,6 @@ impl<B: Backend> Scratch<B> {
             v: be.buffer(rows * kvd),
             tmp: be.buffer(rows * qd.max(hp.hidden)),
             attn: be.buffer(rows * qd),
-            proj: be.buffer(rows * hp.hidden),
-            gate: be.buffer(rows * hp.ffn_hidden),
-            up: be.buffer(rows * hp.ffn_hidden),
             act: be.buffer(rows * hp.ffn_hidden),
             logits: be.buffer(rows * vocab),
         }
@@ -336,28 +390,32 @@ impl<B: Backend> Layer<B> {
         })
     }
 
-    /// The block over `rows = shape.rows` rows of `s.x`, in place: attention (its K/V written to the cache
-    /// layer's slots `shape.base..`) and the MLP, each added to the residual stream.
+    /// The block over `rows = shape.rows` rows of `s.x`, in place, with its inputs in `s.step`: attention (its
+    /// K/V written to the cache layer's slots from the step's base) and the MLP, each added to the residual stream.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run(
         &self,
         be: &B,
         hp: &HParams,
-        rope: RopeStyle,
+        rope: Rope,
         s: &mut Scratch<B>,
-        positions: &[usize],
         k_cache: &mut B::Buffer,
         v_cache: &mut B::Buffer,
         shape: AttnShape,
-        mask: &AttnMask,
     ) {
         let rows = shape.rows;
-        let (h, hd) = (hp.hidden, hp.head_dim);
+        let hd = hp.head_dim;
         let (qd, kvd) = (hp.n_heads * hd, hp.n_kv_heads * hd);
-        be.rms_norm(&s.x, &self.attn_norm, rows, h, hp.rms_eps, &mut s.xn);
-        be.matmul(&self.q, &s.xn, rows, &mut s.q);
-        be.matmul(&self.k, &s.xn, rows, &mut s.k);
-        be.matmul(&self.v, &s.xn, rows, &mut s.v);
+        be.matmuls(
+            &s.x,
+            Some((&self.attn_norm, hp.rms_eps)),
+            rows,
+            &mut [
+                (&self.q, &mut s.q),
+                (&self.k, &mut s.k),
+                (&self.v, &mut s.v),
+            ],
+        );
         if let Some([bq, bk, bv]) = &self.qkv_bias {
             be.add_bias(&mut s.q, bq, rows, qd);
             be.add_bias(&mut s.k, bk, rows, kvd);
@@ -369,19 +427,20 @@ impl<B: Backend> Layer<B> {
             be.rms_norm(&s.k, nk, rows * hp.n_kv_heads, hd, hp.rms_eps, &mut s.tmp);
             be.copy(&s.tmp, 0, &mut s.k, 0, rows * kvd);
         }
-        be.rope(&mut s.q, positions, hp.n_heads, hd, hp.rope_theta, rope);
-        be.rope(&mut s.k, positions, hp.n_kv_heads, hd, hp.rope_theta, rope);
-        be.kv_write(k_cache, &s.k, shape.base, rows, kvd);
-        be.kv_write(v_cache, &s.v, shape.base, rows, kvd);
-        be.attention(&s.q, k_cache, v_cache, shape, mask, &mut s.attn);
-        be.matmul(&self.o, &s.attn, rows, &mut s.proj);
-        be.add_assign(&mut s.x, &s.proj, rows * h);
+        be.rope_and_cache(
+            &mut s.q, &mut s.k, &s.v, k_cache, v_cache, shape, rope, &s.step,
+        );
+        be.attention(&s.q, k_cache, v_cache, shape, &s.step, &mut s.attn);
+        be.matmul_add(&self.o, &s.attn, rows, &mut s.x);
 
-        be.rms_norm(&s.x, &self.ffn_norm, rows, h, hp.rms_eps, &mut s.xn);
-        be.matmul(&self.gate, &s.xn, rows, &mut s.gate);
-        be.matmul(&self.up, &s.xn, rows, &mut s.up);
-        be.swiglu(&s.gate, &s.up, rows * hp.ffn_hidden, &mut s.act);
-        be.matmul(&self.down, &s.act, rows, &mut s.proj);
-        be.add_assign(&mut s.x, &s.proj, rows * h);
+        be.swiglu_matmul(
+            &s.x,
+            Some((&self.ffn_norm, hp.rms_eps)),
+            rows,
+            &self.gate,
+            &self.up,
+            &mut s.act,
+        );
+        be.matmul_add(&self.down, &s.act, rows, &mut s.x);
     }
 }

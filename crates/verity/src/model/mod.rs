@@ -38,7 +38,7 @@ impl Batch {
 }
 
 /// Which rows get logits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum LogitRows {
     /// Every row (verify).
     All,

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use super::hparams::{HParams, RopeStyle};
 use super::llama::{Layer, Scratch};
 use super::Model;
-use crate::backend::{AttnMask, AttnShape, Backend};
+use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
 use crate::bundle::mtp::Fusion;
 use crate::bundle::{st_matrix, st_token_ids, st_vector, Bundle, MtpStatus, TensorKey};
 use crate::cache::KvCache;
@@ -259,7 +259,17 @@ impl<B: Backend> MtpHead<B> {
         let hp = &self.hp;
         let (rows, h) = (tokens.len(), hp.hidden);
         let eps = hp.rms_eps;
-        be.embed(&self.embed, tokens, &mut s.block.tmp);
+        let positions: Vec<usize> = (start..start + rows).collect();
+        be.set_step(
+            &mut s.block.step,
+            StepInputs {
+                tokens,
+                positions: &positions,
+                base: cache.len(),
+                mask: &AttnMask::Causal,
+            },
+        );
+        be.embed(&self.embed, &s.block.step, rows, &mut s.block.tmp);
         be.rms_norm(&s.block.tmp, &self.embedding_norm, rows, h, eps, &mut s.e);
         be.write(&mut s.h, hidden);
         be.rms_norm(&s.h, &self.hidden_norm, rows, h, eps, &mut s.hn);
@@ -273,32 +283,23 @@ impl<B: Backend> MtpHead<B> {
             }
             HeadFusion::Split { embedding, hidden } => {
                 be.matmul(embedding, &s.e, rows, &mut s.block.x);
-                be.matmul(hidden, &s.hn, rows, &mut s.block.proj);
-                be.add_assign(&mut s.block.x, &s.block.proj, rows * h);
+                be.matmul_add(hidden, &s.hn, rows, &mut s.block.x);
             }
         }
-        let positions: Vec<usize> = (start..start + rows).collect();
         let shape = AttnShape {
             rows,
             n_heads: hp.n_heads,
             n_kv_heads: hp.n_kv_heads,
             head_dim: hp.head_dim,
-            base: cache.len(),
             scale: 1.0 / (hp.head_dim as f32).sqrt(),
+        };
+        let rope = Rope {
+            theta: hp.rope_theta,
+            style: self.rope,
         };
         for (i, block) in self.blocks.iter().enumerate() {
             let (kc, vc) = (&mut cache.k[i], &mut cache.v[i]);
-            block.run(
-                be,
-                hp,
-                self.rope,
-                &mut s.block,
-                &positions,
-                kc,
-                vc,
-                shape,
-                &AttnMask::Causal,
-            );
+            block.run(be, hp, rope, &mut s.block, kc, vc, shape);
         }
         cache.advance(rows);
         be.rms_norm(&s.block.x, &self.final_norm, rows, h, eps, &mut s.block.xn);

@@ -8,12 +8,14 @@ use super::pool::{share, Pool, SharedOut};
 use super::simd::dot;
 use crate::backend::{AttnMask, AttnShape};
 
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
     pool: &Pool,
     q: &[f32],
     k_cache: &[f32],
     v_cache: &[f32],
     s: AttnShape,
+    base: usize,
     mask: &AttnMask,
     out: &mut [f32],
 ) {
@@ -21,9 +23,7 @@ pub fn attention(
     let q_dim = s.n_heads * hd;
     let kv_dim = s.n_kv_heads * hd;
     assert!(q.len() >= s.rows * q_dim && out.len() >= s.rows * q_dim);
-    assert!(
-        k_cache.len() >= (s.base + s.rows) * kv_dim && v_cache.len() >= (s.base + s.rows) * kv_dim
-    );
+    assert!(k_cache.len() >= (base + s.rows) * kv_dim && v_cache.len() >= (base + s.rows) * kv_dim);
     let out_ptr = SharedOut::new(out);
     pool.run(&|t| {
         SCRATCH.with(|cell| {
@@ -33,11 +33,11 @@ pub fn attention(
                 let kvh = h / group;
                 let qv = &q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd];
                 slots.clear();
-                slots.extend(0..s.base);
+                slots.extend(0..base);
                 slots.extend(
                     (0..s.rows)
                         .filter(|&j| mask.sees(s.rows, i, j))
-                        .map(|j| s.base + j),
+                        .map(|j| base + j),
                 );
                 scores.clear();
                 let mut max = f32::NEG_INFINITY;

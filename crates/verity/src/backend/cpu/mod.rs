@@ -13,14 +13,41 @@ pub mod simd;
 pub use matmul::Activations;
 use pool::Pool;
 
-use crate::backend::{AttnMask, AttnShape, Backend};
+use std::sync::Mutex;
+
+use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
 use crate::error::{Error, Result};
-use crate::model::hparams::RopeStyle;
 use crate::quant::QMatrix;
 
 pub struct CpuBackend {
     pool: Pool,
     activations: Activations,
+    /// Intermediate rows of the fused operations (grown once to the largest).
+    temps: Mutex<Temps>,
+}
+
+/// Where the fused operations keep what a device without fusion materialises: the normed input and up to two
+/// projections.
+#[derive(Default)]
+struct Temps {
+    normed: Vec<f32>,
+    a: Vec<f32>,
+    b: Vec<f32>,
+}
+
+fn at_least(v: &mut Vec<f32>, n: usize) -> &mut Vec<f32> {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    v
+}
+
+/// A forward's inputs, kept on the host.
+pub struct CpuStep {
+    tokens: Vec<u32>,
+    positions: Vec<usize>,
+    base: usize,
+    mask: AttnMask,
 }
 
 impl CpuBackend {
@@ -47,7 +74,11 @@ impl CpuBackend {
         };
         let pool = Pool::new(threads)
             .map_err(|e| Error::Invalid(format!("cannot start {threads} threads: {e}")))?;
-        Ok(CpuBackend { pool, activations })
+        Ok(CpuBackend {
+            pool,
+            activations,
+            temps: Mutex::new(Temps::default()),
+        })
     }
 
     pub fn threads(&self) -> usize {
@@ -57,11 +88,34 @@ impl CpuBackend {
     pub fn activations(&self) -> Activations {
         self.activations
     }
+
+    fn temps(&self) -> std::sync::MutexGuard<'_, Temps> {
+        self.temps.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `x`, or its RMS norm written into `normed`.
+    fn normed<'a>(
+        x: &'a [f32],
+        norm: Option<(&Vec<f32>, f32)>,
+        rows: usize,
+        normed: &'a mut Vec<f32>,
+    ) -> &'a [f32] {
+        match norm {
+            None => x,
+            Some((w, eps)) => {
+                let dim = w.len();
+                let out = at_least(normed, rows * dim);
+                ops::rms_norm(x, w, rows, dim, eps, out);
+                out
+            }
+        }
+    }
 }
 
 impl Backend for CpuBackend {
     type Buffer = Vec<f32>;
     type Matrix = QMatrix;
+    type Step = CpuStep;
 
     fn name(&self) -> String {
         format!(
@@ -96,15 +150,76 @@ impl Backend for CpuBackend {
         buf[..len].to_vec()
     }
 
-    fn embed(&self, table: &QMatrix, tokens: &[u32], out: &mut Vec<f32>) {
+    fn step(&self, max_rows: usize) -> CpuStep {
+        CpuStep {
+            tokens: Vec::with_capacity(max_rows),
+            positions: Vec::with_capacity(max_rows),
+            base: 0,
+            mask: AttnMask::Causal,
+        }
+    }
+
+    fn set_step(&self, step: &mut CpuStep, inputs: StepInputs) {
+        step.tokens.clear();
+        step.tokens.extend_from_slice(inputs.tokens);
+        step.positions.clear();
+        step.positions.extend_from_slice(inputs.positions);
+        step.base = inputs.base;
+        step.mask.clone_from(inputs.mask);
+    }
+
+    fn embed(&self, table: &QMatrix, step: &CpuStep, rows: usize, out: &mut Vec<f32>) {
         let d = table.cols;
-        for (r, &t) in tokens.iter().enumerate() {
+        for (r, &t) in step.tokens[..rows].iter().enumerate() {
             table.dequantize_row(t as usize, &mut out[r * d..(r + 1) * d]);
         }
     }
 
     fn matmul(&self, w: &QMatrix, x: &Vec<f32>, rows: usize, out: &mut Vec<f32>) {
         matmul::matmul(&self.pool, self.activations, w, x, rows, out)
+    }
+
+    fn matmul_add(&self, w: &QMatrix, x: &Vec<f32>, rows: usize, out: &mut Vec<f32>) {
+        let n = rows * w.rows;
+        let mut t = self.temps();
+        let sums = at_least(&mut t.a, n);
+        matmul::matmul(&self.pool, self.activations, w, x, rows, sums);
+        for (a, &b) in out[..n].iter_mut().zip(sums.iter()) {
+            *a += b;
+        }
+    }
+
+    fn matmuls(
+        &self,
+        x: &Vec<f32>,
+        norm: Option<(&Vec<f32>, f32)>,
+        rows: usize,
+        outs: &mut [(&QMatrix, &mut Vec<f32>)],
+    ) {
+        let mut t = self.temps();
+        let x = Self::normed(x, norm, rows, &mut t.normed);
+        for (w, out) in outs.iter_mut() {
+            matmul::matmul(&self.pool, self.activations, w, x, rows, out);
+        }
+    }
+
+    fn swiglu_matmul(
+        &self,
+        x: &Vec<f32>,
+        norm: Option<(&Vec<f32>, f32)>,
+        rows: usize,
+        gate: &QMatrix,
+        up: &QMatrix,
+        out: &mut Vec<f32>,
+    ) {
+        let n = rows * gate.rows;
+        let mut t = self.temps();
+        let Temps { normed, a, b } = &mut *t;
+        let x = Self::normed(x, norm, rows, normed);
+        let (g, u) = (at_least(a, n), at_least(b, n));
+        matmul::matmul(&self.pool, self.activations, gate, x, rows, g);
+        matmul::matmul(&self.pool, self.activations, up, x, rows, u);
+        ops::swiglu(&g[..n], &u[..n], &mut out[..n]);
     }
 
     fn add_bias(&self, x: &mut Vec<f32>, bias: &Vec<f32>, rows: usize, dim: usize) {
@@ -127,27 +242,25 @@ impl Backend for CpuBackend {
         ops::rms_norm(x, w, rows, dim, eps, out)
     }
 
-    fn rope(
+    fn rope_and_cache(
         &self,
-        x: &mut Vec<f32>,
-        positions: &[usize],
-        n_heads: usize,
-        head_dim: usize,
-        theta: f32,
-        style: RopeStyle,
+        q: &mut Vec<f32>,
+        k: &mut Vec<f32>,
+        v: &Vec<f32>,
+        k_cache: &mut Vec<f32>,
+        v_cache: &mut Vec<f32>,
+        shape: AttnShape,
+        rope: Rope,
+        step: &CpuStep,
     ) {
-        ops::rope(x, positions, n_heads, head_dim, theta, style)
-    }
-
-    fn kv_write(
-        &self,
-        cache: &mut Vec<f32>,
-        src: &Vec<f32>,
-        slot: usize,
-        rows: usize,
-        kv_dim: usize,
-    ) {
-        cache[slot * kv_dim..(slot + rows) * kv_dim].copy_from_slice(&src[..rows * kv_dim]);
+        let (rows, hd) = (shape.rows, shape.head_dim);
+        let positions = &step.positions[..rows];
+        ops::rope(q, positions, shape.n_heads, hd, rope.theta, rope.style);
+        ops::rope(k, positions, shape.n_kv_heads, hd, rope.theta, rope.style);
+        let kv_dim = shape.n_kv_heads * hd;
+        let slots = step.base * kv_dim..(step.base + rows) * kv_dim;
+        k_cache[slots.clone()].copy_from_slice(&k[..rows * kv_dim]);
+        v_cache[slots].copy_from_slice(&v[..rows * kv_dim]);
     }
 
     fn attention(
@@ -156,20 +269,10 @@ impl Backend for CpuBackend {
         k: &Vec<f32>,
         v: &Vec<f32>,
         shape: AttnShape,
-        mask: &AttnMask,
+        step: &CpuStep,
         out: &mut Vec<f32>,
     ) {
-        attention::attention(&self.pool, q, k, v, shape, mask, out)
-    }
-
-    fn swiglu(&self, gate: &Vec<f32>, up: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
-        ops::swiglu(&gate[..len], &up[..len], &mut out[..len])
-    }
-
-    fn add_assign(&self, x: &mut Vec<f32>, y: &Vec<f32>, len: usize) {
-        for (a, &b) in x[..len].iter_mut().zip(&y[..len]) {
-            *a += b;
-        }
+        attention::attention(&self.pool, q, k, v, shape, step.base, &step.mask, out)
     }
 
     fn copy(&self, src: &Vec<f32>, src_off: usize, dst: &mut Vec<f32>, dst_off: usize, len: usize) {

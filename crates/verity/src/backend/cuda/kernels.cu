@@ -1,9 +1,11 @@
 // verity's CUDA kernels, compiled at load by NVRTC. Every kernel computes each activation row through the same
 // sequence of operations whatever the number of rows in the launch, so a W-row verify is row-exact against the
-// one-row step.
+// one-row step. Per-forward inputs (token ids, positions, the first new cache slot, the mask) are read from the
+// step buffer, never passed by value, so a recorded forward replays with new inputs.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
+typedef unsigned int u32;
 
 // GGML block types (the values of verity's `GgmlType` tags passed from the host).
 #define T_F32 0
@@ -13,14 +15,35 @@ typedef unsigned short u16;
 #define T_Q4_1 4
 #define T_Q8_0 5
 
-#define MAX_ROWS 8
+// Rows one projection launch covers.
+#define MAX_ROWS 16
 
 #define NEG_INF __int_as_float(0xff800000)
 
+// The step buffer: int header {base, rows, tree, 0}, then u32 tokens[cap], int positions[cap], u8 mask[cap * cap]
+// (row-major, written only for tree masks).
+struct Step {
+    int base, rows, tree;
+    const u32* tokens;
+    const int* positions;
+    const u8* mask;
+};
+
+__device__ __forceinline__ Step read_step(const int* s, int cap) {
+    Step st;
+    st.base = s[0];
+    st.rows = s[1];
+    st.tree = s[2];
+    st.tokens = (const u32*)(s + 4);
+    st.positions = s + 4 + cap;
+    st.mask = (const u8*)(s + 4 + 2 * cap);
+    return st;
+}
+
 // IEEE half to float by bits (no cuda_fp16.h needed under NVRTC).
-__device__ __forceinline__ float f16_to_f32(u16 h) {
-    unsigned int sign = ((unsigned int)h & 0x8000u) << 16;
-    unsigned int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+__device__ __forceinline__ float f16_to_f32(u32 h) {
+    u32 sign = (h & 0x8000u) << 16;
+    u32 e = (h >> 10) & 0x1f, m = h & 0x3ff;
     if (e == 0) {
         float f = m * 5.9604644775390625e-8f;  // subnormal: m * 2^-24
         return sign ? -f : f;
@@ -29,115 +52,95 @@ __device__ __forceinline__ float f16_to_f32(u16 h) {
     return __uint_as_float(sign | ((e + 112) << 23) | (m << 13));
 }
 
-__device__ __forceinline__ float bf16_to_f32(u16 h) {
-    return __uint_as_float(((unsigned int)h) << 16);
-}
-
-__device__ __forceinline__ u16 ld16(const u8* p) {
-    return (u16)p[0] | ((u16)p[1] << 8);
+__device__ __forceinline__ float bf16_to_f32(u32 h) {
+    return __uint_as_float((h & 0xffffu) << 16);
 }
 
 // Bytes of one 32-value block.
-__device__ __forceinline__ int block_bytes(int ty) {
+__host__ __device__ constexpr int block_bytes(int ty) {
+    return ty == T_F32 ? 128 : ty == T_F16 || ty == T_BF16 ? 64 : ty == T_Q4_0 ? 18 : ty == T_Q4_1 ? 20 : 34;
+}
+
+// Decode block `b` of a row into v[32], with the widest loads the block's alignment allows (rows start at
+// multiples of the row size; Q4_1 blocks are 4-byte aligned, Q4_0 and Q8_0 2-byte aligned).
+template <int TY>
+__device__ __forceinline__ void decode(const u8* row, int b, float* v) {
+    const u8* p = row + (size_t)b * block_bytes(TY);
+    if (TY == T_F32) {
+        const float4* f = (const float4*)p;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            float4 q = f[j];
+            v[4 * j] = q.x;
+            v[4 * j + 1] = q.y;
+            v[4 * j + 2] = q.z;
+            v[4 * j + 3] = q.w;
+        }
+    } else if (TY == T_F16 || TY == T_BF16) {
+        const uint4* f = (const uint4*)p;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            uint4 q = f[j];
+            u32 w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+            for (int t = 0; t < 4; t++) {
+                v[8 * j + 2 * t] = TY == T_F16 ? f16_to_f32(w[t] & 0xffff) : bf16_to_f32(w[t]);
+                v[8 * j + 2 * t + 1] = TY == T_F16 ? f16_to_f32(w[t] >> 16) : bf16_to_f32(w[t] >> 16);
+            }
+        }
+    } else if (TY == T_Q4_0) {
+        const u16* h = (const u16*)p;
+        float d = f16_to_f32(h[0]);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            u32 q = h[1 + j];
+            v[2 * j] = ((int)(q & 15) - 8) * d;
+            v[2 * j + 16] = ((int)((q >> 4) & 15) - 8) * d;
+            v[2 * j + 1] = ((int)((q >> 8) & 15) - 8) * d;
+            v[2 * j + 17] = ((int)(q >> 12) - 8) * d;
+        }
+    } else if (TY == T_Q4_1) {
+        const u32* w = (const u32*)p;
+        u32 dm = w[0];
+        float d = f16_to_f32(dm & 0xffff), m = f16_to_f32(dm >> 16);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            u32 q = w[1 + j];
+#pragma unroll
+            for (int t = 0; t < 4; t++) {
+                u32 byte = (q >> (8 * t)) & 0xff;
+                v[4 * j + t] = (byte & 15) * d + m;
+                v[4 * j + t + 16] = (byte >> 4) * d + m;
+            }
+        }
+    } else {
+        const u16* h = (const u16*)p;
+        float d = f16_to_f32(h[0]);
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            u32 q = h[1 + j];
+            v[2 * j] = (float)(signed char)(q & 0xff) * d;
+            v[2 * j + 1] = (float)(signed char)(q >> 8) * d;
+        }
+    }
+}
+
+// Dynamic-type decode for the embedding lookup (one row per token, not on the hot path).
+__device__ __forceinline__ void decode_any(int ty, const u8* row, int b, float* v) {
     switch (ty) {
-        case T_F32: return 128;
-        case T_F16: return 64;
-        case T_BF16: return 64;
-        case T_Q4_0: return 18;
-        case T_Q4_1: return 20;
-        default: return 34;  // Q8_0
+        case T_F32: decode<T_F32>(row, b, v); break;
+        case T_F16: decode<T_F16>(row, b, v); break;
+        case T_BF16: decode<T_BF16>(row, b, v); break;
+        case T_Q4_0: decode<T_Q4_0>(row, b, v); break;
+        case T_Q4_1: decode<T_Q4_1>(row, b, v); break;
+        default: decode<T_Q8_0>(row, b, v);
     }
 }
 
-// Decode block `b` of a row into v[32].
-__device__ __forceinline__ void decode(int ty, const u8* row, int b, float* v) {
-    const u8* p = row + (size_t)b * block_bytes(ty);
-    switch (ty) {
-        case T_F32: {
-            const float* f = (const float*)p;
-            for (int j = 0; j < 32; j++) v[j] = f[j];
-            break;
-        }
-        case T_F16:
-            for (int j = 0; j < 32; j++) v[j] = f16_to_f32(ld16(p + 2 * j));
-            break;
-        case T_BF16:
-            for (int j = 0; j < 32; j++) v[j] = bf16_to_f32(ld16(p + 2 * j));
-            break;
-        case T_Q4_0: {
-            float d = f16_to_f32(ld16(p));
-            for (int j = 0; j < 16; j++) {
-                u8 q = p[2 + j];
-                v[j] = ((int)(q & 15) - 8) * d;
-                v[j + 16] = ((int)(q >> 4) - 8) * d;
-            }
-            break;
-        }
-        case T_Q4_1: {
-            float d = f16_to_f32(ld16(p)), m = f16_to_f32(ld16(p + 2));
-            for (int j = 0; j < 16; j++) {
-                u8 q = p[4 + j];
-                v[j] = (q & 15) * d + m;
-                v[j + 16] = (q >> 4) * d + m;
-            }
-            break;
-        }
-        default: {
-            float d = f16_to_f32(ld16(p));
-            for (int j = 0; j < 32; j++) v[j] = (float)(signed char)p[2 + j] * d;
-        }
-    }
-}
-
-// out[r * n + col] = sum_k x[r * k + kk] * w[col, kk] for rows r in [0, rows) (rows <= MAX_ROWS).
-// One warp per output column: lane l takes blocks l, l + 32, ... in order, decodes each once and applies it to
-// every row; the 32 partial sums are reduced in a fixed butterfly. A row's arithmetic never depends on `rows`.
-extern "C" __global__ void matmul(const u8* w, int ty, int n, int k, const float* x, int rows, float* out) {
-    int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    int lane = threadIdx.x & 31;
-    if (warp >= n) return;
-    int nb = k / 32;
-    const u8* row = w + (size_t)warp * nb * block_bytes(ty);
-    float acc[MAX_ROWS];
-    for (int r = 0; r < MAX_ROWS; r++) acc[r] = 0.f;
-    float v[32];
-    for (int b = lane; b < nb; b += 32) {
-        decode(ty, row, b, v);
-        for (int r = 0; r < MAX_ROWS; r++) {
-            if (r < rows) {
-                const float* xr = x + (size_t)r * k + b * 32;
-                float s = 0.f;
-                for (int j = 0; j < 32; j++) s = fmaf(v[j], xr[j], s);
-                acc[r] += s;
-            }
-        }
-    }
-    for (int r = 0; r < MAX_ROWS; r++) {
-        if (r < rows) {
-            float s = acc[r];
-            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-            if (lane == 0) out[(size_t)r * n + warp] = s;
-        }
-    }
-}
-
-// out[r, :] = table row tokens[r] (one block of threads per row, one thread per 32-value block).
-extern "C" __global__ void embed(const u8* w, int ty, int k, const unsigned int* tokens, float* out) {
-    int r = blockIdx.x;
-    int nb = k / 32;
-    const u8* row = w + (size_t)tokens[r] * nb * block_bytes(ty);
-    float v[32];
-    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
-        decode(ty, row, b, v);
-        for (int j = 0; j < 32; j++) out[(size_t)r * k + b * 32 + j] = v[j];
-    }
-}
-
-// RMS norm of each dim-long row (one block of 256 threads per row; fixed reduction tree).
-extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, float eps, float* out) {
-    __shared__ float part[256];
-    int r = blockIdx.x;
-    const float* xr = x + (size_t)r * dim;
+// 1 / sqrt(mean(x^2) + eps) of one dim-long row, by a block of 256 threads: strided partial sums, then a fixed
+// tree in `part` (256 floats). The one definition of the norm's scale: the rms_norm kernel and the norm fused
+// into the projections compute bitwise the same normed rows.
+__device__ __forceinline__ float rms_scale(const float* xr, int dim, float eps, float* part) {
     float s = 0.f;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) s = fmaf(xr[i], xr[i], s);
     part[threadIdx.x] = s;
@@ -147,92 +150,282 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, flo
         __syncthreads();
     }
     float scale = rsqrtf(part[0] / dim + eps);
+    __syncthreads();  // `part` may be reused at once
+    return scale;
+}
+
+// The projection kernel's blocks: MM_WARPS warps, each owning whole output columns (lane l takes the column's
+// weight blocks l, l + 32, ...), all applying each decoded block to the block's group of up to ROWS_PER_GROUP
+// rows. The group's rows of x are staged once in shared memory, each 32-value block padded to XPAD floats so
+// that 32 lanes reading 32 different blocks hit distinct banks.
+#define MM_WARPS 8
+#define ROWS_PER_GROUP 8
+#define XPAD 36
+
+// One output column for the staged rows: acc[r] = sum over the lane's blocks of 32 fused multiply-adds in index
+// order, then a fixed butterfly over the warp. Every lane returns the column's sums.
+template <int TY>
+__device__ __forceinline__ void column(const u8* row, int nb, int lane, const float* xs, int rn,
+                                       float (&acc)[ROWS_PER_GROUP]) {
+    float v[32];
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_GROUP; r++) acc[r] = 0.f;
+    for (int b = lane; b < nb; b += 32) {
+        decode<TY>(row, b, v);
+#pragma unroll
+        for (int r = 0; r < ROWS_PER_GROUP; r++) {
+            if (r < rn) {
+                const float4* xr = (const float4*)(xs + ((size_t)r * nb + b) * XPAD);
+                float s = 0.f;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    float4 a = xr[j];
+                    s = fmaf(v[4 * j], a.x, s);
+                    s = fmaf(v[4 * j + 1], a.y, s);
+                    s = fmaf(v[4 * j + 2], a.z, s);
+                    s = fmaf(v[4 * j + 3], a.w, s);
+                }
+                acc[r] += s;
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_GROUP; r++) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+    }
+}
+
+__device__ __forceinline__ void column_any(int ty, const u8* row, int nb, int lane, const float* xs, int rn,
+                                           float (&acc)[ROWS_PER_GROUP]) {
+    switch (ty) {
+        case T_F32: column<T_F32>(row, nb, lane, xs, rn, acc); break;
+        case T_F16: column<T_F16>(row, nb, lane, xs, rn, acc); break;
+        case T_BF16: column<T_BF16>(row, nb, lane, xs, rn, acc); break;
+        case T_Q4_0: column<T_Q4_0>(row, nb, lane, xs, rn, acc); break;
+        case T_Q4_1: column<T_Q4_1>(row, nb, lane, xs, rn, acc); break;
+        default: column<T_Q8_0>(row, nb, lane, xs, rn, acc);
+    }
+}
+
+// One to three projections of the same input x (rows <= MAX_ROWS rows of k values), or of its RMS norm when
+// norm_w is non-null (computed exactly as the rms_norm kernel does: 256 strided partial sums, a fixed tree):
+// o_m[r * n_m + c] (+)= sum_kk x[r * k + kk] * w_m[c, kk], with `accumulate` adding the finished sum to o_m.
+// With `glu`, w0 and w1 are the gate and up projections (n0 == n1) and o0[r * n0 + c] = silu(gate) * up.
+// Grid: (column tiles of MM_WARPS * cols_per_warp columns, row groups). A row's arithmetic never depends on
+// `rows` or on the grid.
+extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumulate, const float* norm_w,
+                                   float eps, int glu, int cols_per_warp,
+                                   const u8* w0, int ty0, int n0, float* o0,
+                                   const u8* w1, int ty1, int n1, float* o1,
+                                   const u8* w2, int ty2, int n2, float* o2) {
+    extern __shared__ float xs[];
+    __shared__ float part[256];
+    int nb = k / 32;
+    int r0 = blockIdx.y * ROWS_PER_GROUP;
+    int rn = min(ROWS_PER_GROUP, rows - r0);
+    for (int r = 0; r < rn; r++) {
+        const float* xr = x + (size_t)(r0 + r) * k;
+        float* sr = xs + (size_t)r * nb * XPAD;
+        float scale = norm_w ? rms_scale(xr, k, eps, part) : 1.f;
+        for (int i = threadIdx.x; i < k; i += blockDim.x)
+            sr[(i >> 5) * XPAD + (i & 31)] = norm_w ? xr[i] * scale * norm_w[i] : xr[i];
+    }
+    __syncthreads();
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int total = glu ? n0 : n0 + n1 + n2;
+    for (int c = 0; c < cols_per_warp; c++) {
+        int col = (blockIdx.x * MM_WARPS + warp) * cols_per_warp + c;
+        if (col >= total) break;  // uniform across the warp
+        const u8* w = w0;
+        int ty = ty0, n = n0;
+        float* o = o0;
+        if (!glu && col >= n0 + n1) {
+            col -= n0 + n1; w = w2; ty = ty2; n = n2; o = o2;
+        } else if (!glu && col >= n0) {
+            col -= n0; w = w1; ty = ty1; n = n1; o = o1;
+        }
+        float acc[ROWS_PER_GROUP];
+        column_any(ty, w + (size_t)col * nb * block_bytes(ty), nb, lane, xs, rn, acc);
+        if (glu) {
+            float up[ROWS_PER_GROUP];
+            column_any(ty1, w1 + (size_t)col * nb * block_bytes(ty1), nb, lane, xs, rn, up);
+#pragma unroll
+            for (int r = 0; r < ROWS_PER_GROUP; r++) acc[r] = acc[r] / (1.f + __expf(-acc[r])) * up[r];
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < ROWS_PER_GROUP; r++) {
+                if (r < rn) {
+                    float* dst = o + (size_t)(r0 + r) * n + col;
+                    *dst = accumulate ? *dst + acc[r] : acc[r];
+                }
+            }
+        }
+    }
+}
+
+// out[r, :] = table row step.tokens[r] (one block of threads per row, one thread per 32-value block).
+extern "C" __global__ void embed(const u8* w, int ty, int k, const int* step, int cap, float* out) {
+    Step st = read_step(step, cap);
+    int r = blockIdx.x;
+    int nb = k / 32;
+    const u8* row = w + (size_t)st.tokens[r] * nb * block_bytes(ty);
+    float v[32];
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+        decode_any(ty, row, b, v);
+        for (int j = 0; j < 32; j++) out[(size_t)r * k + b * 32 + j] = v[j];
+    }
+}
+
+// RMS norm of each dim-long row (one block of 256 threads per row).
+extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, float eps, float* out) {
+    __shared__ float part[256];
+    int r = blockIdx.x;
+    const float* xr = x + (size_t)r * dim;
+    float scale = rms_scale(xr, dim, eps, part);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) out[(size_t)r * dim + i] = xr[i] * scale * w[i];
 }
 
-// Rotate pairs of each head by the row's angles: cs[r * half + i] = (cos, sin) computed on the host.
-extern "C" __global__ void rope(float* x, const float2* cs, int n_heads, int head_dim, int interleaved, int total) {
+// RoPE of every Q head (in place) and K head (into the cache slot step.base + r), and V copied to its slot.
+// Threads [0, rows * (n_heads + n_kv_heads) * half) rotate one pair each; the next rows * kv_dim copy V. The
+// angle is computed in double precision and rounded once, as the host's `rope_angle` does.
+extern "C" __global__ void rope_and_cache(float* q, const float* k, const float* v, float* kc, float* vc,
+                                          int rows, int n_heads, int n_kv_heads, int head_dim, float theta,
+                                          int interleaved, const int* step, int cap) {
+    Step st = read_step(step, cap);
     int t = blockIdx.x * blockDim.x + threadIdx.x;
     int half = head_dim / 2;
-    if (t >= total) return;
+    int heads = n_heads + n_kv_heads;
+    int kv_dim = n_kv_heads * head_dim;
+    int rotations = rows * heads * half;
+    if (t >= rotations) {
+        t -= rotations;
+        if (t < rows * kv_dim) {
+            int r = t / kv_dim;
+            vc[(size_t)(st.base + r) * kv_dim + t % kv_dim] = v[t];
+        }
+        return;
+    }
     int i = t % half;
-    int h = (t / half) % n_heads;
-    int r = t / (half * n_heads);
-    float2 c = cs[r * half + i];
-    float* head = x + ((size_t)r * n_heads + h) * head_dim;
-    int a = interleaved ? 2 * i : i;
-    int b = interleaved ? 2 * i + 1 : i + half;
-    float x0 = head[a], x1 = head[b];
-    head[a] = x0 * c.x - x1 * c.y;
-    head[b] = x0 * c.y + x1 * c.x;
+    int h = (t / half) % heads;
+    int r = t / (half * heads);
+    double a = (double)st.positions[r] * pow((double)theta, -2.0 * i / (double)head_dim);
+    float c = (float)cos(a), s = (float)sin(a);
+    int ia = interleaved ? 2 * i : i;
+    int ib = interleaved ? 2 * i + 1 : i + half;
+    if (h < n_heads) {
+        float* head = q + ((size_t)r * n_heads + h) * head_dim;
+        float x0 = head[ia], x1 = head[ib];
+        head[ia] = x0 * c - x1 * s;
+        head[ib] = x0 * s + x1 * c;
+    } else {
+        h -= n_heads;
+        const float* head = k + ((size_t)r * n_kv_heads + h) * head_dim;
+        float* dst = kc + (size_t)(st.base + r) * kv_dim + h * head_dim;
+        float x0 = head[ia], x1 = head[ib];
+        dst[ia] = x0 * c - x1 * s;
+        dst[ib] = x0 * s + x1 * c;
+    }
 }
 
-// Attention of row i, head h over committed slots [0, base) and the batch rows it sees (causal, or `mask` when
-// non-null). One block per (row, head); scores in dynamic shared memory; every sum in a fixed order.
+// Attention of row i, head h over committed slots [0, base) and the batch rows it sees (causal, or the step's
+// tree mask). One block of ATT_WARPS warps per (row, head). Every slot's place in every sum depends on the slot
+// alone, never on the number of slots, so a row's sums run in the same order alone or in a batch (slots it does
+// not see add exact zeros). Scores: slot j by thread j % ATT_THREADS. Softmax: strided per-thread maxima and
+// sums, then fixed trees. Values: slot j by warp j % ATT_WARPS, in order, lanes owning dims; the warps'
+// partials are added in warp order. Dynamic shared memory holds one score per cache slot.
+#define ATT_WARPS 8
+#define ATT_THREADS (ATT_WARPS * 32)
+#define MAX_HEAD_DIM 256
+
 extern "C" __global__ void attention(const float* q, const float* kc, const float* vc, int rows, int n_heads,
-                                     int n_kv_heads, int head_dim, int base, float scale, const u8* mask,
+                                     int n_kv_heads, int head_dim, float scale, const int* step, int cap,
                                      float* out) {
     extern __shared__ float sh[];
-    __shared__ float red[128];
+    __shared__ float red[ATT_THREADS];
+    Step st = read_step(step, cap);
+    int base = st.base;
     int i = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
     int kvh = h / (n_heads / n_kv_heads);
     int kv_dim = n_kv_heads * head_dim;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const float* qv = q + ((size_t)i * n_heads + h) * head_dim;
+    const float* kh = kc + kvh * head_dim;
+    const float* vh = vc + kvh * head_dim;
     int n = base + rows;
-    // Scores (-inf where not visible).
-    for (int j = threadIdx.x; j < n; j += blockDim.x) {
-        bool sees = j < base || (mask ? mask[i * rows + (j - base)] != 0 : (j - base) <= i);
+    // Scores: one slot per thread at a time, a full dot product each (many independent loads in flight).
+    for (int j = threadIdx.x; j < n; j += ATT_THREADS) {
+        bool sees = j < base || (st.tree ? st.mask[i * rows + (j - base)] != 0 : (j - base) <= i);
         float s = NEG_INF;
         if (sees) {
-            const float* kv = kc + (size_t)j * kv_dim + kvh * head_dim;
+            const float* kv = kh + (size_t)j * kv_dim;
             float d = 0.f;
-            for (int e = 0; e < head_dim; e++) d = fmaf(qv[e], kv[e], d);
+            if ((head_dim & 3) == 0) {
+                const float4* k4 = (const float4*)kv;
+                const float4* q4 = (const float4*)qv;
+                for (int e = 0; e < head_dim / 4; e++) {
+                    float4 a = q4[e], b = k4[e];
+                    d = fmaf(a.x, b.x, d);
+                    d = fmaf(a.y, b.y, d);
+                    d = fmaf(a.z, b.z, d);
+                    d = fmaf(a.w, b.w, d);
+                }
+            } else {
+                for (int e = 0; e < head_dim; e++) d = fmaf(qv[e], kv[e], d);
+            }
             s = d * scale;
         }
         sh[j] = s;
     }
     __syncthreads();
-    // Max over slots: per-thread strided maxima, then a fixed tree.
     float m = NEG_INF;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, sh[j]);
+    for (int j = threadIdx.x; j < n; j += ATT_THREADS) m = fmaxf(m, sh[j]);
     red[threadIdx.x] = m;
     __syncthreads();
-    for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+    for (int o = ATT_THREADS / 2; o > 0; o >>= 1) {
         if (threadIdx.x < o) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + o]);
         __syncthreads();
     }
     m = red[0];
     __syncthreads();
-    for (int j = threadIdx.x; j < n; j += blockDim.x) sh[j] = sh[j] == NEG_INF ? 0.f : __expf(sh[j] - m);
-    __syncthreads();
     float t = 0.f;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) t += sh[j];
+    for (int j = threadIdx.x; j < n; j += ATT_THREADS) {
+        float p = sh[j] == NEG_INF ? 0.f : __expf(sh[j] - m);
+        sh[j] = p;
+        t += p;
+    }
     red[threadIdx.x] = t;
     __syncthreads();
-    for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+    for (int o = ATT_THREADS / 2; o > 0; o >>= 1) {
         if (threadIdx.x < o) red[threadIdx.x] += red[threadIdx.x + o];
         __syncthreads();
     }
     float inv = 1.f / red[0];
-    // Output: each thread owns dims e, summing slots in order.
-    for (int e = threadIdx.x; e < head_dim; e += blockDim.x) {
-        float acc = 0.f;
-        for (int j = 0; j < n; j++) acc = fmaf(sh[j], vc[(size_t)j * kv_dim + kvh * head_dim + e], acc);
-        out[((size_t)i * n_heads + h) * head_dim + e] = acc * inv;
+    float acc[MAX_HEAD_DIM / 32];
+#pragma unroll
+    for (int mm = 0; mm < MAX_HEAD_DIM / 32; mm++) acc[mm] = 0.f;
+    for (int j = warp; j < n; j += ATT_WARPS) {
+        float p = sh[j];
+        const float* vv = vh + (size_t)j * kv_dim;
+#pragma unroll
+        for (int mm = 0; mm < MAX_HEAD_DIM / 32; mm++) {
+            int e = lane + 32 * mm;
+            if (e < head_dim) acc[mm] = fmaf(p, vv[e], acc[mm]);
+        }
     }
-}
-
-extern "C" __global__ void swiglu(const float* g, const float* u, int n, float* out) {
-    int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t < n) {
-        float x = g[t];
-        out[t] = x / (1.f + __expf(-x)) * u[t];
+    __syncthreads();  // every warp is done with the scores: their memory takes the partial sums
+#pragma unroll
+    for (int mm = 0; mm < MAX_HEAD_DIM / 32; mm++) {
+        int e = lane + 32 * mm;
+        if (e < head_dim) sh[warp * head_dim + e] = acc[mm];
     }
-}
-
-extern "C" __global__ void add_assign(float* x, const float* y, int n) {
-    int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t < n) x[t] += y[t];
+    __syncthreads();
+    for (int e = threadIdx.x; e < head_dim; e += ATT_THREADS) {
+        float o = 0.f;
+        for (int w = 0; w < ATT_WARPS; w++) o += sh[w * head_dim + e];
+        out[((size_t)i * n_heads + h) * head_dim + e] = o * inv;
+    }
 }
 
 extern "C" __global__ void add_bias(float* x, const float* b, int dim, int n) {

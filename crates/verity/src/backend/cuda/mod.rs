@@ -3,33 +3,55 @@
 //! the driver loaded at run time — so the build needs no CUDA toolkit, and a machine without a GPU gets a clear
 //! error instead of a link failure.
 //!
-//! Row-exactness: the matmul gives each output column to one warp that decodes each weight block once and
-//! applies it to every row of the launch (up to `MAX_ROWS`, larger batches in chunks), each row's sums in a
-//! fixed order; attention, norms and RoPE are per row. So a W-row verify gives each row bitwise the one-row
-//! step's result on this backend.
+//! Row-exactness: a projection block stages its group of up to 8 rows of x in shared memory and gives each
+//! output column to one warp, whose lanes decode each weight block once and apply it to every staged row, each
+//! row's sums in a fixed order; a fused RMS norm computes each row exactly as the `rms_norm` kernel does;
+//! attention, RoPE and norms are per row, with every slot's place in every sum fixed by the slot alone. So a
+//! W-row verify gives each row bitwise the one-row step's result on this backend.
 //!
-//! This is the first, correctness-first version: one launch per operation, no CUDA graphs, no fused small ops,
-//! no tensor-core or vectorized weight loads, GGML F32/F16/BF16/Q4_0/Q4_1/Q8_0 weights only (K-quants and MLX
-//! affine are refused at load). The `Backend` operations cannot fail, so a device error after load panics
-//! with the driver's message.
+//! Launch overhead: a decode step is ~190 small kernels, so launching them one by one costs more than running
+//! some of them. Every op reads its per-forward inputs (tokens, positions, first slot, mask) from a
+//! device-resident step written by one copy, so a forward is recorded once as a CUDA graph per key (width,
+//! buffers) and replayed. Fusions: the Q/K/V projections with their input norm in one launch, the gate/up
+//! projections with their norm and the SwiGLU in one, RoPE with the cache write, and the output projections
+//! adding into the residual stream.
+//!
+//! Not yet: tensor-core GEMM for long prefills, K-quant and MLX-affine weights (refused at load), fused norms.
+//! The `Backend` operations cannot fail, so a device error after load panics with the driver's message.
 
-use std::sync::Arc;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
 
+use cudarc::driver::sys::{
+    CUdevice_attribute, CUfunction_attribute, CUgraphInstantiate_flags, CUstreamCaptureMode,
+};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 
-use crate::backend::{AttnMask, AttnShape, Backend};
+use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
 use crate::error::{Error, Result};
 use crate::model::hparams::RopeStyle;
 use crate::quant::{GgmlType, QMatrix, WeightFormat};
 
 const SOURCE: &str = include_str!("kernels.cu");
 /// Rows per matmul launch (the kernel's `MAX_ROWS`).
-const MAX_ROWS: usize = 8;
-/// Dynamic shared memory of one attention block (the default limit without opting in to more).
-const ATTENTION_SHARED_BYTES: usize = 48 * 1024;
+const MAX_ROWS: usize = 16;
+/// The projection kernel's geometry (`kernels.cu`): warps per block, rows staged per block, floats per staged
+/// 32-value block, and its static shared memory.
+const MM_WARPS: usize = 8;
+const ROWS_PER_GROUP: usize = 8;
+const XPAD: usize = 36;
+const MATMUL_STATIC_BYTES: usize = 256 * 4;
+/// Matrices with at least this many output columns give each warp 4 columns (fewer blocks staging x).
+const WIDE_COLUMNS: usize = 16_384;
+/// Static shared memory of the attention kernel (its reduction array), and the floats of its value partials
+/// (`ATT_WARPS` × `MAX_HEAD_DIM`), which reuse the scores' memory.
+const ATTENTION_STATIC_BYTES: usize = 256 * 4;
+const ATTENTION_PARTIALS: usize = 8 * 256;
+/// Recorded forwards kept; the oldest is dropped beyond this.
+const MAX_GRAPHS: usize = 128;
 
 /// A weight matrix on the device, in its GGML block format.
 pub struct CudaMatrix {
@@ -39,22 +61,55 @@ pub struct CudaMatrix {
     data: CudaSlice<u8>,
 }
 
+/// A forward's inputs on the device, laid out as `kernels.cu`'s `Step` reads them: an i32 header {base, rows,
+/// tree, 0}, u32 tokens[cap], i32 positions[cap], u8 mask[cap²].
+pub struct CudaStep {
+    cap: usize,
+    host: Vec<u8>,
+    dev: CudaSlice<u8>,
+}
+
+impl CudaStep {
+    fn bytes(cap: usize) -> usize {
+        16 + 8 * cap + cap * cap
+    }
+}
+
 struct Kernels {
-    matmul: CudaFunction,
+    matmuls: CudaFunction,
     embed: CudaFunction,
     rms_norm: CudaFunction,
-    rope: CudaFunction,
+    rope_and_cache: CudaFunction,
     attention: CudaFunction,
-    swiglu: CudaFunction,
-    add_assign: CudaFunction,
     add_bias: CudaFunction,
 }
+
+/// Instantiated CUDA graphs by replay key, oldest first.
+#[derive(Default)]
+struct Graphs {
+    by_key: HashMap<u64, CudaGraph>,
+    order: VecDeque<u64>,
+}
+
+/// The graphs are only touched under the backend's mutex, from one thread at a time.
+struct GraphStore(Mutex<Graphs>);
+// SAFETY: a `CudaGraph` holds driver handles that must not be used concurrently; the mutex serialises every use.
+unsafe impl Send for GraphStore {}
+// SAFETY: as above.
+unsafe impl Sync for GraphStore {}
 
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     k: Kernels,
     name: String,
+    /// `None`: every forward launches its kernels one by one (`VERITY_CUDA_GRAPHS=0`, and the tests' reference).
+    graphs: Option<GraphStore>,
+    /// Cache slots one attention block can score: its dynamic shared memory holds one f32 per slot, up to what
+    /// the card lets a block opt in to.
+    attention_slots: usize,
+    /// Dynamic shared memory the projection kernel may stage its rows of x in.
+    matmul_shared: usize,
 }
 
 fn dev<T>(what: &str, r: std::result::Result<T, cudarc::driver::DriverError>) -> T {
@@ -70,11 +125,22 @@ fn grid(n: usize, block: u32) -> LaunchConfig {
 }
 
 impl CudaBackend {
-    /// Open GPU `ordinal` and compile the kernels for it.
+    /// Open GPU `ordinal`, compile the kernels for it, and record forwards as CUDA graphs unless
+    /// `VERITY_CUDA_GRAPHS=0`.
     pub fn new(ordinal: usize) -> Result<Self> {
+        let graphs = !matches!(std::env::var("VERITY_CUDA_GRAPHS").as_deref(), Ok("0"));
+        Self::with_graphs(ordinal, graphs)
+    }
+
+    /// [`CudaBackend::new`] with graph recording chosen explicitly.
+    pub fn with_graphs(ordinal: usize, graphs: bool) -> Result<Self> {
         let err =
             |what: &str, e: &dyn std::fmt::Display| Error::Invalid(format!("CUDA {what}: {e}"));
         let ctx = CudaContext::new(ordinal).map_err(|e| err("device", &e))?;
+        // One stream orders everything, so cudarc's per-buffer events are not needed (and must not be recorded
+        // into a graph).
+        // SAFETY: no buffer exists yet, and the backend uses a single stream.
+        unsafe { ctx.disable_event_tracking() };
         let (major, minor) = ctx.compute_capability().map_err(|e| err("device", &e))?;
         let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
         let ptx = compile_ptx_with_opts(
@@ -88,26 +154,145 @@ impl CudaBackend {
         let module = ctx.load_module(ptx).map_err(|e| err("module", &e))?;
         let f = |n: &str| module.load_function(n).map_err(|e| err(n, &e));
         let k = Kernels {
-            matmul: f("matmul")?,
+            matmuls: f("matmuls")?,
             embed: f("embed")?,
             rms_norm: f("rms_norm")?,
-            rope: f("rope")?,
+            rope_and_cache: f("rope_and_cache")?,
             attention: f("attention")?,
-            swiglu: f("swiglu")?,
-            add_assign: f("add_assign")?,
             add_bias: f("add_bias")?,
         };
+        let optin = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(|e| err("device", &e))? as usize;
+        let dynamic = optin.saturating_sub(ATTENTION_STATIC_BYTES);
+        let matmul_shared = optin.saturating_sub(MATMUL_STATIC_BYTES);
+        for (f, bytes) in [(&k.attention, dynamic), (&k.matmuls, matmul_shared)] {
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .map_err(|e| err("shared memory", &e))?;
+        }
         let name = format!(
-            "cuda:{ordinal} ({}, sm_{major}{minor})",
-            ctx.name().unwrap_or_default()
+            "cuda:{ordinal} ({}, sm_{major}{minor}{})",
+            ctx.name().unwrap_or_default(),
+            if graphs { ", graphs" } else { "" }
         );
-        let stream = ctx.default_stream();
+        // Graph capture needs a stream other than the legacy default one.
+        let stream = ctx.new_stream().map_err(|e| err("stream", &e))?;
         Ok(CudaBackend {
             ctx,
             stream,
             k,
             name,
+            graphs: graphs.then(|| GraphStore(Mutex::new(Graphs::default()))),
+            attention_slots: dynamic / 4,
+            matmul_shared,
         })
+    }
+
+    /// One launch of the `matmuls` kernel over up to three matrices that share `x` (`rows` ≤ `MAX_ROWS`, row
+    /// offset `r0` into `x` and every output): `outs[m]` receives `mats[m]`'s projection; with `glu`, `mats` are
+    /// the gate and up projections and their SwiGLU goes to the one output.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_matmuls(
+        &self,
+        x: &CudaSlice<f32>,
+        norm: Option<(&CudaSlice<f32>, f32)>,
+        r0: usize,
+        rows: usize,
+        accumulate: bool,
+        glu: bool,
+        mats: &[&CudaMatrix],
+        outs: &mut [&mut CudaSlice<f32>],
+    ) {
+        debug_assert!((1..=3).contains(&mats.len()) && rows <= MAX_ROWS);
+        debug_assert_eq!(outs.len(), if glu { 1 } else { mats.len() });
+        let k = mats[0].cols;
+        assert!(
+            mats.iter().all(|w| w.cols == k),
+            "projections of one input must share its width"
+        );
+        let cols: usize = if glu {
+            mats[0].rows
+        } else {
+            mats.iter().map(|w| w.rows).sum()
+        };
+        let cols_per_warp = if cols >= WIDE_COLUMNS { 4 } else { 1 };
+        let staged = rows.min(ROWS_PER_GROUP) * (k / 32) * XPAD * 4;
+        assert!(
+            staged <= self.matmul_shared,
+            "{rows} rows of {k} values exceed the projection kernel's shared memory"
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (
+                cols.div_ceil(MM_WARPS * cols_per_warp) as u32,
+                rows.div_ceil(ROWS_PER_GROUP) as u32,
+                1,
+            ),
+            block_dim: ((MM_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: staged as u32,
+        };
+        let cpw = cols_per_warp as i32;
+        let xs = x.slice(r0 * k..(r0 + rows) * k);
+        let (ki, ri, acc) = (k as i32, rows as i32, i32::from(accumulate));
+        let (eps, glu) = (norm.map_or(0.0, |n| n.1), i32::from(glu));
+        let n_out = mats[0].rows;
+        let mut views: Vec<_> = outs
+            .iter_mut()
+            .zip(mats)
+            .map(|(out, w)| {
+                let n = if glu != 0 { n_out } else { w.rows };
+                out.slice_mut(r0 * n..(r0 + rows) * n)
+            })
+            .collect();
+        let null_ptr: u64 = 0;
+        let mut b = self.stream.launch_builder(&self.k.matmuls);
+        b.arg(&xs).arg(&ki).arg(&ri).arg(&acc);
+        match norm {
+            Some((w, _)) => b.arg(w),
+            None => b.arg(&null_ptr),
+        };
+        b.arg(&eps).arg(&glu).arg(&cpw);
+        // Unused matrix slots repeat the first matrix with zero columns and no output.
+        let widths: Vec<(i32, i32)> = (0..3)
+            .map(|m| {
+                mats.get(m)
+                    .map_or((mats[0].ty, 0), |w| (w.ty, w.rows as i32))
+            })
+            .collect();
+        let mut vi = views.iter_mut();
+        for (m, (ty, n)) in widths.iter().enumerate() {
+            b.arg(&mats.get(m).unwrap_or(&mats[0]).data).arg(ty).arg(n);
+            match vi.next() {
+                Some(v) => b.arg(v),
+                None => b.arg(&null_ptr),
+            };
+        }
+        // SAFETY: argument types match the kernel's signature (null pointers for an absent norm and unused
+        // outputs, which the kernel never touches); x holds rows × k values from r0, the norm weight k, each
+        // output rows × its columns; the grid covers every column and row group once, and the staged rows fit
+        // the dynamic shared memory asked for.
+        dev("matmul", unsafe { b.launch(cfg) });
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn matmuls_chunked(
+        &self,
+        x: &CudaSlice<f32>,
+        norm: Option<(&CudaSlice<f32>, f32)>,
+        rows: usize,
+        accumulate: bool,
+        glu: bool,
+        mats: &[&CudaMatrix],
+        outs: &mut [&mut CudaSlice<f32>],
+    ) {
+        let mut r0 = 0;
+        while r0 < rows {
+            let take = (rows - r0).min(MAX_ROWS);
+            self.launch_matmuls(x, norm, r0, take, accumulate, glu, mats, outs);
+            r0 += take;
+        }
     }
 }
 
@@ -131,14 +316,14 @@ fn type_tag(name: &str, ty: GgmlType) -> Result<i32> {
 impl Backend for CudaBackend {
     type Buffer = CudaSlice<f32>;
     type Matrix = CudaMatrix;
+    type Step = CudaStep;
 
     fn name(&self) -> String {
         self.name.clone()
     }
 
-    /// The attention kernel keeps a row's scores in 48 KB of shared memory.
     fn max_attention_slots(&self) -> usize {
-        ATTENTION_SHARED_BYTES / 4
+        self.attention_slots
     }
 
     fn load_matrix(&self, m: QMatrix) -> Result<CudaMatrix> {
@@ -194,41 +379,137 @@ impl Backend for CudaBackend {
         dev("download", self.stream.clone_dtoh(&buf.slice(..len)))
     }
 
-    fn embed(&self, table: &CudaMatrix, tokens: &[u32], out: &mut CudaSlice<f32>) {
-        let t = dev("upload", self.stream.clone_htod(tokens));
-        let (ty, k) = (table.ty, table.cols as i32);
+    fn step(&self, max_rows: usize) -> CudaStep {
+        let bytes = CudaStep::bytes(max_rows);
+        CudaStep {
+            cap: max_rows,
+            host: vec![0; bytes],
+            dev: dev("alloc", self.stream.alloc_zeros::<u8>(bytes)),
+        }
+    }
+
+    fn set_step(&self, step: &mut CudaStep, inputs: StepInputs) {
+        let (cap, rows) = (step.cap, inputs.tokens.len());
+        assert!(
+            rows <= cap && inputs.positions.len() == rows,
+            "{rows} rows in a step of {cap}"
+        );
+        let tree = match inputs.mask {
+            AttnMask::Causal => None,
+            AttnMask::Tree(v) => Some(v),
+        };
+        let h = &mut step.host;
+        let mut put = |at: usize, v: i32| h[at..at + 4].copy_from_slice(&v.to_le_bytes());
+        put(0, inputs.base as i32);
+        put(4, rows as i32);
+        put(8, i32::from(tree.is_some()));
+        for (r, (&t, &p)) in inputs.tokens.iter().zip(inputs.positions).enumerate() {
+            put(16 + 4 * r, t as i32);
+            put(16 + 4 * (cap + r), p as i32);
+        }
+        let mut used = 16 + 8 * cap;
+        if let Some(v) = tree {
+            for (i, &seen) in v.iter().enumerate() {
+                h[used + i] = u8::from(seen);
+            }
+            used += v.len();
+        }
+        dev(
+            "step upload",
+            self.stream
+                .memcpy_htod(&step.host[..used], &mut step.dev.slice_mut(..used)),
+        );
+    }
+
+    fn replay_or_record(&self, key: u64, work: &mut dyn FnMut()) {
+        let Some(store) = &self.graphs else {
+            return work();
+        };
+        let mut g = store.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(graph) = g.by_key.get(&key) {
+            dev("graph launch", graph.launch());
+            return;
+        }
+        dev(
+            "graph capture",
+            self.stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+        );
+        work();
+        let graph = dev(
+            "graph capture",
+            self.stream.end_capture(CUgraphInstantiate_flags(0)),
+        )
+        .expect("a captured forward has operations");
+        dev("graph launch", graph.launch());
+        if g.order.len() >= MAX_GRAPHS {
+            if let Some(old) = g.order.pop_front() {
+                g.by_key.remove(&old);
+            }
+        }
+        g.order.push_back(key);
+        g.by_key.insert(key, graph);
+    }
+
+    fn embed(&self, table: &CudaMatrix, step: &CudaStep, rows: usize, out: &mut CudaSlice<f32>) {
+        let (ty, k, cap) = (table.ty, table.cols as i32, step.cap as i32);
         let cfg = LaunchConfig {
-            grid_dim: (tokens.len() as u32, 1, 1),
+            grid_dim: (rows as u32, 1, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = self.stream.launch_builder(&self.k.embed);
-        b.arg(&table.data).arg(&ty).arg(&k).arg(&t).arg(out);
-        // SAFETY: argument types and sizes match the kernel's signature; buffers hold rows × k values.
+        b.arg(&table.data)
+            .arg(&ty)
+            .arg(&k)
+            .arg(&step.dev)
+            .arg(&cap)
+            .arg(out);
+        // SAFETY: argument types and sizes match the kernel's signature; out holds rows × k values; the step's
+        // tokens were checked against the vocabulary by the model.
         dev("embed", unsafe { b.launch(cfg) });
     }
 
     fn matmul(&self, w: &CudaMatrix, x: &CudaSlice<f32>, rows: usize, out: &mut CudaSlice<f32>) {
-        let (n, k) = (w.rows, w.cols);
-        let cfg = grid(n * 32, 256);
-        let mut r0 = 0;
-        while r0 < rows {
-            let take = (rows - r0).min(MAX_ROWS);
-            let xs = x.slice(r0 * k..(r0 + take) * k);
-            let mut os = out.slice_mut(r0 * n..(r0 + take) * n);
-            let (ty, ni, ki, ti) = (w.ty, n as i32, k as i32, take as i32);
-            let mut b = self.stream.launch_builder(&self.k.matmul);
-            b.arg(&w.data)
-                .arg(&ty)
-                .arg(&ni)
-                .arg(&ki)
-                .arg(&xs)
-                .arg(&ti)
-                .arg(&mut os);
-            // SAFETY: as in `embed`; one warp per output column, `take` ≤ MAX_ROWS rows.
-            dev("matmul", unsafe { b.launch(cfg) });
-            r0 += take;
+        self.matmuls_chunked(x, None, rows, false, false, &[w], &mut [out]);
+    }
+
+    fn matmul_add(
+        &self,
+        w: &CudaMatrix,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        self.matmuls_chunked(x, None, rows, true, false, &[w], &mut [out]);
+    }
+
+    fn matmuls(
+        &self,
+        x: &CudaSlice<f32>,
+        norm: Option<(&CudaSlice<f32>, f32)>,
+        rows: usize,
+        outs: &mut [(&CudaMatrix, &mut CudaSlice<f32>)],
+    ) {
+        for chunk in outs.chunks_mut(3) {
+            let mats: Vec<&CudaMatrix> = chunk.iter().map(|(w, _)| *w).collect();
+            let mut bufs: Vec<&mut CudaSlice<f32>> =
+                chunk.iter_mut().map(|(_, o)| &mut **o).collect();
+            self.matmuls_chunked(x, norm, rows, false, false, &mats, &mut bufs);
         }
+    }
+
+    fn swiglu_matmul(
+        &self,
+        x: &CudaSlice<f32>,
+        norm: Option<(&CudaSlice<f32>, f32)>,
+        rows: usize,
+        gate: &CudaMatrix,
+        up: &CudaMatrix,
+        out: &mut CudaSlice<f32>,
+    ) {
+        assert_eq!(gate.rows, up.rows, "gate and up projections of one width");
+        self.matmuls_chunked(x, norm, rows, false, true, &[gate, up], &mut [out]);
     }
 
     fn add_bias(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, rows: usize, dim: usize) {
@@ -260,47 +541,45 @@ impl Backend for CudaBackend {
         dev("rms_norm", unsafe { b.launch(cfg) });
     }
 
-    fn rope(
+    fn rope_and_cache(
         &self,
-        x: &mut CudaSlice<f32>,
-        positions: &[usize],
-        n_heads: usize,
-        head_dim: usize,
-        theta: f32,
-        style: RopeStyle,
+        q: &mut CudaSlice<f32>,
+        k: &mut CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        k_cache: &mut CudaSlice<f32>,
+        v_cache: &mut CudaSlice<f32>,
+        shape: AttnShape,
+        rope: Rope,
+        step: &CudaStep,
     ) {
-        // The angles on the host, as every backend computes them.
-        let half = head_dim / 2;
-        let mut cs = Vec::with_capacity(positions.len() * half * 2);
-        for &pos in positions {
-            for i in 0..half {
-                let (c, s) = crate::backend::rope_angle(pos, i, head_dim, theta);
-                cs.extend([c, s]);
-            }
-        }
-        let cs = dev("upload", self.stream.clone_htod(&cs));
-        let total = positions.len() * n_heads * half;
-        let (nh, hd, il, t) = (
-            n_heads as i32,
-            head_dim as i32,
-            i32::from(style == RopeStyle::Interleaved),
-            total as i32,
+        let (rows, hd) = (shape.rows, shape.head_dim);
+        let total =
+            rows * (shape.n_heads + shape.n_kv_heads) * (hd / 2) + rows * shape.n_kv_heads * hd;
+        let (r, nh, nkv, hdi, il, cap) = (
+            rows as i32,
+            shape.n_heads as i32,
+            shape.n_kv_heads as i32,
+            hd as i32,
+            i32::from(rope.style == RopeStyle::Interleaved),
+            step.cap as i32,
         );
-        let mut b = self.stream.launch_builder(&self.k.rope);
-        b.arg(x).arg(&cs).arg(&nh).arg(&hd).arg(&il).arg(&t);
-        // SAFETY: x holds rows × n_heads × head_dim values; cs rows × half (cos, sin) pairs.
-        dev("rope", unsafe { b.launch(grid(total, 256)) });
-    }
-
-    fn kv_write(
-        &self,
-        cache: &mut CudaSlice<f32>,
-        src: &CudaSlice<f32>,
-        slot: usize,
-        rows: usize,
-        kv_dim: usize,
-    ) {
-        self.copy(src, 0, cache, slot * kv_dim, rows * kv_dim);
+        let mut b = self.stream.launch_builder(&self.k.rope_and_cache);
+        b.arg(q)
+            .arg(&*k)
+            .arg(v)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(&r)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&hdi)
+            .arg(&rope.theta)
+            .arg(&il)
+            .arg(&step.dev)
+            .arg(&cap);
+        // SAFETY: q holds rows × n_heads × head_dim values, k and v rows × kv_dim, the caches room for the
+        // step's slots (reserved by the model); one thread per rotated pair and per copied V value.
+        dev("rope_and_cache", unsafe { b.launch(grid(total, 256)) });
     }
 
     fn attention(
@@ -309,34 +588,25 @@ impl Backend for CudaBackend {
         k_cache: &CudaSlice<f32>,
         v_cache: &CudaSlice<f32>,
         shape: AttnShape,
-        mask: &AttnMask,
+        step: &CudaStep,
         out: &mut CudaSlice<f32>,
     ) {
-        let slots = shape.base + shape.rows;
-        // Caches are capped to `max_attention_slots`, so this holds for every cache this backend made.
-        assert!(
-            slots <= self.max_attention_slots(),
-            "{slots} attention slots"
-        );
-        let shared = (slots * 4) as u32;
-        let tree: Option<CudaSlice<u8>> = match mask {
-            AttnMask::Causal => None,
-            AttnMask::Tree(v) => {
-                let bytes: Vec<u8> = v.iter().map(|&b| u8::from(b)).collect();
-                Some(dev("upload", self.stream.clone_htod(&bytes)))
-            }
-        };
-        let (rows, nh, nkv, hd, base) = (
+        let (rows, nh, nkv, hd, cap) = (
             shape.rows as i32,
             shape.n_heads as i32,
             shape.n_kv_heads as i32,
             shape.head_dim as i32,
-            shape.base as i32,
+            step.cap as i32,
         );
+        assert!(shape.head_dim <= 256, "head_dim {} > 256", shape.head_dim);
+        // One score per cache slot (the cache's capacity, fixed while its buffers live, so a recorded launch
+        // stays valid), or the value partials if they need more.
+        let slots = k_cache.len() / (shape.n_kv_heads * shape.head_dim);
+        assert!(slots <= self.attention_slots, "{slots} attention slots");
         let cfg = LaunchConfig {
             grid_dim: ((shape.rows * shape.n_heads) as u32, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: shared,
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: (slots.max(ATTENTION_PARTIALS) * 4) as u32,
         };
         let mut b = self.stream.launch_builder(&self.k.attention);
         b.arg(q)
@@ -346,40 +616,13 @@ impl Backend for CudaBackend {
             .arg(&nh)
             .arg(&nkv)
             .arg(&hd)
-            .arg(&base)
-            .arg(&shape.scale);
-        // A causal launch passes a null mask pointer.
-        let null_ptr: u64 = 0;
-        match &tree {
-            Some(m) => b.arg(m),
-            None => b.arg(&null_ptr),
-        };
-        b.arg(out);
-        // SAFETY: q/out hold rows × n_heads × head_dim values, the caches (base + rows) × kv_dim; the mask is
-        // rows × rows bytes or null; the scores fit the dynamic shared memory asked for.
+            .arg(&shape.scale)
+            .arg(&step.dev)
+            .arg(&cap)
+            .arg(out);
+        // SAFETY: q/out hold rows × n_heads × head_dim values, the caches (base + rows) × kv_dim within their
+        // capacity, whose scores the dynamic shared memory holds; the mask is in the step.
         dev("attention", unsafe { b.launch(cfg) });
-    }
-
-    fn swiglu(
-        &self,
-        gate: &CudaSlice<f32>,
-        up: &CudaSlice<f32>,
-        len: usize,
-        out: &mut CudaSlice<f32>,
-    ) {
-        let n = len as i32;
-        let mut b = self.stream.launch_builder(&self.k.swiglu);
-        b.arg(gate).arg(up).arg(&n).arg(out);
-        // SAFETY: every buffer holds at least len values.
-        dev("swiglu", unsafe { b.launch(grid(len, 256)) });
-    }
-
-    fn add_assign(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, len: usize) {
-        let n = len as i32;
-        let mut b = self.stream.launch_builder(&self.k.add_assign);
-        b.arg(x).arg(y).arg(&n);
-        // SAFETY: both buffers hold at least len values.
-        dev("add_assign", unsafe { b.launch(grid(len, 256)) });
     }
 
     fn copy(
