@@ -92,12 +92,6 @@ pub trait Backend: Send + Sync + 'static {
 
     fn name(&self) -> String;
 
-    /// The most cache slots one attention call can cover on this device; caches are capped to it, so a longer
-    /// context is refused up front (a clear "context full") rather than failing inside a kernel.
-    fn max_attention_slots(&self) -> usize {
-        usize::MAX
-    }
-
     fn load_matrix(&self, m: QMatrix) -> Result<Self::Matrix>;
     /// Bytes the matrix occupies on the device.
     fn matrix_bytes(&self, m: &Self::Matrix) -> usize;
@@ -173,13 +167,21 @@ pub trait Backend: Send + Sync + 'static {
         rope: Rope,
         step: &Self::Step,
     );
+    /// Values of scratch [`Backend::attention`] needs over a cache of `capacity` slots; the cache owns it, so it
+    /// is reallocated with the cache's buffers.
+    fn attention_work_len(&self, n_heads: usize, head_dim: usize, capacity: usize) -> usize {
+        let _ = (n_heads, head_dim, capacity);
+        0
+    }
     /// Scaled-dot-product attention of the batch's queries over the cache (committed slots plus the batch, as
-    /// the step's mask allows).
+    /// the step's mask allows), with the cache's scratch `work`.
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         q: &Self::Buffer,
         k_cache: &Self::Buffer,
         v_cache: &Self::Buffer,
+        work: &mut Self::Buffer,
         shape: AttnShape,
         step: &Self::Step,
         out: &mut Self::Buffer,

@@ -8,9 +8,22 @@
 use crate::backend::{buffer_set_id, Backend};
 use crate::error::{Error, Result};
 
+/// The attention geometry a cache serves.
+#[derive(Debug, Clone, Copy)]
+pub struct CacheShape {
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
 pub struct KvCache<B: Backend> {
     pub(crate) k: Vec<B::Buffer>,
     pub(crate) v: Vec<B::Buffer>,
+    /// The backend's attention scratch for this cache's capacity ([`Backend::attention_work_len`]), shared by
+    /// the layers (they run one after another).
+    pub(crate) attn_work: B::Buffer,
+    shape: CacheShape,
     kv_dim: usize,
     len: usize,
     capacity: usize,
@@ -20,16 +33,19 @@ pub struct KvCache<B: Backend> {
 }
 
 impl<B: Backend> KvCache<B> {
-    /// An empty cache for `n_layers` layers of `kv_dim` values per slot, holding at most `max_capacity` slots.
-    pub fn new(backend: &B, n_layers: usize, kv_dim: usize, max_capacity: usize) -> Self {
+    /// An empty cache of `shape`, holding at most `max_capacity` slots.
+    pub fn new(backend: &B, shape: CacheShape, max_capacity: usize) -> Self {
         let capacity = 256.min(max_capacity);
+        let kv_dim = shape.n_kv_heads * shape.head_dim;
         KvCache {
-            k: (0..n_layers)
+            k: (0..shape.n_layers)
                 .map(|_| backend.buffer(capacity * kv_dim))
                 .collect(),
-            v: (0..n_layers)
+            v: (0..shape.n_layers)
                 .map(|_| backend.buffer(capacity * kv_dim))
                 .collect(),
+            attn_work: Self::attention_work(backend, shape, capacity),
+            shape,
             kv_dim,
             len: 0,
             capacity,
@@ -49,6 +65,10 @@ impl<B: Backend> KvCache<B> {
 
     pub fn max_capacity(&self) -> usize {
         self.max_capacity
+    }
+
+    fn attention_work(backend: &B, shape: CacheShape, capacity: usize) -> B::Buffer {
+        backend.buffer(backend.attention_work_len(shape.n_heads, shape.head_dim, capacity))
     }
 
     /// Identifies the current buffer allocation (it changes when the cache grows).
@@ -76,6 +96,7 @@ impl<B: Backend> KvCache<B> {
                 *buf = grown;
             }
         }
+        self.attn_work = Self::attention_work(backend, self.shape, new_cap);
         self.capacity = new_cap;
         self.buffers_id = buffer_set_id();
         Ok(())

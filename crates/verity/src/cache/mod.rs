@@ -6,5 +6,5 @@ mod kv;
 mod prefix;
 
 pub use disk::{fnv1a, DiskTier};
-pub use kv::{KvCache, KvCheckpoint};
+pub use kv::{CacheShape, KvCache, KvCheckpoint};
 pub use prefix::PrefixCache;

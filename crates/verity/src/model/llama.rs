@@ -8,7 +8,7 @@ use super::hparams::{Arch, HParams};
 use super::{Batch, ForwardOutput, LogitRows};
 use crate::backend::{buffer_set_id, AttnMask, AttnShape, Backend, Rope, StepInputs};
 use crate::bundle::{Bundle, TensorKey};
-use crate::cache::KvCache;
+use crate::cache::{CacheShape, KvCache};
 use crate::error::{Error, Result};
 
 pub(super) struct Layer<B: Backend> {
@@ -109,14 +109,15 @@ impl<B: Backend> Model<B> {
 
     /// A fresh KV cache for this model holding up to `max_tokens` slots (capped by the context length).
     pub fn new_cache(&self, max_tokens: usize) -> KvCache<B> {
-        let cap = max_tokens
-            .min(self.hp.context_len)
-            .min(self.backend.max_attention_slots())
-            .max(1);
+        let cap = max_tokens.min(self.hp.context_len).max(1);
         KvCache::new(
             self.backend.as_ref(),
-            self.hp.n_layers,
-            self.hp.n_kv_heads * self.hp.head_dim,
+            CacheShape {
+                n_layers: self.hp.n_layers,
+                n_heads: self.hp.n_heads,
+                n_kv_heads: self.hp.n_kv_heads,
+                head_dim: self.hp.head_dim,
+            },
             cap,
         )
     }
@@ -288,7 +289,7 @@ impl<B: Backend> Model<B> {
         be.embed(&self.embed, &s.step, rows, &mut s.x);
         for (l, layer) in self.layers.iter().enumerate() {
             let (kc, vc) = (&mut cache.k[l], &mut cache.v[l]);
-            layer.run(be, hp, rope, s, kc, vc, shape);
+            layer.run(be, hp, rope, s, [kc, vc, &mut cache.attn_work], shape);
             after_layer(l, &s.x);
         }
         let eps = hp.rms_eps;
@@ -391,16 +392,15 @@ impl<B: Backend> Layer<B> {
     }
 
     /// The block over `rows = shape.rows` rows of `s.x`, in place, with its inputs in `s.step`: attention (its
-    /// K/V written to the cache layer's slots from the step's base) and the MLP, each added to the residual stream.
-    #[allow(clippy::too_many_arguments)]
+    /// K/V written to the cache layer's slots from the step's base; the cache's attention scratch third) and the
+    /// MLP, each added to the residual stream.
     pub(super) fn run(
         &self,
         be: &B,
         hp: &HParams,
         rope: Rope,
         s: &mut Scratch<B>,
-        k_cache: &mut B::Buffer,
-        v_cache: &mut B::Buffer,
+        [k_cache, v_cache, attn_work]: [&mut B::Buffer; 3],
         shape: AttnShape,
     ) {
         let rows = shape.rows;
@@ -430,7 +430,15 @@ impl<B: Backend> Layer<B> {
         be.rope_and_cache(
             &mut s.q, &mut s.k, &s.v, k_cache, v_cache, shape, rope, &s.step,
         );
-        be.attention(&s.q, k_cache, v_cache, shape, &s.step, &mut s.attn);
+        be.attention(
+            &s.q,
+            k_cache,
+            v_cache,
+            attn_work,
+            shape,
+            &s.step,
+            &mut s.attn,
+        );
         be.matmul_add(&self.o, &s.attn, rows, &mut s.x);
 
         be.swiglu_matmul(

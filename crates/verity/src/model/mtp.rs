@@ -21,7 +21,7 @@ use super::Model;
 use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
 use crate::bundle::mtp::Fusion;
 use crate::bundle::{st_matrix, st_token_ids, st_vector, Bundle, MtpStatus, TensorKey};
-use crate::cache::KvCache;
+use crate::cache::{CacheShape, KvCache};
 use crate::error::{Error, Result};
 use crate::quant::{GgmlType, WeightFormat};
 
@@ -191,12 +191,13 @@ impl<B: Backend> MtpHead<B> {
     pub fn new_cache(&self, max_tokens: usize) -> KvCache<B> {
         KvCache::new(
             self.backend.as_ref(),
-            self.blocks.len(),
-            self.hp.n_kv_heads * self.hp.head_dim,
-            max_tokens
-                .min(self.hp.context_len)
-                .min(self.backend.max_attention_slots())
-                .max(1),
+            CacheShape {
+                n_layers: self.blocks.len(),
+                n_heads: self.hp.n_heads,
+                n_kv_heads: self.hp.n_kv_heads,
+                head_dim: self.hp.head_dim,
+            },
+            max_tokens.min(self.hp.context_len).max(1),
         )
     }
 
@@ -299,7 +300,14 @@ impl<B: Backend> MtpHead<B> {
         };
         for (i, block) in self.blocks.iter().enumerate() {
             let (kc, vc) = (&mut cache.k[i], &mut cache.v[i]);
-            block.run(be, hp, rope, &mut s.block, kc, vc, shape);
+            block.run(
+                be,
+                hp,
+                rope,
+                &mut s.block,
+                [kc, vc, &mut cache.attn_work],
+                shape,
+            );
         }
         cache.advance(rows);
         be.rms_norm(&s.block.x, &self.final_norm, rows, h, eps, &mut s.block.xn);

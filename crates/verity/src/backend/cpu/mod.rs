@@ -268,6 +268,7 @@ impl Backend for CpuBackend {
         q: &Vec<f32>,
         k: &Vec<f32>,
         v: &Vec<f32>,
+        _work: &mut Vec<f32>,
         shape: AttnShape,
         step: &CpuStep,
         out: &mut Vec<f32>,

@@ -224,6 +224,24 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
     int nb = k / 32;
     int r0 = blockIdx.y * ROWS_PER_GROUP;
     int rn = min(ROWS_PER_GROUP, rows - r0);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int total = glu ? n0 : n0 + n1 + n2;
+    {
+        // Start this warp's first weight blocks on their way from memory while x is staged.
+        int col = (blockIdx.x * MM_WARPS + warp) * cols_per_warp;
+        if (col < total && lane < nb) {
+            const u8* w = w0;
+            int ty = ty0;
+            if (!glu && col >= n0 + n1) {
+                col -= n0 + n1; w = w2; ty = ty2;
+            } else if (!glu && col >= n0) {
+                col -= n0; w = w1; ty = ty1;
+            }
+            const u8* p = w + ((size_t)col * nb + lane) * block_bytes(ty);
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+            if (glu) asm volatile("prefetch.global.L2 [%0];" ::"l"(w1 + ((size_t)col * nb + lane) * block_bytes(ty1)));
+        }
+    }
     for (int r = 0; r < rn; r++) {
         const float* xr = x + (size_t)(r0 + r) * k;
         float* sr = xs + (size_t)r * nb * XPAD;
@@ -232,8 +250,6 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
             sr[(i >> 5) * XPAD + (i & 31)] = norm_w ? xr[i] * scale * norm_w[i] : xr[i];
     }
     __syncthreads();
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int total = glu ? n0 : n0 + n1 + n2;
     for (int c = 0; c < cols_per_warp; c++) {
         int col = (blockIdx.x * MM_WARPS + warp) * cols_per_warp + c;
         if (col >= total) break;  // uniform across the warp
@@ -329,42 +345,53 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
     }
 }
 
-// Attention of row i, head h over committed slots [0, base) and the batch rows it sees (causal, or the step's
-// tree mask). One block of ATT_WARPS warps per (row, head). Every slot's place in every sum depends on the slot
-// alone, never on the number of slots, so a row's sums run in the same order alone or in a batch (slots it does
-// not see add exact zeros). Scores: slot j by thread j % ATT_THREADS. Softmax: strided per-thread maxima and
-// sums, then fixed trees. Values: slot j by warp j % ATT_WARPS, in order, lanes owning dims; the warps'
-// partials are added in warp order. Dynamic shared memory holds one score per cache slot.
-#define ATT_WARPS 8
-#define ATT_THREADS (ATT_WARPS * 32)
+// Attention of each (row, head) over committed slots [0, base) and the batch rows the row sees (causal, or the
+// step's tree mask), split over the slots for parallelism (flash-decoding), deterministically:
+// - slots are cut into chunks of ATT_CHUNK by absolute index; ATT_SPLIT blocks per (row, head) take chunks
+//   c = blockIdx.x, + ATT_SPLIT, ...; each chunk's max, exp-sum and value sums are written to `work`;
+// - the block that finishes last (a counter per (row, head), reset by that block) combines the chunks in
+//   chunk order.
+// Every sum's order depends on slot indices alone, never on the number of slots or rows, and slots a row does
+// not see add exact zeros, so a row gives the same bits alone or in a batch. Rows row0 .. row0 + gridDim.y /
+// n_heads of the step; `work` holds 16 * n_heads counters, then per (row, head) `chunks` records of
+// {max, sum, head_dim value sums}.
+#define ATT_CHUNK 64
+#define ATT_SPLIT 8
 #define MAX_HEAD_DIM 256
 
-extern "C" __global__ void attention(const float* q, const float* kc, const float* vc, int rows, int n_heads,
+extern "C" __global__ void attention(const float* q, const float* kc, const float* vc, int row0, int n_heads,
                                      int n_kv_heads, int head_dim, float scale, const int* step, int cap,
-                                     float* out) {
-    extern __shared__ float sh[];
-    __shared__ float red[ATT_THREADS];
+                                     float* work, int chunks, float* out) {
+    __shared__ float sc[ATT_CHUNK];
+    __shared__ float red[ATT_CHUNK];
+    __shared__ float quarter[4][MAX_HEAD_DIM];
+    __shared__ int last;
     Step st = read_step(step, cap);
-    int base = st.base;
-    int i = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
+    int base = st.base, rows = st.rows, n = base + rows;
+    int t = threadIdx.x;
+    int rh = blockIdx.y;
+    int i = row0 + rh / n_heads, h = rh % n_heads;
     int kvh = h / (n_heads / n_kv_heads);
     int kv_dim = n_kv_heads * head_dim;
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int rec = head_dim + 2;
     const float* qv = q + ((size_t)i * n_heads + h) * head_dim;
     const float* kh = kc + kvh * head_dim;
     const float* vh = vc + kvh * head_dim;
-    int n = base + rows;
-    // Scores: one slot per thread at a time, a full dot product each (many independent loads in flight).
-    for (int j = threadIdx.x; j < n; j += ATT_THREADS) {
-        bool sees = j < base || (st.tree ? st.mask[i * rows + (j - base)] != 0 : (j - base) <= i);
-        float s = NEG_INF;
+    unsigned int* counters = (unsigned int*)work;
+    float* records = work + 16 * n_heads + (size_t)rh * chunks * rec;
+    for (int c = blockIdx.x; c * ATT_CHUNK < n; c += ATT_SPLIT) {
+        int j0 = c * ATT_CHUNK;
+        // Scores: four threads per slot, each a quarter of the head's dims, then a fixed butterfly.
+        int js = t >> 2, sub = t & 3, j = j0 + js;
+        bool sees = j < n && (j < base || (st.tree ? st.mask[i * rows + (j - base)] != 0 : (j - base) <= i));
+        float d = 0.f;
         if (sees) {
             const float* kv = kh + (size_t)j * kv_dim;
-            float d = 0.f;
-            if ((head_dim & 3) == 0) {
-                const float4* k4 = (const float4*)kv;
-                const float4* q4 = (const float4*)qv;
-                for (int e = 0; e < head_dim / 4; e++) {
+            if ((head_dim & 15) == 0) {
+                int w = head_dim / 16;  // float4s per quarter
+                const float4* k4 = (const float4*)kv + sub * w;
+                const float4* q4 = (const float4*)qv + sub * w;
+                for (int e = 0; e < w; e++) {
                     float4 a = q4[e], b = k4[e];
                     d = fmaf(a.x, b.x, d);
                     d = fmaf(a.y, b.y, d);
@@ -372,59 +399,74 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
                     d = fmaf(a.w, b.w, d);
                 }
             } else {
-                for (int e = 0; e < head_dim; e++) d = fmaf(qv[e], kv[e], d);
+                for (int e = sub; e < head_dim; e += 4) d = fmaf(qv[e], kv[e], d);
             }
-            s = d * scale;
         }
-        sh[j] = s;
-    }
-    __syncthreads();
-    float m = NEG_INF;
-    for (int j = threadIdx.x; j < n; j += ATT_THREADS) m = fmaxf(m, sh[j]);
-    red[threadIdx.x] = m;
-    __syncthreads();
-    for (int o = ATT_THREADS / 2; o > 0; o >>= 1) {
-        if (threadIdx.x < o) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + o]);
+        d += __shfl_xor_sync(0xffffffffu, d, 1);
+        d += __shfl_xor_sync(0xffffffffu, d, 2);
+        if (sub == 0) sc[js] = sees ? d * scale : NEG_INF;
+        __syncthreads();
+        if (t < ATT_CHUNK) red[t] = sc[t];
+        __syncthreads();
+        for (int o = ATT_CHUNK / 2; o > 0; o >>= 1) {
+            if (t < o) red[t] = fmaxf(red[t], red[t + o]);
+            __syncthreads();
+        }
+        float m = red[0];
+        __syncthreads();
+        if (t < ATT_CHUNK) {
+            float p = sc[t] == NEG_INF ? 0.f : __expf(sc[t] - m);
+            sc[t] = p;
+            red[t] = p;
+        }
+        __syncthreads();
+        for (int o = ATT_CHUNK / 2; o > 0; o >>= 1) {
+            if (t < o) red[t] += red[t + o];
+            __syncthreads();
+        }
+        // Value sums: each quarter of the chunk's slots in order, then the quarters in order.
+        for (int u = t; u < 4 * head_dim; u += blockDim.x) {
+            int qq = u / head_dim, e = u % head_dim;
+            float a = 0.f;
+            for (int jj = qq * (ATT_CHUNK / 4); jj < (qq + 1) * (ATT_CHUNK / 4); jj++) {
+                if (j0 + jj < n) a = fmaf(sc[jj], vh[(size_t)(j0 + jj) * kv_dim + e], a);
+            }
+            quarter[qq][e] = a;
+        }
+        __syncthreads();
+        float* r = records + (size_t)c * rec;
+        for (int e = t; e < head_dim; e += blockDim.x)
+            r[2 + e] = ((quarter[0][e] + quarter[1][e]) + quarter[2][e]) + quarter[3][e];
+        if (t == 0) {
+            r[0] = m;
+            r[1] = red[0];
+        }
         __syncthreads();
     }
-    m = red[0];
+    __threadfence();
     __syncthreads();
-    float t = 0.f;
-    for (int j = threadIdx.x; j < n; j += ATT_THREADS) {
-        float p = sh[j] == NEG_INF ? 0.f : __expf(sh[j] - m);
-        sh[j] = p;
-        t += p;
-    }
-    red[threadIdx.x] = t;
+    if (t == 0) last = atomicAdd(&counters[rh], 1u) == gridDim.x - 1;
     __syncthreads();
-    for (int o = ATT_THREADS / 2; o > 0; o >>= 1) {
-        if (threadIdx.x < o) red[threadIdx.x] += red[threadIdx.x + o];
-        __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (t == 0) counters[rh] = 0;
+    int nc = (n + ATT_CHUNK - 1) / ATT_CHUNK;
+    float big = NEG_INF;
+    for (int c = 0; c < nc; c++) big = fmaxf(big, __ldcg(records + (size_t)c * rec));
+    float den = 0.f;
+    for (int c = 0; c < nc; c++) {
+        float mc = __ldcg(records + (size_t)c * rec);
+        float f = mc == NEG_INF ? 0.f : __expf(mc - big);
+        den = fmaf(f, __ldcg(records + (size_t)c * rec + 1), den);
     }
-    float inv = 1.f / red[0];
-    float acc[MAX_HEAD_DIM / 32];
-#pragma unroll
-    for (int mm = 0; mm < MAX_HEAD_DIM / 32; mm++) acc[mm] = 0.f;
-    for (int j = warp; j < n; j += ATT_WARPS) {
-        float p = sh[j];
-        const float* vv = vh + (size_t)j * kv_dim;
-#pragma unroll
-        for (int mm = 0; mm < MAX_HEAD_DIM / 32; mm++) {
-            int e = lane + 32 * mm;
-            if (e < head_dim) acc[mm] = fmaf(p, vv[e], acc[mm]);
+    for (int e = t; e < head_dim; e += blockDim.x) {
+        float num = 0.f;
+        for (int c = 0; c < nc; c++) {
+            float mc = __ldcg(records + (size_t)c * rec);
+            float f = mc == NEG_INF ? 0.f : __expf(mc - big);
+            num = fmaf(f, __ldcg(records + (size_t)c * rec + 2 + e), num);
         }
-    }
-    __syncthreads();  // every warp is done with the scores: their memory takes the partial sums
-#pragma unroll
-    for (int mm = 0; mm < MAX_HEAD_DIM / 32; mm++) {
-        int e = lane + 32 * mm;
-        if (e < head_dim) sh[warp * head_dim + e] = acc[mm];
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < head_dim; e += ATT_THREADS) {
-        float o = 0.f;
-        for (int w = 0; w < ATT_WARPS; w++) o += sh[w * head_dim + e];
-        out[((size_t)i * n_heads + h) * head_dim + e] = o * inv;
+        out[((size_t)i * n_heads + h) * head_dim + e] = num / den;
     }
 }
 

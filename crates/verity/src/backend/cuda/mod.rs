@@ -46,10 +46,9 @@ const XPAD: usize = 36;
 const MATMUL_STATIC_BYTES: usize = 256 * 4;
 /// Matrices with at least this many output columns give each warp 4 columns (fewer blocks staging x).
 const WIDE_COLUMNS: usize = 16_384;
-/// Static shared memory of the attention kernel (its reduction array), and the floats of its value partials
-/// (`ATT_WARPS` × `MAX_HEAD_DIM`), which reuse the scores' memory.
-const ATTENTION_STATIC_BYTES: usize = 256 * 4;
-const ATTENTION_PARTIALS: usize = 8 * 256;
+/// The attention kernel's slots per chunk and blocks per (row, head) (`kernels.cu`).
+const ATT_CHUNK: usize = 64;
+const ATT_SPLIT: usize = 8;
 /// Recorded forwards kept; the oldest is dropped beyond this.
 const MAX_GRAPHS: usize = 128;
 
@@ -105,9 +104,6 @@ pub struct CudaBackend {
     name: String,
     /// `None`: every forward launches its kernels one by one (`VERITY_CUDA_GRAPHS=0`, and the tests' reference).
     graphs: Option<GraphStore>,
-    /// Cache slots one attention block can score: its dynamic shared memory holds one f32 per slot, up to what
-    /// the card lets a block opt in to.
-    attention_slots: usize,
     /// Dynamic shared memory the projection kernel may stage its rows of x in.
     matmul_shared: usize,
 }
@@ -164,15 +160,13 @@ impl CudaBackend {
         let optin = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(|e| err("device", &e))? as usize;
-        let dynamic = optin.saturating_sub(ATTENTION_STATIC_BYTES);
         let matmul_shared = optin.saturating_sub(MATMUL_STATIC_BYTES);
-        for (f, bytes) in [(&k.attention, dynamic), (&k.matmuls, matmul_shared)] {
-            f.set_attribute(
+        k.matmuls
+            .set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
+                matmul_shared as i32,
             )
             .map_err(|e| err("shared memory", &e))?;
-        }
         let name = format!(
             "cuda:{ordinal} ({}, sm_{major}{minor}{})",
             ctx.name().unwrap_or_default(),
@@ -186,7 +180,6 @@ impl CudaBackend {
             k,
             name,
             graphs: graphs.then(|| GraphStore(Mutex::new(Graphs::default()))),
-            attention_slots: dynamic / 4,
             matmul_shared,
         })
     }
@@ -320,10 +313,6 @@ impl Backend for CudaBackend {
 
     fn name(&self) -> String {
         self.name.clone()
-    }
-
-    fn max_attention_slots(&self) -> usize {
-        self.attention_slots
     }
 
     fn load_matrix(&self, m: QMatrix) -> Result<CudaMatrix> {
@@ -582,47 +571,63 @@ impl Backend for CudaBackend {
         dev("rope_and_cache", unsafe { b.launch(grid(total, 256)) });
     }
 
+    fn attention_work_len(&self, n_heads: usize, head_dim: usize, capacity: usize) -> usize {
+        let per_row_head = 1 + capacity.div_ceil(ATT_CHUNK) * (head_dim + 2);
+        MAX_ROWS * n_heads * per_row_head
+    }
+
     fn attention(
         &self,
         q: &CudaSlice<f32>,
         k_cache: &CudaSlice<f32>,
         v_cache: &CudaSlice<f32>,
+        work: &mut CudaSlice<f32>,
         shape: AttnShape,
         step: &CudaStep,
         out: &mut CudaSlice<f32>,
     ) {
-        let (rows, nh, nkv, hd, cap) = (
-            shape.rows as i32,
+        assert!(shape.head_dim <= 256, "head_dim {} > 256", shape.head_dim);
+        // Chunk records for every chunk of the cache's capacity (fixed while its buffers live, so a recorded
+        // launch stays valid).
+        let capacity = k_cache.len() / (shape.n_kv_heads * shape.head_dim);
+        let chunks = capacity.div_ceil(ATT_CHUNK);
+        assert!(work.len() >= self.attention_work_len(shape.n_heads, shape.head_dim, capacity));
+        let (nh, nkv, hd, cap, nc) = (
             shape.n_heads as i32,
             shape.n_kv_heads as i32,
             shape.head_dim as i32,
             step.cap as i32,
+            chunks as i32,
         );
-        assert!(shape.head_dim <= 256, "head_dim {} > 256", shape.head_dim);
-        // One score per cache slot (the cache's capacity, fixed while its buffers live, so a recorded launch
-        // stays valid), or the value partials if they need more.
-        let slots = k_cache.len() / (shape.n_kv_heads * shape.head_dim);
-        assert!(slots <= self.attention_slots, "{slots} attention slots");
-        let cfg = LaunchConfig {
-            grid_dim: ((shape.rows * shape.n_heads) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: (slots.max(ATTENTION_PARTIALS) * 4) as u32,
-        };
-        let mut b = self.stream.launch_builder(&self.k.attention);
-        b.arg(q)
-            .arg(k_cache)
-            .arg(v_cache)
-            .arg(&rows)
-            .arg(&nh)
-            .arg(&nkv)
-            .arg(&hd)
-            .arg(&shape.scale)
-            .arg(&step.dev)
-            .arg(&cap)
-            .arg(out);
-        // SAFETY: q/out hold rows × n_heads × head_dim values, the caches (base + rows) × kv_dim within their
-        // capacity, whose scores the dynamic shared memory holds; the mask is in the step.
-        dev("attention", unsafe { b.launch(cfg) });
+        let mut r0 = 0;
+        while r0 < shape.rows {
+            let take = (shape.rows - r0).min(MAX_ROWS);
+            let cfg = LaunchConfig {
+                grid_dim: (ATT_SPLIT as u32, (take * shape.n_heads) as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let row0 = r0 as i32;
+            let mut b = self.stream.launch_builder(&self.k.attention);
+            b.arg(q)
+                .arg(k_cache)
+                .arg(v_cache)
+                .arg(&row0)
+                .arg(&nh)
+                .arg(&nkv)
+                .arg(&hd)
+                .arg(&shape.scale)
+                .arg(&step.dev)
+                .arg(&cap)
+                .arg(&mut *work)
+                .arg(&nc)
+                .arg(&mut *out);
+            // SAFETY: q/out hold rows × n_heads × head_dim values, the caches (base + rows) × kv_dim within
+            // their capacity; `work` holds the counters and chunk records of up to MAX_ROWS rows (checked above);
+            // the mask is in the step.
+            dev("attention", unsafe { b.launch(cfg) });
+            r0 += take;
+        }
     }
 
     fn copy(
