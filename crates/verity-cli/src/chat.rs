@@ -1,7 +1,12 @@
 use std::io::{BufRead, Write};
 
+use std::sync::Arc;
+
 use anyhow::Result;
+use verity::backend::Backend;
 use verity::chat::Message;
+
+use crate::device::{with_backend, Device, WithBackend};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -11,8 +16,19 @@ pub struct Args {
 
 /// A read-eval loop over stdin. The session keeps the KV cache of the conversation, so each turn prefills only
 /// the tokens the previous turn did not already cache.
-pub fn main(a: Args, threads: usize) -> Result<()> {
-    let mut engine = crate::load::engine(&a.gen.model, threads, &a.gen.speculation)?;
+pub fn main(a: Args, device: Device, threads: usize) -> Result<()> {
+    with_backend(device, threads, a)
+}
+
+impl WithBackend for Args {
+    type Out = ();
+    fn run<B: Backend>(self, backend: Arc<B>) -> Result<()> {
+        chat(self, backend)
+    }
+}
+
+fn chat<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
+    let mut engine = crate::load::engine_on(&a.gen.model, backend, &a.gen.speculation)?;
     let mut sess = engine.new_session();
     let mut messages = a.gen.first_messages();
     let req = a.gen.request();

@@ -12,7 +12,8 @@ pub enum Device {
     /// The CPU backend (every command).
     #[default]
     Cpu,
-    /// The CUDA backend on GPU 0 (`run` and `bench speed|rowcost|rowexact`; needs a build with `--features cuda`).
+    /// The CUDA backend on GPU 0 (`run`, `chat`, `serve`, `bench speed|rowcost|rowexact`; needs a build with
+    /// `--features cuda`).
     Cuda,
 }
 
@@ -47,7 +48,9 @@ fn cuda<W: WithBackend>(_: W) -> Result<W::Out> {
 /// Commands that run on the CPU only say so instead of silently ignoring `--device`.
 pub fn cpu_only(device: Device, command: &str) -> Result<()> {
     if device != Device::Cpu {
-        anyhow::bail!("`{command}` runs on the CPU only for now (--device cuda: run, bench speed|rowcost|rowexact)");
+        anyhow::bail!(
+            "`{command}` runs on the CPU only (--device cuda: run, chat, serve, bench speed|rowcost|rowexact)"
+        );
     }
     Ok(())
 }

@@ -62,9 +62,9 @@ fn main() {
     let result = match cli.command {
         Command::Fetch(a) => fetch::main(a),
         Command::Run(a) => run::main(a, dev, threads),
-        Command::Chat(a) => device::cpu_only(dev, "chat").and_then(|_| chat::main(a, threads)),
+        Command::Chat(a) => chat::main(a, dev, threads),
         Command::Inspect(a) => inspect::main(a),
-        Command::Serve(a) => device::cpu_only(dev, "serve").and_then(|_| serve::main(a, threads)),
+        Command::Serve(a) => serve::main(a, dev, threads),
         Command::Cache(c) => device::cpu_only(dev, "cache").and_then(|_| cache::main(c, threads)),
         Command::Bench(c) => bench::main(c, dev, threads),
     };

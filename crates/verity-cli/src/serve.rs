@@ -1,6 +1,11 @@
+use std::sync::Arc;
+
 use anyhow::{Context, Result};
+use verity::backend::Backend;
 use verity::registry;
 use verity::spec::SpecMode;
+
+use crate::device::{with_backend, Device, WithBackend};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -26,8 +31,19 @@ pub struct Args {
     speculation: SpecMode,
 }
 
-pub fn main(a: Args, threads: usize) -> Result<()> {
-    let mut engine = crate::load::engine(&a.model, threads, &a.speculation)?;
+pub fn main(a: Args, device: Device, threads: usize) -> Result<()> {
+    with_backend(device, threads, a)
+}
+
+impl WithBackend for Args {
+    type Out = ();
+    fn run<B: Backend>(self, backend: Arc<B>) -> Result<()> {
+        serve(self, backend)
+    }
+}
+
+fn serve<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
+    let mut engine = crate::load::engine_on(&a.model, backend, &a.speculation)?;
     engine.set_prefix_cache_budget(a.prefix_cache_mb << 20);
     if a.prefix_cache_disk_mb > 0 {
         engine.set_prefix_cache_dir(&crate::cache::root()?, a.prefix_cache_disk_mb << 20);

@@ -27,7 +27,7 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio_stream::wrappers::UnboundedReceiverStream;
-use verity::backend::cpu::CpuBackend;
+use verity::backend::Backend;
 use verity::engine::{Engine, GenerationStats};
 
 use api::Params;
@@ -46,7 +46,7 @@ pub struct AppState {
 }
 
 /// Build the router around an engine; `queue` is how many requests may wait.
-pub fn router(engine: Engine<CpuBackend>, model_id: &str, queue: usize) -> Router {
+pub fn router<B: Backend>(engine: Engine<B>, model_id: &str, queue: usize) -> Router {
     let metrics = Arc::new(Metrics::default());
     let state = Arc::new(AppState {
         model_id: model_id.to_string(),

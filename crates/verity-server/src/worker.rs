@@ -10,7 +10,7 @@ use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Arc;
 
 use tokio::sync::mpsc::UnboundedSender;
-use verity::backend::cpu::CpuBackend;
+use verity::backend::Backend;
 use verity::chat::{Message, OutputParser, StreamDecoder, TemplateArgs, ToolCall};
 use verity::engine::{Engine, GenerateRequest, GenerationStats, StopReason};
 use verity::sample::constraint::SharedConstraint;
@@ -71,7 +71,11 @@ pub struct Worker {
 
 impl Worker {
     /// Start the engine thread with a queue of `capacity` waiting requests.
-    pub fn start(mut engine: Engine<CpuBackend>, capacity: usize, metrics: Arc<Metrics>) -> Self {
+    pub fn start<B: Backend>(
+        mut engine: Engine<B>,
+        capacity: usize,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         let (tx, rx) = sync_channel::<Task>(capacity);
         std::thread::Builder::new()
             .name("verity-engine".into())
@@ -177,8 +181,8 @@ impl StopScan {
 }
 
 /// The grammar a request's answer must follow, if any.
-fn constraint(
-    engine: &Engine<CpuBackend>,
+fn constraint<B: Backend>(
+    engine: &Engine<B>,
     grammars: &mut Option<Grammars>,
     p: &Params,
 ) -> Result<Option<SharedConstraint>, ApiError> {
@@ -225,9 +229,9 @@ fn constraint(
         .map_err(|e| ApiError::invalid(format!("cannot compile the grammar: {e}"), Some(param)))
 }
 
-fn run(
-    engine: &mut Engine<CpuBackend>,
-    session: &mut verity::engine::Session<CpuBackend>,
+fn run<B: Backend>(
+    engine: &mut Engine<B>,
+    session: &mut verity::engine::Session<B>,
     grammars: &mut Option<Grammars>,
     job: Job,
     metrics: &Metrics,

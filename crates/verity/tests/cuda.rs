@@ -13,7 +13,7 @@ use verity::backend::AttnMask;
 use verity::bundle::Bundle;
 use verity::chat::Message;
 use verity::engine::{Engine, GenerateRequest};
-use verity::model::{Batch, LogitRows, Model};
+use verity::model::{Batch, LogitRows, Model, MtpHead};
 use verity::spec::SpecMode;
 
 fn gpu() -> Arc<CudaBackend> {
@@ -57,13 +57,17 @@ fn cuda_logits_match_the_cpu_backend_on_the_fixture_bundles() {
     }
 }
 
-/// Every row of a W-row verify is bitwise the logits of the one-row step at that position (W = 2…16).
+/// Every row of a W-row verify is bitwise the logits of the one-row step at that position (W = 2…16), and the
+/// W-row projection kernel was admitted for every weight shape of the model (no row-by-row fallback).
 #[test]
 fn cuda_verify_rows_are_bitwise_the_one_row_step() {
     let be = gpu();
     let path = smollm2();
     let bundle = Bundle::open(&path).unwrap();
-    let mut m = Model::load(&bundle, be).unwrap();
+    let mut m = Model::load(&bundle, be.clone()).unwrap();
+    let (shapes, failed) = be.admission();
+    assert!(shapes >= 5, "{shapes} weight shapes checked");
+    assert_eq!(failed, 0, "shapes whose W-row kernel was refused");
     let e = Engine::load(&path, f32_backend(), &SpecMode::Off).unwrap();
     let text = e
         .chat_prompt(&[Message::new(
@@ -216,6 +220,48 @@ fn recorded_forwards_replay_bitwise_what_direct_launches_compute() {
         assert!(
             a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
             "forward {i}: the replayed graph differs from direct launches"
+        );
+    }
+}
+
+/// The MTP head's recorded draft steps replay bitwise what direct launches compute (hidden states and logits),
+/// across widths and the head cache's growth.
+#[test]
+fn recorded_mtp_head_steps_replay_bitwise_what_direct_launches_compute() {
+    let bundle = Bundle::open(&smollm2_mtp()).unwrap();
+    let mut runs = Vec::new();
+    for graphs in [true, false] {
+        let be = Arc::new(CudaBackend::with_graphs(0, graphs).unwrap());
+        let model = Model::load(&bundle, be).unwrap();
+        let mut head = MtpHead::load(&bundle, &model).unwrap();
+        let (h, vocab) = (model.hp.hidden, model.hp.vocab as u32);
+        let mut cache = head.new_cache(1024);
+        let mut seed = 7u32;
+        let mut next = || {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            seed
+        };
+        let mut outs = Vec::new();
+        for step in 0..300usize {
+            let pos = cache.len();
+            let w = [1, 1, 3, 1, 2][step % 5];
+            let tokens: Vec<u32> = (0..w).map(|_| next() % vocab).collect();
+            let hidden: Vec<f32> = (0..w * h)
+                .map(|_| (next() >> 8) as f32 / (1u32 << 24) as f32 - 0.5)
+                .collect();
+            let o = head.forward(&mut cache, &tokens, pos, &hidden).unwrap();
+            outs.push((o.hidden, o.logits));
+            cache.truncate(pos + 1);
+        }
+        runs.push(outs);
+    }
+    for (i, (a, b)) in runs[0].iter().zip(&runs[1]).enumerate() {
+        let same = |x: &[f32], y: &[f32]| {
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
+        };
+        assert!(
+            same(&a.0, &b.0) && same(&a.1, &b.1),
+            "head step {i}: replay differs"
         );
     }
 }

@@ -5,7 +5,7 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use super::hparams::{Arch, HParams};
-use super::{Batch, ForwardOutput, LogitRows};
+use super::{Batch, ForwardOutput, LogitRows, RECORDED_ROWS};
 use crate::backend::{buffer_set_id, AttnMask, AttnShape, Backend, Rope, StepInputs};
 use crate::bundle::{Bundle, TensorKey};
 use crate::cache::{CacheShape, KvCache};
@@ -24,10 +24,6 @@ pub(super) struct Layer<B: Backend> {
     up: B::Matrix,
     down: B::Matrix,
 }
-
-/// Forwards of up to this many rows (decode steps, verifies) are recorded for replay; longer ones (prefill
-/// chunks, whose lengths vary) run directly.
-const RECORDED_ROWS: usize = 16;
 
 /// Activation buffers for up to `rows` rows, reused across forwards.
 pub(super) struct Scratch<B: Backend> {

@@ -13,6 +13,10 @@ pub use mtp::{HeadOutput, MtpHead};
 
 use crate::backend::AttnMask;
 
+/// Forwards of up to this many rows (decode steps, verifies, draft steps) are recorded for replay
+/// ([`crate::backend::Backend::replay_or_record`]); longer ones (prefill chunks, whose lengths vary) run directly.
+const RECORDED_ROWS: usize = 16;
+
 /// The new rows of one forward.
 #[derive(Debug, Clone)]
 pub struct Batch {

@@ -13,11 +13,12 @@
 //! `h` is the target's final hidden state (after its output norm) at `p - 1` for committed positions, and the
 //! head's own `out` of the previous step when drafting recursively.
 
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use super::hparams::{HParams, RopeStyle};
 use super::llama::{Layer, Scratch};
-use super::Model;
+use super::{Model, RECORDED_ROWS};
 use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
 use crate::bundle::mtp::Fusion;
 use crate::bundle::{st_matrix, st_token_ids, st_vector, Bundle, MtpStatus, TensorKey};
@@ -257,9 +258,7 @@ impl<B: Backend> MtpHead<B> {
         s: &mut HeadScratch<B>,
     ) -> HeadOutput {
         let be = self.backend.as_ref();
-        let hp = &self.hp;
-        let (rows, h) = (tokens.len(), hp.hidden);
-        let eps = hp.rms_eps;
+        let (rows, h) = (tokens.len(), self.hp.hidden);
         let positions: Vec<usize> = (start..start + rows).collect();
         be.set_step(
             &mut s.block.step,
@@ -270,9 +269,30 @@ impl<B: Backend> MtpHead<B> {
                 mask: &AttnMask::Causal,
             },
         );
+        be.write(&mut s.h, hidden);
+        // A draft step is a few dozen small launches: recorded once per width and buffers, like the target's.
+        if rows <= RECORDED_ROWS {
+            let mut key = std::collections::hash_map::DefaultHasher::new();
+            (s.block.id, cache.buffers_id(), rows).hash(&mut key);
+            be.replay_or_record(key.finish(), &mut || self.encode(cache, rows, s));
+        } else {
+            self.encode(cache, rows, s);
+        }
+        cache.advance(rows);
+        HeadOutput {
+            hidden: be.download(&s.block.xn, rows * h),
+            logits: be.download(&s.block.logits, self.draft_vocab_len()),
+        }
+    }
+
+    /// The device work of one head forward whose inputs are in the step and `s.h`: every row's final hidden
+    /// state into `s.block.xn`, the last row's draft logits into `s.block.logits`.
+    fn encode(&self, cache: &mut KvCache<B>, rows: usize, s: &mut HeadScratch<B>) {
+        let be = self.backend.as_ref();
+        let hp = &self.hp;
+        let (h, eps) = (hp.hidden, hp.rms_eps);
         be.embed(&self.embed, &s.block.step, rows, &mut s.block.tmp);
         be.rms_norm(&s.block.tmp, &self.embedding_norm, rows, h, eps, &mut s.e);
-        be.write(&mut s.h, hidden);
         be.rms_norm(&s.h, &self.hidden_norm, rows, h, eps, &mut s.hn);
         match &self.fusion {
             HeadFusion::Joint(fc) => {
@@ -309,14 +329,8 @@ impl<B: Backend> MtpHead<B> {
                 shape,
             );
         }
-        cache.advance(rows);
         be.rms_norm(&s.block.x, &self.final_norm, rows, h, eps, &mut s.block.xn);
-        let hidden = be.download(&s.block.xn, rows * h);
         be.copy(&s.block.xn, (rows - 1) * h, &mut s.block.tmp, 0, h);
         be.matmul(&self.lm_head, &s.block.tmp, 1, &mut s.block.logits);
-        HeadOutput {
-            hidden,
-            logits: be.download(&s.block.logits, self.draft_vocab_len()),
-        }
     }
 }

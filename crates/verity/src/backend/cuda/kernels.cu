@@ -162,50 +162,61 @@ __device__ __forceinline__ float rms_scale(const float* xr, int dim, float eps, 
 #define ROWS_PER_GROUP 8
 #define XPAD 36
 
-// One output column for the staged rows: acc[r] = sum over the lane's blocks of 32 fused multiply-adds in index
-// order, then a fixed butterfly over the warp. Every lane returns the column's sums.
-template <int TY>
-__device__ __forceinline__ void column(const u8* row, int nb, int lane, const float* xs, int rn,
+// One output column for RN staged rows (RN >= the group's rows; rows past them are computed from stale shared
+// memory and never stored): acc[r] = sum over the lane's blocks of 32 fused multiply-adds in index order, then a
+// fixed butterfly over the warp. The rows' chains are interleaved (independent, so they hide each other's
+// latency) without changing any row's order of operations: a row gets the same bits for every RN.
+template <int TY, int RN>
+__device__ __forceinline__ void column(const u8* row, int nb, int lane, const float* xs,
                                        float (&acc)[ROWS_PER_GROUP]) {
     float v[32];
 #pragma unroll
     for (int r = 0; r < ROWS_PER_GROUP; r++) acc[r] = 0.f;
     for (int b = lane; b < nb; b += 32) {
         decode<TY>(row, b, v);
+        float s[RN];
 #pragma unroll
-        for (int r = 0; r < ROWS_PER_GROUP; r++) {
-            if (r < rn) {
-                const float4* xr = (const float4*)(xs + ((size_t)r * nb + b) * XPAD);
-                float s = 0.f;
+        for (int r = 0; r < RN; r++) s[r] = 0.f;
 #pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    float4 a = xr[j];
-                    s = fmaf(v[4 * j], a.x, s);
-                    s = fmaf(v[4 * j + 1], a.y, s);
-                    s = fmaf(v[4 * j + 2], a.z, s);
-                    s = fmaf(v[4 * j + 3], a.w, s);
-                }
-                acc[r] += s;
+        for (int j = 0; j < 8; j++) {
+#pragma unroll
+            for (int r = 0; r < RN; r++) {
+                float4 a = ((const float4*)(xs + ((size_t)r * nb + b) * XPAD))[j];
+                s[r] = fmaf(v[4 * j], a.x, s[r]);
+                s[r] = fmaf(v[4 * j + 1], a.y, s[r]);
+                s[r] = fmaf(v[4 * j + 2], a.z, s[r]);
+                s[r] = fmaf(v[4 * j + 3], a.w, s[r]);
             }
         }
+#pragma unroll
+        for (int r = 0; r < RN; r++) acc[r] += s[r];
     }
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_GROUP; r++) {
+    for (int r = 0; r < RN; r++) {
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
     }
 }
 
+template <int RN>
+__device__ __forceinline__ void column_rows(int ty, const u8* row, int nb, int lane, const float* xs,
+                                            float (&acc)[ROWS_PER_GROUP]) {
+    switch (ty) {
+        case T_F32: column<T_F32, RN>(row, nb, lane, xs, acc); break;
+        case T_F16: column<T_F16, RN>(row, nb, lane, xs, acc); break;
+        case T_BF16: column<T_BF16, RN>(row, nb, lane, xs, acc); break;
+        case T_Q4_0: column<T_Q4_0, RN>(row, nb, lane, xs, acc); break;
+        case T_Q4_1: column<T_Q4_1, RN>(row, nb, lane, xs, acc); break;
+        default: column<T_Q8_0, RN>(row, nb, lane, xs, acc);
+    }
+}
+
 __device__ __forceinline__ void column_any(int ty, const u8* row, int nb, int lane, const float* xs, int rn,
                                            float (&acc)[ROWS_PER_GROUP]) {
-    switch (ty) {
-        case T_F32: column<T_F32>(row, nb, lane, xs, rn, acc); break;
-        case T_F16: column<T_F16>(row, nb, lane, xs, rn, acc); break;
-        case T_BF16: column<T_BF16>(row, nb, lane, xs, rn, acc); break;
-        case T_Q4_0: column<T_Q4_0>(row, nb, lane, xs, rn, acc); break;
-        case T_Q4_1: column<T_Q4_1>(row, nb, lane, xs, rn, acc); break;
-        default: column<T_Q8_0>(row, nb, lane, xs, rn, acc);
-    }
+    if (rn <= 1) column_rows<1>(ty, row, nb, lane, xs, acc);
+    else if (rn <= 2) column_rows<2>(ty, row, nb, lane, xs, acc);
+    else if (rn <= 4) column_rows<4>(ty, row, nb, lane, xs, acc);
+    else column_rows<8>(ty, row, nb, lane, xs, acc);
 }
 
 // One to three projections of the same input x (rows <= MAX_ROWS rows of k values), or of its RMS norm when

@@ -9,6 +9,10 @@
 //! attention, RoPE and norms are per row, with every slot's place in every sum fixed by the slot alone. So a
 //! W-row verify gives each row bitwise the one-row step's result on this backend.
 //!
+//! Admission: the W-row projection kernel is checked once per weight shape at load, on the real weights,
+//! against the one-row kernel (bitwise, for each row-count variant); a shape that fails runs its verifies one
+//! row per launch.
+//!
 //! Launch overhead: a decode step is ~190 small kernels, so launching them one by one costs more than running
 //! some of them. Every op reads its per-forward inputs (tokens, positions, first slot, mask) from a
 //! device-resident step written by one copy, so a forward is recorded once as a CUDA graph per key (width,
@@ -58,6 +62,9 @@ pub struct CudaMatrix {
     rows: usize,
     cols: usize,
     data: CudaSlice<u8>,
+    /// Rows one projection launch may take: `MAX_ROWS` once the W-row kernel was admitted for this shape
+    /// (bitwise equal to the one-row kernel on these weights), else 1.
+    launch_rows: usize,
 }
 
 /// A forward's inputs on the device, laid out as `kernels.cu`'s `Step` reads them: an i32 header {base, rows,
@@ -106,6 +113,8 @@ pub struct CudaBackend {
     graphs: Option<GraphStore>,
     /// Dynamic shared memory the projection kernel may stage its rows of x in.
     matmul_shared: usize,
+    /// The admission verdict per weight shape (type, rows, cols): rows per launch.
+    admitted: Mutex<HashMap<(i32, usize, usize), usize>>,
 }
 
 fn dev<T>(what: &str, r: std::result::Result<T, cudarc::driver::DriverError>) -> T {
@@ -181,6 +190,7 @@ impl CudaBackend {
             name,
             graphs: graphs.then(|| GraphStore(Mutex::new(Graphs::default()))),
             matmul_shared,
+            admitted: Mutex::new(HashMap::new()),
         })
     }
 
@@ -200,6 +210,7 @@ impl CudaBackend {
         outs: &mut [&mut CudaSlice<f32>],
     ) {
         debug_assert!((1..=3).contains(&mats.len()) && rows <= MAX_ROWS);
+        debug_assert!(mats.iter().all(|m| rows <= m.launch_rows));
         debug_assert_eq!(outs.len(), if glu { 1 } else { mats.len() });
         let k = mats[0].cols;
         assert!(
@@ -212,7 +223,9 @@ impl CudaBackend {
             mats.iter().map(|w| w.rows).sum()
         };
         let cols_per_warp = if cols >= WIDE_COLUMNS { 4 } else { 1 };
-        let staged = rows.min(ROWS_PER_GROUP) * (k / 32) * XPAD * 4;
+        // The kernel computes a power-of-two number of staged rows (reading, never storing, those past the
+        // group's), so room for that many.
+        let staged = rows.min(ROWS_PER_GROUP).next_power_of_two() * (k / 32) * XPAD * 4;
         assert!(
             staged <= self.matmul_shared,
             "{rows} rows of {k} values exceed the projection kernel's shared memory"
@@ -280,12 +293,76 @@ impl CudaBackend {
         mats: &[&CudaMatrix],
         outs: &mut [&mut CudaSlice<f32>],
     ) {
+        let per_launch = mats.iter().map(|m| m.launch_rows).min().unwrap_or(1);
         let mut r0 = 0;
         while r0 < rows {
-            let take = (rows - r0).min(MAX_ROWS);
+            let take = (rows - r0).min(per_launch);
             self.launch_matmuls(x, norm, r0, take, accumulate, glu, mats, outs);
             r0 += take;
         }
+    }
+
+    /// Weight shapes checked so far, and how many of them failed the admission check (their verifies run one
+    /// row per launch).
+    pub fn admission(&self) -> (usize, usize) {
+        let a = self.admitted.lock().unwrap_or_else(|e| e.into_inner());
+        (a.len(), a.values().filter(|&&r| r < MAX_ROWS).count())
+    }
+
+    /// The admission check of the W-row projection kernel for `m`'s shape (`m.launch_rows` = `MAX_ROWS` while
+    /// it runs), on `m`'s own weights: widths 16
+    /// (two row groups), 5, 3 and 2 (each row-count variant) against the one-row kernel on pseudo-random rows,
+    /// bitwise. Returns the rows one launch may take.
+    fn admit(&self, m: &CudaMatrix) -> usize {
+        let key = (m.ty, m.rows, m.cols);
+        if let Some(&rows) = self
+            .admitted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+        {
+            return rows;
+        }
+        let (k, n) = (m.cols, m.rows);
+        let mut seed = 0x9e37_79b9u32;
+        let x: Vec<f32> = (0..MAX_ROWS * k)
+            .map(|_| {
+                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (seed >> 8) as f32 / (1u32 << 23) as f32 - 1.0
+            })
+            .collect();
+        let x = self.upload(&x);
+        let mut one = self.buffer(MAX_ROWS * n);
+        for r in 0..MAX_ROWS {
+            self.launch_matmuls(&x, None, r, 1, false, false, &[m], &mut [&mut one]);
+        }
+        let one = self.download(&one, MAX_ROWS * n);
+        let mut wide = self.buffer(MAX_ROWS * n);
+        let mut exact = true;
+        for (r0, w) in [(0, MAX_ROWS), (1, 5), (6, 3), (9, 2)] {
+            self.launch_matmuls(&x, None, r0, w, false, false, &[m], &mut [&mut wide]);
+            let got = self.download(&wide, MAX_ROWS * n);
+            let span = r0 * n..(r0 + w) * n;
+            exact &= got[span.clone()]
+                .iter()
+                .zip(&one[span])
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+        }
+        let rows = if exact {
+            MAX_ROWS
+        } else {
+            tracing::warn!(
+                "the {MAX_ROWS}-row projection kernel is not bitwise the one-row kernel for a {n}×{k} matrix of \
+                 type {}: its verifies run one row per launch",
+                m.ty
+            );
+            1
+        };
+        self.admitted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, rows);
+        rows
     }
 }
 
@@ -333,12 +410,15 @@ impl Backend for CudaBackend {
             .stream
             .clone_htod(m.data())
             .map_err(|e| Error::Invalid(format!("CUDA upload of {}: {e}", m.name)))?;
-        Ok(CudaMatrix {
+        let mut matrix = CudaMatrix {
             ty: tag,
             rows: m.rows,
             cols: m.cols,
             data,
-        })
+            launch_rows: MAX_ROWS,
+        };
+        matrix.launch_rows = self.admit(&matrix);
+        Ok(matrix)
     }
 
     fn matrix_bytes(&self, m: &CudaMatrix) -> usize {
