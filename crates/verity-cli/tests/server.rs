@@ -12,9 +12,20 @@ struct Server {
 }
 
 impl Server {
+    /// A server on a free port. Test servers run side by side and share the cache folder, so none of them
+    /// keeps a disk tier of the prefix cache: another server's stored checkpoints of the shared system prompt
+    /// would otherwise show up as cached tokens right after a reset.
     fn start(extra: &[&str]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_verity"))
-            .args(["--threads", "2", "serve", "--port", "0"])
+            .args([
+                "--threads",
+                "2",
+                "serve",
+                "--port",
+                "0",
+                "--prefix-cache-disk-mb",
+                "0",
+            ])
             .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

@@ -141,8 +141,17 @@ fn the_disk_tier_survives_a_restart_and_rejects_damaged_files() {
         }
         std::fs::write(f, bytes).unwrap();
     }
-    // A half-written store and a foreign model's file.
-    std::fs::write(dir.join(".tmp-999-x.vkv"), b"VRTYKV01 partial").unwrap();
+    // A half-written store of a process that died an hour ago, one in progress in a live process (left
+    // alone), and a foreign model's file.
+    let dead = dir.join(".tmp-999-x.vkv");
+    std::fs::write(&dead, b"VRTYKV01 partial").unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&dead)
+        .unwrap()
+        .set_modified(std::time::SystemTime::now() - std::time::Duration::from_secs(3600))
+        .unwrap();
+    std::fs::write(dir.join(".tmp-998-y.vkv"), b"VRTYKV01 in progress").unwrap();
     let foreign = std::fs::read(&files[0]).unwrap();
     let foreign = String::from_utf8_lossy(&foreign).replacen(
         &format!(
@@ -165,8 +174,12 @@ fn the_disk_tier_survives_a_restart_and_rejects_damaged_files() {
         .collect();
     assert!(
         left.iter()
-            .all(|n| !n.starts_with(".tmp-") && n != "foreign.vkv"),
+            .all(|n| n != ".tmp-999-x.vkv" && n != "foreign.vkv"),
         "rejected files are removed: {left:?}"
+    );
+    assert!(
+        left.iter().any(|n| n == ".tmp-998-y.vkv"),
+        "another process's store in progress is left alone: {left:?}"
     );
     std::fs::remove_dir_all(&root).unwrap();
 }

@@ -21,6 +21,9 @@ const MAGIC: &[u8; 8] = b"VRTYKV01";
 const EXT: &str = "vkv";
 /// Headers larger than this are not ours (a million token ids is ~8 MB of JSON).
 const MAX_HEADER: u32 = 16 << 20;
+/// A temporary file older than this is a store whose process died (a store takes milliseconds); younger ones may
+/// belong to another process sharing the folder and are left alone.
+const STALE_STORE: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// FNV-1a, 64 bit: a stable checksum and fingerprint (std's hasher is not stable across releases).
 pub fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
@@ -95,7 +98,15 @@ impl DiskTier {
             let path = e.path();
             let name = e.file_name().to_string_lossy().into_owned();
             if name.starts_with(".tmp-") {
-                let _ = std::fs::remove_file(&path); // a store that never finished
+                // A store that never finished, unless it is another live process's store in progress.
+                let age = e
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| t.elapsed().ok());
+                if age.is_some_and(|a| a > STALE_STORE) {
+                    let _ = std::fs::remove_file(&path);
+                }
                 continue;
             }
             if path.extension().is_none_or(|x| x != EXT) {
