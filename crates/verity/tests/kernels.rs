@@ -248,3 +248,44 @@ fn rows_are_independent(acts: Activations) {
         );
     }
 }
+
+/// The fused projections (one pass over several matrices of one input, and the SwiGLU pair) give every output
+/// bitwise what its own matmul gives, with either activation precision.
+#[test]
+fn fused_projections_give_each_output_what_its_own_matmul_gives() {
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let mats: Vec<QMatrix> = random_matrices(&mut rng).into_iter().take(3).collect();
+    assert!(mats
+        .iter()
+        .all(|m| m.cols == mats[0].cols && m.rows == mats[0].rows));
+    let rows = 5;
+    let x: Vec<f32> = (0..rows * mats[0].cols)
+        .map(|_| rng.random_range(-2.0f32..2.0))
+        .collect();
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
+    for acts in [Activations::F32, Activations::Q8] {
+        let be = CpuBackend::with_activations(2, acts).unwrap();
+        let alone: Vec<Vec<f32>> = mats.iter().map(|m| run(&be, m, &x, rows)).collect();
+        let mut outs: Vec<Vec<f32>> = (0..3).map(|_| be.buffer(rows * mats[0].rows)).collect();
+        let [o0, o1, o2] = &mut outs[..] else {
+            unreachable!()
+        };
+        be.matmuls(
+            &x,
+            None,
+            rows,
+            &mut [(&mats[0], o0), (&mats[1], o1), (&mats[2], o2)],
+        );
+        for (i, (got, want)) in outs.iter().zip(&alone).enumerate() {
+            assert!(same(got, want), "{acts:?}: output {i} of the fused pass");
+        }
+        let mut act = be.buffer(rows * mats[0].rows);
+        be.swiglu_matmul(&x, None, rows, &mats[0], &mats[1], &mut act);
+        let want: Vec<f32> = alone[0]
+            .iter()
+            .zip(&alone[1])
+            .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+            .collect();
+        assert!(same(&act, &want), "{acts:?}: SwiGLU pair");
+    }
+}

@@ -21,6 +21,31 @@ pub enum Activations {
     Q8,
 }
 
+/// Whether the 8-bit-activation path runs `w`.
+fn q8_runs(acts: Activations, w: &QMatrix) -> bool {
+    matches!((acts, w.format), (Activations::Q8, WeightFormat::Ggml(ty)) if qmatmul::supports(ty))
+}
+
+/// Several products of one input (`outs[i].1 = outs[i].0 · x`): one pool dispatch when the 8-bit path runs
+/// them all, else one [`matmul`] each. Each output gets what `matmul` alone would give it.
+pub fn matmuls<O: AsMut<[f32]>>(
+    pool: &Pool,
+    acts: Activations,
+    x: &[f32],
+    rows: usize,
+    outs: &mut [(&QMatrix, O)],
+) {
+    if outs.iter().all(|(w, _)| q8_runs(acts, w)) {
+        for chunk in outs.chunks_mut(qmatmul::MAX_MATS) {
+            qmatmul::matmuls(pool, x, rows, chunk);
+        }
+        return;
+    }
+    for (w, out) in outs.iter_mut() {
+        matmul(pool, acts, w, x, rows, out.as_mut());
+    }
+}
+
 /// `out[r * w.rows + n] = Σ_k x[r * w.cols + k] · w[n, k]` for `r < rows`.
 pub fn matmul(
     pool: &Pool,
@@ -32,10 +57,8 @@ pub fn matmul(
 ) {
     let (n_out, k) = (w.rows, w.cols);
     assert!(x.len() >= rows * k && out.len() >= rows * n_out);
-    if let (Activations::Q8, WeightFormat::Ggml(ty)) = (acts, w.format) {
-        if qmatmul::supports(ty) {
-            return qmatmul::matmul(pool, ty, w, x, rows, out);
-        }
+    if q8_runs(acts, w) {
+        return qmatmul::matmul(pool, w, x, rows, out);
     }
     let dec = w.decoder();
     let bl = w.block_len();

@@ -198,9 +198,7 @@ impl Backend for CpuBackend {
     ) {
         let mut t = self.temps();
         let x = Self::normed(x, norm, rows, &mut t.normed);
-        for (w, out) in outs.iter_mut() {
-            matmul::matmul(&self.pool, self.activations, w, x, rows, out);
-        }
+        matmul::matmuls(&self.pool, self.activations, x, rows, outs);
     }
 
     fn swiglu_matmul(
@@ -216,10 +214,15 @@ impl Backend for CpuBackend {
         let mut t = self.temps();
         let Temps { normed, a, b } = &mut *t;
         let x = Self::normed(x, norm, rows, normed);
-        let (g, u) = (at_least(a, n), at_least(b, n));
-        matmul::matmul(&self.pool, self.activations, gate, x, rows, g);
-        matmul::matmul(&self.pool, self.activations, up, x, rows, u);
-        ops::swiglu(&g[..n], &u[..n], &mut out[..n]);
+        let (g, u) = (&mut at_least(a, n)[..n], &mut at_least(b, n)[..n]);
+        matmul::matmuls(
+            &self.pool,
+            self.activations,
+            x,
+            rows,
+            &mut [(gate, &mut *g), (up, &mut *u)],
+        );
+        ops::swiglu(g, u, &mut out[..n]);
     }
 
     fn add_bias(&self, x: &mut Vec<f32>, bias: &Vec<f32>, rows: usize, dim: usize) {

@@ -10,7 +10,7 @@
 
 use super::pool::{share, Pool, SharedOut};
 use super::simd::{self, Isa};
-use crate::quant::{GgmlType, QMatrix};
+use crate::quant::{GgmlType, QMatrix, WeightFormat};
 use half::f16;
 
 /// One quantized block of an activation row.
@@ -64,12 +64,37 @@ thread_local! {
 }
 
 /// `out[r * n_out + n] = Σ_k x[r, k] · w[n, k]` with 8-bit activations.
-pub fn matmul(pool: &Pool, ty: GgmlType, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
-    let (data, n_out, k) = (w.data(), w.rows, w.cols);
-    debug_assert!(supports(ty) && k % 32 == 0);
+pub fn matmul(pool: &Pool, w: &QMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
+    matmuls(pool, x, rows, &mut [(w, out)]);
+}
+
+/// Matrices one [`matmuls`] pass takes.
+pub const MAX_MATS: usize = 3;
+
+/// Up to [`MAX_MATS`] products of one activation input, `outs[i].1 = outs[i].0 · x`, in one pass of the pool:
+/// `x` is quantized once and the threads share the columns of all the matrices (a layer's Q/K/V and gate/up
+/// projections cost one dispatch each). Every matrix must be a format [`supports`] runs, with `x`'s width.
+pub fn matmuls<O: AsMut<[f32]>>(pool: &Pool, x: &[f32], rows: usize, outs: &mut [(&QMatrix, O)]) {
+    assert!((1..=MAX_MATS).contains(&outs.len()));
+    let k = outs[0].0.cols;
     let nb = k / 32;
-    let row_bytes = nb * ty.block_bytes();
-    assert!(data.len() >= n_out * row_bytes && x.len() >= rows * k && out.len() >= rows * n_out);
+    assert!(x.len() >= rows * k && k.is_multiple_of(32));
+    // (type, weights, columns, bytes per row) and the destination of each matrix.
+    let mut mats: [(GgmlType, &[u8], usize, usize); MAX_MATS] =
+        [(GgmlType::Q8_0, &[], 0, 0); MAX_MATS];
+    let mut dsts = [(); MAX_MATS].map(|_| SharedOut::new(&mut []));
+    for (i, (w, out)) in outs.iter_mut().enumerate() {
+        let WeightFormat::Ggml(ty) = w.format else {
+            unreachable!("qmatmul runs GGML formats only")
+        };
+        let row_bytes = nb * ty.block_bytes();
+        let out = out.as_mut();
+        assert!(supports(ty) && w.cols == k);
+        assert!(w.data().len() >= w.rows * row_bytes && out.len() >= rows * w.rows);
+        mats[i] = (ty, w.data(), w.rows, row_bytes);
+        dsts[i] = SharedOut::new(out);
+    }
+    let total: usize = mats.iter().map(|m| m.2).sum();
     QX.with(|qx| {
         let mut qx = qx.borrow_mut();
         if qx.len() < rows * nb {
@@ -79,70 +104,85 @@ pub fn matmul(pool: &Pool, ty: GgmlType, w: &QMatrix, x: &[f32], rows: usize, ou
             quantize_row(&x[r * k..(r + 1) * k], &mut qx[r * nb..(r + 1) * nb]);
         }
         let qx = &qx[..rows * nb];
-        let out = SharedOut::new(out);
         let isa = simd::isa();
         pool.run(&|t| {
-            let cols = share(n_out, pool.threads(), t, 4);
-            for n in cols {
-                let wrow = &data[n * row_bytes..(n + 1) * row_bytes];
-                let mut r0 = 0;
-                while r0 < rows {
-                    let take = (rows - r0).min(R_MAX);
-                    let xs = |i: usize| &qx[(r0 + i) * nb..(r0 + i + 1) * nb];
-                    let mut res = [0f32; R_MAX];
-                    match take {
-                        8 => {
-                            res = dot_rows::<8>(
-                                isa,
-                                ty,
-                                wrow,
-                                [xs(0), xs(1), xs(2), xs(3), xs(4), xs(5), xs(6), xs(7)],
-                            )
-                        }
-                        7 => res[..7].copy_from_slice(&dot_rows::<7>(
-                            isa,
-                            ty,
-                            wrow,
-                            [xs(0), xs(1), xs(2), xs(3), xs(4), xs(5), xs(6)],
-                        )),
-                        6 => res[..6].copy_from_slice(&dot_rows::<6>(
-                            isa,
-                            ty,
-                            wrow,
-                            [xs(0), xs(1), xs(2), xs(3), xs(4), xs(5)],
-                        )),
-                        5 => res[..5].copy_from_slice(&dot_rows::<5>(
-                            isa,
-                            ty,
-                            wrow,
-                            [xs(0), xs(1), xs(2), xs(3), xs(4)],
-                        )),
-                        4 => res[..4].copy_from_slice(&dot_rows::<4>(
-                            isa,
-                            ty,
-                            wrow,
-                            [xs(0), xs(1), xs(2), xs(3)],
-                        )),
-                        3 => res[..3].copy_from_slice(&dot_rows::<3>(
-                            isa,
-                            ty,
-                            wrow,
-                            [xs(0), xs(1), xs(2)],
-                        )),
-                        2 => {
-                            res[..2].copy_from_slice(&dot_rows::<2>(isa, ty, wrow, [xs(0), xs(1)]))
-                        }
-                        _ => res[..1].copy_from_slice(&dot_rows::<1>(isa, ty, wrow, [xs(0)])),
-                    }
-                    for (i, &v) in res[..take].iter().enumerate() {
-                        // SAFETY: column n belongs to this task; (r0 + i) < rows.
-                        unsafe { *out.at((r0 + i) * n_out + n) = v };
-                    }
-                    r0 += take;
+            // Columns are numbered across the matrices in order; each thread takes a contiguous range.
+            let (mut m, mut first) = (0, 0);
+            for col in share(total, pool.threads(), t, 4) {
+                while col >= first + mats[m].2 {
+                    first += mats[m].2;
+                    m += 1;
                 }
+                let (ty, data, n_out, row_bytes) = mats[m];
+                let n = col - first;
+                let wrow = &data[n * row_bytes..(n + 1) * row_bytes];
+                column(isa, ty, wrow, qx, nb, rows, |r, v| {
+                    // SAFETY: column n of matrix m belongs to this task; r < rows.
+                    unsafe { *dsts[m].at(r * n_out + n) = v };
+                });
             }
         });
     });
+}
+
+/// Output column `wrow` for every activation row, up to `R_MAX` rows per decoded weight pass.
+#[inline(always)]
+fn column(
+    isa: Isa,
+    ty: GgmlType,
+    wrow: &[u8],
+    qx: &[Q8Block],
+    nb: usize,
+    rows: usize,
+    mut store: impl FnMut(usize, f32),
+) {
+    let mut r0 = 0;
+    while r0 < rows {
+        let take = (rows - r0).min(R_MAX);
+        let xs = |i: usize| &qx[(r0 + i) * nb..(r0 + i + 1) * nb];
+        let mut res = [0f32; R_MAX];
+        match take {
+            8 => {
+                res = dot_rows::<8>(
+                    isa,
+                    ty,
+                    wrow,
+                    [xs(0), xs(1), xs(2), xs(3), xs(4), xs(5), xs(6), xs(7)],
+                )
+            }
+            7 => res[..7].copy_from_slice(&dot_rows::<7>(
+                isa,
+                ty,
+                wrow,
+                [xs(0), xs(1), xs(2), xs(3), xs(4), xs(5), xs(6)],
+            )),
+            6 => res[..6].copy_from_slice(&dot_rows::<6>(
+                isa,
+                ty,
+                wrow,
+                [xs(0), xs(1), xs(2), xs(3), xs(4), xs(5)],
+            )),
+            5 => res[..5].copy_from_slice(&dot_rows::<5>(
+                isa,
+                ty,
+                wrow,
+                [xs(0), xs(1), xs(2), xs(3), xs(4)],
+            )),
+            4 => res[..4].copy_from_slice(&dot_rows::<4>(
+                isa,
+                ty,
+                wrow,
+                [xs(0), xs(1), xs(2), xs(3)],
+            )),
+            3 => res[..3].copy_from_slice(&dot_rows::<3>(isa, ty, wrow, [xs(0), xs(1), xs(2)])),
+            2 => res[..2].copy_from_slice(&dot_rows::<2>(isa, ty, wrow, [xs(0), xs(1)])),
+            _ => res[..1].copy_from_slice(&dot_rows::<1>(isa, ty, wrow, [xs(0)])),
+        }
+        for (i, &v) in res[..take].iter().enumerate() {
+            store(r0 + i, v);
+        }
+        r0 += take;
+    }
 }
 
 #[inline(always)]

@@ -20,8 +20,12 @@
 //! projections with their norm and the SwiGLU in one, RoPE with the cache write, and the output projections
 //! adding into the residual stream.
 //!
-//! Not yet: tensor-core GEMM for long prefills, K-quant and MLX-affine weights (refused at load), fused norms.
-//! The `Backend` operations cannot fail, so a device error after load panics with the driver's message.
+//! Attention is split over 64-slot chunks (8 blocks per row and head) and combined in chunk order by the block
+//! that finishes last, so its parallelism grows with the context while every sum keeps a fixed order.
+//!
+//! Not yet: tensor-core GEMM for long prefills, K-quant and MLX-affine weights (refused at load), a persistent
+//! per-layer kernel (steps are still bound by launch latency). The `Backend` operations cannot fail, so a device
+//! error after load panics with the driver's message.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
