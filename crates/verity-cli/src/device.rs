@@ -41,7 +41,7 @@ fn cuda<W: WithBackend>(body: W) -> Result<W::Out> {
 #[cfg(not(feature = "cuda"))]
 fn cuda<W: WithBackend>(_: W) -> Result<W::Out> {
     anyhow::bail!(
-        "this verity was built without the CUDA backend: cargo build --release --features cuda"
+        "this verity was built without the CUDA backend: cargo build --release -p verity-cli --features cuda"
     )
 }
 
