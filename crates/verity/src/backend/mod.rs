@@ -118,7 +118,7 @@ pub trait Backend: Send + Sync + 'static {
     /// `out[r, n] = Σ_k x[r, k] · w[n, k]` for `rows` rows.
     fn matmul(&self, w: &Self::Matrix, x: &Self::Buffer, rows: usize, out: &mut Self::Buffer);
     /// `out[r, n] += Σ_k x[r, k] · w[n, k]`: a projection added to the residual stream (the sum is formed
-    /// first, then added, as `matmul` + `add_assign` would).
+    /// first, exactly as `matmul` forms it, then added).
     fn matmul_add(&self, w: &Self::Matrix, x: &Self::Buffer, rows: usize, out: &mut Self::Buffer);
     /// Several projections of one input, in one pass where the device can: `outs[i].1 = outs[i].0 · x̂`, where
     /// x̂ is `x`, or with `norm = Some((weight, eps))` its RMS norm `x / sqrt(mean(x²) + eps) * weight` (fused
@@ -154,7 +154,7 @@ pub trait Backend: Send + Sync + 'static {
         out: &mut Self::Buffer,
     );
     /// Rotate each head of `q` (in place) and of `k` by its row's position, and write the rotated `k` and `v`
-    /// into the cache slots `step.base..` (`k` and `v` are scratch afterwards).
+    /// into the cache slots `step.base..` (`k` is scratch afterwards).
     #[allow(clippy::too_many_arguments)]
     fn rope_and_cache(
         &self,
@@ -167,6 +167,12 @@ pub trait Backend: Send + Sync + 'static {
         rope: Rope,
         step: &Self::Step,
     );
+    /// An error if this backend's attention cannot run heads of `head_dim` values (checked when a model loads,
+    /// so an unsupported model is refused up front instead of failing inside a kernel).
+    fn check_head_dim(&self, head_dim: usize) -> Result<()> {
+        let _ = head_dim;
+        Ok(())
+    }
     /// Values of scratch [`Backend::attention`] needs over a cache of `capacity` slots; the cache owns it, so it
     /// is reallocated with the cache's buffers.
     fn attention_work_len(&self, n_heads: usize, head_dim: usize, capacity: usize) -> usize {

@@ -1,11 +1,10 @@
 //! The Llama-family decoder (Llama, SmolLM, Mistral without sliding windows, Qwen2 with QKV biases, Qwen3 with
 //! per-head Q/K norms): pre-norm attention and SwiGLU MLP blocks over a residual stream.
 
-use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use super::hparams::{Arch, HParams};
-use super::{Batch, ForwardOutput, LogitRows, RECORDED_ROWS};
+use super::{run_recorded, Batch, ForwardOutput, LogitRows};
 use crate::backend::{buffer_set_id, AttnMask, AttnShape, Backend, Rope, StepInputs};
 use crate::bundle::{Bundle, TensorKey};
 use crate::cache::{CacheShape, KvCache};
@@ -59,6 +58,7 @@ impl<B: Backend> Model<B> {
     pub fn load(bundle: &Bundle, backend: Arc<B>) -> Result<Self> {
         let hp = bundle.hparams.clone();
         let be = backend.as_ref();
+        be.check_head_dim(hp.head_dim)?;
         let h = hp.hidden;
         let mut weight_bytes = 0usize;
         let mut mat = |key: TensorKey, rows: usize, cols: usize| -> Result<B::Matrix> {
@@ -220,17 +220,17 @@ impl<B: Backend> Model<B> {
             },
         );
         let mut out = ForwardOutput::default();
-        if hidden_layers.is_empty() && rows <= RECORDED_ROWS {
-            let mut key = std::collections::hash_map::DefaultHasher::new();
-            (
+        if hidden_layers.is_empty() {
+            let tree = matches!(batch.mask, AttnMask::Tree(_));
+            let key = (
                 s.id,
                 cache.buffers_id(),
                 rows,
-                matches!(batch.mask, AttnMask::Tree(_)),
-            )
-                .hash(&mut key);
-            (logit_rows, final_hidden).hash(&mut key);
-            be.replay_or_record(key.finish(), &mut || {
+                tree,
+                logit_rows,
+                final_hidden,
+            );
+            run_recorded(be, rows, key, &mut || {
                 self.encode(cache, rows, logit_rows, final_hidden, s, &mut |_, _| {})
             });
         } else {

@@ -11,11 +11,25 @@ mod mtp;
 pub use llama::Model;
 pub use mtp::{HeadOutput, MtpHead};
 
-use crate::backend::AttnMask;
+use std::hash::{Hash, Hasher};
+
+use crate::backend::{AttnMask, Backend};
 
 /// Forwards of up to this many rows (decode steps, verifies, draft steps) are recorded for replay
-/// ([`crate::backend::Backend::replay_or_record`]); longer ones (prefill chunks, whose lengths vary) run directly.
+/// ([`Backend::replay_or_record`]); longer ones (prefill chunks, whose lengths vary) run directly.
 const RECORDED_ROWS: usize = 16;
+
+/// Run `work` (a forward of `rows` rows whose inputs are in its step) through the backend's recording when it is
+/// short enough, keyed by `key`: everything besides the step that the recorded operations depend on (the
+/// buffer-set ids of scratch and cache, the width, what is computed).
+fn run_recorded<B: Backend>(be: &B, rows: usize, key: impl Hash, work: &mut dyn FnMut()) {
+    if rows > RECORDED_ROWS {
+        return work();
+    }
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    key.hash(&mut h);
+    be.replay_or_record(h.finish(), work);
+}
 
 /// The new rows of one forward.
 #[derive(Debug, Clone)]

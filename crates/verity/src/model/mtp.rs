@@ -13,12 +13,11 @@
 //! `h` is the target's final hidden state (after its output norm) at `p - 1` for committed positions, and the
 //! head's own `out` of the previous step when drafting recursively.
 
-use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use super::hparams::{HParams, RopeStyle};
 use super::llama::{Layer, Scratch};
-use super::{Model, RECORDED_ROWS};
+use super::{run_recorded, Model};
 use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
 use crate::bundle::mtp::Fusion;
 use crate::bundle::{st_matrix, st_token_ids, st_vector, Bundle, MtpStatus, TensorKey};
@@ -271,13 +270,8 @@ impl<B: Backend> MtpHead<B> {
         );
         be.write(&mut s.h, hidden);
         // A draft step is a few dozen small launches: recorded once per width and buffers, like the target's.
-        if rows <= RECORDED_ROWS {
-            let mut key = std::collections::hash_map::DefaultHasher::new();
-            (s.block.id, cache.buffers_id(), rows).hash(&mut key);
-            be.replay_or_record(key.finish(), &mut || self.encode(cache, rows, s));
-        } else {
-            self.encode(cache, rows, s);
-        }
+        let key = (s.block.id, cache.buffers_id(), rows);
+        run_recorded(be, rows, key, &mut || self.encode(cache, rows, s));
         cache.advance(rows);
         HeadOutput {
             hidden: be.download(&s.block.xn, rows * h),

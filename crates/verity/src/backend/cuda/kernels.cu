@@ -15,9 +15,6 @@ typedef unsigned int u32;
 #define T_Q4_1 4
 #define T_Q8_0 5
 
-// Rows one projection launch covers.
-#define MAX_ROWS 16
-
 #define NEG_INF __int_as_float(0xff800000)
 
 // The step buffer: int header {base, rows, tree, 0}, then u32 tokens[cap], int positions[cap], u8 mask[cap * cap]
@@ -219,7 +216,7 @@ __device__ __forceinline__ void column_any(int ty, const u8* row, int nb, int la
     else column_rows<8>(ty, row, nb, lane, xs, acc);
 }
 
-// One to three projections of the same input x (rows <= MAX_ROWS rows of k values), or of its RMS norm when
+// One to three projections of the same input x (`rows` rows of k values), or of its RMS norm when
 // norm_w is non-null (computed exactly as the rms_norm kernel does: 256 strided partial sums, a fixed tree):
 // o_m[r * n_m + c] (+)= sum_kk x[r * k + kk] * w_m[c, kk], with `accumulate` adding the finished sum to o_m.
 // With `glu`, w0 and w1 are the gate and up projections (n0 == n1) and o0[r * n0 + c] = silu(gate) * up.

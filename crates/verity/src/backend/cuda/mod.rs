@@ -44,7 +44,7 @@ use crate::model::hparams::RopeStyle;
 use crate::quant::{GgmlType, QMatrix, WeightFormat};
 
 const SOURCE: &str = include_str!("kernels.cu");
-/// Rows per matmul launch (the kernel's `MAX_ROWS`).
+/// Rows per projection launch (longer batches run in chunks), and per attention launch.
 const MAX_ROWS: usize = 16;
 /// The projection kernel's geometry (`kernels.cu`): warps per block, rows staged per block, floats per staged
 /// 32-value block, and its static shared memory.
@@ -54,9 +54,10 @@ const XPAD: usize = 36;
 const MATMUL_STATIC_BYTES: usize = 256 * 4;
 /// Matrices with at least this many output columns give each warp 4 columns (fewer blocks staging x).
 const WIDE_COLUMNS: usize = 16_384;
-/// The attention kernel's slots per chunk and blocks per (row, head) (`kernels.cu`).
+/// The attention kernel's slots per chunk, blocks per (row, head) and largest head (`kernels.cu`).
 const ATT_CHUNK: usize = 64;
 const ATT_SPLIT: usize = 8;
+const MAX_HEAD_DIM: usize = 256;
 /// Recorded forwards kept; the oldest is dropped beyond this.
 const MAX_GRAPHS: usize = 128;
 
@@ -66,8 +67,9 @@ pub struct CudaMatrix {
     rows: usize,
     cols: usize,
     data: CudaSlice<u8>,
-    /// Rows one projection launch may take: `MAX_ROWS` once the W-row kernel was admitted for this shape
-    /// (bitwise equal to the one-row kernel on these weights), else 1.
+    /// Rows one projection launch may take: `MAX_ROWS`, or fewer where staging them would exceed the shared
+    /// memory, once the W-row kernel was admitted for this shape (bitwise equal to the one-row kernel on these
+    /// weights); else 1.
     launch_rows: usize,
 }
 
@@ -123,6 +125,12 @@ pub struct CudaBackend {
 
 fn dev<T>(what: &str, r: std::result::Result<T, cudarc::driver::DriverError>) -> T {
     r.unwrap_or_else(|e| panic!("CUDA {what}: {e}"))
+}
+
+/// Shared memory a projection launch of `rows` rows of `k` values stages x in: the kernel computes a
+/// power-of-two number of rows per group (reading, never storing, those past the group's), so room for that many.
+fn staged_bytes(rows: usize, k: usize) -> usize {
+    rows.min(ROWS_PER_GROUP).next_power_of_two() * (k / 32) * XPAD * 4
 }
 
 fn grid(n: usize, block: u32) -> LaunchConfig {
@@ -227,13 +235,8 @@ impl CudaBackend {
             mats.iter().map(|w| w.rows).sum()
         };
         let cols_per_warp = if cols >= WIDE_COLUMNS { 4 } else { 1 };
-        // The kernel computes a power-of-two number of staged rows (reading, never storing, those past the
-        // group's), so room for that many.
-        let staged = rows.min(ROWS_PER_GROUP).next_power_of_two() * (k / 32) * XPAD * 4;
-        assert!(
-            staged <= self.matmul_shared,
-            "{rows} rows of {k} values exceed the projection kernel's shared memory"
-        );
+        let staged = staged_bytes(rows, k);
+        debug_assert!(staged <= self.matmul_shared, "capped by `launch_rows`");
         let cfg = LaunchConfig {
             grid_dim: (
                 cols.div_ceil(MM_WARPS * cols_per_warp) as u32,
@@ -265,12 +268,10 @@ impl CudaBackend {
         };
         b.arg(&eps).arg(&glu).arg(&cpw);
         // Unused matrix slots repeat the first matrix with zero columns and no output.
-        let widths: Vec<(i32, i32)> = (0..3)
-            .map(|m| {
-                mats.get(m)
-                    .map_or((mats[0].ty, 0), |w| (w.ty, w.rows as i32))
-            })
-            .collect();
+        let widths: [(i32, i32); 3] = std::array::from_fn(|m| {
+            mats.get(m)
+                .map_or((mats[0].ty, 0), |w| (w.ty, w.rows as i32))
+        });
         let mut vi = views.iter_mut();
         for (m, (ty, n)) in widths.iter().enumerate() {
             b.arg(&mats.get(m).unwrap_or(&mats[0]).data).arg(ty).arg(n);
@@ -313,10 +314,10 @@ impl CudaBackend {
         (a.len(), a.values().filter(|&&r| r < MAX_ROWS).count())
     }
 
-    /// The admission check of the W-row projection kernel for `m`'s shape (`m.launch_rows` = `MAX_ROWS` while
-    /// it runs), on `m`'s own weights: widths 16
-    /// (two row groups), 5, 3 and 2 (each row-count variant) against the one-row kernel on pseudo-random rows,
-    /// bitwise. Returns the rows one launch may take.
+    /// The admission check of the W-row projection kernel for `m`'s shape, on `m`'s own weights: widths 16 (two
+    /// row groups), 5, 3 and 2 (each row-count variant; those above `m.launch_rows`, which the shared memory
+    /// allows, are skipped) against the one-row kernel on pseudo-random rows, bitwise. Returns the rows one
+    /// launch may take: `m.launch_rows` if admitted, else 1.
     fn admit(&self, m: &CudaMatrix) -> usize {
         let key = (m.ty, m.rows, m.cols);
         if let Some(&rows) = self
@@ -344,6 +345,9 @@ impl CudaBackend {
         let mut wide = self.buffer(MAX_ROWS * n);
         let mut exact = true;
         for (r0, w) in [(0, MAX_ROWS), (1, 5), (6, 3), (9, 2)] {
+            if w > m.launch_rows {
+                continue;
+            }
             self.launch_matmuls(&x, None, r0, w, false, false, &[m], &mut [&mut wide]);
             let got = self.download(&wide, MAX_ROWS * n);
             let span = r0 * n..(r0 + w) * n;
@@ -353,7 +357,7 @@ impl CudaBackend {
                 .all(|(a, b)| a.to_bits() == b.to_bits());
         }
         let rows = if exact {
-            MAX_ROWS
+            m.launch_rows
         } else {
             tracing::warn!(
                 "the {MAX_ROWS}-row projection kernel is not bitwise the one-row kernel for a {n}×{k} matrix of \
@@ -419,7 +423,15 @@ impl Backend for CudaBackend {
             rows: m.rows,
             cols: m.cols,
             data,
-            launch_rows: MAX_ROWS,
+            launch_rows: (1..=MAX_ROWS)
+                .rev()
+                .find(|&r| staged_bytes(r, m.cols) <= self.matmul_shared)
+                .ok_or_else(|| {
+                    Error::Unsupported(format!(
+                        "{}: rows of {} values do not fit the CUDA projection kernel's shared memory",
+                        m.name, m.cols
+                    ))
+                })?,
         };
         matrix.launch_rows = self.admit(&matrix);
         Ok(matrix)
@@ -655,6 +667,15 @@ impl Backend for CudaBackend {
         dev("rope_and_cache", unsafe { b.launch(grid(total, 256)) });
     }
 
+    fn check_head_dim(&self, head_dim: usize) -> Result<()> {
+        if head_dim > MAX_HEAD_DIM {
+            return Err(Error::Unsupported(format!(
+                "heads of {head_dim} values on the CUDA backend (its attention runs up to {MAX_HEAD_DIM})"
+            )));
+        }
+        Ok(())
+    }
+
     fn attention_work_len(&self, n_heads: usize, head_dim: usize, capacity: usize) -> usize {
         let per_row_head = 1 + capacity.div_ceil(ATT_CHUNK) * (head_dim + 2);
         MAX_ROWS * n_heads * per_row_head
@@ -670,7 +691,6 @@ impl Backend for CudaBackend {
         step: &CudaStep,
         out: &mut CudaSlice<f32>,
     ) {
-        assert!(shape.head_dim <= 256, "head_dim {} > 256", shape.head_dim);
         // Chunk records for every chunk of the cache's capacity (fixed while its buffers live, so a recorded
         // launch stays valid).
         let capacity = k_cache.len() / (shape.n_kv_heads * shape.head_dim);
