@@ -122,9 +122,11 @@ fn random_matrices(rng: &mut ChaCha8Rng) -> Vec<QMatrix> {
     out
 }
 
+/// `m · x` on `be`, the matrix loaded as a model's would be (the 8-bit path repacks Q4_0/Q4_1/Q8_0).
 fn run(be: &CpuBackend, m: &QMatrix, x: &[f32], rows: usize) -> Vec<f32> {
     let mut out = be.buffer(rows * m.rows);
-    be.matmul(m, &x.to_vec(), rows, &mut out);
+    let w = be.load_matrix(m.clone()).unwrap();
+    be.matmul(&w, &x.to_vec(), rows, &mut out);
     out
 }
 
@@ -266,6 +268,10 @@ fn fused_projections_give_each_output_what_its_own_matmul_gives() {
     for acts in [Activations::F32, Activations::Q8] {
         let be = CpuBackend::with_activations(2, acts).unwrap();
         let alone: Vec<Vec<f32>> = mats.iter().map(|m| run(&be, m, &x, rows)).collect();
+        let loaded: Vec<_> = mats
+            .iter()
+            .map(|m| be.load_matrix(m.clone()).unwrap())
+            .collect();
         let mut outs: Vec<Vec<f32>> = (0..3).map(|_| be.buffer(rows * mats[0].rows)).collect();
         let [o0, o1, o2] = &mut outs[..] else {
             unreachable!()
@@ -274,13 +280,13 @@ fn fused_projections_give_each_output_what_its_own_matmul_gives() {
             &x,
             None,
             rows,
-            &mut [(&mats[0], o0), (&mats[1], o1), (&mats[2], o2)],
+            &mut [(&loaded[0], o0), (&loaded[1], o1), (&loaded[2], o2)],
         );
         for (i, (got, want)) in outs.iter().zip(&alone).enumerate() {
             assert!(same(got, want), "{acts:?}: output {i} of the fused pass");
         }
         let mut act = be.buffer(rows * mats[0].rows);
-        be.swiglu_matmul(&x, None, rows, &mats[0], &mats[1], &mut act);
+        be.swiglu_matmul(&x, None, rows, &loaded[0], &loaded[1], &mut act);
         let want: Vec<f32> = alone[0]
             .iter()
             .zip(&alone[1])

@@ -1,15 +1,17 @@
 //! Quantized matrix × activation-rows product on the CPU.
 //!
-//! Row-exact by construction: weight row `n` is decoded once per call, and output `(r, n)` is the dot product of
-//! that decoded row with activation row `r`, computed by the instruction set's single dot routine (fixed lanes,
-//! fixed final reduction). The number of rows only changes how many rows share one decoded weight row, never the
-//! operations on a row. Work is
-//! split across threads by output columns, so the thread count does not change any result either.
+//! With 8-bit activations the GGML legacy formats run the integer kernels of [`super::qmatmul`]; everything
+//! else runs here with f32 activations. Row-exact by construction: weight row `n` is decoded once per call, and
+//! output `(r, n)` is the dot product of that decoded row with activation row `r`, computed by the instruction
+//! set's single dot routine (fixed lanes, fixed final reduction). The number of rows only changes how many rows
+//! share one decoded weight row, never the operations on a row. Work is split across threads by output columns,
+//! so the thread count does not change any result either.
 
+use super::packed::Packed;
 use super::pool::{share, Pool, SharedOut};
 use super::qmatmul;
 use super::simd::{self, Isa};
-use crate::quant::{QMatrix, RowDecoder, WeightFormat};
+use crate::quant::{QMatrix, RowDecoder};
 
 /// The precision of activations in the product.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,45 +23,54 @@ pub enum Activations {
     Q8,
 }
 
-/// Whether the 8-bit-activation path runs `w`.
-fn q8_runs(acts: Activations, w: &QMatrix) -> bool {
-    matches!((acts, w.format), (Activations::Q8, WeightFormat::Ggml(ty)) if qmatmul::supports(ty))
+/// A weight matrix on the CPU: as stored (memory-mapped; the f32 path and embedding lookups read it) and, for
+/// the formats with integer kernels when activations are 8-bit, the interleaved copy those kernels read.
+pub struct CpuMatrix {
+    pub stored: QMatrix,
+    packed: Option<Packed>,
+}
+
+impl CpuMatrix {
+    pub fn new(stored: QMatrix, acts: Activations) -> Self {
+        let packed = match acts {
+            Activations::Q8 => Packed::new(&stored),
+            Activations::F32 => None,
+        };
+        CpuMatrix { stored, packed }
+    }
 }
 
 /// Several products of one input (`outs[i].1 = outs[i].0 · x`): one pool dispatch when the 8-bit path runs
 /// them all, else one [`matmul`] each. Each output gets what `matmul` alone would give it.
-pub fn matmuls<O: AsMut<[f32]>>(
-    pool: &Pool,
-    acts: Activations,
-    x: &[f32],
-    rows: usize,
-    outs: &mut [(&QMatrix, O)],
-) {
-    if outs.iter().all(|(w, _)| q8_runs(acts, w)) {
+pub fn matmuls<O: AsMut<[f32]>>(pool: &Pool, x: &[f32], rows: usize, outs: &mut [(&CpuMatrix, O)]) {
+    if outs.iter().all(|(w, _)| w.packed.is_some()) {
         for chunk in outs.chunks_mut(qmatmul::MAX_MATS) {
-            qmatmul::matmuls(pool, x, rows, chunk);
+            let n = chunk.len();
+            let mut it = chunk
+                .iter_mut()
+                .map(|(w, o)| (w.packed.as_ref().expect("checked above"), o.as_mut()));
+            let mut next = || it.next().expect("n matrices");
+            match n {
+                1 => qmatmul::matmuls(pool, x, rows, &mut [next()]),
+                2 => qmatmul::matmuls(pool, x, rows, &mut [next(), next()]),
+                _ => qmatmul::matmuls(pool, x, rows, &mut [next(), next(), next()]),
+            }
         }
         return;
     }
     for (w, out) in outs.iter_mut() {
-        matmul(pool, acts, w, x, rows, out.as_mut());
+        matmul(pool, w, x, rows, out.as_mut());
     }
 }
 
 /// `out[r * w.rows + n] = Σ_k x[r * w.cols + k] · w[n, k]` for `r < rows`.
-pub fn matmul(
-    pool: &Pool,
-    acts: Activations,
-    w: &QMatrix,
-    x: &[f32],
-    rows: usize,
-    out: &mut [f32],
-) {
+pub fn matmul(pool: &Pool, w: &CpuMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
+    if let Some(p) = &w.packed {
+        return qmatmul::matmul(pool, p, x, rows, out);
+    }
+    let w = &w.stored;
     let (n_out, k) = (w.rows, w.cols);
     assert!(x.len() >= rows * k && out.len() >= rows * n_out);
-    if q8_runs(acts, w) {
-        return qmatmul::matmul(pool, w, x, rows, out);
-    }
     let dec = w.decoder();
     let bl = w.block_len();
     let out_ptr = SharedOut::new(out);

@@ -6,11 +6,12 @@ mod attention;
 mod decode_x86;
 mod matmul;
 mod ops;
+mod packed;
 mod pool;
 mod qmatmul;
 pub mod simd;
 
-pub use matmul::Activations;
+pub use matmul::{Activations, CpuMatrix};
 use pool::Pool;
 
 use std::sync::Mutex;
@@ -114,7 +115,7 @@ impl CpuBackend {
 
 impl Backend for CpuBackend {
     type Buffer = Vec<f32>;
-    type Matrix = QMatrix;
+    type Matrix = CpuMatrix;
     type Step = CpuStep;
 
     fn name(&self) -> String {
@@ -126,12 +127,12 @@ impl Backend for CpuBackend {
         )
     }
 
-    fn load_matrix(&self, m: QMatrix) -> Result<QMatrix> {
-        Ok(m)
+    fn load_matrix(&self, m: QMatrix) -> Result<CpuMatrix> {
+        Ok(CpuMatrix::new(m, self.activations))
     }
 
-    fn matrix_bytes(&self, m: &QMatrix) -> usize {
-        m.nbytes()
+    fn matrix_bytes(&self, m: &CpuMatrix) -> usize {
+        m.stored.nbytes()
     }
 
     fn buffer(&self, len: usize) -> Vec<f32> {
@@ -168,22 +169,24 @@ impl Backend for CpuBackend {
         step.mask.clone_from(inputs.mask);
     }
 
-    fn embed(&self, table: &QMatrix, step: &CpuStep, rows: usize, out: &mut Vec<f32>) {
-        let d = table.cols;
+    fn embed(&self, table: &CpuMatrix, step: &CpuStep, rows: usize, out: &mut Vec<f32>) {
+        let d = table.stored.cols;
         for (r, &t) in step.tokens[..rows].iter().enumerate() {
-            table.dequantize_row(t as usize, &mut out[r * d..(r + 1) * d]);
+            table
+                .stored
+                .dequantize_row(t as usize, &mut out[r * d..(r + 1) * d]);
         }
     }
 
-    fn matmul(&self, w: &QMatrix, x: &Vec<f32>, rows: usize, out: &mut Vec<f32>) {
-        matmul::matmul(&self.pool, self.activations, w, x, rows, out)
+    fn matmul(&self, w: &CpuMatrix, x: &Vec<f32>, rows: usize, out: &mut Vec<f32>) {
+        matmul::matmul(&self.pool, w, x, rows, out)
     }
 
-    fn matmul_add(&self, w: &QMatrix, x: &Vec<f32>, rows: usize, out: &mut Vec<f32>) {
-        let n = rows * w.rows;
+    fn matmul_add(&self, w: &CpuMatrix, x: &Vec<f32>, rows: usize, out: &mut Vec<f32>) {
+        let n = rows * w.stored.rows;
         let mut t = self.temps();
         let sums = at_least(&mut t.a, n);
-        matmul::matmul(&self.pool, self.activations, w, x, rows, sums);
+        matmul::matmul(&self.pool, w, x, rows, sums);
         for (a, &b) in out[..n].iter_mut().zip(sums.iter()) {
             *a += b;
         }
@@ -194,11 +197,11 @@ impl Backend for CpuBackend {
         x: &Vec<f32>,
         norm: Option<(&Vec<f32>, f32)>,
         rows: usize,
-        outs: &mut [(&QMatrix, &mut Vec<f32>)],
+        outs: &mut [(&CpuMatrix, &mut Vec<f32>)],
     ) {
         let mut t = self.temps();
         let x = Self::normed(x, norm, rows, &mut t.normed);
-        matmul::matmuls(&self.pool, self.activations, x, rows, outs);
+        matmul::matmuls(&self.pool, x, rows, outs);
     }
 
     fn swiglu_matmul(
@@ -206,22 +209,16 @@ impl Backend for CpuBackend {
         x: &Vec<f32>,
         norm: Option<(&Vec<f32>, f32)>,
         rows: usize,
-        gate: &QMatrix,
-        up: &QMatrix,
+        gate: &CpuMatrix,
+        up: &CpuMatrix,
         out: &mut Vec<f32>,
     ) {
-        let n = rows * gate.rows;
+        let n = rows * gate.stored.rows;
         let mut t = self.temps();
         let Temps { normed, a, b } = &mut *t;
         let x = Self::normed(x, norm, rows, normed);
         let (g, u) = (&mut at_least(a, n)[..n], &mut at_least(b, n)[..n]);
-        matmul::matmuls(
-            &self.pool,
-            self.activations,
-            x,
-            rows,
-            &mut [(gate, &mut *g), (up, &mut *u)],
-        );
+        matmul::matmuls(&self.pool, x, rows, &mut [(gate, &mut *g), (up, &mut *u)]);
         ops::swiglu(g, u, &mut out[..n]);
     }
 

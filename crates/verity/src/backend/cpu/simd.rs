@@ -35,6 +35,43 @@ pub fn isa() -> Isa {
     })
 }
 
+/// The instruction set of the 8-bit integer kernels (see `packed`). Every variant computes the same integer
+/// sums and the same float operations, so this choice changes speed only, never a bit of a result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Int8Isa {
+    Portable,
+    /// AVX2: `vpmaddubsw` + `vpmaddwd` over 8 columns per register.
+    Avx2,
+    /// AVX-512 VNNI: one `vpdpbusd` over 16 columns per register.
+    Avx512Vnni,
+}
+
+/// The best 8-bit kernel this CPU runs; `VERITY_ISA=scalar` forces the portable one, `VERITY_ISA=avx2` the
+/// AVX2 one (for A/B runs and tests).
+pub fn int8_isa() -> Int8Isa {
+    static ISA: OnceLock<Int8Isa> = OnceLock::new();
+    *ISA.get_or_init(|| {
+        if isa() != Isa::Avx2 {
+            return Int8Isa::Portable;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            let forced_avx2 = std::env::var("VERITY_ISA").is_ok_and(|v| v == "avx2");
+            if !forced_avx2
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni")
+            {
+                return Int8Isa::Avx512Vnni;
+            }
+            if is_x86_feature_detected!("f16c") {
+                return Int8Isa::Avx2;
+            }
+        }
+        Int8Isa::Portable
+    })
+}
+
 /// Portable dot product with 8 independent partial sums (fixed order, so it vectorizes and stays deterministic).
 #[inline(always)]
 pub fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
