@@ -32,46 +32,89 @@ pub fn attention(
     assert!(k_cache.len() >= (base + s.rows) * kv_dim && v_cache.len() >= (base + s.rows) * kv_dim);
     let out_ptr = SharedOut::new(out);
     let isa = simd::isa();
+    // A task is a run of one KV head's queries (its `group` heads × the rows): they share that head's keys and
+    // values, read once per chunk of slots. About four tasks per KV head keep two or more threads busy.
+    let queries = group * s.rows;
+    let per_task = queries.div_ceil(4);
+    let tasks_per_head = queries.div_ceil(per_task);
     pool.run(&|t| {
         SCRATCH.with(|cell| {
-            let (scores, slots) = &mut *cell.borrow_mut();
-            for task in share(s.rows * s.n_heads, pool.threads(), t, 1) {
-                let (i, h) = (task / s.n_heads, task % s.n_heads);
-                let kvh = h / group;
-                let qv = &q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd];
-                slots.clear();
-                slots.extend(0..base);
-                slots.extend(
-                    (0..s.rows)
-                        .filter(|&j| mask.sees(s.rows, i, j))
-                        .map(|j| base + j),
-                );
-                // SAFETY: the slice [i*q_dim + h*hd, +hd) belongs to this task alone and lies inside `out`.
-                let o =
-                    unsafe { std::slice::from_raw_parts_mut(out_ptr.at(i * q_dim + h * hd), hd) };
+            let scratch = &mut *cell.borrow_mut();
+            for task in share(s.n_kv_heads * tasks_per_head, pool.threads(), t, 1) {
+                let kvh = task / tasks_per_head;
+                let first = (task % tasks_per_head) * per_task;
                 let head = Head {
                     k: k_cache,
                     v: v_cache,
                     stride: kv_dim,
                     offset: kvh * hd,
+                    hd,
                     scale: s.scale,
                 };
+                scratch.items.clear();
+                scratch.extra.clear();
+                for m in first..(first + per_task).min(queries) {
+                    let (i, h) = (m / group, kvh * group + m % group);
+                    let from = scratch.extra.len();
+                    scratch.extra.extend(
+                        (0..s.rows)
+                            .filter(|&j| mask.sees(s.rows, i, j))
+                            .map(|j| base + j),
+                    );
+                    scratch.items.push(Query {
+                        q: i * q_dim + h * hd,
+                        extra: from..scratch.extra.len(),
+                        out: out_ptr.at(i * q_dim + h * hd),
+                    });
+                }
+                let Scratch {
+                    items,
+                    extra,
+                    scores,
+                    slots,
+                } = scratch;
                 match isa {
                     #[cfg(target_arch = "x86_64")]
-                    // SAFETY: Avx2 (with FMA) is reported only after runtime detection.
+                    // SAFETY: Avx2 (with FMA) is reported only after runtime detection; every item's output is
+                    // a disjoint `hd`-slice of `out` that this task alone writes.
                     Isa::Avx2 if hd.is_multiple_of(8) => unsafe {
-                        head_avx2(&head, qv, slots, scores, o)
+                        heads_avx2(&head, q, base, items, extra, scores)
                     },
-                    _ => head_portable(&head, qv, slots, scores, o),
+                    _ => {
+                        for it in items.iter() {
+                            slots.clear();
+                            slots.extend(0..base);
+                            slots.extend_from_slice(&extra[it.extra.clone()]);
+                            // SAFETY: as above.
+                            let o = unsafe { std::slice::from_raw_parts_mut(it.out, hd) };
+                            head_portable(&head, &q[it.q..it.q + hd], slots, scores, o);
+                        }
+                    }
                 }
             }
         })
     });
 }
 
+/// One query of a task: its vector's offset in `q`, the new slots it sees (a range of the task's list; every
+/// query sees all the cached slots before them), and where its output goes.
+struct Query {
+    q: usize,
+    extra: std::ops::Range<usize>,
+    out: *mut f32,
+}
+
+/// A thread's working memory, grown to the largest task once.
+#[derive(Default)]
+struct Scratch {
+    items: Vec<Query>,
+    extra: Vec<usize>,
+    scores: Vec<f32>,
+    slots: Vec<usize>,
+}
+
 thread_local! {
-    /// Per-thread scores and visible slots, grown to the longest context once.
-    static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<usize>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
 /// One KV head of the cache: slot `j`'s key is `k[j * stride + offset..][..head_dim]`, likewise its value.
@@ -80,16 +123,17 @@ struct Head<'a> {
     v: &'a [f32],
     stride: usize,
     offset: usize,
+    hd: usize,
     scale: f32,
 }
 
 impl Head<'_> {
-    fn key(&self, slot: usize, hd: usize) -> &[f32] {
-        &self.k[slot * self.stride + self.offset..][..hd]
+    fn key(&self, slot: usize) -> &[f32] {
+        &self.k[slot * self.stride + self.offset..][..self.hd]
     }
 
-    fn value(&self, slot: usize, hd: usize) -> &[f32] {
-        &self.v[slot * self.stride + self.offset..][..hd]
+    fn value(&self, slot: usize) -> &[f32] {
+        &self.v[slot * self.stride + self.offset..][..self.hd]
     }
 }
 
@@ -148,11 +192,10 @@ fn score(q: &[f32], k: &[f32]) -> f32 {
 }
 
 fn head_portable(head: &Head, q: &[f32], slots: &[usize], scores: &mut Vec<f32>, o: &mut [f32]) {
-    let hd = q.len();
     scores.clear();
     let mut max = f32::NEG_INFINITY;
     for &slot in slots {
-        let sc = score(q, head.key(slot, hd)) * head.scale;
+        let sc = score(q, head.key(slot)) * head.scale;
         max = max.max(sc);
         scores.push(sc);
     }
@@ -164,7 +207,7 @@ fn head_portable(head: &Head, q: &[f32], slots: &[usize], scores: &mut Vec<f32>,
     let sum = hsum8(&lanes);
     o.fill(0.0);
     for (&slot, &p) in slots.iter().zip(scores.iter()) {
-        for (a, &b) in o.iter_mut().zip(head.value(slot, hd)) {
+        for (a, &b) in o.iter_mut().zip(head.value(slot)) {
             *a = p.mul_add(b, *a);
         }
     }
@@ -174,104 +217,193 @@ fn head_portable(head: &Head, q: &[f32], slots: &[usize], scores: &mut Vec<f32>,
     }
 }
 
-/// [`head_portable`] on AVX2 for head sizes that are a multiple of 8.
+/// Slots per chunk of the blocked path: their keys (or values) stay in L1 while every query of the task reads them.
+const CHUNK: usize = 32;
+
+/// [`head_portable`] for every query of a task on AVX2 (head sizes a multiple of 8), bitwise the same per query:
+/// the cached slots are visited in chunks of [`CHUNK`] with each query's scores, and later its value sums, taken
+/// chunk after chunk in slot order; each score is [`score`]'s arithmetic, eight slots at a time.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn head_avx2(head: &Head, q: &[f32], slots: &[usize], scores: &mut Vec<f32>, o: &mut [f32]) {
+unsafe fn heads_avx2(
+    head: &Head,
+    q: &[f32],
+    base: usize,
+    items: &[Query],
+    extra: &[usize],
+    scores: &mut Vec<f32>,
+) {
     use std::arch::x86_64::*;
-    let hd = q.len();
-    scores.clear();
-    // Scores eight slots at a time: lane l of slot j's accumulator sums q[8c+l]·k[8c+l] over c, then one
-    // horizontal-add tree reduces the eight accumulators to eight scores (the order `score` writes out).
-    let n = slots.len();
-    let full = n / 8 * 8;
-    scores.resize(n, 0.0);
+    let hd = head.hd;
+    let stride = base + items.iter().map(|it| it.extra.len()).max().unwrap_or(0);
+    scores.resize(items.len() * stride, 0.0);
+    let sp = scores.as_mut_ptr();
     let vscale = _mm256_set1_ps(head.scale);
-    let mut vmax = _mm256_set1_ps(f32::NEG_INFINITY);
-    for j in (0..full).step_by(8) {
-        let mut acc = [_mm256_setzero_ps(); 8];
-        for c in (0..hd).step_by(8) {
-            let qc = _mm256_loadu_ps(q.as_ptr().add(c));
-            for (a, &slot) in acc.iter_mut().zip(&slots[j..j + 8]) {
-                *a = _mm256_fmadd_ps(qc, _mm256_loadu_ps(head.key(slot, hd).as_ptr().add(c)), *a);
+    // Scores over the cached slots, chunk by chunk.
+    for c0 in (0..base).step_by(CHUNK) {
+        let c1 = (c0 + CHUNK).min(base);
+        for (n, it) in items.iter().enumerate() {
+            let qv = &q[it.q..it.q + hd];
+            let row = sp.add(n * stride);
+            let mut j = c0;
+            while j + 8 <= c1 {
+                // Fixed-size loops over raw pointers, so the accumulators stay in registers.
+                let keys: [*const f32; 8] = std::array::from_fn(|s| head.key(j + s).as_ptr());
+                let mut acc = [_mm256_setzero_ps(); 8];
+                for c in (0..hd).step_by(8) {
+                    let qc = _mm256_loadu_ps(qv.as_ptr().add(c));
+                    for s in 0..8 {
+                        acc[s] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(keys[s].add(c)), acc[s]);
+                    }
+                }
+                let t0 = _mm256_hadd_ps(acc[0], acc[1]);
+                let t1 = _mm256_hadd_ps(acc[2], acc[3]);
+                let t2 = _mm256_hadd_ps(acc[4], acc[5]);
+                let t3 = _mm256_hadd_ps(acc[6], acc[7]);
+                let u0 = _mm256_hadd_ps(t0, t1);
+                let u1 = _mm256_hadd_ps(t2, t3);
+                let dots = _mm256_add_ps(
+                    _mm256_permute2f128_ps(u0, u1, 0x20),
+                    _mm256_permute2f128_ps(u0, u1, 0x31),
+                );
+                _mm256_storeu_ps(row.add(j), _mm256_mul_ps(dots, vscale));
+                j += 8;
+            }
+            for slot in j..c1 {
+                *row.add(slot) = score(qv, head.key(slot)) * head.scale;
             }
         }
-        let t0 = _mm256_hadd_ps(acc[0], acc[1]);
-        let t1 = _mm256_hadd_ps(acc[2], acc[3]);
-        let t2 = _mm256_hadd_ps(acc[4], acc[5]);
-        let t3 = _mm256_hadd_ps(acc[6], acc[7]);
-        let u0 = _mm256_hadd_ps(t0, t1);
-        let u1 = _mm256_hadd_ps(t2, t3);
-        let dots = _mm256_add_ps(
-            _mm256_permute2f128_ps(u0, u1, 0x20),
-            _mm256_permute2f128_ps(u0, u1, 0x31),
-        );
-        let sc = _mm256_mul_ps(dots, vscale);
-        vmax = _mm256_max_ps(vmax, sc);
-        _mm256_storeu_ps(scores.as_mut_ptr().add(j), sc);
+    }
+    // Each query's own new slots, then its softmax weights (unnormalised) and their sum.
+    let mut sums = Vec::with_capacity(items.len());
+    for (n, it) in items.iter().enumerate() {
+        let qv = &q[it.q..it.q + hd];
+        let row = std::slice::from_raw_parts_mut(sp.add(n * stride), base + it.extra.len());
+        for (e, &slot) in extra[it.extra.clone()].iter().enumerate() {
+            row[base + e] = score(qv, head.key(slot)) * head.scale;
+        }
+        sums.push(softmax_weights_avx2(row));
+    }
+    // Value sums, chunk by chunk, then the new slots, then the normalisation.
+    for it in items {
+        std::slice::from_raw_parts_mut(it.out, hd).fill(0.0);
+    }
+    for c0 in (0..base).step_by(CHUNK) {
+        let c1 = (c0 + CHUNK).min(base);
+        for (n, it) in items.iter().enumerate() {
+            let w = std::slice::from_raw_parts(sp.add(n * stride + c0), c1 - c0);
+            values_avx2(head, it.out, c0..c1, w);
+        }
+    }
+    for ((n, it), &total) in items.iter().enumerate().zip(&sums) {
+        let w = std::slice::from_raw_parts(sp.add(n * stride + base), it.extra.len());
+        values_avx2(head, it.out, extra[it.extra.clone()].iter().copied(), w);
+        let o = it.out;
+        let inv = _mm256_set1_ps(1.0 / total);
+        for c in (0..hd).step_by(8) {
+            _mm256_storeu_ps(o.add(c), _mm256_mul_ps(_mm256_loadu_ps(o.add(c)), inv));
+        }
+    }
+}
+
+/// `row[j] = exp(row[j] - max)`, returning their sum in [`head_portable`]'s lanes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn softmax_weights_avx2(row: &mut [f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = row.len();
+    let full = n / 8 * 8;
+    let p = row.as_mut_ptr();
+    let mut vmax = _mm256_set1_ps(f32::NEG_INFINITY);
+    for j in (0..full).step_by(8) {
+        vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(p.add(j)));
     }
     let mut maxes = [0f32; 8];
     _mm256_storeu_ps(maxes.as_mut_ptr(), vmax);
-    let mut max = maxes.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    for j in full..n {
-        let sc = score(q, head.key(slots[j], hd)) * head.scale;
-        max = max.max(sc);
-        scores[j] = sc;
-    }
-    let full = n / 8 * 8;
+    let max = row[full..]
+        .iter()
+        .chain(&maxes)
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let vmax = _mm256_set1_ps(max);
     let mut sum = _mm256_setzero_ps();
-    let exp8 = |x: __m256| {
-        let x = _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN));
-        let n = _mm256_round_ps(
+    for j in (0..full).step_by(8) {
+        let x = _mm256_max_ps(
+            _mm256_sub_ps(_mm256_loadu_ps(p.add(j)), vmax),
+            _mm256_set1_ps(EXP_MIN),
+        );
+        let k = _mm256_round_ps(
             _mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
         );
-        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
-        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
-        let mut p = _mm256_set1_ps(EXP_POLY[0]);
+        let r = _mm256_fmadd_ps(k, _mm256_set1_ps(-LN2_HI), x);
+        let r = _mm256_fmadd_ps(k, _mm256_set1_ps(-LN2_LO), r);
+        let mut poly = _mm256_set1_ps(EXP_POLY[0]);
         for &c in &EXP_POLY[1..] {
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+            poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(c));
         }
         let y = _mm256_add_ps(
-            _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
+            _mm256_fmadd_ps(poly, _mm256_mul_ps(r, r), r),
             _mm256_set1_ps(1.0),
         );
         let bits = _mm256_slli_epi32(
-            _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+            _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)),
             23,
         );
-        _mm256_mul_ps(y, _mm256_castsi256_ps(bits))
-    };
-    let vmax = _mm256_set1_ps(max);
-    let sp = scores.as_mut_ptr();
-    for j in (0..full).step_by(8) {
-        let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sp.add(j)), vmax));
-        _mm256_storeu_ps(sp.add(j), e);
+        let e = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+        _mm256_storeu_ps(p.add(j), e);
         sum = _mm256_add_ps(sum, e);
     }
     let mut lanes = [0f32; 8];
     _mm256_storeu_ps(lanes.as_mut_ptr(), sum);
-    for j in full..n {
-        let e = exp(scores[j] - max);
-        scores[j] = e;
-        lanes[j % 8] += e;
+    for (j, v) in row.iter_mut().enumerate().skip(full) {
+        *v = exp(*v - max);
+        lanes[j % 8] += *v;
     }
-    let total = hsum8(&lanes);
-    // The value sum with the head's accumulators in registers (8 × 8 lanes for a 64-wide head).
-    let op = o.as_mut_ptr();
-    for d0 in (0..hd).step_by(64) {
-        let width = (hd - d0).min(64) / 8;
+    hsum8(&lanes)
+}
+
+/// `o += p_j · value(slot_j)` in order, `o` held in registers 64 values at a time.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn values_avx2(
+    head: &Head,
+    o: *mut f32,
+    slots: impl Iterator<Item = usize> + Clone,
+    weights: &[f32],
+) {
+    use std::arch::x86_64::*;
+    if head.hd.is_multiple_of(64) {
+        // Fixed-size loops, so the accumulators stay in registers.
+        for d0 in (0..head.hd).step_by(64) {
+            let mut acc: [__m256; 8] = std::array::from_fn(|c| _mm256_loadu_ps(o.add(d0 + 8 * c)));
+            for (slot, &p) in slots.clone().zip(weights) {
+                let vp = head.value(slot).as_ptr().add(d0);
+                let pv = _mm256_set1_ps(p);
+                for (c, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vp.add(8 * c)), *a);
+                }
+            }
+            for (c, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(o.add(d0 + 8 * c), *a);
+            }
+        }
+        return;
+    }
+    for d0 in (0..head.hd).step_by(64) {
+        let width = (head.hd - d0).min(64) / 8;
         let mut acc = [_mm256_setzero_ps(); 8];
-        for (&slot, &p) in slots.iter().zip(scores.iter()) {
-            let vp = head.value(slot, hd).as_ptr().add(d0);
+        for (c, a) in acc[..width].iter_mut().enumerate() {
+            *a = _mm256_loadu_ps(o.add(d0 + 8 * c));
+        }
+        for (slot, &p) in slots.clone().zip(weights) {
+            let vp = head.value(slot).as_ptr().add(d0);
             let pv = _mm256_set1_ps(p);
             for (c, a) in acc[..width].iter_mut().enumerate() {
                 *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vp.add(8 * c)), *a);
             }
         }
-        let inv = _mm256_set1_ps(1.0 / total);
         for (c, a) in acc[..width].iter().enumerate() {
-            _mm256_storeu_ps(op.add(d0 + 8 * c), _mm256_mul_ps(*a, inv));
+            _mm256_storeu_ps(o.add(d0 + 8 * c), *a);
         }
     }
 }
@@ -310,23 +442,50 @@ mod tests {
         let (hd, n_slots) = (72, 29);
         let k: Vec<f32> = (0..hd * n_slots).map(|_| next() * 3.0).collect();
         let v: Vec<f32> = (0..hd * n_slots).map(|_| next()).collect();
-        let q: Vec<f32> = (0..hd).map(|_| next()).collect();
         let head = Head {
             k: &k,
             v: &v,
             stride: hd,
             offset: 0,
+            hd,
             scale: 0.125,
         };
-        let slots: Vec<usize> = (0..n_slots).filter(|s| s % 5 != 3).collect();
-        let (mut s1, mut s2) = (Vec::new(), Vec::new());
-        let (mut o1, mut o2) = (vec![0f32; hd], vec![0f32; hd]);
-        head_portable(&head, &q, &slots, &mut s1, &mut o1);
-        unsafe { head_avx2(&head, &q, &slots, &mut s2, &mut o2) };
-        assert_eq!(
-            o1.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-            o2.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-        );
-        assert!(o1.iter().any(|&x| x != 0.0));
+        // Three queries over 21 cached slots, each seeing its own subset of the 8 new ones (a tree mask).
+        let base = 21;
+        let q: Vec<f32> = (0..3 * hd).map(|_| next()).collect();
+        let extras: Vec<Vec<usize>> = vec![vec![21], vec![21, 23, 26], (21..29).collect()];
+        let mut outs = vec![vec![0f32; hd]; 3];
+        let mut extra = Vec::new();
+        let items: Vec<Query> = outs
+            .iter_mut()
+            .enumerate()
+            .map(|(n, o)| {
+                let from = extra.len();
+                extra.extend_from_slice(&extras[n]);
+                Query {
+                    q: n * hd,
+                    extra: from..extra.len(),
+                    out: o.as_mut_ptr(),
+                }
+            })
+            .collect();
+        unsafe { heads_avx2(&head, &q, base, &items, &extra, &mut Vec::new()) };
+        for (n, got) in outs.iter().enumerate() {
+            let slots: Vec<usize> = (0..base).chain(extras[n].iter().copied()).collect();
+            let mut want = vec![0f32; hd];
+            head_portable(
+                &head,
+                &q[n * hd..(n + 1) * hd],
+                &slots,
+                &mut Vec::new(),
+                &mut want,
+            );
+            assert_eq!(
+                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "query {n}"
+            );
+            assert!(want.iter().any(|&x| x != 0.0));
+        }
     }
 }

@@ -63,6 +63,25 @@ pub fn matmuls<O: AsMut<[f32]>>(pool: &Pool, x: &[f32], rows: usize, outs: &mut 
     }
 }
 
+/// `out = silu(gate · x) ⊙ (up · x)` in one pool pass when both run the 8-bit path (see
+/// [`qmatmul::swiglu`]); `false` (nothing written) otherwise.
+pub fn swiglu_packed(
+    pool: &Pool,
+    x: &[f32],
+    rows: usize,
+    gate: &CpuMatrix,
+    up: &CpuMatrix,
+    out: &mut [f32],
+) -> bool {
+    match (&gate.packed, &up.packed) {
+        (Some(g), Some(u)) => {
+            qmatmul::swiglu(pool, x, rows, g, u, out);
+            true
+        }
+        _ => false,
+    }
+}
+
 /// `out[r * w.rows + n] = Σ_k x[r * w.cols + k] · w[n, k]` for `r < rows`.
 pub fn matmul(pool: &Pool, w: &CpuMatrix, x: &[f32], rows: usize, out: &mut [f32]) {
     if let Some(p) = &w.packed {

@@ -217,6 +217,9 @@ impl Backend for CpuBackend {
         let mut t = self.temps();
         let Temps { normed, a, b } = &mut *t;
         let x = Self::normed(x, norm, rows, normed);
+        if matmul::swiglu_packed(&self.pool, x, rows, gate, up, &mut out[..n]) {
+            return;
+        }
         let (g, u) = (&mut at_least(a, n)[..n], &mut at_least(b, n)[..n]);
         matmul::matmuls(&self.pool, x, rows, &mut [(gate, &mut *g), (up, &mut *u)]);
         ops::swiglu(g, u, &mut out[..n]);

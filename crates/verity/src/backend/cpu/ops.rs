@@ -46,6 +46,12 @@ pub fn rope(
 
 pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
     for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        *o = g / (1.0 + (-g).exp()) * u;
+        *o = silu_times(g, u);
     }
+}
+
+/// `silu(g) · u`, the one definition every SwiGLU path uses.
+#[inline(always)]
+pub fn silu_times(g: f32, u: f32) -> f32 {
+    g / (1.0 + (-g).exp()) * u
 }

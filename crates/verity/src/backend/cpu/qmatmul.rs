@@ -4,6 +4,7 @@
 //! [`super::packed`], whose module doc states the arithmetic. A row's operations never depend on how many
 //! rows share a call or on the thread count, so a W-row verify is row-exact.
 
+use super::ops::silu_times;
 use super::packed::{Packed, GROUP, ROWS};
 use super::pool::{share, Pool, SharedOut};
 use super::simd;
@@ -29,15 +30,39 @@ pub const ZERO_BLOCK: Q8Block = Q8Block {
 
 /// Quantize one row (length a multiple of 32) to 8-bit blocks: `q = round(x / d)` with `d = max|x| / 127`.
 pub fn quantize_row(x: &[f32], out: &mut [Q8Block]) {
+    #[cfg(target_arch = "x86_64")]
+    if simd::isa() == simd::Isa::Avx2 {
+        // SAFETY: AVX2 and FMA were detected at run time.
+        return unsafe { quantize_row_avx2(x, out) };
+    }
+    quantize_blocks(x, out)
+}
+
+/// The same code compiled for AVX2, where it vectorizes (every operation is exact or correctly rounded lane by
+/// lane, so the result is bitwise the portable one).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize_row_avx2(x: &[f32], out: &mut [Q8Block]) {
+    quantize_blocks(x, out)
+}
+
+#[inline(always)]
+fn quantize_blocks(x: &[f32], out: &mut [Q8Block]) {
     for (xb, o) in x.chunks_exact(32).zip(out.iter_mut()) {
-        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        // Eight independent maxima (max is exact, so the grouping changes nothing but speed).
+        let mut lanes = [0f32; 8];
+        for c in xb.chunks_exact(8) {
+            for (m, v) in lanes.iter_mut().zip(c) {
+                *m = m.max(v.abs());
+            }
+        }
+        let amax = lanes.iter().fold(0f32, |m, &v| m.max(v));
         let d = amax / 127.0;
         let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-        let mut sum = 0i32;
         for (q, &v) in o.qs.iter_mut().zip(xb) {
             *q = round_even(v * id).clamp(-127.0, 127.0) as i8;
-            sum += *q as i32;
         }
+        let sum: i32 = o.qs.iter().map(|&q| q as i32).sum();
         o.d = d;
         o.s = d * sum as f32;
         o.sum = sum;
@@ -117,6 +142,50 @@ pub fn matmuls<O: AsMut<[f32]>>(pool: &Pool, x: &[f32], rows: usize, outs: &mut 
                         unsafe {
                             std::ptr::copy_nonoverlapping(row.as_ptr(), dsts[m].at(at), cols)
                         };
+                    }
+                }
+            }
+        });
+    });
+}
+
+/// `out = silu(gate · x) ⊙ (up · x)` in one pass of the pool: the thread that computes a group of gate columns
+/// computes the same group of up columns and writes their SwiGLU at once, so no serial pass over the
+/// intermediate follows. Each output is bitwise `ops::silu_times` of the two products [`matmul`] gives.
+pub fn swiglu(pool: &Pool, x: &[f32], rows: usize, gate: &Packed, up: &Packed, out: &mut [f32]) {
+    let (k, n) = (gate.k, gate.n);
+    let nb = k / 32;
+    assert!(up.k == k && up.n == n && k.is_multiple_of(32));
+    assert!(x.len() >= rows * k && out.len() >= rows * n);
+    let dst = SharedOut::new(out);
+    QX.with(|qx| {
+        let mut qx = qx.borrow_mut();
+        if qx.len() < rows * nb {
+            qx.resize(rows * nb, ZERO_BLOCK);
+        }
+        for r in 0..rows {
+            quantize_row(&x[r * k..(r + 1) * k], &mut qx[r * nb..(r + 1) * nb]);
+        }
+        let qx = &qx[..rows * nb];
+        let isa = simd::int8_isa();
+        pool.run(&|t| {
+            let (mut g_res, mut u_res) = ([[0f32; GROUP]; ROWS], [[0f32; GROUP]; ROWS]);
+            for g in share(gate.groups(), pool.threads(), t, 1) {
+                let cols = (n - g * GROUP).min(GROUP);
+                for r0 in (0..rows).step_by(ROWS) {
+                    let take = (rows - r0).min(ROWS);
+                    let mut xs: [&[Q8Block]; ROWS] = [&[]; ROWS];
+                    for (i, x) in xs[..take].iter_mut().enumerate() {
+                        *x = &qx[(r0 + i) * nb..(r0 + i + 1) * nb];
+                    }
+                    gate.group(isa, g, &xs[..take], &mut g_res);
+                    up.group(isa, g, &xs[..take], &mut u_res);
+                    for (i, (gr, ur)) in g_res[..take].iter().zip(&u_res).enumerate() {
+                        let at = (r0 + i) * n + g * GROUP;
+                        for (c, (&gv, &uv)) in gr[..cols].iter().zip(ur).enumerate() {
+                            // SAFETY: columns of group g belong to this task; r0 + i < rows.
+                            unsafe { *dst.at(at + c) = silu_times(gv, uv) };
+                        }
                     }
                 }
             }
