@@ -4,12 +4,13 @@
 //! the value sum in slot order. A row at a given position sees the same slots in the same order whether it runs
 //! alone or in a batch, so its output is bitwise the same.
 //!
-//! The softmax's exponential is a fixed polynomial ([`exp`]) rather than libm's `expf`: a W-row verify takes W
+//! The softmax's exponential is a fixed polynomial ([`math::exp`]) rather than libm's `expf`: a W-row verify takes W
 //! times the exponentials of a step, and a vectorised exponential is several times cheaper. The portable and
 //! AVX2 paths compute the scores ([`score`]), the exponentials, their sum (eight lanes, slot `j` in lane `j % 8`,
 //! one fixed reduction) and the value sum (`o = fma(p, v, o)` per slot) with the same operations, so they agree
 //! bitwise.
 
+use super::math;
 use super::pool::{share, Pool, SharedOut};
 use super::simd::{self, Isa};
 use crate::backend::{AttnMask, AttnShape};
@@ -137,37 +138,6 @@ impl Head<'_> {
     }
 }
 
-const LOG2E: f32 = std::f32::consts::LOG2_E;
-/// ln 2 split in two (Cody–Waite), so `x - n·ln2` loses no precision.
-const LN2_HI: f32 = 0.693_359_4;
-const LN2_LO: f32 = -2.121_944_4e-4;
-/// Below this, `e^x` is under f32's normal range; inputs are clamped to it (the softmax's weight is ~1e-38).
-const EXP_MIN: f32 = -87.336_55;
-/// The minimax polynomial of `(e^r - 1 - r) / r²` on `|r| ≤ ln2/2` (Cephes `expf`).
-const EXP_POLY: [f32; 6] = [
-    1.987_569_1e-4,
-    1.398_199_9e-3,
-    8.333_452e-3,
-    4.166_579_6e-2,
-    1.666_666_5e-1,
-    0.5,
-];
-
-/// `e^x` for `x ≤ 0` (the softmax's `score - max`), within ~2 ulp: `x = n·ln2 + r`, `e^r` by the polynomial,
-/// times `2^n`. The AVX2 path does the same operations lane by lane.
-#[inline(always)]
-fn exp(x: f32) -> f32 {
-    let x = x.max(EXP_MIN);
-    let n = (x * LOG2E).round_ties_even();
-    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
-    let mut p = EXP_POLY[0];
-    for &c in &EXP_POLY[1..] {
-        p = p.mul_add(r, c);
-    }
-    let y = p.mul_add(r * r, r) + 1.0;
-    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
-}
-
 /// The eight-lane horizontal sum in the order the AVX2 reduction uses.
 #[inline(always)]
 fn hsum8(a: &[f32; 8]) -> f32 {
@@ -201,7 +171,7 @@ fn head_portable(head: &Head, q: &[f32], slots: &[usize], scores: &mut Vec<f32>,
     }
     let mut lanes = [0f32; 8];
     for (j, sc) in scores.iter_mut().enumerate() {
-        *sc = exp(*sc - max);
+        *sc = math::exp(*sc - max);
         lanes[j % 8] += *sc;
     }
     let sum = hsum8(&lanes);
@@ -327,36 +297,14 @@ unsafe fn softmax_weights_avx2(row: &mut [f32]) -> f32 {
     let vmax = _mm256_set1_ps(max);
     let mut sum = _mm256_setzero_ps();
     for j in (0..full).step_by(8) {
-        let x = _mm256_max_ps(
-            _mm256_sub_ps(_mm256_loadu_ps(p.add(j)), vmax),
-            _mm256_set1_ps(EXP_MIN),
-        );
-        let k = _mm256_round_ps(
-            _mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
-            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
-        );
-        let r = _mm256_fmadd_ps(k, _mm256_set1_ps(-LN2_HI), x);
-        let r = _mm256_fmadd_ps(k, _mm256_set1_ps(-LN2_LO), r);
-        let mut poly = _mm256_set1_ps(EXP_POLY[0]);
-        for &c in &EXP_POLY[1..] {
-            poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(c));
-        }
-        let y = _mm256_add_ps(
-            _mm256_fmadd_ps(poly, _mm256_mul_ps(r, r), r),
-            _mm256_set1_ps(1.0),
-        );
-        let bits = _mm256_slli_epi32(
-            _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)),
-            23,
-        );
-        let e = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+        let e = math::exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(p.add(j)), vmax));
         _mm256_storeu_ps(p.add(j), e);
         sum = _mm256_add_ps(sum, e);
     }
     let mut lanes = [0f32; 8];
     _mm256_storeu_ps(lanes.as_mut_ptr(), sum);
     for (j, v) in row.iter_mut().enumerate().skip(full) {
-        *v = exp(*v - max);
+        *v = math::exp(*v - max);
         lanes[j % 8] += *v;
     }
     hsum8(&lanes)
@@ -411,20 +359,6 @@ unsafe fn values_avx2(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_exponential_is_within_two_ulp_of_libm_on_the_softmax_range() {
-        let mut x = 0f32;
-        while x > -90.0 {
-            let (got, want) = (exp(x), x.exp());
-            if want > f32::MIN_POSITIVE {
-                let ulp = (got.to_bits() as i64 - want.to_bits() as i64).abs();
-                assert!(ulp <= 2, "exp({x}) = {got}, libm {want}");
-            }
-            x -= 0.000_731;
-        }
-        assert_eq!(exp(0.0), 1.0);
-    }
 
     #[cfg(target_arch = "x86_64")]
     #[test]

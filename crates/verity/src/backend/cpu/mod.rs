@@ -4,6 +4,7 @@
 mod attention;
 #[cfg(target_arch = "x86_64")]
 mod decode_x86;
+mod math;
 mod matmul;
 mod ops;
 mod packed;
@@ -11,6 +12,7 @@ mod pool;
 mod qmatmul;
 pub mod simd;
 
+pub use math::silu_times;
 pub use matmul::{Activations, CpuMatrix};
 use pool::Pool;
 

@@ -4,7 +4,7 @@
 //! [`super::packed`], whose module doc states the arithmetic. A row's operations never depend on how many
 //! rows share a call or on the thread count, so a W-row verify is row-exact.
 
-use super::ops::silu_times;
+use super::ops;
 use super::packed::{Packed, GROUP, ROWS};
 use super::pool::{share, Pool, SharedOut};
 use super::simd;
@@ -186,7 +186,7 @@ pub fn matmuls<O: AsMut<[f32]>>(pool: &Pool, x: &[f32], rows: usize, outs: &mut 
 
 /// `out = silu(gate · x) ⊙ (up · x)` in one pass of the pool: the thread that computes a group of gate columns
 /// computes the same group of up columns and writes their SwiGLU at once, so no serial pass over the
-/// intermediate follows. Each output is bitwise `ops::silu_times` of the two products [`matmul`] gives.
+/// intermediate follows. Each output is bitwise what `ops::swiglu` makes of the two products [`matmul`] gives.
 pub fn swiglu(pool: &Pool, x: &[f32], rows: usize, gate: &Packed, up: &Packed, out: &mut [f32]) {
     let (k, n) = (gate.k, gate.n);
     let nb = k / 32;
@@ -216,11 +216,11 @@ pub fn swiglu(pool: &Pool, x: &[f32], rows: usize, gate: &Packed, up: &Packed, o
                     gate.group(isa, g, &xs[..take], &mut g_res);
                     up.group(isa, g, &xs[..take], &mut u_res);
                     for (i, (gr, ur)) in g_res[..take].iter().zip(&u_res).enumerate() {
-                        let at = (r0 + i) * n + g * GROUP;
-                        for (c, (&gv, &uv)) in gr[..cols].iter().zip(ur).enumerate() {
-                            // SAFETY: columns of group g belong to this task; r0 + i < rows.
-                            unsafe { *dst.at(at + c) = silu_times(gv, uv) };
-                        }
+                        // SAFETY: columns of group g belong to this task; r0 + i < rows.
+                        let o = unsafe {
+                            std::slice::from_raw_parts_mut(dst.at((r0 + i) * n + g * GROUP), cols)
+                        };
+                        ops::swiglu(&gr[..cols], &ur[..cols], o);
                     }
                 }
             }
