@@ -260,9 +260,18 @@ unsafe fn heads_avx2(
     }
     for c0 in (0..base).step_by(CHUNK) {
         let c1 = (c0 + CHUNK).min(base);
-        for (n, it) in items.iter().enumerate() {
-            let w = std::slice::from_raw_parts(sp.add(n * stride + c0), c1 - c0);
-            values_avx2(head, it.out, c0..c1, w);
+        let weights = |n: usize| std::slice::from_raw_parts(sp.add(n * stride + c0), c1 - c0);
+        let mut n = 0;
+        if hd == 64 {
+            // Two queries per pass: each value row is loaded once for both.
+            while n + 2 <= items.len() {
+                let o = [items[n].out, items[n + 1].out];
+                values2_avx2(head, o, c0..c1, [weights(n), weights(n + 1)]);
+                n += 2;
+            }
+        }
+        for (m, it) in items.iter().enumerate().skip(n) {
+            values_avx2(head, it.out, c0..c1, weights(m));
         }
     }
     for ((n, it), &total) in items.iter().enumerate().zip(&sums) {
@@ -308,6 +317,34 @@ unsafe fn softmax_weights_avx2(row: &mut [f32]) -> f32 {
         lanes[j % 8] += *v;
     }
     hsum8(&lanes)
+}
+
+/// [`values_avx2`] for two queries at once over the same slots, for 64-value heads (the same operations per
+/// query, each value row loaded once).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn values2_avx2(
+    head: &Head,
+    o: [*mut f32; 2],
+    slots: std::ops::Range<usize>,
+    w: [&[f32]; 2],
+) {
+    use std::arch::x86_64::*;
+    let mut a: [__m256; 8] = std::array::from_fn(|c| _mm256_loadu_ps(o[0].add(8 * c)));
+    let mut b: [__m256; 8] = std::array::from_fn(|c| _mm256_loadu_ps(o[1].add(8 * c)));
+    for (j, slot) in slots.enumerate() {
+        let vp = head.value(slot).as_ptr();
+        let (pa, pb) = (_mm256_set1_ps(w[0][j]), _mm256_set1_ps(w[1][j]));
+        for c in 0..8 {
+            let v = _mm256_loadu_ps(vp.add(8 * c));
+            a[c] = _mm256_fmadd_ps(pa, v, a[c]);
+            b[c] = _mm256_fmadd_ps(pb, v, b[c]);
+        }
+    }
+    for c in 0..8 {
+        _mm256_storeu_ps(o[0].add(8 * c), a[c]);
+        _mm256_storeu_ps(o[1].add(8 * c), b[c]);
+    }
 }
 
 /// `o += p_j · value(slot_j)` in order, `o` held in registers 64 values at a time.

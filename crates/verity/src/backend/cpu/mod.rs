@@ -51,6 +51,17 @@ pub struct CpuStep {
     positions: Vec<usize>,
     base: usize,
     mask: AttnMask,
+    /// The rows' RoPE rotations, computed by the first layer of a forward and reused by the others (the angles
+    /// are the same in every layer; computing them is costlier than applying them).
+    rope: Mutex<RopeTable>,
+}
+
+/// `(cos, sin)` of every pair of every row, for one `(theta, head_dim)`.
+#[derive(Default)]
+struct RopeTable {
+    /// `(theta's bits, head_dim, rows)`; cleared by `set_step`.
+    key: Option<(u32, usize, usize)>,
+    rotations: Vec<(f32, f32)>,
 }
 
 impl CpuBackend {
@@ -159,6 +170,7 @@ impl Backend for CpuBackend {
             positions: Vec::with_capacity(max_rows),
             base: 0,
             mask: AttnMask::Causal,
+            rope: Mutex::new(RopeTable::default()),
         }
     }
 
@@ -169,6 +181,7 @@ impl Backend for CpuBackend {
         step.positions.extend_from_slice(inputs.positions);
         step.base = inputs.base;
         step.mask.clone_from(inputs.mask);
+        step.rope.get_mut().unwrap_or_else(|e| e.into_inner()).key = None;
     }
 
     fn embed(&self, table: &CpuMatrix, step: &CpuStep, rows: usize, out: &mut Vec<f32>) {
@@ -260,8 +273,19 @@ impl Backend for CpuBackend {
     ) {
         let (rows, hd) = (shape.rows, shape.head_dim);
         let positions = &step.positions[..rows];
-        ops::rope(q, positions, shape.n_heads, hd, rope.theta, rope.style);
-        ops::rope(k, positions, shape.n_kv_heads, hd, rope.theta, rope.style);
+        let mut table = step.rope.lock().unwrap_or_else(|e| e.into_inner());
+        let key = Some((rope.theta.to_bits(), hd, rows));
+        if table.key != key {
+            table.rotations.clear();
+            for &pos in positions {
+                table.rotations.extend(
+                    (0..hd / 2).map(|i| crate::backend::rope_angle(pos, i, hd, rope.theta)),
+                );
+            }
+            table.key = key;
+        }
+        ops::rope(q, &table.rotations, rows, shape.n_heads, hd, rope.style);
+        ops::rope(k, &table.rotations, rows, shape.n_kv_heads, hd, rope.style);
         let kv_dim = shape.n_kv_heads * hd;
         let slots = step.base * kv_dim..(step.base + rows) * kv_dim;
         k_cache[slots.clone()].copy_from_slice(&k[..rows * kv_dim]);

@@ -15,21 +15,19 @@ pub fn rms_norm(x: &[f32], w: &[f32], rows: usize, dim: usize, eps: f32, out: &m
     }
 }
 
-/// Rotate every head of every row by its position ([`crate::backend::rope_angle`]).
+/// Rotate every head of row `r` by `rotations[r * head_dim / 2 + i]`, the `(cos, sin)` of pair `i` at the row's
+/// position ([`crate::backend::rope_angle`]).
 pub fn rope(
     x: &mut [f32],
-    positions: &[usize],
+    rotations: &[(f32, f32)],
+    rows: usize,
     n_heads: usize,
     head_dim: usize,
-    theta: f32,
     style: RopeStyle,
 ) {
     let half = head_dim / 2;
-    let mut cs = vec![(0f32, 0f32); half];
-    for (r, &pos) in positions.iter().enumerate() {
-        for (i, c) in cs.iter_mut().enumerate() {
-            *c = crate::backend::rope_angle(pos, i, head_dim, theta);
-        }
+    for r in 0..rows {
+        let cs = &rotations[r * half..(r + 1) * half];
         let row = &mut x[r * n_heads * head_dim..(r + 1) * n_heads * head_dim];
         for head in row.chunks_exact_mut(head_dim) {
             for (i, &(c, s)) in cs.iter().enumerate() {

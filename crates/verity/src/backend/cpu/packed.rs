@@ -303,13 +303,23 @@ mod x86 {
             };
             for r in 0..R {
                 let x = xs[r].get_unchecked(b);
+                // With four or more rows their chains overlap; fewer rows split each chain in two (integer
+                // sums: the grouping cannot change a bit).
                 let mut i0 = _mm512_set1_epi32(int_start(F, x, 128));
-                let mut i1 = _mm512_setzero_si512();
-                for c in (0..8).step_by(2) {
-                    i0 = _mm512_dpbusd_epi32(i0, w[c], _mm512_set1_epi32(x4(x, c)));
-                    i1 = _mm512_dpbusd_epi32(i1, w[c + 1], _mm512_set1_epi32(x4(x, c + 1)));
-                }
-                let i = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
+                let i = if R >= 4 {
+                    for (c, &wc) in w.iter().enumerate() {
+                        i0 = _mm512_dpbusd_epi32(i0, wc, _mm512_set1_epi32(x4(x, c)));
+                    }
+                    i0
+                } else {
+                    let mut i1 = _mm512_setzero_si512();
+                    for c in (0..8).step_by(2) {
+                        i0 = _mm512_dpbusd_epi32(i0, w[c], _mm512_set1_epi32(x4(x, c)));
+                        i1 = _mm512_dpbusd_epi32(i1, w[c + 1], _mm512_set1_epi32(x4(x, c + 1)));
+                    }
+                    _mm512_add_epi32(i0, i1)
+                };
+                let i = _mm512_cvtepi32_ps(i);
                 acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.d)), i, acc[r]);
                 if F == Q4_1 {
                     acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s), acc[r]);
