@@ -210,9 +210,31 @@ unsafe fn heads_avx2(
     let sp = scores.as_mut_ptr();
     let vscale = _mm256_set1_ps(head.scale);
     // Scores over the cached slots, chunk by chunk.
+    let wide = wide_registers();
     for c0 in (0..base).step_by(CHUNK) {
         let c1 = (c0 + CHUNK).min(base);
-        for (n, it) in items.iter().enumerate() {
+        let mut n = 0;
+        if wide {
+            // Two queries per pass: each key row is loaded once for both.
+            while n + 2 <= items.len() {
+                let qa = &q[items[n].q..items[n].q + hd];
+                let qb = &q[items[n + 1].q..items[n + 1].q + hd];
+                let (ra, rb) = (sp.add(n * stride), sp.add((n + 1) * stride));
+                let mut j = c0;
+                while j + 8 <= c1 {
+                    let (da, db) = scores8x2_wide(head, qa, qb, j);
+                    _mm256_storeu_ps(ra.add(j), _mm256_mul_ps(da, vscale));
+                    _mm256_storeu_ps(rb.add(j), _mm256_mul_ps(db, vscale));
+                    j += 8;
+                }
+                for slot in j..c1 {
+                    *ra.add(slot) = score(qa, head.key(slot)) * head.scale;
+                    *rb.add(slot) = score(qb, head.key(slot)) * head.scale;
+                }
+                n += 2;
+            }
+        }
+        for (n, it) in items.iter().enumerate().skip(n) {
             let qv = &q[it.q..it.q + hd];
             let row = sp.add(n * stride);
             let mut j = c0;
@@ -226,17 +248,7 @@ unsafe fn heads_avx2(
                         acc[s] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(keys[s].add(c)), acc[s]);
                     }
                 }
-                let t0 = _mm256_hadd_ps(acc[0], acc[1]);
-                let t1 = _mm256_hadd_ps(acc[2], acc[3]);
-                let t2 = _mm256_hadd_ps(acc[4], acc[5]);
-                let t3 = _mm256_hadd_ps(acc[6], acc[7]);
-                let u0 = _mm256_hadd_ps(t0, t1);
-                let u1 = _mm256_hadd_ps(t2, t3);
-                let dots = _mm256_add_ps(
-                    _mm256_permute2f128_ps(u0, u1, 0x20),
-                    _mm256_permute2f128_ps(u0, u1, 0x31),
-                );
-                _mm256_storeu_ps(row.add(j), _mm256_mul_ps(dots, vscale));
+                _mm256_storeu_ps(row.add(j), _mm256_mul_ps(reduce8(acc), vscale));
                 j += 8;
             }
             for slot in j..c1 {
@@ -262,7 +274,7 @@ unsafe fn heads_avx2(
         let c1 = (c0 + CHUNK).min(base);
         let weights = |n: usize| std::slice::from_raw_parts(sp.add(n * stride + c0), c1 - c0);
         let mut n = 0;
-        if hd == 64 {
+        if hd == 64 && wide_registers() {
             // Two queries per pass: each value row is loaded once for both.
             while n + 2 <= items.len() {
                 let o = [items[n].out, items[n + 1].out];
@@ -319,10 +331,62 @@ unsafe fn softmax_weights_avx2(row: &mut [f32]) -> f32 {
     hsum8(&lanes)
 }
 
-/// [`values_avx2`] for two queries at once over the same slots, for 64-value heads (the same operations per
-/// query, each value row loaded once).
+/// Eight slots' lane accumulators reduced to their eight dot products, in [`score`]'s order.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[inline(always)]
+unsafe fn reduce8(acc: [std::arch::x86_64::__m256; 8]) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let t0 = _mm256_hadd_ps(acc[0], acc[1]);
+    let t1 = _mm256_hadd_ps(acc[2], acc[3]);
+    let t2 = _mm256_hadd_ps(acc[4], acc[5]);
+    let t3 = _mm256_hadd_ps(acc[6], acc[7]);
+    let u0 = _mm256_hadd_ps(t0, t1);
+    let u1 = _mm256_hadd_ps(t2, t3);
+    _mm256_add_ps(
+        _mm256_permute2f128_ps(u0, u1, 0x20),
+        _mm256_permute2f128_ps(u0, u1, 0x31),
+    )
+}
+
+/// The unscaled scores of slots `j..j+8` for two queries (the single-query loop's operations for each), each key
+/// row loaded once; compiled with AVX-512VL for its 32 registers (the instructions stay AVX2's).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
+unsafe fn scores8x2_wide(
+    head: &Head,
+    qa: &[f32],
+    qb: &[f32],
+    j: usize,
+) -> (std::arch::x86_64::__m256, std::arch::x86_64::__m256) {
+    use std::arch::x86_64::*;
+    let keys: [*const f32; 8] = std::array::from_fn(|s| head.key(j + s).as_ptr());
+    let mut a = [_mm256_setzero_ps(); 8];
+    let mut b = [_mm256_setzero_ps(); 8];
+    for c in (0..head.hd).step_by(8) {
+        let (xa, xb) = (
+            _mm256_loadu_ps(qa.as_ptr().add(c)),
+            _mm256_loadu_ps(qb.as_ptr().add(c)),
+        );
+        for s in 0..8 {
+            let k = _mm256_loadu_ps(keys[s].add(c));
+            a[s] = _mm256_fmadd_ps(xa, k, a[s]);
+            b[s] = _mm256_fmadd_ps(xb, k, b[s]);
+        }
+    }
+    (reduce8(a), reduce8(b))
+}
+
+/// Whether AVX-512VL's 32 vector registers are there: [`values2_avx2`] keeps 16 accumulators live and spills
+/// them with AVX2's 16.
+#[cfg(target_arch = "x86_64")]
+fn wide_registers() -> bool {
+    is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl")
+}
+
+/// [`values_avx2`] for two queries at once over the same slots, for 64-value heads (the same operations per
+/// query, each value row loaded once); compiled with AVX-512VL for its registers (the instructions stay AVX2's).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
 unsafe fn values2_avx2(
     head: &Head,
     o: [*mut f32; 2],
