@@ -72,6 +72,7 @@ pub fn attention(
                     items,
                     extra,
                     scores,
+                    sums,
                     slots,
                 } = scratch;
                 match isa {
@@ -79,7 +80,7 @@ pub fn attention(
                     // SAFETY: Avx2 (with FMA) is reported only after runtime detection; every item's output is
                     // a disjoint `hd`-slice of `out` that this task alone writes.
                     Isa::Avx2 if hd.is_multiple_of(8) => unsafe {
-                        heads_avx2(&head, q, base, items, extra, scores)
+                        heads_avx2(&head, q, base, items, extra, scores, sums)
                     },
                     _ => {
                         for it in items.iter() {
@@ -111,6 +112,7 @@ struct Scratch {
     items: Vec<Query>,
     extra: Vec<usize>,
     scores: Vec<f32>,
+    sums: Vec<f32>,
     slots: Vec<usize>,
 }
 
@@ -202,6 +204,7 @@ unsafe fn heads_avx2(
     items: &[Query],
     extra: &[usize],
     scores: &mut Vec<f32>,
+    sums: &mut Vec<f32>,
 ) {
     use std::arch::x86_64::*;
     let hd = head.hd;
@@ -257,7 +260,7 @@ unsafe fn heads_avx2(
         }
     }
     // Each query's own new slots, then its softmax weights (unnormalised) and their sum.
-    let mut sums = Vec::with_capacity(items.len());
+    sums.clear();
     for (n, it) in items.iter().enumerate() {
         let qv = &q[it.q..it.q + hd];
         let row = std::slice::from_raw_parts_mut(sp.add(n * stride), base + it.extra.len());
@@ -286,7 +289,7 @@ unsafe fn heads_avx2(
             values_avx2(head, it.out, c0..c1, weights(m));
         }
     }
-    for ((n, it), &total) in items.iter().enumerate().zip(&sums) {
+    for ((n, it), &total) in items.iter().enumerate().zip(sums.iter()) {
         let w = std::slice::from_raw_parts(sp.add(n * stride + base), it.extra.len());
         values_avx2(head, it.out, extra[it.extra.clone()].iter().copied(), w);
         let o = it.out;
@@ -504,7 +507,17 @@ mod tests {
                 }
             })
             .collect();
-        unsafe { heads_avx2(&head, &q, base, &items, &extra, &mut Vec::new()) };
+        unsafe {
+            heads_avx2(
+                &head,
+                &q,
+                base,
+                &items,
+                &extra,
+                &mut Vec::new(),
+                &mut Vec::new(),
+            )
+        };
         for (n, got) in outs.iter().enumerate() {
             let slots: Vec<usize> = (0..base).chain(extras[n].iter().copied()).collect();
             let mut want = vec![0f32; hd];

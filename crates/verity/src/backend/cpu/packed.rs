@@ -53,14 +53,11 @@ pub struct Packed {
 impl Packed {
     /// The interleaved copy of `m`, or `None` for a format these kernels do not run.
     pub fn new(m: &QMatrix) -> Option<Packed> {
-        let fmt = match m.format {
-            WeightFormat::Ggml(GgmlType::Q4_0) => Q4_0,
-            WeightFormat::Ggml(GgmlType::Q4_1) => Q4_1,
-            WeightFormat::Ggml(GgmlType::Q8_0) => Q8_0,
+        let (fmt, ty) = match m.format {
+            WeightFormat::Ggml(ty @ GgmlType::Q4_0) => (Q4_0, ty),
+            WeightFormat::Ggml(ty @ GgmlType::Q4_1) => (Q4_1, ty),
+            WeightFormat::Ggml(ty @ GgmlType::Q8_0) => (Q8_0, ty),
             _ => return None,
-        };
-        let WeightFormat::Ggml(ty) = m.format else {
-            unreachable!()
         };
         let (n, k) = (m.rows, m.cols);
         let blocks = k / 32;

@@ -117,6 +117,34 @@ thread_local! {
     static QX: std::cell::RefCell<Vec<Q8Block>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
+/// `f(qx)` with the `rows` rows of `x` (each `k` wide) quantized into this thread's buffer, `k / 32` blocks a row.
+fn with_quantized<R>(x: &[f32], rows: usize, k: usize, f: impl FnOnce(&[Q8Block]) -> R) -> R {
+    let nb = k / 32;
+    QX.with(|qx| {
+        let mut qx = qx.borrow_mut();
+        if qx.len() < rows * nb {
+            qx.resize(rows * nb, ZERO_BLOCK);
+        }
+        for r in 0..rows {
+            quantize_row(&x[r * k..(r + 1) * k], &mut qx[r * nb..(r + 1) * nb]);
+        }
+        f(&qx[..rows * nb])
+    })
+}
+
+/// `f(first row, rows)` over the quantized rows in runs of at most [`ROWS`], what one kernel call takes.
+#[inline(always)]
+fn for_row_runs(qx: &[Q8Block], nb: usize, rows: usize, mut f: impl FnMut(usize, &[&[Q8Block]])) {
+    for r0 in (0..rows).step_by(ROWS) {
+        let take = (rows - r0).min(ROWS);
+        let mut xs: [&[Q8Block]; ROWS] = [&[]; ROWS];
+        for (i, x) in xs[..take].iter_mut().enumerate() {
+            *x = &qx[(r0 + i) * nb..(r0 + i + 1) * nb];
+        }
+        f(r0, &xs[..take]);
+    }
+}
+
 /// `out[r * n_out + n] = Σ_k x[r, k] · w[n, k]` with 8-bit activations.
 pub fn matmul(pool: &Pool, w: &Packed, x: &[f32], rows: usize, out: &mut [f32]) {
     matmuls(pool, x, rows, &mut [(w, out)]);
@@ -142,15 +170,7 @@ pub fn matmuls<O: AsMut<[f32]>>(pool: &Pool, x: &[f32], rows: usize, outs: &mut 
         dsts[i] = SharedOut::new(out);
     }
     let total: usize = mats.iter().flatten().map(|m| m.groups()).sum();
-    QX.with(|qx| {
-        let mut qx = qx.borrow_mut();
-        if qx.len() < rows * nb {
-            qx.resize(rows * nb, ZERO_BLOCK);
-        }
-        for r in 0..rows {
-            quantize_row(&x[r * k..(r + 1) * k], &mut qx[r * nb..(r + 1) * nb]);
-        }
-        let qx = &qx[..rows * nb];
+    with_quantized(x, rows, k, |qx| {
         let isa = simd::int8_isa();
         pool.run(&|t| {
             // Groups are numbered across the matrices in order; each thread takes a contiguous range.
@@ -164,21 +184,16 @@ pub fn matmuls<O: AsMut<[f32]>>(pool: &Pool, x: &[f32], rows: usize, outs: &mut 
                 let w = mats[m].expect("a group belongs to a matrix");
                 let local = g - first;
                 let cols = (w.n - local * GROUP).min(GROUP);
-                for r0 in (0..rows).step_by(ROWS) {
-                    let take = (rows - r0).min(ROWS);
-                    let mut xs: [&[Q8Block]; ROWS] = [&[]; ROWS];
-                    for (i, x) in xs[..take].iter_mut().enumerate() {
-                        *x = &qx[(r0 + i) * nb..(r0 + i + 1) * nb];
-                    }
-                    w.group(isa, local, &xs[..take], &mut res);
-                    for (i, row) in res[..take].iter().enumerate() {
+                for_row_runs(qx, nb, rows, |r0, xs| {
+                    w.group(isa, local, xs, &mut res);
+                    for (i, row) in res[..xs.len()].iter().enumerate() {
                         let at = (r0 + i) * w.n + local * GROUP;
                         // SAFETY: columns of group `local` of matrix `m` belong to this task; r0 + i < rows.
                         unsafe {
                             std::ptr::copy_nonoverlapping(row.as_ptr(), dsts[m].at(at), cols)
                         };
                     }
-                }
+                });
             }
         });
     });
@@ -193,36 +208,23 @@ pub fn swiglu(pool: &Pool, x: &[f32], rows: usize, gate: &Packed, up: &Packed, o
     assert!(up.k == k && up.n == n && k.is_multiple_of(32));
     assert!(x.len() >= rows * k && out.len() >= rows * n);
     let dst = SharedOut::new(out);
-    QX.with(|qx| {
-        let mut qx = qx.borrow_mut();
-        if qx.len() < rows * nb {
-            qx.resize(rows * nb, ZERO_BLOCK);
-        }
-        for r in 0..rows {
-            quantize_row(&x[r * k..(r + 1) * k], &mut qx[r * nb..(r + 1) * nb]);
-        }
-        let qx = &qx[..rows * nb];
+    with_quantized(x, rows, k, |qx| {
         let isa = simd::int8_isa();
         pool.run(&|t| {
             let (mut g_res, mut u_res) = ([[0f32; GROUP]; ROWS], [[0f32; GROUP]; ROWS]);
             for g in share(gate.groups(), pool.threads(), t, 1) {
                 let cols = (n - g * GROUP).min(GROUP);
-                for r0 in (0..rows).step_by(ROWS) {
-                    let take = (rows - r0).min(ROWS);
-                    let mut xs: [&[Q8Block]; ROWS] = [&[]; ROWS];
-                    for (i, x) in xs[..take].iter_mut().enumerate() {
-                        *x = &qx[(r0 + i) * nb..(r0 + i + 1) * nb];
-                    }
-                    gate.group(isa, g, &xs[..take], &mut g_res);
-                    up.group(isa, g, &xs[..take], &mut u_res);
-                    for (i, (gr, ur)) in g_res[..take].iter().zip(&u_res).enumerate() {
+                for_row_runs(qx, nb, rows, |r0, xs| {
+                    gate.group(isa, g, xs, &mut g_res);
+                    up.group(isa, g, xs, &mut u_res);
+                    for (i, (gr, ur)) in g_res[..xs.len()].iter().zip(&u_res).enumerate() {
                         // SAFETY: columns of group g belong to this task; r0 + i < rows.
                         let o = unsafe {
                             std::slice::from_raw_parts_mut(dst.at((r0 + i) * n + g * GROUP), cols)
                         };
                         ops::swiglu(&gr[..cols], &ur[..cols], o);
                     }
-                }
+                });
             }
         });
     });
