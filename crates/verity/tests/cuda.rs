@@ -1,6 +1,7 @@
 //! The CUDA backend (feature `cuda`; these tests need a GPU and are built and run on one, see
-//! `../shared/docs/gpu.md`): logits against the CPU backend on the fixture bundles, row-exact verify rows, and
-//! greedy speculative output equal to AR for every route on the GPU.
+//! `../shared/docs/gpu.md`): the projection kernels against the CPU backend's (the 8-bit ones bitwise), logits
+//! against the CPU backend on the fixture bundles, row-exact verify rows, and greedy speculative output equal to
+//! AR for every route on the GPU.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -9,12 +10,14 @@ use std::sync::Arc;
 
 use common::*;
 use verity::backend::cuda::CudaBackend;
-use verity::backend::AttnMask;
+use verity::backend::{AttnMask, Backend};
 use verity::bundle::Bundle;
 use verity::chat::Message;
 use verity::engine::{Engine, GenerateRequest};
 use verity::model::{Batch, LogitRows, Model, MtpHead};
+use verity::quant::{GgmlType, QMatrix};
 use verity::spec::SpecMode;
+use verity::storage::Bytes;
 
 fn gpu() -> Arc<CudaBackend> {
     Arc::new(CudaBackend::new(0).expect("a CUDA device"))
@@ -29,6 +32,97 @@ const CUDA_BUNDLES: &[&str] = &[
     "qwen3-f32",
     "qwen3-bf16",
 ];
+
+/// A `rows` × `cols` matrix of `ty` made of the fixture's real blocks (valid scales) drawn at random.
+fn fixture_matrix(ty: GgmlType, name: &str, rows: usize, cols: usize, seed: &mut u64) -> QMatrix {
+    let raw = std::fs::read(fixtures().join("quant").join(format!("{name}.bin"))).unwrap();
+    let bb = ty.block_bytes();
+    let n_fixture = raw.len() / bb;
+    let mut data = Vec::with_capacity(rows * cols / ty.block_len() * bb);
+    for _ in 0..rows * cols / ty.block_len() {
+        *seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        let b = (*seed >> 33) as usize % n_fixture;
+        data.extend_from_slice(&raw[b * bb..(b + 1) * bb]);
+    }
+    QMatrix::ggml(name, ty, rows, cols, Bytes::owned(data)).unwrap()
+}
+
+fn gpu_matmul(be: &CudaBackend, m: &QMatrix, x: &[f32], rows: usize) -> Vec<f32> {
+    let w = be.load_matrix(m.clone()).unwrap();
+    let xs = be.upload(x);
+    let mut out = be.buffer(rows * m.rows);
+    be.matmul(&w, &xs, rows, &mut out);
+    be.download(&out, rows * m.rows)
+}
+
+/// The tensor-core 8-bit projections quantize x and chain each (column, row)'s blocks exactly as the CPU
+/// backend's 8-bit kernels do, so every output is bitwise the CPU's: Q4_0, Q4_1 and Q8_0; a ragged shape (a
+/// partial tile), one whose blocks take several exchange chunks, one wide enough for the warp-per-tile
+/// schedule; 1 to 20 rows (two launches past 16).
+#[test]
+fn cuda_int8_projections_are_bitwise_the_cpu_8_bit_kernels() {
+    let (gpu, cpu) = (gpu(), backend());
+    let mut seed = 7u64;
+    for (ty, name) in [
+        (GgmlType::Q4_0, "Q4_0"),
+        (GgmlType::Q4_1, "Q4_1"),
+        (GgmlType::Q8_0, "Q8_0"),
+    ] {
+        for (n, k) in [(37, 96), (300, 2560), (16_400, 64)] {
+            let m = fixture_matrix(ty, name, n, k, &mut seed);
+            let cw = cpu.load_matrix(m.clone()).unwrap();
+            for rows in [1, 2, 5, 8, 9, 16, 20] {
+                let x = random_f32(rows * k, seed ^ rows as u64, 1.0);
+                let mut want = cpu.buffer(rows * n);
+                cpu.matmul(&cw, &x, rows, &mut want);
+                let got = gpu_matmul(&gpu, &m, &x, rows);
+                let bad = got
+                    .iter()
+                    .zip(&want)
+                    .position(|(a, b)| a.to_bits() != b.to_bits());
+                assert!(
+                    bad.is_none(),
+                    "{name} {n}×{k}, {rows} rows: output {} is {} on the GPU, {} on the CPU",
+                    bad.unwrap(),
+                    got[bad.unwrap()],
+                    want[bad.unwrap()]
+                );
+            }
+        }
+    }
+}
+
+/// The K-quants run the f32-activation kernel: against the CPU's f32 path on the same blocks, within float
+/// rounding of the sums (the two add in different orders).
+#[test]
+fn cuda_k_quant_projections_match_the_cpu_backend() {
+    let (gpu, cpu) = (gpu(), f32_backend());
+    let mut seed = 11u64;
+    for (ty, name) in [
+        (GgmlType::Q4K, "Q4_K"),
+        (GgmlType::Q5K, "Q5_K"),
+        (GgmlType::Q6K, "Q6_K"),
+    ] {
+        let (n, k) = (40, 512);
+        let m = fixture_matrix(ty, name, n, k, &mut seed);
+        let cw = cpu.load_matrix(m.clone()).unwrap();
+        for rows in [1, 3, 16] {
+            let x = random_f32(rows * k, seed ^ rows as u64, 1.0);
+            let mut want = cpu.buffer(rows * n);
+            cpu.matmul(&cw, &x, rows, &mut want);
+            let got = gpu_matmul(&gpu, &m, &x, rows);
+            let scale = want.iter().fold(1f32, |a, v| a.max(v.abs()));
+            let worst = got
+                .iter()
+                .zip(&want)
+                .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+            assert!(
+                worst <= 1e-5 * scale * k as f32,
+                "{name}, {rows} rows: max |Δ| {worst}"
+            );
+        }
+    }
+}
 
 #[test]
 fn cuda_logits_match_the_cpu_backend_on_the_fixture_bundles() {

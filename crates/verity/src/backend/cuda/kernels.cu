@@ -2,6 +2,11 @@
 // sequence of operations whatever the number of rows in the launch, so a W-row verify is row-exact against the
 // one-row step. Per-forward inputs (token ids, positions, the first new cache slot, the mask) are read from the
 // step buffer, never passed by value, so a recorded forward replays with new inputs.
+//
+// Programmatic dependent launch (sm_90): every kernel waits for the grid before it (`wait_inputs`) before it
+// reads anything an earlier kernel wrote, then lets the next grid start (`release_dependents`), whose blocks
+// fetch their weights (which no kernel writes) while this one runs. Every kernel waits, so completion stays
+// transitive along the stream.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -14,8 +19,27 @@ typedef unsigned int u32;
 #define T_Q4_0 3
 #define T_Q4_1 4
 #define T_Q8_0 5
+#define T_Q4_K 6
+#define T_Q5_K 7
+#define T_Q6_K 8
+// Q4_0, Q4_1 and Q8_0 repacked at upload into tensor-core tiles (see `qmatmuls_narrow`).
+#define T_TQ4_0 9
+#define T_TQ4_1 10
+#define T_TQ8_0 11
 
 #define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ void wait_inputs() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void release_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 // The step buffer: int header {base, rows, tree, 0}, then u32 tokens[cap], int positions[cap], u8 mask[cap * cap]
 // (row-major, written only for tree masks).
@@ -53,16 +77,120 @@ __device__ __forceinline__ float bf16_to_f32(u32 h) {
     return __uint_as_float((h & 0xffffu) << 16);
 }
 
-// Bytes of one 32-value block.
+// Bytes of one 32-value block of the block formats, of one 256-value super-block of the K-quants.
 __host__ __device__ constexpr int block_bytes(int ty) {
     return ty == T_F32 ? 128 : ty == T_F16 || ty == T_BF16 ? 64 : ty == T_Q4_0 ? 18 : ty == T_Q4_1 ? 20 : 34;
 }
 
-// Decode block `b` of a row into v[32], with the widest loads the block's alignment allows (rows start at
-// multiples of the row size; Q4_1 blocks are 4-byte aligned, Q4_0 and Q8_0 2-byte aligned).
+__host__ __device__ constexpr int super_bytes(int ty) {
+    return ty == T_Q4_K ? 144 : ty == T_Q5_K ? 176 : 210;
+}
+
+__host__ __device__ constexpr bool is_k_quant(int ty) { return ty == T_Q4_K || ty == T_Q5_K || ty == T_Q6_K; }
+__host__ __device__ constexpr bool is_tiled(int ty) { return ty == T_TQ4_0 || ty == T_TQ4_1 || ty == T_TQ8_0; }
+
+// Tiled layout of an n × k matrix of Q4_0, Q4_1 or Q8_0 (nb = k / 32 blocks per row, `tiles` = ceil(n / 16)):
+// first the quants, per (tile, block) `tile_quant_bytes` bytes in the order the lanes of an m16n8k32 MMA load
+// them as its A fragment (lane = 4 * g + i holds bytes 4i..4i+3 of rows g and g + 8 of the tile, and for Q8_0
+// also bytes 16 + 4i..; for 4-bit formats the low nibbles are values 4i.. and the high nibbles 16 + 4i..);
+// then the scales, per (tile, block) 16 words, one per row: the block's f16 scale, and for Q4_1 its f16 offset
+// in the high half. Rows past n are zero.
+__host__ __device__ constexpr int tile_quant_bytes(int ty) { return ty == T_TQ8_0 ? 512 : 256; }
+
+// A pointer inside block b of output column `col` (for prefetching).
+__device__ __forceinline__ const u8* block_ptr(int ty, const u8* w, int col, int nb, int tiles, int b) {
+    if (is_tiled(ty)) return w + ((size_t)(col >> 4) * nb + b) * tile_quant_bytes(ty);
+    if (is_k_quant(ty)) return w + ((size_t)col * (nb / 8) + b / 8) * super_bytes(ty);
+    return w + ((size_t)col * nb + b) * block_bytes(ty);
+}
+
+// The scale word of block b of column `col` of a tiled matrix.
+__device__ __forceinline__ u32 tile_scale(int ty, const u8* w, int tiles, int nb, int col, int b) {
+    const u32* sc = (const u32*)(w + (size_t)tiles * nb * tile_quant_bytes(ty));
+    return sc[((size_t)(col >> 4) * nb + b) * 16 + (col & 15)];
+}
+
+__device__ __forceinline__ void k4_scale_min(int j, const u8* q, int* sc, int* m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// Decode the 32 values of block b of output column `col` into v[32] (the host decoders' arithmetic), with the
+// widest loads the block's alignment allows (rows start at multiples of the row size; Q4_1 blocks are 4-byte
+// aligned, Q4_0 and Q8_0 2-byte aligned). K-quant block b is sub-block b % 8 of super-block b / 8.
 template <int TY>
-__device__ __forceinline__ void decode(const u8* row, int b, float* v) {
-    const u8* p = row + (size_t)b * block_bytes(TY);
+__device__ __forceinline__ void decode(const u8* w, int col, int nb, int tiles, int b, float* v) {
+    if (is_tiled(TY)) {
+        int j = col & 15, g = j & 7, hi = j >> 3;
+        const u8* q = w + ((size_t)(col >> 4) * nb + b) * tile_quant_bytes(TY);
+        u32 sw = tile_scale(TY, w, tiles, nb, col, b);
+        float d = f16_to_f32(sw & 0xffff), m = f16_to_f32(sw >> 16);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int lane = 4 * g + i;
+            if (TY == T_TQ8_0) {
+                u32 lo = *(const u32*)(q + lane * 16 + hi * 4), up = *(const u32*)(q + lane * 16 + 8 + hi * 4);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    v[4 * i + e] = (float)(signed char)((lo >> (8 * e)) & 0xff) * d;
+                    v[16 + 4 * i + e] = (float)(signed char)((up >> (8 * e)) & 0xff) * d;
+                }
+            } else {
+                u32 word = *(const u32*)(q + lane * 8 + hi * 4);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    u32 byte = (word >> (8 * e)) & 0xff;
+                    if (TY == T_TQ4_0) {
+                        v[4 * i + e] = ((int)(byte & 15) - 8) * d;
+                        v[16 + 4 * i + e] = ((int)(byte >> 4) - 8) * d;
+                    } else {
+                        v[4 * i + e] = (byte & 15) * d + m;
+                        v[16 + 4 * i + e] = (byte >> 4) * d + m;
+                    }
+                }
+            }
+        }
+        return;
+    }
+    if (is_k_quant(TY)) {
+        const u8* p = w + ((size_t)col * (nb / 8) + b / 8) * super_bytes(TY);
+        int j = b & 7;
+        if (TY == T_Q6_K) {
+            const u8* ql = p + (j >> 2) * 64;
+            const u8* qh = p + 128 + (j >> 2) * 32;
+            const signed char* sc = (const signed char*)(p + 192 + (j >> 2) * 8);
+            float d = f16_to_f32(*(const u16*)(p + 208));
+            int qq = j & 3;
+            const u8* lo = ql + (qq & 1) * 32;
+#pragma unroll
+            for (int l = 0; l < 32; l++) {
+                int low = qq < 2 ? lo[l] & 0x0f : lo[l] >> 4;
+                int q = (low | (((qh[l] >> (2 * qq)) & 3) << 4)) - 32;
+                v[l] = d * (float)sc[l / 16 + 2 * qq] * (float)q;
+            }
+            return;
+        }
+        float d = f16_to_f32(*(const u16*)p), dmin = f16_to_f32(*(const u16*)(p + 2));
+        int sc, mi;
+        k4_scale_min(j, p + 4, &sc, &mi);
+        float d1 = d * (float)sc, m1 = dmin * (float)mi;
+        const u8* qs = p + (TY == T_Q4_K ? 16 : 48) + (j >> 1) * 32;
+        const u8* qh = p + 16;
+        int shift = (j & 1) * 4;
+#pragma unroll
+        for (int l = 0; l < 32; l++) {
+            int q = (qs[l] >> shift) & 0x0f;
+            if (TY == T_Q5_K) q += ((qh[l] >> j) & 1) << 4;
+            v[l] = d1 * (float)q - m1;
+        }
+        return;
+    }
+    const u8* p = w + ((size_t)col * nb + b) * block_bytes(TY);
     if (TY == T_F32) {
         const float4* f = (const float4*)p;
 #pragma unroll
@@ -97,12 +225,12 @@ __device__ __forceinline__ void decode(const u8* row, int b, float* v) {
             v[2 * j + 17] = ((int)(q >> 12) - 8) * d;
         }
     } else if (TY == T_Q4_1) {
-        const u32* w = (const u32*)p;
-        u32 dm = w[0];
+        const u32* words = (const u32*)p;
+        u32 dm = words[0];
         float d = f16_to_f32(dm & 0xffff), m = f16_to_f32(dm >> 16);
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            u32 q = w[1 + j];
+            u32 q = words[1 + j];
 #pragma unroll
             for (int t = 0; t < 4; t++) {
                 u32 byte = (q >> (8 * t)) & 0xff;
@@ -123,32 +251,32 @@ __device__ __forceinline__ void decode(const u8* row, int b, float* v) {
 }
 
 // Dynamic-type decode for the embedding lookup (one row per token, not on the hot path).
-__device__ __forceinline__ void decode_any(int ty, const u8* row, int b, float* v) {
+__device__ __forceinline__ void decode_any(int ty, const u8* w, int col, int nb, int tiles, int b, float* v) {
     switch (ty) {
-        case T_F32: decode<T_F32>(row, b, v); break;
-        case T_F16: decode<T_F16>(row, b, v); break;
-        case T_BF16: decode<T_BF16>(row, b, v); break;
-        case T_Q4_0: decode<T_Q4_0>(row, b, v); break;
-        case T_Q4_1: decode<T_Q4_1>(row, b, v); break;
-        default: decode<T_Q8_0>(row, b, v);
+        case T_F32: decode<T_F32>(w, col, nb, tiles, b, v); break;
+        case T_F16: decode<T_F16>(w, col, nb, tiles, b, v); break;
+        case T_BF16: decode<T_BF16>(w, col, nb, tiles, b, v); break;
+        case T_Q4_0: decode<T_Q4_0>(w, col, nb, tiles, b, v); break;
+        case T_Q4_1: decode<T_Q4_1>(w, col, nb, tiles, b, v); break;
+        case T_Q8_0: decode<T_Q8_0>(w, col, nb, tiles, b, v); break;
+        case T_Q4_K: decode<T_Q4_K>(w, col, nb, tiles, b, v); break;
+        case T_Q5_K: decode<T_Q5_K>(w, col, nb, tiles, b, v); break;
+        case T_Q6_K: decode<T_Q6_K>(w, col, nb, tiles, b, v); break;
+        case T_TQ4_0: decode<T_TQ4_0>(w, col, nb, tiles, b, v); break;
+        case T_TQ4_1: decode<T_TQ4_1>(w, col, nb, tiles, b, v); break;
+        default: decode<T_TQ8_0>(w, col, nb, tiles, b, v);
     }
 }
 
-// 1 / sqrt(mean(x^2) + eps) of one dim-long row, by a block of 256 threads: strided partial sums, then a fixed
-// tree in `part` (256 floats). The one definition of the norm's scale: the rms_norm kernel and the norm fused
-// into the projections compute bitwise the same normed rows.
-__device__ __forceinline__ float rms_scale(const float* xr, int dim, float eps, float* part) {
+// 1 / sqrt(mean(x^2) + eps) of one dim-long row, by one warp: lane-strided partial sums, then a fixed
+// butterfly; every lane returns it. The one definition of the norm's scale: the rms_norm kernel and the norms
+// fused into the projections compute bitwise the same normed rows.
+__device__ __forceinline__ float rms_scale(const float* xr, int dim, float eps, int lane) {
     float s = 0.f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) s = fmaf(xr[i], xr[i], s);
-    part[threadIdx.x] = s;
-    __syncthreads();
-    for (int o = blockDim.x / 2; o > 0; o >>= 1) {
-        if (threadIdx.x < o) part[threadIdx.x] += part[threadIdx.x + o];
-        __syncthreads();
-    }
-    float scale = rsqrtf(part[0] / dim + eps);
-    __syncthreads();  // `part` may be reused at once
-    return scale;
+    for (int i = lane; i < dim; i += 32) s = fmaf(xr[i], xr[i], s);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    return rsqrtf(s / dim + eps);
 }
 
 // The projection kernel's blocks: MM_WARPS warps, each owning whole output columns (lane l takes the column's
@@ -164,13 +292,13 @@ __device__ __forceinline__ float rms_scale(const float* xr, int dim, float eps, 
 // fixed butterfly over the warp. The rows' chains are interleaved (independent, so they hide each other's
 // latency) without changing any row's order of operations: a row gets the same bits for every RN.
 template <int TY, int RN>
-__device__ __forceinline__ void column(const u8* row, int nb, int lane, const float* xs,
+__device__ __forceinline__ void column(const u8* w, int col, int tiles, int nb, int lane, const float* xs,
                                        float (&acc)[ROWS_PER_GROUP]) {
     float v[32];
 #pragma unroll
     for (int r = 0; r < ROWS_PER_GROUP; r++) acc[r] = 0.f;
     for (int b = lane; b < nb; b += 32) {
-        decode<TY>(row, b, v);
+        decode<TY>(w, col, nb, tiles, b, v);
         float s[RN];
 #pragma unroll
         for (int r = 0; r < RN; r++) s[r] = 0.f;
@@ -195,25 +323,32 @@ __device__ __forceinline__ void column(const u8* row, int nb, int lane, const fl
     }
 }
 
+#define COLUMN_ARGS w, col, tiles, nb, lane, xs, acc
 template <int RN>
-__device__ __forceinline__ void column_rows(int ty, const u8* row, int nb, int lane, const float* xs,
-                                            float (&acc)[ROWS_PER_GROUP]) {
+__device__ __forceinline__ void column_rows(int ty, const u8* w, int col, int tiles, int nb, int lane,
+                                            const float* xs, float (&acc)[ROWS_PER_GROUP]) {
     switch (ty) {
-        case T_F32: column<T_F32, RN>(row, nb, lane, xs, acc); break;
-        case T_F16: column<T_F16, RN>(row, nb, lane, xs, acc); break;
-        case T_BF16: column<T_BF16, RN>(row, nb, lane, xs, acc); break;
-        case T_Q4_0: column<T_Q4_0, RN>(row, nb, lane, xs, acc); break;
-        case T_Q4_1: column<T_Q4_1, RN>(row, nb, lane, xs, acc); break;
-        default: column<T_Q8_0, RN>(row, nb, lane, xs, acc);
+        case T_F32: column<T_F32, RN>(COLUMN_ARGS); break;
+        case T_F16: column<T_F16, RN>(COLUMN_ARGS); break;
+        case T_BF16: column<T_BF16, RN>(COLUMN_ARGS); break;
+        case T_Q4_0: column<T_Q4_0, RN>(COLUMN_ARGS); break;
+        case T_Q4_1: column<T_Q4_1, RN>(COLUMN_ARGS); break;
+        case T_Q8_0: column<T_Q8_0, RN>(COLUMN_ARGS); break;
+        case T_Q4_K: column<T_Q4_K, RN>(COLUMN_ARGS); break;
+        case T_Q5_K: column<T_Q5_K, RN>(COLUMN_ARGS); break;
+        case T_Q6_K: column<T_Q6_K, RN>(COLUMN_ARGS); break;
+        case T_TQ4_0: column<T_TQ4_0, RN>(COLUMN_ARGS); break;
+        case T_TQ4_1: column<T_TQ4_1, RN>(COLUMN_ARGS); break;
+        default: column<T_TQ8_0, RN>(COLUMN_ARGS);
     }
 }
 
-__device__ __forceinline__ void column_any(int ty, const u8* row, int nb, int lane, const float* xs, int rn,
-                                           float (&acc)[ROWS_PER_GROUP]) {
-    if (rn <= 1) column_rows<1>(ty, row, nb, lane, xs, acc);
-    else if (rn <= 2) column_rows<2>(ty, row, nb, lane, xs, acc);
-    else if (rn <= 4) column_rows<4>(ty, row, nb, lane, xs, acc);
-    else column_rows<8>(ty, row, nb, lane, xs, acc);
+__device__ __forceinline__ void column_any(int ty, const u8* w, int col, int tiles, int nb, int lane,
+                                           const float* xs, int rn, float (&acc)[ROWS_PER_GROUP]) {
+    if (rn <= 1) column_rows<1>(ty, COLUMN_ARGS);
+    else if (rn <= 2) column_rows<2>(ty, COLUMN_ARGS);
+    else if (rn <= 4) column_rows<4>(ty, COLUMN_ARGS);
+    else column_rows<8>(ty, COLUMN_ARGS);
 }
 
 // One to three projections of the same input x (`rows` rows of k values), or of its RMS norm when
@@ -228,52 +363,58 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
                                    const u8* w1, int ty1, int n1, float* o1,
                                    const u8* w2, int ty2, int n2, float* o2) {
     extern __shared__ float xs[];
-    __shared__ float part[256];
+    __shared__ float scales[ROWS_PER_GROUP];
     int nb = k / 32;
     int r0 = blockIdx.y * ROWS_PER_GROUP;
     int rn = min(ROWS_PER_GROUP, rows - r0);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int total = glu ? n0 : n0 + n1 + n2;
+    int t0 = (n0 + 15) / 16, t1 = (n1 + 15) / 16, t2 = (n2 + 15) / 16;
     {
-        // Start this warp's first weight blocks on their way from memory while x is staged.
+        // Start this warp's first weight blocks on their way from memory while the grid before finishes.
         int col = (blockIdx.x * MM_WARPS + warp) * cols_per_warp;
         if (col < total && lane < nb) {
             const u8* w = w0;
-            int ty = ty0;
+            int ty = ty0, tiles = t0;
             if (!glu && col >= n0 + n1) {
-                col -= n0 + n1; w = w2; ty = ty2;
+                col -= n0 + n1; w = w2; ty = ty2; tiles = t2;
             } else if (!glu && col >= n0) {
-                col -= n0; w = w1; ty = ty1;
+                col -= n0; w = w1; ty = ty1; tiles = t1;
             }
-            const u8* p = w + ((size_t)col * nb + lane) * block_bytes(ty);
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-            if (glu) asm volatile("prefetch.global.L2 [%0];" ::"l"(w1 + ((size_t)col * nb + lane) * block_bytes(ty1)));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(block_ptr(ty, w, col, nb, tiles, lane)));
+            if (glu) asm volatile("prefetch.global.L2 [%0];" ::"l"(block_ptr(ty1, w1, col, nb, t1, lane)));
         }
     }
+    wait_inputs();
+    release_dependents();
+    if (norm_w && warp < rn) {
+        float sc = rms_scale(x + (size_t)(r0 + warp) * k, k, eps, lane);
+        if (lane == 0) scales[warp] = sc;
+    }
+    __syncthreads();
     for (int r = 0; r < rn; r++) {
         const float* xr = x + (size_t)(r0 + r) * k;
         float* sr = xs + (size_t)r * nb * XPAD;
-        float scale = norm_w ? rms_scale(xr, k, eps, part) : 1.f;
         for (int i = threadIdx.x; i < k; i += blockDim.x)
-            sr[(i >> 5) * XPAD + (i & 31)] = norm_w ? xr[i] * scale * norm_w[i] : xr[i];
+            sr[(i >> 5) * XPAD + (i & 31)] = norm_w ? xr[i] * scales[r] * norm_w[i] : xr[i];
     }
     __syncthreads();
     for (int c = 0; c < cols_per_warp; c++) {
         int col = (blockIdx.x * MM_WARPS + warp) * cols_per_warp + c;
         if (col >= total) break;  // uniform across the warp
         const u8* w = w0;
-        int ty = ty0, n = n0;
+        int ty = ty0, n = n0, tiles = t0;
         float* o = o0;
         if (!glu && col >= n0 + n1) {
-            col -= n0 + n1; w = w2; ty = ty2; n = n2; o = o2;
+            col -= n0 + n1; w = w2; ty = ty2; n = n2; o = o2; tiles = t2;
         } else if (!glu && col >= n0) {
-            col -= n0; w = w1; ty = ty1; n = n1; o = o1;
+            col -= n0; w = w1; ty = ty1; n = n1; o = o1; tiles = t1;
         }
         float acc[ROWS_PER_GROUP];
-        column_any(ty, w + (size_t)col * nb * block_bytes(ty), nb, lane, xs, rn, acc);
+        column_any(ty, w, col, tiles, nb, lane, xs, rn, acc);
         if (glu) {
             float up[ROWS_PER_GROUP];
-            column_any(ty1, w1 + (size_t)col * nb * block_bytes(ty1), nb, lane, xs, rn, up);
+            column_any(ty1, w1, col, t1, nb, lane, xs, rn, up);
 #pragma unroll
             for (int r = 0; r < ROWS_PER_GROUP; r++) acc[r] = acc[r] / (1.f + __expf(-acc[r])) * up[r];
         }
@@ -289,25 +430,430 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
     }
 }
 
+// ---- 8-bit integer projections on tensor cores (sm_80+), for weights in the tiled layout ----
+//
+// x is quantized per row and 32-value block exactly as the CPU's 8-bit kernels quantize it (d = max|x| / 127,
+// q = round-half-even(x / d) through 1 / d, s = d * sum q), each block's integer dot product comes exact from an
+// m16n8k32 MMA (16 output columns x 8 rows), and each (column, row) then accumulates its blocks in index order:
+// acc = fma(dw * dx, dot, acc), and for Q4_1 acc = fma(mw, s, acc). That is the CPU contract operation for
+// operation, so a row is bitwise the CPU backend's 8-bit result, whatever the rows beside it (row-exact), and the
+// cost hardly grows with the rows: one MMA serves 8 of them.
+//
+// Two schedules, chosen by the host per launch (neither changes any row's arithmetic):
+// - narrow (a CTA per 16-column tile): the 8 warps take the tile's blocks in turn and leave their integer sums in
+//   shared memory, chunk by chunk; one thread per (column, row) then runs the sequential chain. Many warps per
+//   tile for the small projections, whose tiles are few.
+// - wide (a warp per tile): each warp runs its tile's blocks in order and keeps the chains in its MMA fragment
+//   registers. For the output layer, whose tiles are many.
+#define QM_WARPS 8
+#define QM_STRIDE 20      // ints per (block, row) of exchanged sums: 16 columns, padded against bank conflicts
+#define QM_PER_WARP 8     // blocks a warp takes per exchange chunk (chunks are at most 64 blocks)
+#define QM_AHEAD 6        // blocks a wide-schedule warp loads ahead
+
+__device__ __forceinline__ void mma_s8(int (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+#else
+    d[0] = d[1] = d[2] = d[3] = 0;
+#endif
+}
+
+// This lane's share of a (tile, block)'s quants, as loaded.
+template <int TY>
+__device__ __forceinline__ void load_quants(const u8* q, int lane, u32 (&raw)[4]) {
+    if (TY == T_TQ8_0) {
+        uint4 v = __ldg((const uint4*)q + lane);
+        raw[0] = v.x; raw[1] = v.y; raw[2] = v.z; raw[3] = v.w;
+    } else {
+        uint2 v = __ldg((const uint2*)q + lane);
+        raw[0] = v.x; raw[1] = v.y; raw[2] = 0; raw[3] = 0;
+    }
+}
+
+// The A fragment from the loaded quants: nibbles split into bytes (Q4_0's shifted by -8, exactly).
+template <int TY>
+__device__ __forceinline__ void fragment(const u32 (&raw)[4], u32 (&a)[4]) {
+    if (TY == T_TQ8_0) {
+        a[0] = raw[0]; a[1] = raw[1]; a[2] = raw[2]; a[3] = raw[3];
+    } else {
+        const u32 lo = 0x0f0f0f0fu;
+        a[0] = raw[0] & lo;
+        a[1] = raw[1] & lo;
+        a[2] = (raw[0] >> 4) & lo;
+        a[3] = (raw[1] >> 4) & lo;
+        if (TY == T_TQ4_0) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) a[i] = __vsub4(a[i], 0x08080808u);
+        }
+    }
+}
+
+// One block's step of a (column, row) chain: the contract's FMAs.
+template <int TY>
+__device__ __forceinline__ float chain_step(float acc, u32 scale_word, float xd, float xs, int dot) {
+    acc = fmaf(f16_to_f32(scale_word & 0xffff) * xd, (float)dot, acc);
+    if (TY == T_TQ4_1) acc = fmaf(f16_to_f32(scale_word >> 16), xs, acc);
+    return acc;
+}
+
+// The quantized rows of x in shared memory: xq[r * xstride + i], and per (row, block) its scale xd and d * sum.
+struct Staged {
+    const signed char* xq;
+    int xstride;
+    const float* xd;
+    const float* xs;
+};
+
+// Stage `rows` rows of x (RMS-normed with norm_w when non-null), quantized; rows up to `rows_pad` are zeros.
+// Shared memory from `smem`: xq, then xd and xs, then 16 norm scales. Returns where the free space starts.
+__device__ __forceinline__ u8* stage_q8(const float* x, int k, int rows, int rows_pad, const float* norm_w,
+                                        float eps, u8* smem, Staged* st) {
+    int nb = k / 32, xstride = k + 16;
+    signed char* xq = (signed char*)smem;
+    float* xd = (float*)(smem + (size_t)rows_pad * xstride);
+    float* xs = xd + rows_pad * nb;
+    float* rscale = xs + rows_pad * nb;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (norm_w) {
+        for (int r = warp; r < rows; r += QM_WARPS) {
+            float sc = rms_scale(x + (size_t)r * k, k, eps, lane);
+            if (lane == 0) rscale[r] = sc;
+        }
+        __syncthreads();
+    }
+    for (int item = threadIdx.x; item < rows_pad * nb; item += blockDim.x) {
+        int r = item / nb, b = item % nb;
+        u32* dst = (u32*)(xq + (size_t)r * xstride + b * 32);
+        if (r >= rows) {
+#pragma unroll
+            for (int j = 0; j < 8; j++) dst[j] = 0;
+            xd[item] = 0.f;
+            xs[item] = 0.f;
+            continue;
+        }
+        const float4* src = (const float4*)(x + (size_t)r * k + b * 32);
+        float v[32];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            float4 f = src[j];
+            v[4 * j] = f.x; v[4 * j + 1] = f.y; v[4 * j + 2] = f.z; v[4 * j + 3] = f.w;
+        }
+        if (norm_w) {
+            float sc = rscale[r];
+            const float4* nw = (const float4*)(norm_w + b * 32);
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                float4 f = nw[j];
+                v[4 * j] = v[4 * j] * sc * f.x;
+                v[4 * j + 1] = v[4 * j + 1] * sc * f.y;
+                v[4 * j + 2] = v[4 * j + 2] * sc * f.z;
+                v[4 * j + 3] = v[4 * j + 3] * sc * f.w;
+            }
+        }
+        float amax = 0.f;
+#pragma unroll
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
+        float d = amax / 127.f;
+        float id = d > 0.f ? 1.f / d : 0.f;
+        int sum = 0;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            u32 word = 0;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int q = (int)fminf(fmaxf(rintf(v[4 * j + e] * id), -127.f), 127.f);
+                sum += q;
+                word |= (u32)(q & 0xff) << (8 * e);
+            }
+            dst[j] = word;
+        }
+        xd[item] = d;
+        xs[item] = d * (float)sum;
+    }
+    __syncthreads();
+    st->xq = xq;
+    st->xstride = xstride;
+    st->xd = xd;
+    st->xs = xs;
+    return (u8*)(rscale + 16);
+}
+
+// The B fragment of n-tile `nt` (rows 8 nt .. 8 nt + 7) for block b.
+__device__ __forceinline__ void x_fragment(const Staged& st, int nt, int b, int lane, u32* b0, u32* b1) {
+    const signed char* p = st.xq + (size_t)(8 * nt + (lane >> 2)) * st.xstride + b * 32 + (lane & 3) * 4;
+    *b0 = *(const u32*)p;
+    *b1 = *(const u32*)(p + 16);
+}
+
+// Which matrix tile `tile` of the launch is: its weights, type, tile count, width, output; false past the end.
+struct TileOf {
+    const u8* w;
+    int ty, tiles, n, lt;
+    float* o;
+};
+
+__device__ __forceinline__ bool tile_of(int tile, int glu, const u8* w0, int ty0, int n0, float* o0,
+                                        const u8* w1, int ty1, int n1, float* o1, const u8* w2, int ty2,
+                                        int n2, float* o2, TileOf* t) {
+    int t0 = (n0 + 15) / 16, t1 = glu ? 0 : (n1 + 15) / 16, t2 = (n2 + 15) / 16;
+    if (tile < t0) {
+        *t = {w0, ty0, t0, n0, tile, o0};
+    } else if (tile < t0 + t1) {
+        *t = {w1, ty1, t1, n1, tile - t0, o1};
+    } else if (tile < t0 + t1 + t2) {
+        *t = {w2, ty2, t2, n2, tile - t0 - t1, o2};
+    } else {
+        return false;
+    }
+    return true;
+}
+
+__device__ __forceinline__ void store_out(float* o, int n, int col, int r, float v, int accumulate) {
+    float* dst = o + (size_t)r * n + col;
+    *dst = accumulate ? *dst + v : v;
+}
+
+// Narrow schedule: this CTA's tile (`up`: the up projection for glu, gate in t; MATS = 1 or 2). The tile's scale
+// words and the quants of its first chunk are fetched before the grid before has finished.
+template <int TY, int MATS>
+__device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k, int rows, const float* norm_w,
+                            float eps, int chunk, u8* smem, int accumulate) {
+    int nb = k / 32, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int rows_pad = rows <= 8 ? 8 : 16, ntiles = rows_pad / 8;
+    int stage_bytes = rows_pad * (k + 16) + 2 * rows_pad * nb * 4 + 64;
+    u32* ssc = (u32*)(smem + stage_bytes);
+    int* iex = (int*)(ssc + MATS * nb * 16);
+    int per_chunk = chunk * rows_pad * QM_STRIDE;
+    const u8* wq[2] = {t.w, up};
+    const u8* qbase[2];
+#pragma unroll
+    for (int m = 0; m < MATS; m++) {
+        qbase[m] = wq[m] + (size_t)t.lt * nb * tile_quant_bytes(TY);
+        const u32* sc = (const u32*)(wq[m] + (size_t)t.tiles * nb * tile_quant_bytes(TY)) + (size_t)t.lt * nb * 16;
+        for (int i = threadIdx.x; i < nb * 16; i += blockDim.x) ssc[m * nb * 16 + i] = __ldg(sc + i);
+    }
+    u32 raw[MATS][QM_PER_WARP][4];
+    auto load_chunk = [&](int c0) {
+        int c1 = min(nb, c0 + chunk);
+#pragma unroll
+        for (int m = 0; m < MATS; m++)
+#pragma unroll
+            for (int i = 0; i < QM_PER_WARP; i++) {
+                int b = c0 + warp + QM_WARPS * i;
+                if (b < c1) load_quants<TY>(qbase[m] + (size_t)b * tile_quant_bytes(TY), lane, raw[m][i]);
+            }
+    };
+    load_chunk(0);
+    wait_inputs();
+    release_dependents();
+    Staged st;
+    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st);
+    int c = threadIdx.x & 15, r = threadIdx.x >> 4;
+    bool chains = r < rows;
+    float acc[2] = {0.f, 0.f};
+    for (int c0 = 0; c0 < nb; c0 += chunk) {
+        int c1 = min(nb, c0 + chunk);
+        if (c0 > 0) load_chunk(c0);
+#pragma unroll
+        for (int m = 0; m < MATS; m++) {
+#pragma unroll
+            for (int i = 0; i < QM_PER_WARP; i++) {
+                int b = c0 + warp + QM_WARPS * i;
+                if (b < c1) {
+                    u32 a[4];
+                    fragment<TY>(raw[m][i], a);
+                    for (int nt = 0; nt < ntiles; nt++) {
+                        u32 b0, b1;
+                        x_fragment(st, nt, b, lane, &b0, &b1);
+                        int d[4];
+                        mma_s8(d, a, b0, b1);
+                        int* e = iex + m * per_chunk + ((b - c0) * rows_pad + 8 * nt + 2 * (lane & 3)) * QM_STRIDE
+                                 + (lane >> 2);
+                        e[0] = d[0];
+                        e[QM_STRIDE] = d[1];
+                        e[8] = d[2];
+                        e[QM_STRIDE + 8] = d[3];
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        if (chains) {
+#pragma unroll
+            for (int m = 0; m < MATS; m++) {
+                const int* e = iex + m * per_chunk + r * QM_STRIDE + c;
+                const u32* sw = ssc + m * nb * 16 + c;
+#pragma unroll 4
+                for (int b = c0; b < c1; b++) {
+                    acc[m] = chain_step<TY>(acc[m], sw[b * 16], st.xd[r * nb + b], st.xs[r * nb + b],
+                                            e[(b - c0) * rows_pad * QM_STRIDE]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+    int col = t.lt * 16 + c;
+    if (chains && col < t.n) {
+        float v = MATS == 2 ? acc[0] / (1.f + __expf(-acc[0])) * acc[1] : acc[0];
+        store_out(t.o, t.n, col, r, v, accumulate);
+    }
+}
+
+// Wide schedule: this warp's tile (when `mine`), its chains in registers (n-tile nt, column g / g + 8, row
+// 2i / 2i + 1); QM_AHEAD blocks' quants and scales loaded at a time, the first ones before the grid before has
+// finished.
+template <int TY, int MATS>
+__device__ void wide_tile(const TileOf& t, bool mine, const u8* up, const float* x, int k, int rows,
+                          const float* norm_w, float eps, u8* smem, int accumulate) {
+    int nb = k / 32, lane = threadIdx.x & 31, g = lane >> 2, i2 = 2 * (lane & 3);
+    int rows_pad = rows <= 8 ? 8 : 16, ntiles = rows_pad / 8;
+    const u8* wq[2] = {t.w, up};
+    u32 raw[QM_AHEAD][4], sw[QM_AHEAD][2];
+    auto load_group = [&](int m, int b0) {
+        const u8* qbase = wq[m] + (size_t)t.lt * nb * tile_quant_bytes(TY);
+        const u32* sbase = (const u32*)(wq[m] + (size_t)t.tiles * nb * tile_quant_bytes(TY)) + (size_t)t.lt * nb * 16;
+#pragma unroll
+        for (int i = 0; i < QM_AHEAD; i++) {
+            int b = b0 + i;
+            if (b < nb) {
+                load_quants<TY>(qbase + (size_t)b * tile_quant_bytes(TY), lane, raw[i]);
+                sw[i][0] = __ldg(sbase + (size_t)b * 16 + g);
+                sw[i][1] = __ldg(sbase + (size_t)b * 16 + g + 8);
+            }
+        }
+    };
+    if (mine) load_group(0, 0);
+    wait_inputs();
+    release_dependents();
+    Staged st;
+    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st);
+    if (!mine) return;  // after the CTA's last barrier
+    float acc[2][2][4];
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) acc[m][nt][j] = 0.f;
+#pragma unroll
+    for (int m = 0; m < MATS; m++) {
+        for (int b0 = 0; b0 < nb; b0 += QM_AHEAD) {
+            if (m > 0 || b0 > 0) load_group(m, b0);
+#pragma unroll
+            for (int i = 0; i < QM_AHEAD; i++) {
+                int b = b0 + i;
+                if (b < nb) {
+                    u32 a[4];
+                    fragment<TY>(raw[i], a);
+#pragma unroll
+                    for (int nt = 0; nt < 2; nt++) {
+                        if (nt < ntiles) {
+                            u32 x0, x1;
+                            x_fragment(st, nt, b, lane, &x0, &x1);
+                            int d[4];
+                            mma_s8(d, a, x0, x1);
+#pragma unroll
+                            for (int j = 0; j < 4; j++) {
+                                int r = 8 * nt + i2 + (j & 1);
+                                acc[m][nt][j] = chain_step<TY>(acc[m][nt][j], sw[i][j >> 1], st.xd[r * nb + b],
+                                                               st.xs[r * nb + b], d[j]);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int r = 8 * nt + i2 + (j & 1), col = t.lt * 16 + g + 8 * (j >> 1);
+            if (nt < ntiles && r < rows && col < t.n) {
+                float v = acc[0][nt][j];
+                if (MATS == 2) v = v / (1.f + __expf(-v)) * acc[1][nt][j];
+                store_out(t.o, t.n, col, r, v, accumulate);
+            }
+        }
+    }
+}
+
+template <bool WIDE>
+__device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, int accumulate,
+                                              const float* norm_w, float eps, int glu, int chunk,
+                                              const u8* w0, int ty0, int n0, float* o0, const u8* w1, int ty1,
+                                              int n1, float* o1, const u8* w2, int ty2, int n2, float* o2) {
+    extern __shared__ __align__(16) u8 smem[];
+    int warp = threadIdx.x >> 5;
+    TileOf t;
+    bool mine = tile_of(WIDE ? blockIdx.x * QM_WARPS + warp : blockIdx.x, glu, w0, ty0, n0, o0, w1, ty1, n1, o1,
+                        w2, ty2, n2, o2, &t);
+    // A narrow CTA always has a tile (the grid is the tile count); a wide CTA's warps past the last tile still
+    // stage x with the others. Every warp of a CTA runs the same type's code: the host takes the wide schedule
+    // only for matrices of one type.
+    int ty = mine ? t.ty : ty0;
+    const u8* up = glu ? w1 : nullptr;
+#define QM_RUN(TY)                                                                                  \
+    if (WIDE) {                                                                                     \
+        if (glu) wide_tile<TY, 2>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate);          \
+        else wide_tile<TY, 1>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate);              \
+    } else {                                                                                        \
+        if (glu) narrow_tile<TY, 2>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate);       \
+        else narrow_tile<TY, 1>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate);           \
+    }
+    switch (ty) {
+        case T_TQ4_0: QM_RUN(T_TQ4_0); break;
+        case T_TQ4_1: QM_RUN(T_TQ4_1); break;
+        default: QM_RUN(T_TQ8_0);
+    }
+#undef QM_RUN
+}
+
+// One to three tiled projections of the same x (`rows` <= 16 rows of k values, RMS-normed first when norm_w is
+// non-null), as `matmuls` computes them but with 8-bit activations: o_m[r * n_m + c] (+)= ..., or with `glu`
+// (gate w0 and up w1 of one type) o0 = silu(gate) * up.
+// - qmatmuls_narrow: a CTA per tile (grid: the tile count), exchange chunks of `chunk` blocks (at most 64);
+//   shared memory: see `stage_q8`, then the tile's scale words and chunk * rows_pad * QM_STRIDE ints, per matrix.
+// - qmatmuls_wide: a warp per tile (grid: tiles / 8), shared memory as `stage_q8`; `chunk` unused. Two CTAs per
+//   SM: its grids are large.
+#define QM_PARAMS                                                                                              \
+    const float *x, int k, int rows, int accumulate, const float *norm_w, float eps, int glu, int chunk,        \
+        const u8 *w0, int ty0, int n0, float *o0, const u8 *w1, int ty1, int n1, float *o1, const u8 *w2,       \
+        int ty2, int n2, float *o2
+#define QM_ARGS x, k, rows, accumulate, norm_w, eps, glu, chunk, w0, ty0, n0, o0, w1, ty1, n1, o1, w2, ty2, n2, o2
+
+extern "C" __global__ void __launch_bounds__(QM_WARPS * 32) qmatmuls_narrow(QM_PARAMS) {
+    qmatmuls_body<false>(QM_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(QM_WARPS * 32, 2) qmatmuls_wide(QM_PARAMS) {
+    qmatmuls_body<true>(QM_ARGS);
+}
+
 // out[r, :] = table row step.tokens[r] (one block of threads per row, one thread per 32-value block).
-extern "C" __global__ void embed(const u8* w, int ty, int k, const int* step, int cap, float* out) {
+extern "C" __global__ void embed(const u8* w, int ty, int k, int tiles, const int* step, int cap, float* out) {
+    wait_inputs();
+    release_dependents();
     Step st = read_step(step, cap);
     int r = blockIdx.x;
     int nb = k / 32;
-    const u8* row = w + (size_t)st.tokens[r] * nb * block_bytes(ty);
     float v[32];
     for (int b = threadIdx.x; b < nb; b += blockDim.x) {
-        decode_any(ty, row, b, v);
+        decode_any(ty, w, (int)st.tokens[r], nb, tiles, b, v);
         for (int j = 0; j < 32; j++) out[(size_t)r * k + b * 32 + j] = v[j];
     }
 }
 
-// RMS norm of each dim-long row (one block of 256 threads per row).
+// RMS norm of each dim-long row (one warp per row).
 extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, float eps, float* out) {
-    __shared__ float part[256];
+    wait_inputs();
+    release_dependents();
     int r = blockIdx.x;
     const float* xr = x + (size_t)r * dim;
-    float scale = rms_scale(xr, dim, eps, part);
+    float scale = rms_scale(xr, dim, eps, threadIdx.x & 31);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) out[(size_t)r * dim + i] = xr[i] * scale * w[i];
 }
 
@@ -317,6 +863,8 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, flo
 extern "C" __global__ void rope_and_cache(float* q, const float* k, const float* v, float* kc, float* vc,
                                           int rows, int n_heads, int n_kv_heads, int head_dim, float theta,
                                           int interleaved, const int* step, int cap) {
+    wait_inputs();
+    release_dependents();
     Step st = read_step(step, cap);
     int t = blockIdx.x * blockDim.x + threadIdx.x;
     int half = head_dim / 2;
@@ -374,6 +922,8 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
     __shared__ float red[ATT_CHUNK];
     __shared__ float quarter[4][MAX_HEAD_DIM];
     __shared__ int last;
+    wait_inputs();
+    release_dependents();
     Step st = read_step(step, cap);
     int base = st.base, rows = st.rows, n = base + rows;
     int t = threadIdx.x;
@@ -479,6 +1029,8 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
 }
 
 extern "C" __global__ void add_bias(float* x, const float* b, int dim, int n) {
+    wait_inputs();
+    release_dependents();
     int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t < n) x[t] += b[t % dim];
 }

@@ -1,13 +1,21 @@
-//! The CUDA backend (feature `cuda`): weights uploaded in their GGML block format, f32 activations, CUDA C
-//! kernels (`kernels.cu`) compiled by NVRTC at load for the card's architecture, launched through cudarc with
-//! the driver loaded at run time — so the build needs no CUDA toolkit, and a machine without a GPU gets a clear
-//! error instead of a link failure.
+//! The CUDA backend (feature `cuda`): CUDA C kernels (`kernels.cu`) compiled by NVRTC at load for the card's
+//! architecture, launched through the driver loaded at run time — so the build needs no CUDA toolkit, and a
+//! machine without a GPU gets a clear error instead of a link failure.
 //!
-//! Row-exactness: a projection block stages its group of up to 8 rows of x in shared memory and gives each
-//! output column to one warp, whose lanes decode each weight block once and apply it to every staged row, each
-//! row's sums in a fixed order; a fused RMS norm computes each row exactly as the `rms_norm` kernel does;
-//! attention, RoPE and norms are per row, with every slot's place in every sum fixed by the slot alone. So a
-//! W-row verify gives each row bitwise the one-row step's result on this backend.
+//! Projections, two kernels:
+//! - Q4_0, Q4_1 and Q8_0 on sm_80+ (`qmatmuls_narrow`, `qmatmuls_wide`): weights repacked at upload into tensor-core tiles
+//!   (`tiles.rs`), x quantized to 8 bits per 32-value block, each block's integer dot product from an int8 MMA,
+//!   then per (column, row) the blocks accumulated in index order — operation for operation the CPU backend's
+//!   8-bit contract, so a row's result is bitwise the CPU's, and one MMA serves 8 rows, so a W-row verify costs
+//!   about what a one-row step does.
+//! - every other format (F32, F16, BF16, the K-quants; and groups mixing kinds) (`matmuls`): f32 activations
+//!   staged in shared memory, a warp per output column whose lanes decode each weight block once and apply it
+//!   to every staged row, each row's sums in a fixed order.
+//!
+//! Row-exactness: in both kernels a row's arithmetic never depends on the rows beside it; a fused RMS norm
+//! computes each row exactly as the `rms_norm` kernel does; attention, RoPE and norms are per row, with every
+//! slot's place in every sum fixed by the slot alone. So a W-row verify gives each row bitwise the one-row
+//! step's result on this backend.
 //!
 //! Admission: the W-row projection kernel is checked once per weight shape at load, on the real weights,
 //! against the one-row kernel (bitwise, for each row-count variant); a shape that fails runs its verifies one
@@ -16,16 +24,20 @@
 //! Launch overhead: a decode step is ~190 small kernels, so launching them one by one costs more than running
 //! some of them. Every op reads its per-forward inputs (tokens, positions, first slot, mask) from a
 //! device-resident step written by one copy, so a forward is recorded once as a CUDA graph per key (width,
-//! buffers) and replayed. Fusions: the Q/K/V projections with their input norm in one launch, the gate/up
-//! projections with their norm and the SwiGLU in one, RoPE with the cache write, and the output projections
-//! adding into the residual stream.
+//! buffers) and replayed. On sm_90 every launch carries programmatic dependent launch (`launch.rs`): a kernel's
+//! blocks start while the one before runs and prefetch their weights, then wait for its results. Fusions: the
+//! Q/K/V projections with their input norm in one launch, the gate/up projections with their norm and the
+//! SwiGLU in one, RoPE with the cache write, and the output projections adding into the residual stream.
 //!
 //! Attention is split over 64-slot chunks (8 blocks per row and head) and combined in chunk order by the block
 //! that finishes last, so its parallelism grows with the context while every sum keeps a fixed order.
 //!
-//! Not yet: tensor-core GEMM for long prefills, K-quant and MLX-affine weights (refused at load), a persistent
-//! per-layer kernel (steps are still bound by launch latency). The `Backend` operations cannot fail, so a device
+//! Not yet: a tiled GEMM for long prefills (they run 16 rows per launch), integer kernels for the K-quants (they
+//! run the f32-activation kernel), MLX-affine weights (refused at load), a persistent per-layer kernel. The `Backend` operations cannot fail, so a device
 //! error after load panics with the driver's message.
+
+mod launch;
+pub mod tiles;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -33,10 +45,10 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys::{
     CUdevice_attribute, CUfunction_attribute, CUgraphInstantiate_flags, CUstreamCaptureMode,
 };
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, LaunchConfig};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+
+use launch::{addr, Arg};
 
 use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
 use crate::error::{Error, Result};
@@ -54,6 +66,13 @@ const XPAD: usize = 36;
 const MATMUL_STATIC_BYTES: usize = 256 * 4;
 /// Matrices with at least this many output columns give each warp 4 columns (fewer blocks staging x).
 const WIDE_COLUMNS: usize = 16_384;
+/// The integer projection kernel's geometry (`kernels.cu`, `qmatmuls_*`): ints per (block, row) of exchanged
+/// sums, the most blocks per exchange chunk, the shared memory the exchange may take, and the tile count from
+/// which a launch gives each warp its own tile (the wide schedule).
+const QM_STRIDE: usize = 20;
+const QM_CHUNK_MAX: usize = 64;
+const QM_EXCHANGE_BYTES: usize = 48 * 1024;
+const QM_WIDE_TILES: usize = WIDE_COLUMNS / tiles::TILE_ROWS;
 /// The attention kernel's slots per chunk, blocks per (row, head) and largest head (`kernels.cu`).
 const ATT_CHUNK: usize = 64;
 const ATT_SPLIT: usize = 8;
@@ -61,9 +80,11 @@ const MAX_HEAD_DIM: usize = 256;
 /// Recorded forwards kept; the oldest is dropped beyond this.
 const MAX_GRAPHS: usize = 128;
 
-/// A weight matrix on the device, in its GGML block format.
+/// A weight matrix on the device, in its GGML block format or (Q4_0, Q4_1, Q8_0 on sm_80+) in tiles.
 pub struct CudaMatrix {
+    /// `kernels.cu`'s type tag (the tiled forms have their own).
     ty: i32,
+    tiled: bool,
     rows: usize,
     cols: usize,
     data: CudaSlice<u8>,
@@ -89,6 +110,8 @@ impl CudaStep {
 
 struct Kernels {
     matmuls: CudaFunction,
+    qmatmuls_narrow: CudaFunction,
+    qmatmuls_wide: CudaFunction,
     embed: CudaFunction,
     rms_norm: CudaFunction,
     rope_and_cache: CudaFunction,
@@ -117,8 +140,13 @@ pub struct CudaBackend {
     name: String,
     /// `None`: every forward launches its kernels one by one (`VERITY_CUDA_GRAPHS=0`, and the tests' reference).
     graphs: Option<GraphStore>,
-    /// Dynamic shared memory the projection kernel may stage its rows of x in.
+    /// Dynamic shared memory the projection kernels may stage their rows of x in.
     matmul_shared: usize,
+    /// Tensor-core int8 MMA (sm_80+, unless `VERITY_CUDA_INT8=0`): Q4_0/Q4_1/Q8_0 are tiled and run
+    /// `qmatmuls_*`.
+    int8_tiles: bool,
+    /// Programmatic dependent launch on every launch (sm_90+, unless `VERITY_CUDA_PDL=0`).
+    pdl: bool,
     /// The admission verdict per weight shape (type, rows, cols): rows per launch.
     admitted: Mutex<HashMap<(i32, usize, usize), usize>>,
 }
@@ -131,6 +159,25 @@ fn dev<T>(what: &str, r: std::result::Result<T, cudarc::driver::DriverError>) ->
 /// power-of-two number of rows per group (reading, never storing, those past the group's), so room for that many.
 fn staged_bytes(rows: usize, k: usize) -> usize {
     rows.min(ROWS_PER_GROUP).next_power_of_two() * (k / 32) * XPAD * 4
+}
+
+/// Shared memory of a `qmatmuls_*` launch of `rows` rows of `k` values over `mats` matrices per tile (2 for
+/// gate/up), and its exchange chunk (blocks; 0 in the wide schedule): the staged 8-bit rows (padded to 8 or 16,
+/// each row 16 bytes longer than k against bank conflicts), their per-block scales and sums, 16 norm scales,
+/// then (narrow) the tile's scale words and the exchanged integer sums.
+fn q_shared(rows: usize, k: usize, wide: bool, mats: usize) -> (usize, usize) {
+    let rows_pad = if rows <= 8 { 8 } else { 16 };
+    let nb = k / 32;
+    let stage = rows_pad * (k + 16) + 2 * rows_pad * nb * 4 + 16 * 4;
+    if wide {
+        return (stage, 0);
+    }
+    let scales = mats * nb * tiles::TILE_ROWS * 4;
+    let per_block = rows_pad * QM_STRIDE * 4 * mats;
+    let chunk = nb
+        .min(QM_CHUNK_MAX)
+        .min((QM_EXCHANGE_BYTES / per_block).max(1));
+    (stage + scales + chunk * per_block, chunk)
 }
 
 fn grid(n: usize, block: u32) -> LaunchConfig {
@@ -172,6 +219,8 @@ impl CudaBackend {
         let f = |n: &str| module.load_function(n).map_err(|e| err(n, &e));
         let k = Kernels {
             matmuls: f("matmuls")?,
+            qmatmuls_narrow: f("qmatmuls_narrow")?,
+            qmatmuls_wide: f("qmatmuls_wide")?,
             embed: f("embed")?,
             rms_norm: f("rms_norm")?,
             rope_and_cache: f("rope_and_cache")?,
@@ -182,16 +231,23 @@ impl CudaBackend {
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(|e| err("device", &e))? as usize;
         let matmul_shared = optin.saturating_sub(MATMUL_STATIC_BYTES);
-        k.matmuls
-            .set_attribute(
+        for f in [&k.matmuls, &k.qmatmuls_narrow, &k.qmatmuls_wide] {
+            f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 matmul_shared as i32,
             )
             .map_err(|e| err("shared memory", &e))?;
+        }
+        // `VERITY_CUDA_INT8=0` and `VERITY_CUDA_PDL=0` turn either off (for side-by-side measurements).
+        let off = |var: &str| matches!(std::env::var(var).as_deref(), Ok("0"));
+        let int8_tiles = major >= 8 && !off("VERITY_CUDA_INT8");
+        let pdl = major >= 9 && !off("VERITY_CUDA_PDL");
         let name = format!(
-            "cuda:{ordinal} ({}, sm_{major}{minor}{})",
+            "cuda:{ordinal} ({}, sm_{major}{minor}{}{}{})",
             ctx.name().unwrap_or_default(),
-            if graphs { ", graphs" } else { "" }
+            if graphs { ", graphs" } else { "" },
+            if pdl { ", PDL" } else { "" },
+            if int8_tiles { ", int8 MMA" } else { "" },
         );
         // Graph capture needs a stream other than the legacy default one.
         let stream = ctx.new_stream().map_err(|e| err("stream", &e))?;
@@ -202,8 +258,25 @@ impl CudaBackend {
             name,
             graphs: graphs.then(|| GraphStore(Mutex::new(Graphs::default()))),
             matmul_shared,
+            int8_tiles,
+            pdl,
             admitted: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Launch `f` (with programmatic dependent launch where the device has it); a driver error panics.
+    ///
+    /// # Safety
+    /// As [`launch::launch`]: `args` match the kernel's signature and every address is valid for its accesses.
+    unsafe fn go(&self, what: &str, f: &CudaFunction, cfg: LaunchConfig, args: &[Arg]) {
+        // SAFETY: the caller's contract.
+        dev(what, unsafe {
+            launch::launch(&self.stream, f, cfg, self.pdl, args)
+        });
+    }
+
+    fn at<T>(&self, s: &CudaSlice<T>, at: usize) -> Arg {
+        addr(&self.stream, s, at)
     }
 
     /// One launch of the `matmuls` kernel over up to three matrices that share `x` (`rows` ≤ `MAX_ROWS`, row
@@ -229,62 +302,92 @@ impl CudaBackend {
             mats.iter().all(|w| w.cols == k),
             "projections of one input must share its width"
         );
-        let cols: usize = if glu {
-            mats[0].rows
-        } else {
-            mats.iter().map(|w| w.rows).sum()
-        };
-        let cols_per_warp = if cols >= WIDE_COLUMNS { 4 } else { 1 };
-        let staged = staged_bytes(rows, k);
-        debug_assert!(staged <= self.matmul_shared, "capped by `launch_rows`");
-        let cfg = LaunchConfig {
-            grid_dim: (
-                cols.div_ceil(MM_WARPS * cols_per_warp) as u32,
-                rows.div_ceil(ROWS_PER_GROUP) as u32,
-                1,
-            ),
-            block_dim: ((MM_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: staged as u32,
-        };
-        let cpw = cols_per_warp as i32;
-        let xs = x.slice(r0 * k..(r0 + rows) * k);
-        let (ki, ri, acc) = (k as i32, rows as i32, i32::from(accumulate));
-        let (eps, glu) = (norm.map_or(0.0, |n| n.1), i32::from(glu));
-        let n_out = mats[0].rows;
-        let mut views: Vec<_> = outs
-            .iter_mut()
-            .zip(mats)
-            .map(|(out, w)| {
-                let n = if glu != 0 { n_out } else { w.rows };
-                out.slice_mut(r0 * n..(r0 + rows) * n)
-            })
-            .collect();
-        let null_ptr: u64 = 0;
-        let mut b = self.stream.launch_builder(&self.k.matmuls);
-        b.arg(&xs).arg(&ki).arg(&ri).arg(&acc);
-        match norm {
-            Some((w, _)) => b.arg(w),
-            None => b.arg(&null_ptr),
-        };
-        b.arg(&eps).arg(&glu).arg(&cpw);
-        // Unused matrix slots repeat the first matrix with zero columns and no output.
-        let widths: [(i32, i32); 3] = std::array::from_fn(|m| {
-            mats.get(m)
-                .map_or((mats[0].ty, 0), |w| (w.ty, w.rows as i32))
-        });
-        let mut vi = views.iter_mut();
-        for (m, (ty, n)) in widths.iter().enumerate() {
-            b.arg(&mats.get(m).unwrap_or(&mats[0]).data).arg(ty).arg(n);
-            match vi.next() {
-                Some(v) => b.arg(v),
-                None => b.arg(&null_ptr),
+        let (acc, glu_i) = (i32::from(accumulate), i32::from(glu));
+        let mut args = vec![
+            self.at(x, r0 * k),
+            Arg::I32(k as i32),
+            Arg::I32(rows as i32),
+            Arg::I32(acc),
+            norm.map_or(Arg::Ptr(0), |(w, _)| self.at(w, 0)),
+            Arg::F32(norm.map_or(0.0, |n| n.1)),
+            Arg::I32(glu_i),
+        ];
+        let int8 = mats.iter().all(|m| m.tiled) && (!glu || mats[0].ty == mats[1].ty);
+        let (f, cfg) = if int8 {
+            let n_tiles: usize = if glu {
+                tiles::tiles(mats[0].rows)
+            } else {
+                mats.iter().map(|m| tiles::tiles(m.rows)).sum()
             };
+            // The wide schedule's CTAs may straddle matrices, so it needs them of one type (`kernels.cu`).
+            let wide = n_tiles >= QM_WIDE_TILES && mats.iter().all(|m| m.ty == mats[0].ty);
+            let (bytes, chunk) = q_shared(rows, k, wide, if glu { 2 } else { 1 });
+            debug_assert!(bytes <= self.matmul_shared, "capped by `launch_rows`");
+            args.push(Arg::I32(chunk as i32));
+            let ctas = if wide {
+                n_tiles.div_ceil(MM_WARPS)
+            } else {
+                n_tiles
+            };
+            let cfg = LaunchConfig {
+                grid_dim: (ctas as u32, 1, 1),
+                block_dim: ((MM_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: bytes as u32,
+            };
+            let f = if wide {
+                &self.k.qmatmuls_wide
+            } else {
+                &self.k.qmatmuls_narrow
+            };
+            (f, cfg)
+        } else {
+            let cols: usize = if glu {
+                mats[0].rows
+            } else {
+                mats.iter().map(|w| w.rows).sum()
+            };
+            let cols_per_warp = if cols >= WIDE_COLUMNS { 4 } else { 1 };
+            let staged = staged_bytes(rows, k);
+            debug_assert!(staged <= self.matmul_shared, "capped by `launch_rows`");
+            args.push(Arg::I32(cols_per_warp as i32));
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    cols.div_ceil(MM_WARPS * cols_per_warp) as u32,
+                    rows.div_ceil(ROWS_PER_GROUP) as u32,
+                    1,
+                ),
+                block_dim: ((MM_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: staged as u32,
+            };
+            (&self.k.matmuls, cfg)
+        };
+        // Unused matrix slots repeat the first matrix with zero columns and no output.
+        let mut outs = outs.iter_mut();
+        for m in 0..3 {
+            match mats.get(m) {
+                Some(w) => {
+                    let n = if glu { mats[0].rows } else { w.rows };
+                    let out = if glu && m > 0 { None } else { outs.next() };
+                    args.extend([
+                        self.at(&w.data, 0),
+                        Arg::I32(w.ty),
+                        Arg::I32(w.rows as i32),
+                        out.map_or(Arg::Ptr(0), |o| self.at(o, r0 * n)),
+                    ]);
+                }
+                None => args.extend([
+                    self.at(&mats[0].data, 0),
+                    Arg::I32(mats[0].ty),
+                    Arg::I32(0),
+                    Arg::Ptr(0),
+                ]),
+            }
         }
-        // SAFETY: argument types match the kernel's signature (null pointers for an absent norm and unused
+        // SAFETY: the arguments follow the kernel's signature (null pointers for an absent norm and unused
         // outputs, which the kernel never touches); x holds rows × k values from r0, the norm weight k, each
-        // output rows × its columns; the grid covers every column and row group once, and the staged rows fit
-        // the dynamic shared memory asked for.
-        dev("matmul", unsafe { b.launch(cfg) });
+        // output rows × its columns from r0; the grid covers every column (tile) and row group once, and the
+        // staged rows fit the dynamic shared memory asked for.
+        unsafe { self.go("matmul", f, cfg, &args) };
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -374,21 +477,22 @@ impl CudaBackend {
     }
 }
 
-fn type_tag(name: &str, ty: GgmlType) -> Result<i32> {
-    Ok(match ty {
-        GgmlType::F32 => 0,
-        GgmlType::F16 => 1,
-        GgmlType::BF16 => 2,
-        GgmlType::Q4_0 => 3,
-        GgmlType::Q4_1 => 4,
-        GgmlType::Q8_0 => 5,
-        other => {
-            return Err(Error::Unsupported(format!(
-                "{name}: {} weights on the CUDA backend (it runs F32, F16, BF16, Q4_0, Q4_1, Q8_0)",
-                other.name()
-            )))
-        }
-    })
+/// `kernels.cu`'s tag for `ty`, in its tiled form when `tiled`.
+fn type_tag(ty: GgmlType, tiled: bool) -> i32 {
+    match (ty, tiled) {
+        (GgmlType::F32, _) => 0,
+        (GgmlType::F16, _) => 1,
+        (GgmlType::BF16, _) => 2,
+        (GgmlType::Q4_0, false) => 3,
+        (GgmlType::Q4_1, false) => 4,
+        (GgmlType::Q8_0, false) => 5,
+        (GgmlType::Q4K, _) => 6,
+        (GgmlType::Q5K, _) => 7,
+        (GgmlType::Q6K, _) => 8,
+        (GgmlType::Q4_0, true) => 9,
+        (GgmlType::Q4_1, true) => 10,
+        (GgmlType::Q8_0, true) => 11,
+    }
 }
 
 impl Backend for CudaBackend {
@@ -407,31 +511,44 @@ impl Backend for CudaBackend {
                 m.name, m.format
             )));
         };
-        let tag = type_tag(&m.name, ty)?;
-        if !m.cols.is_multiple_of(32) {
+        let tiled = self.int8_tiles && tiles::tileable(ty);
+        let tag = type_tag(ty, tiled);
+        let block = ty.block_len().max(32);
+        if !m.cols.is_multiple_of(block) {
             return Err(Error::Unsupported(format!(
-                "{}: rows of {} values (the CUDA kernels need a multiple of 32)",
+                "{}: rows of {} values (the CUDA kernels need a multiple of {block})",
                 m.name, m.cols
             )));
         }
-        let data = self
-            .stream
-            .clone_htod(m.data())
-            .map_err(|e| Error::Invalid(format!("CUDA upload of {}: {e}", m.name)))?;
+        let upload = |bytes: &[u8]| {
+            self.stream
+                .clone_htod(bytes)
+                .map_err(|e| Error::Invalid(format!("CUDA upload of {}: {e}", m.name)))
+        };
+        let data = if tiled {
+            upload(&tiles::tile(ty, m.rows, m.cols, m.data()))?
+        } else {
+            upload(m.data())?
+        };
+        let fits = |r: usize| {
+            staged_bytes(r, m.cols) <= self.matmul_shared
+                && (!tiled
+                    || [false, true]
+                        .iter()
+                        .all(|&wide| q_shared(r, m.cols, wide, 2).0 <= self.matmul_shared))
+        };
         let mut matrix = CudaMatrix {
             ty: tag,
+            tiled,
             rows: m.rows,
             cols: m.cols,
             data,
-            launch_rows: (1..=MAX_ROWS)
-                .rev()
-                .find(|&r| staged_bytes(r, m.cols) <= self.matmul_shared)
-                .ok_or_else(|| {
-                    Error::Unsupported(format!(
-                        "{}: rows of {} values do not fit the CUDA projection kernel's shared memory",
-                        m.name, m.cols
-                    ))
-                })?,
+            launch_rows: (1..=MAX_ROWS).rev().find(|&r| fits(r)).ok_or_else(|| {
+                Error::Unsupported(format!(
+                    "{}: rows of {} values do not fit the CUDA projection kernel's shared memory",
+                    m.name, m.cols
+                ))
+            })?,
         };
         matrix.launch_rows = self.admit(&matrix);
         Ok(matrix)
@@ -543,16 +660,18 @@ impl Backend for CudaBackend {
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.stream.launch_builder(&self.k.embed);
-        b.arg(&table.data)
-            .arg(&ty)
-            .arg(&k)
-            .arg(&step.dev)
-            .arg(&cap)
-            .arg(out);
+        let args = [
+            self.at(&table.data, 0),
+            Arg::I32(ty),
+            Arg::I32(k),
+            Arg::I32(tiles::tiles(table.rows) as i32),
+            self.at(&step.dev, 0),
+            Arg::I32(cap),
+            self.at(out, 0),
+        ];
         // SAFETY: argument types and sizes match the kernel's signature; out holds rows × k values; the step's
         // tokens were checked against the vocabulary by the model.
-        dev("embed", unsafe { b.launch(cfg) });
+        unsafe { self.go("embed", &self.k.embed, cfg, &args) };
     }
 
     fn matmul(&self, w: &CudaMatrix, x: &CudaSlice<f32>, rows: usize, out: &mut CudaSlice<f32>) {
@@ -599,10 +718,9 @@ impl Backend for CudaBackend {
 
     fn add_bias(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, rows: usize, dim: usize) {
         let (d, n) = (dim as i32, (rows * dim) as i32);
-        let mut b = self.stream.launch_builder(&self.k.add_bias);
-        b.arg(x).arg(bias).arg(&d).arg(&n);
+        let args = [self.at(x, 0), self.at(bias, 0), Arg::I32(d), Arg::I32(n)];
         // SAFETY: x holds rows × dim values, bias dim.
-        dev("add_bias", unsafe { b.launch(grid(rows * dim, 256)) });
+        unsafe { self.go("add_bias", &self.k.add_bias, grid(rows * dim, 256), &args) };
     }
 
     fn rms_norm(
@@ -620,10 +738,15 @@ impl Backend for CudaBackend {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.stream.launch_builder(&self.k.rms_norm);
-        b.arg(x).arg(w).arg(&d).arg(&eps).arg(out);
-        // SAFETY: x and out hold rows × dim values; the kernel's reduction assumes 256 threads.
-        dev("rms_norm", unsafe { b.launch(cfg) });
+        let args = [
+            self.at(x, 0),
+            self.at(w, 0),
+            Arg::I32(d),
+            Arg::F32(eps),
+            self.at(out, 0),
+        ];
+        // SAFETY: x and out hold rows × dim values, w dim.
+        unsafe { self.go("rms_norm", &self.k.rms_norm, cfg, &args) };
     }
 
     fn rope_and_cache(
@@ -648,23 +771,31 @@ impl Backend for CudaBackend {
             i32::from(rope.style == RopeStyle::Interleaved),
             step.cap as i32,
         );
-        let mut b = self.stream.launch_builder(&self.k.rope_and_cache);
-        b.arg(q)
-            .arg(&*k)
-            .arg(v)
-            .arg(k_cache)
-            .arg(v_cache)
-            .arg(&r)
-            .arg(&nh)
-            .arg(&nkv)
-            .arg(&hdi)
-            .arg(&rope.theta)
-            .arg(&il)
-            .arg(&step.dev)
-            .arg(&cap);
+        let args = [
+            self.at(q, 0),
+            self.at(k, 0),
+            self.at(v, 0),
+            self.at(k_cache, 0),
+            self.at(v_cache, 0),
+            Arg::I32(r),
+            Arg::I32(nh),
+            Arg::I32(nkv),
+            Arg::I32(hdi),
+            Arg::F32(rope.theta),
+            Arg::I32(il),
+            self.at(&step.dev, 0),
+            Arg::I32(cap),
+        ];
         // SAFETY: q holds rows × n_heads × head_dim values, k and v rows × kv_dim, the caches room for the
         // step's slots (reserved by the model); one thread per rotated pair and per copied V value.
-        dev("rope_and_cache", unsafe { b.launch(grid(total, 256)) });
+        unsafe {
+            self.go(
+                "rope_and_cache",
+                &self.k.rope_and_cache,
+                grid(total, 256),
+                &args,
+            )
+        };
     }
 
     fn check_head_dim(&self, head_dim: usize) -> Result<()> {
@@ -712,24 +843,25 @@ impl Backend for CudaBackend {
                 shared_mem_bytes: 0,
             };
             let row0 = r0 as i32;
-            let mut b = self.stream.launch_builder(&self.k.attention);
-            b.arg(q)
-                .arg(k_cache)
-                .arg(v_cache)
-                .arg(&row0)
-                .arg(&nh)
-                .arg(&nkv)
-                .arg(&hd)
-                .arg(&shape.scale)
-                .arg(&step.dev)
-                .arg(&cap)
-                .arg(&mut *work)
-                .arg(&nc)
-                .arg(&mut *out);
+            let args = [
+                self.at(q, 0),
+                self.at(k_cache, 0),
+                self.at(v_cache, 0),
+                Arg::I32(row0),
+                Arg::I32(nh),
+                Arg::I32(nkv),
+                Arg::I32(hd),
+                Arg::F32(shape.scale),
+                self.at(&step.dev, 0),
+                Arg::I32(cap),
+                self.at(work, 0),
+                Arg::I32(nc),
+                self.at(out, 0),
+            ];
             // SAFETY: q/out hold rows × n_heads × head_dim values, the caches (base + rows) × kv_dim within
             // their capacity; `work` holds the counters and chunk records of up to MAX_ROWS rows (checked above);
             // the mask is in the step.
-            dev("attention", unsafe { b.launch(cfg) });
+            unsafe { self.go("attention", &self.k.attention, cfg, &args) };
             r0 += take;
         }
     }
