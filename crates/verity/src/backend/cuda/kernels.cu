@@ -61,16 +61,13 @@ __device__ __forceinline__ Step read_step(const int* s, int cap) {
     return st;
 }
 
-// IEEE half to float by bits (no cuda_fp16.h needed under NVRTC).
+// IEEE half (the low 16 bits of h) to float: one exact conversion instruction, no branches (no cuda_fp16.h
+// needed under NVRTC). Branch-free matters: it sits inside the projections' per-block chains.
 __device__ __forceinline__ float f16_to_f32(u32 h) {
-    u32 sign = (h & 0x8000u) << 16;
-    u32 e = (h >> 10) & 0x1f, m = h & 0x3ff;
-    if (e == 0) {
-        float f = m * 5.9604644775390625e-8f;  // subnormal: m * 2^-24
-        return sign ? -f : f;
-    }
-    if (e == 31) return __uint_as_float(sign | 0x7f800000u | (m << 13));
-    return __uint_as_float(sign | ((e + 112) << 23) | (m << 13));
+    float f;
+    unsigned short s = (unsigned short)(h & 0xffffu);
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(s));
+    return f;
 }
 
 __device__ __forceinline__ float bf16_to_f32(u32 h) {
@@ -448,7 +445,7 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
 #define QM_WARPS 8
 #define QM_STRIDE 20      // ints per (block, row) of exchanged sums: 16 columns, padded against bank conflicts
 #define QM_PER_WARP 8     // blocks a warp takes per exchange chunk (chunks are at most 64 blocks)
-#define QM_AHEAD 6        // blocks a wide-schedule warp loads ahead
+#define QM_AHEAD 9        // blocks a wide-schedule warp loads ahead
 
 __device__ __forceinline__ void mma_s8(int (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
 #if __CUDA_ARCH__ >= 800
@@ -507,10 +504,12 @@ struct Staged {
     const float* xs;
 };
 
-// Stage `rows` rows of x (RMS-normed with norm_w when non-null), quantized; rows up to `rows_pad` are zeros.
-// Shared memory from `smem`: xq, then xd and xs, then 16 norm scales. Returns where the free space starts.
-__device__ __forceinline__ u8* stage_q8(const float* x, int k, int rows, int rows_pad, const float* norm_w,
-                                        float eps, u8* smem, Staged* st) {
+// Stage `rows` rows of x (RMS-normed with norm_w when non-null), quantized. Rows up to `rows_pad` are left as
+// they are: their MMA columns and chains are computed and never stored, and no valid row reads them. Shared
+// memory from `smem`: xq, then xd and xs, then 16 norm scales. Eight threads quantize a block, four values
+// each (max and sum are exact, so the butterflies give the serial results).
+__device__ __forceinline__ void stage_q8(const float* x, int k, int rows, int rows_pad, const float* norm_w,
+                                         float eps, u8* smem, Staged* st) {
     int nb = k / 32, xstride = k + 16;
     signed char* xq = (signed char*)smem;
     float* xd = (float*)(smem + (size_t)rows_pad * xstride);
@@ -524,61 +523,49 @@ __device__ __forceinline__ u8* stage_q8(const float* x, int k, int rows, int row
         }
         __syncthreads();
     }
-    for (int item = threadIdx.x; item < rows_pad * nb; item += blockDim.x) {
-        int r = item / nb, b = item % nb;
-        u32* dst = (u32*)(xq + (size_t)r * xstride + b * 32);
-        if (r >= rows) {
-#pragma unroll
-            for (int j = 0; j < 8; j++) dst[j] = 0;
-            xd[item] = 0.f;
-            xs[item] = 0.f;
-            continue;
-        }
-        const float4* src = (const float4*)(x + (size_t)r * k + b * 32);
-        float v[32];
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            float4 f = src[j];
-            v[4 * j] = f.x; v[4 * j + 1] = f.y; v[4 * j + 2] = f.z; v[4 * j + 3] = f.w;
-        }
+    // Every item's 8 threads are 8 consecutive lanes of one warp (blockDim is a multiple of 8).
+    for (int item = threadIdx.x; item < rows * nb * 8; item += blockDim.x) {
+        int j = item & 7, rb = item >> 3;
+        int r = rb / nb, b = rb % nb;
+        float4 f = ((const float4*)(x + (size_t)r * k + b * 32))[j];
+        float v[4] = {f.x, f.y, f.z, f.w};
         if (norm_w) {
             float sc = rscale[r];
-            const float4* nw = (const float4*)(norm_w + b * 32);
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                float4 f = nw[j];
-                v[4 * j] = v[4 * j] * sc * f.x;
-                v[4 * j + 1] = v[4 * j + 1] * sc * f.y;
-                v[4 * j + 2] = v[4 * j + 2] * sc * f.z;
-                v[4 * j + 3] = v[4 * j + 3] * sc * f.w;
-            }
+            float4 w = ((const float4*)(norm_w + b * 32))[j];
+            v[0] = v[0] * sc * w.x;
+            v[1] = v[1] * sc * w.y;
+            v[2] = v[2] * sc * w.z;
+            v[3] = v[3] * sc * w.w;
         }
-        float amax = 0.f;
+        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+        // The 8 lanes of an item are active together: `rows * nb * 8` is a multiple of 8.
+        unsigned group = 0xffu << (lane & 24);
 #pragma unroll
-        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
+        for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(group, amax, off));
         float d = amax / 127.f;
         float id = d > 0.f ? 1.f / d : 0.f;
         int sum = 0;
+        u32 word = 0;
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-            u32 word = 0;
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int q = (int)fminf(fmaxf(rintf(v[4 * j + e] * id), -127.f), 127.f);
-                sum += q;
-                word |= (u32)(q & 0xff) << (8 * e);
-            }
-            dst[j] = word;
+        for (int e = 0; e < 4; e++) {
+            int q = (int)fminf(fmaxf(rintf(v[e] * id), -127.f), 127.f);
+            sum += q;
+            word |= (u32)(q & 0xff) << (8 * e);
         }
-        xd[item] = d;
-        xs[item] = d * (float)sum;
+        ((u32*)(xq + (size_t)r * xstride + b * 32))[j] = word;
+#pragma unroll
+        for (int off = 4; off > 0; off >>= 1) sum += __shfl_xor_sync(group, sum, off);
+        if (j == 0) {
+            xd[rb] = d;
+            xs[rb] = d * (float)sum;
+        }
     }
     __syncthreads();
     st->xq = xq;
     st->xstride = xstride;
     st->xd = xd;
     st->xs = xs;
-    return (u8*)(rscale + 16);
+    return;
 }
 
 // The B fragment of n-tile `nt` (rows 8 nt .. 8 nt + 7) for block b.
@@ -616,8 +603,23 @@ __device__ __forceinline__ void store_out(float* o, int n, int col, int r, float
     *dst = accumulate ? *dst + v : v;
 }
 
+// 16 bytes global -> shared without holding a register or the thread (sm_80+), and the wait for all of them.
+__device__ __forceinline__ void copy_async16(void* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
+    unsigned a = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(src) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void copies_done() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\ncp.async.wait_all;" ::: "memory");
+#endif
+}
+
 // Narrow schedule: this CTA's tile (`up`: the up projection for glu, gate in t; MATS = 1 or 2). The tile's scale
-// words and the quants of its first chunk are fetched before the grid before has finished.
+// words (copied asynchronously into shared memory) and the quants of its first chunk are fetched before the
+// grid before has finished.
 template <int TY, int MATS>
 __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k, int rows, const float* norm_w,
                             float eps, int chunk, u8* smem, int accumulate) {
@@ -633,7 +635,7 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
     for (int m = 0; m < MATS; m++) {
         qbase[m] = wq[m] + (size_t)t.lt * nb * tile_quant_bytes(TY);
         const u32* sc = (const u32*)(wq[m] + (size_t)t.tiles * nb * tile_quant_bytes(TY)) + (size_t)t.lt * nb * 16;
-        for (int i = threadIdx.x; i < nb * 16; i += blockDim.x) ssc[m * nb * 16 + i] = __ldg(sc + i);
+        for (int i = threadIdx.x; i < nb * 4; i += blockDim.x) copy_async16(ssc + m * nb * 16 + 4 * i, sc + 4 * i);
     }
     u32 raw[MATS][QM_PER_WARP][4];
     auto load_chunk = [&](int c0) {
@@ -680,20 +682,21 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
                 }
             }
         }
+        copies_done();  // this thread's scale copies (issued before the wait) land before the barrier
         __syncthreads();
         if (chains) {
 #pragma unroll
             for (int m = 0; m < MATS; m++) {
                 const int* e = iex + m * per_chunk + r * QM_STRIDE + c;
                 const u32* sw = ssc + m * nb * 16 + c;
-#pragma unroll 4
+#pragma unroll 8
                 for (int b = c0; b < c1; b++) {
                     acc[m] = chain_step<TY>(acc[m], sw[b * 16], st.xd[r * nb + b], st.xs[r * nb + b],
                                             e[(b - c0) * rows_pad * QM_STRIDE]);
                 }
             }
         }
-        __syncthreads();
+        if (c1 < nb) __syncthreads();  // the next chunk's sums reuse the exchange
     }
     int col = t.lt * 16 + c;
     if (chains && col < t.n) {
