@@ -265,15 +265,47 @@ __device__ __forceinline__ void decode_any(int ty, const u8* w, int col, int nb,
     }
 }
 
-// 1 / sqrt(mean(x^2) + eps) of one dim-long row, by one warp: lane-strided partial sums, then a fixed
-// butterfly; every lane returns it. The one definition of the norm's scale: the rms_norm kernel and the norms
-// fused into the projections compute bitwise the same normed rows.
-__device__ __forceinline__ float rms_scale(const float* xr, int dim, float eps, int lane) {
-    float s = 0.f;
-    for (int i = lane; i < dim; i += 32) s = fmaf(xr[i], xr[i], s);
+// The one definition of the RMS norm's scale, 1 / sqrt(mean(x^2) + eps), for `rows` rows of x (k values each)
+// into rscale[r], by the whole block (a multiple of 8 threads); `ss` is rows * k / 32 floats of scratch. Per
+// row it is canonical: each 32-value block's sum of squares by 8 lanes (4 values each, in order, then a fixed
+// butterfly), then the blocks' sums in index order — so a row's scale never depends on the rows beside it, and
+// the rms_norm kernel and the norms fused into the projections give bitwise the same normed rows. The loads
+// go four per thread at a time: a block-wide pass costs one memory round trip, not a warp's serial loop.
+__device__ __forceinline__ void norm_scales(const float* x, int k, int rows, float eps, float* ss, float* rscale) {
+    int nb = k / 32, lane = threadIdx.x & 31;
+    int items = rows * nb * 8;
+    unsigned group = 0xffu << (lane & 24);
+    for (int item0 = 0; item0 < items; item0 += blockDim.x * 4) {
+        float4 v[4];
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    return rsqrtf(s / dim + eps);
+        for (int u = 0; u < 4; u++) {
+            int item = item0 + u * blockDim.x + threadIdx.x;
+            if (item < items) {
+                int rb = item >> 3, r = rb / nb, b = rb % nb;
+                v[u] = ((const float4*)(x + (size_t)r * k + b * 32))[item & 7];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int item = item0 + u * blockDim.x + threadIdx.x;
+            if (item < items) {  // whole 8-lane groups: items and blockDim are multiples of 8
+                float t = v[u].x * v[u].x;
+                t = fmaf(v[u].y, v[u].y, t);
+                t = fmaf(v[u].z, v[u].z, t);
+                t = fmaf(v[u].w, v[u].w, t);
+#pragma unroll
+                for (int off = 4; off > 0; off >>= 1) t += __shfl_xor_sync(group, t, off);
+                if ((item & 7) == 0) ss[item >> 3] = t;
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < rows) {
+        float t = 0.f;
+        for (int b = 0; b < nb; b++) t += ss[threadIdx.x * nb + b];
+        rscale[threadIdx.x] = rsqrtf(t / k + eps);
+    }
+    __syncthreads();
 }
 
 // The projection kernel's blocks: MM_WARPS warps, each owning whole output columns (lane l takes the column's
@@ -283,6 +315,9 @@ __device__ __forceinline__ float rms_scale(const float* xr, int dim, float eps, 
 #define MM_WARPS 8
 #define ROWS_PER_GROUP 8
 #define XPAD 36
+
+// The staged row count of a group of rn rows (the kernel's row-count variants: 1, 2, 4, 8).
+__device__ __forceinline__ int rn_pow2(int rn) { return rn <= 1 ? 1 : rn <= 2 ? 2 : rn <= 4 ? 4 : 8; }
 
 // One output column for RN staged rows (RN >= the group's rows; rows past them are computed from stale shared
 // memory and never stored): acc[r] = sum over the lane's blocks of 32 fused multiply-adds in index order, then a
@@ -359,7 +394,7 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
                                    const u8* w0, int ty0, int n0, float* o0,
                                    const u8* w1, int ty1, int n1, float* o1,
                                    const u8* w2, int ty2, int n2, float* o2) {
-    extern __shared__ float xs[];
+    extern __shared__ float xs[];  // staged rows, then (with a norm) rows * nb floats of scratch
     __shared__ float scales[ROWS_PER_GROUP];
     int nb = k / 32;
     int r0 = blockIdx.y * ROWS_PER_GROUP;
@@ -384,11 +419,7 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
     }
     wait_inputs();
     release_dependents();
-    if (norm_w && warp < rn) {
-        float sc = rms_scale(x + (size_t)(r0 + warp) * k, k, eps, lane);
-        if (lane == 0) scales[warp] = sc;
-    }
-    __syncthreads();
+    if (norm_w) norm_scales(x + (size_t)r0 * k, k, rn, eps, xs + (size_t)rn_pow2(rn) * nb * XPAD, scales);
     for (int r = 0; r < rn; r++) {
         const float* xr = x + (size_t)(r0 + r) * k;
         float* sr = xs + (size_t)r * nb * XPAD;
@@ -445,7 +476,7 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
 #define QM_WARPS 8
 #define QM_STRIDE 20      // ints per (block, row) of exchanged sums: 16 columns, padded against bank conflicts
 #define QM_PER_WARP 8     // blocks a warp takes per exchange chunk (chunks are at most 64 blocks)
-#define QM_AHEAD 9        // blocks a wide-schedule warp loads ahead
+#define QM_AHEAD 6        // blocks a wide-schedule warp loads ahead
 
 __device__ __forceinline__ void mma_s8(int (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
 #if __CUDA_ARCH__ >= 800
@@ -515,49 +546,55 @@ __device__ __forceinline__ void stage_q8(const float* x, int k, int rows, int ro
     float* xd = (float*)(smem + (size_t)rows_pad * xstride);
     float* xs = xd + rows_pad * nb;
     float* rscale = xs + rows_pad * nb;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (norm_w) {
-        for (int r = warp; r < rows; r += QM_WARPS) {
-            float sc = rms_scale(x + (size_t)r * k, k, eps, lane);
-            if (lane == 0) rscale[r] = sc;
-        }
-        __syncthreads();
-    }
-    // Every item's 8 threads are 8 consecutive lanes of one warp (blockDim is a multiple of 8).
-    for (int item = threadIdx.x; item < rows * nb * 8; item += blockDim.x) {
-        int j = item & 7, rb = item >> 3;
-        int r = rb / nb, b = rb % nb;
-        float4 f = ((const float4*)(x + (size_t)r * k + b * 32))[j];
-        float v[4] = {f.x, f.y, f.z, f.w};
-        if (norm_w) {
-            float sc = rscale[r];
-            float4 w = ((const float4*)(norm_w + b * 32))[j];
-            v[0] = v[0] * sc * w.x;
-            v[1] = v[1] * sc * w.y;
-            v[2] = v[2] * sc * w.z;
-            v[3] = v[3] * sc * w.w;
-        }
-        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-        // The 8 lanes of an item are active together: `rows * nb * 8` is a multiple of 8.
-        unsigned group = 0xffu << (lane & 24);
+    int lane = threadIdx.x & 31;
+    // The norm's scratch is xd (free until the quantized blocks are written, after the norm's last barrier).
+    if (norm_w) norm_scales(x, k, rows, eps, xd, rscale);
+    int items = rows * nb * 8;
+    unsigned group = 0xffu << (lane & 24);
+    for (int item0 = 0; item0 < items; item0 += blockDim.x * 4) {
+        float4 v[4], w[4];
 #pragma unroll
-        for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(group, amax, off));
-        float d = amax / 127.f;
-        float id = d > 0.f ? 1.f / d : 0.f;
-        int sum = 0;
-        u32 word = 0;
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            int q = (int)fminf(fmaxf(rintf(v[e] * id), -127.f), 127.f);
-            sum += q;
-            word |= (u32)(q & 0xff) << (8 * e);
+        for (int u = 0; u < 4; u++) {
+            int item = item0 + u * blockDim.x + threadIdx.x;
+            if (item < items) {
+                int rb = item >> 3, r = rb / nb, b = rb % nb, j = item & 7;
+                v[u] = ((const float4*)(x + (size_t)r * k + b * 32))[j];
+                if (norm_w) w[u] = ((const float4*)(norm_w + b * 32))[j];
+            }
         }
-        ((u32*)(xq + (size_t)r * xstride + b * 32))[j] = word;
 #pragma unroll
-        for (int off = 4; off > 0; off >>= 1) sum += __shfl_xor_sync(group, sum, off);
-        if (j == 0) {
-            xd[rb] = d;
-            xs[rb] = d * (float)sum;
+        for (int u = 0; u < 4; u++) {
+            int item = item0 + u * blockDim.x + threadIdx.x;
+            if (item >= items) continue;  // whole 8-lane groups: items and blockDim are multiples of 8
+            int rb = item >> 3, r = rb / nb, b = rb % nb, j = item & 7;
+            float q4[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+            if (norm_w) {
+                float sc = rscale[r];
+                q4[0] = q4[0] * sc * w[u].x;
+                q4[1] = q4[1] * sc * w[u].y;
+                q4[2] = q4[2] * sc * w[u].z;
+                q4[3] = q4[3] * sc * w[u].w;
+            }
+            float amax = fmaxf(fmaxf(fabsf(q4[0]), fabsf(q4[1])), fmaxf(fabsf(q4[2]), fabsf(q4[3])));
+#pragma unroll
+            for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(group, amax, off));
+            float d = amax / 127.f;
+            float id = d > 0.f ? 1.f / d : 0.f;
+            int sum = 0;
+            u32 word = 0;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int q = (int)fminf(fmaxf(rintf(q4[e] * id), -127.f), 127.f);
+                sum += q;
+                word |= (u32)(q & 0xff) << (8 * e);
+            }
+            ((u32*)(xq + (size_t)r * xstride + b * 32))[j] = word;
+#pragma unroll
+            for (int off = 4; off > 0; off >>= 1) sum += __shfl_xor_sync(group, sum, off);
+            if (j == 0) {
+                xd[rb] = d;
+                xs[rb] = d * (float)sum;
+            }
         }
     }
     __syncthreads();
@@ -565,7 +602,6 @@ __device__ __forceinline__ void stage_q8(const float* x, int k, int rows, int ro
     st->xstride = xstride;
     st->xd = xd;
     st->xs = xs;
-    return;
 }
 
 // The B fragment of n-tile `nt` (rows 8 nt .. 8 nt + 7) for block b.
@@ -651,6 +687,7 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
     load_chunk(0);
     wait_inputs();
     release_dependents();
+    copies_done();  // this thread's scale copies land before stage_q8's barriers
     Staged st;
     stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st);
     int c = threadIdx.x & 15, r = threadIdx.x >> 4;
@@ -682,14 +719,13 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
                 }
             }
         }
-        copies_done();  // this thread's scale copies (issued before the wait) land before the barrier
         __syncthreads();
         if (chains) {
 #pragma unroll
             for (int m = 0; m < MATS; m++) {
                 const int* e = iex + m * per_chunk + r * QM_STRIDE + c;
                 const u32* sw = ssc + m * nb * 16 + c;
-#pragma unroll 8
+#pragma unroll 4
                 for (int b = c0; b < c1; b++) {
                     acc[m] = chain_step<TY>(acc[m], sw[b * 16], st.xd[r * nb + b], st.xs[r * nb + b],
                                             e[(b - c0) * rows_pad * QM_STRIDE]);
@@ -850,13 +886,28 @@ extern "C" __global__ void embed(const u8* w, int ty, int k, int tiles, const in
     }
 }
 
-// RMS norm of each dim-long row (one warp per row).
+// RMS norm of each dim-long row (a block per row; dynamic shared memory: dim / 32 floats of scratch). Rows of
+// a multiple of 32 values take `norm_scales`, as the fused norms do; shorter or ragged ones (per-head Q/K norms)
+// a warp's lane-strided sums and butterfly.
 extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, float eps, float* out) {
+    extern __shared__ float ss[];
+    __shared__ float scale;
     wait_inputs();
     release_dependents();
     int r = blockIdx.x;
     const float* xr = x + (size_t)r * dim;
-    float scale = rms_scale(xr, dim, eps, threadIdx.x & 31);
+    if (dim % 32 == 0) {
+        norm_scales(xr, dim, 1, eps, ss, &scale);
+    } else {
+        if (threadIdx.x < 32) {
+            float t = 0.f;
+            for (int i = threadIdx.x; i < dim; i += 32) t = fmaf(xr[i], xr[i], t);
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
+            if (threadIdx.x == 0) scale = rsqrtf(t / dim + eps);
+        }
+        __syncthreads();
+    }
     for (int i = threadIdx.x; i < dim; i += blockDim.x) out[(size_t)r * dim + i] = xr[i] * scale * w[i];
 }
 

@@ -156,9 +156,11 @@ fn dev<T>(what: &str, r: std::result::Result<T, cudarc::driver::DriverError>) ->
 }
 
 /// Shared memory a projection launch of `rows` rows of `k` values stages x in: the kernel computes a
-/// power-of-two number of rows per group (reading, never storing, those past the group's), so room for that many.
+/// power-of-two number of rows per group (reading, never storing, those past the group's), so room for that many,
+/// then a fused norm's scratch (a float per row and 32-value block).
 fn staged_bytes(rows: usize, k: usize) -> usize {
-    rows.min(ROWS_PER_GROUP).next_power_of_two() * (k / 32) * XPAD * 4
+    let group = rows.min(ROWS_PER_GROUP);
+    (group.next_power_of_two() * XPAD + group) * (k / 32) * 4
 }
 
 /// Shared memory of a `qmatmuls_*` launch of `rows` rows of `k` values over `mats` matrices per tile (2 for
@@ -736,7 +738,7 @@ impl Backend for CudaBackend {
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, 1, 1),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: (dim / 32 * 4) as u32,
         };
         let args = [
             self.at(x, 0),
