@@ -151,6 +151,73 @@ fn cuda_logits_match_the_cpu_backend_on_the_fixture_bundles() {
     }
 }
 
+/// SmolLM2 (Q4_1, the integer kernels with RoPE fused into the Q/K/V launch) on the GPU against the CPU backend
+/// (8-bit activations too): the projections agree bitwise given equal inputs, so what differs is the float
+/// arithmetic of norms, attention and activations, moved through 8-bit rounding — close logits and the same
+/// argmax on nearly every position. A wrong rotation or cache slot would scramble both.
+#[test]
+fn cuda_smollm2_logits_match_the_cpu_backend() {
+    let bundle = Bundle::open(&smollm2()).unwrap();
+    let mut cpu = Model::load(&bundle, backend()).unwrap();
+    let mut gpu_model = Model::load(&bundle, gpu()).unwrap();
+    let e = Engine::load(&smollm2(), backend(), &SpecMode::Off).unwrap();
+    let tokens = e
+        .chat_prompt(&[Message::new(
+            "user",
+            "Name three rivers in Europe and say where each one ends.",
+        )])
+        .unwrap();
+    let vocab = cpu.hp.vocab;
+    let (mut cc, mut gc) = (cpu.new_cache(256), gpu_model.new_cache(256));
+    // A prefill in launches of 16 rows, then one-row steps (the decode path).
+    let (head, tail) = tokens.split_at(tokens.len() - 4);
+    let mut a = cpu
+        .forward(&mut cc, &Batch::causal(head, 0), LogitRows::All, &[])
+        .unwrap()
+        .logits;
+    let mut b = gpu_model
+        .forward(&mut gc, &Batch::causal(head, 0), LogitRows::All, &[])
+        .unwrap()
+        .logits;
+    for (i, &t) in tail.iter().enumerate() {
+        let at = head.len() + i;
+        a.extend(
+            cpu.forward(&mut cc, &Batch::causal(&[t], at), LogitRows::All, &[])
+                .unwrap()
+                .logits,
+        );
+        b.extend(
+            gpu_model
+                .forward(&mut gc, &Batch::causal(&[t], at), LogitRows::All, &[])
+                .unwrap()
+                .logits,
+        );
+    }
+    let argmax = |r: &[f32]| (0..r.len()).max_by(|&i, &j| r[i].total_cmp(&r[j])).unwrap();
+    let (mut worst, mut scale, mut agree) = (0f32, 1f32, 0);
+    let rows = a.len() / vocab;
+    for r in 0..rows {
+        let (x, y) = (
+            &a[r * vocab..(r + 1) * vocab],
+            &b[r * vocab..(r + 1) * vocab],
+        );
+        for (p, q) in x.iter().zip(y) {
+            worst = worst.max((p - q).abs());
+            scale = scale.max(p.abs());
+        }
+        agree += usize::from(argmax(x) == argmax(y));
+    }
+    eprintln!("smollm2: {rows} positions, max |cpu - cuda| {worst:.3} (logit scale {scale:.1}), argmax agrees {agree}/{rows}");
+    assert!(
+        worst <= 0.1 * scale,
+        "max |Δ| {worst} against a logit scale of {scale}"
+    );
+    assert!(
+        agree * 10 >= rows * 8,
+        "argmax agrees on {agree} of {rows} positions"
+    );
+}
+
 /// Every row of a W-row verify is bitwise the logits of the one-row step at that position (W = 2…16), and the
 /// W-row projection kernel was admitted for every weight shape of the model (no row-by-row fallback).
 #[test]
