@@ -384,7 +384,7 @@ __device__ __forceinline__ void column_any(int ty, const u8* w, int col, int til
 }
 
 // One to three projections of the same input x (`rows` rows of k values), or of its RMS norm when
-// norm_w is non-null (computed exactly as the rms_norm kernel does: 256 strided partial sums, a fixed tree):
+// norm_w is non-null (its scale from `norm_scales`, as the rms_norm kernel computes it):
 // o_m[r * n_m + c] (+)= sum_kk x[r * k + kk] * w_m[c, kk], with `accumulate` adding the finished sum to o_m.
 // With `glu`, w0 and w1 are the gate and up projections (n0 == n1) and o0[r * n0 + c] = silu(gate) * up.
 // Grid: (column tiles of MM_WARPS * cols_per_warp columns, row groups). A row's arithmetic never depends on
