@@ -3,11 +3,11 @@
 //! machine without a GPU gets a clear error instead of a link failure.
 //!
 //! Projections, two kernels:
-//! - Q4_0, Q4_1 and Q8_0 on sm_80+ (`qmatmuls_narrow`, `qmatmuls_wide`): weights repacked at upload into tensor-core tiles
-//!   (`tiles.rs`), x quantized to 8 bits per 32-value block, each block's integer dot product from an int8 MMA,
-//!   then per (column, row) the blocks accumulated in index order — operation for operation the CPU backend's
-//!   8-bit contract, so a row's result is bitwise the CPU's, and one MMA serves 8 rows, so a W-row verify costs
-//!   about what a one-row step does.
+//! - Q4_0, Q4_1 and Q8_0 on sm_80+ (`qmatmuls_narrow`, `qmatmuls_wide`): weights repacked at upload into
+//!   tensor-core tiles (`tiles.rs`), x quantized to 8 bits per 32-value block, each block's integer dot product
+//!   from an int8 MMA, then per (column, row) the blocks accumulated in index order — operation for operation
+//!   the CPU backend's 8-bit contract, so a row's result is bitwise the CPU's, and one MMA serves 8 rows, so a
+//!   W-row verify costs little more than a one-row step.
 //! - every other format (F32, F16, BF16, the K-quants; and groups mixing kinds) (`matmuls`): f32 activations
 //!   staged in shared memory, a warp per output column whose lanes decode each weight block once and apply it
 //!   to every staged row, each row's sums in a fixed order.
@@ -33,8 +33,8 @@
 //! that finishes last, so its parallelism grows with the context while every sum keeps a fixed order.
 //!
 //! Not yet: a tiled GEMM for long prefills (they run 16 rows per launch), integer kernels for the K-quants (they
-//! run the f32-activation kernel), MLX-affine weights (refused at load), a persistent per-layer kernel. The `Backend` operations cannot fail, so a device
-//! error after load panics with the driver's message.
+//! run the f32-activation kernel), MLX-affine weights (refused at load), a persistent per-layer kernel. The
+//! `Backend` operations cannot fail, so a device error after load panics with the driver's message.
 
 mod launch;
 pub mod tiles;
