@@ -15,7 +15,7 @@ use verity::bundle::Bundle;
 use verity::chat::Message;
 use verity::engine::{Engine, GenerateRequest};
 use verity::model::{Batch, LogitRows, Model, MtpHead};
-use verity::quant::{GgmlType, QMatrix};
+use verity::quant::{GgmlType, MlxAffine, MlxScaleType, QMatrix};
 use verity::spec::SpecMode;
 use verity::storage::Bytes;
 
@@ -31,6 +31,9 @@ const CUDA_BUNDLES: &[&str] = &[
     "qwen2-f32",
     "qwen3-f32",
     "qwen3-bf16",
+    "mlx-llama-q4-g32",
+    "mlx-llama-q4-g64",
+    "mlx-llama-q8-g128",
 ];
 
 /// A `rows` × `cols` matrix of `ty` made of the fixture's real blocks (valid scales) drawn at random.
@@ -119,6 +122,73 @@ fn cuda_k_quant_projections_match_the_cpu_backend() {
             assert!(
                 worst <= 1e-5 * scale * k as f32,
                 "{name}, {rows} rows: max |Δ| {worst}"
+            );
+        }
+    }
+}
+
+/// MLX affine matrices (4 and 8 bits, groups of 32 to 128, every scale dtype), re-laid into blocks at upload,
+/// decode bitwise as the CPU does and run the f32-activation kernel: against the CPU's f32 path within float
+/// rounding of the sums.
+#[test]
+fn cuda_mlx_affine_projections_match_the_cpu_backend() {
+    let (gpu, cpu) = (gpu(), f32_backend());
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    for (bits, group, st) in [
+        (4, 32, MlxScaleType::F16),
+        (4, 64, MlxScaleType::BF16),
+        (8, 128, MlxScaleType::F32),
+        (8, 32, MlxScaleType::F16),
+    ] {
+        let (n, k) = (40, group * 4);
+        let q = MlxAffine::new(bits, group, st).unwrap();
+        let words: Vec<u8> = (0..n * k * bits as usize / 32)
+            .flat_map(|_| (next() as u32).to_le_bytes())
+            .collect();
+        let scalar = |v: f32| -> Vec<u8> {
+            match st {
+                MlxScaleType::F16 => half::f16::from_f32(v).to_le_bytes().to_vec(),
+                MlxScaleType::BF16 => half::bf16::from_f32(v).to_le_bytes().to_vec(),
+                MlxScaleType::F32 => v.to_le_bytes().to_vec(),
+            }
+        };
+        let groups = n * k / group;
+        let scales: Vec<u8> = (0..groups)
+            .flat_map(|i| scalar(0.01 * (1 + i % 9) as f32))
+            .collect();
+        let biases: Vec<u8> = (0..groups)
+            .flat_map(|i| scalar(-0.04 * (i % 5) as f32))
+            .collect();
+        let m = QMatrix::mlx(
+            "mlx",
+            q,
+            n,
+            k,
+            Bytes::owned(words),
+            Bytes::owned(scales),
+            Bytes::owned(biases),
+        )
+        .unwrap();
+        let cw = cpu.load_matrix(m.clone()).unwrap();
+        for rows in [1, 3, 16] {
+            let x = random_f32(rows * k, rows as u64 + u64::from(bits), 1.0);
+            let mut want = cpu.buffer(rows * n);
+            cpu.matmul(&cw, &x, rows, &mut want);
+            let got = gpu_matmul(&gpu, &m, &x, rows);
+            let scale = want.iter().fold(1f32, |a, v| a.max(v.abs()));
+            let worst = got
+                .iter()
+                .zip(&want)
+                .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+            assert!(
+                worst <= 1e-5 * scale * k as f32,
+                "q{bits}-g{group}, {rows} rows: max |Δ| {worst}"
             );
         }
     }

@@ -22,8 +22,9 @@ impl MlxScaleType {
         }
     }
 
+    /// Value `i` of a little-endian array of this dtype, widened to f32 (exactly).
     #[inline(always)]
-    fn read(self, b: &[u8], i: usize) -> f32 {
+    pub(crate) fn read(self, b: &[u8], i: usize) -> f32 {
         match self {
             MlxScaleType::F16 => f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32(),
             MlxScaleType::BF16 => bf16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32(),

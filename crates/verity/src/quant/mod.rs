@@ -32,6 +32,15 @@ impl std::fmt::Display for WeightFormat {
     }
 }
 
+/// An MLX affine matrix's parameters and parts, as stored.
+#[cfg(feature = "cuda")]
+pub(crate) struct MlxParts<'a> {
+    pub q: MlxAffine,
+    pub words: &'a [u8],
+    pub scales: &'a [u8],
+    pub biases: &'a [u8],
+}
+
 /// A 2-D weight matrix `[rows (outputs), cols (inputs)]`, stored row-major in its format.
 #[derive(Debug, Clone)]
 pub struct QMatrix {
@@ -122,6 +131,20 @@ impl QMatrix {
     /// The encoded bytes (for GGML formats: `rows` consecutive encoded rows).
     pub fn data(&self) -> &[u8] {
         self.data.as_slice()
+    }
+
+    /// MLX affine only: the parameters and the three parts (for a backend that re-lays them).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn mlx_parts(&self) -> Option<MlxParts<'_>> {
+        match (self.format, &self.scales, &self.biases) {
+            (WeightFormat::Mlx(q), Some(s), Some(b)) => Some(MlxParts {
+                q,
+                words: self.data.as_slice(),
+                scales: s.as_slice(),
+                biases: b.as_slice(),
+            }),
+            _ => None,
+        }
     }
 
     /// A decoder bound to this matrix's bytes.

@@ -26,6 +26,9 @@ typedef unsigned int u32;
 #define T_TQ4_0 9
 #define T_TQ4_1 10
 #define T_TQ8_0 11
+// MLX affine, re-laid at upload into 32-value blocks [scale f32][bias f32][quants] (`affine.rs`).
+#define T_AFF4 12
+#define T_AFF8 13
 
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -76,7 +79,13 @@ __device__ __forceinline__ float bf16_to_f32(u32 h) {
 
 // Bytes of one 32-value block of the block formats, of one 256-value super-block of the K-quants.
 __host__ __device__ constexpr int block_bytes(int ty) {
-    return ty == T_F32 ? 128 : ty == T_F16 || ty == T_BF16 ? 64 : ty == T_Q4_0 ? 18 : ty == T_Q4_1 ? 20 : 34;
+    return ty == T_F32 ? 128
+         : ty == T_F16 || ty == T_BF16 ? 64
+         : ty == T_Q4_0 ? 18
+         : ty == T_Q4_1 ? 20
+         : ty == T_AFF4 ? 24
+         : ty == T_AFF8 ? 40
+         : 34;
 }
 
 __host__ __device__ constexpr int super_bytes(int ty) {
@@ -188,7 +197,26 @@ __device__ __forceinline__ void decode(const u8* w, int col, int nb, int tiles, 
         return;
     }
     const u8* p = w + ((size_t)col * nb + b) * block_bytes(TY);
-    if (TY == T_F32) {
+    if (TY == T_AFF4 || TY == T_AFF8) {
+        // scale * q + bias, rounded after the multiply and after the add (no FMA): the CPU decoder's bits.
+        const float* sb = (const float*)p;
+        float scale = sb[0], bias = sb[1];
+        const u32* q = (const u32*)(p + 8);
+#pragma unroll
+        for (int j = 0; j < (TY == T_AFF4 ? 4 : 8); j++) {
+            u32 word = q[j];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                u32 byte = (word >> (8 * e)) & 0xff;
+                if (TY == T_AFF4) {
+                    v[8 * j + 2 * e] = __fadd_rn(__fmul_rn(scale, (float)(byte & 15)), bias);
+                    v[8 * j + 2 * e + 1] = __fadd_rn(__fmul_rn(scale, (float)(byte >> 4)), bias);
+                } else {
+                    v[4 * j + e] = __fadd_rn(__fmul_rn(scale, (float)byte), bias);
+                }
+            }
+        }
+    } else if (TY == T_F32) {
         const float4* f = (const float4*)p;
 #pragma unroll
         for (int j = 0; j < 8; j++) {
@@ -261,6 +289,8 @@ __device__ __forceinline__ void decode_any(int ty, const u8* w, int col, int nb,
         case T_Q6_K: decode<T_Q6_K>(w, col, nb, tiles, b, v); break;
         case T_TQ4_0: decode<T_TQ4_0>(w, col, nb, tiles, b, v); break;
         case T_TQ4_1: decode<T_TQ4_1>(w, col, nb, tiles, b, v); break;
+        case T_AFF4: decode<T_AFF4>(w, col, nb, tiles, b, v); break;
+        case T_AFF8: decode<T_AFF8>(w, col, nb, tiles, b, v); break;
         default: decode<T_TQ8_0>(w, col, nb, tiles, b, v);
     }
 }
@@ -371,6 +401,8 @@ __device__ __forceinline__ void column_rows(int ty, const u8* w, int col, int ti
         case T_Q6_K: column<T_Q6_K, RN>(COLUMN_ARGS); break;
         case T_TQ4_0: column<T_TQ4_0, RN>(COLUMN_ARGS); break;
         case T_TQ4_1: column<T_TQ4_1, RN>(COLUMN_ARGS); break;
+        case T_AFF4: column<T_AFF4, RN>(COLUMN_ARGS); break;
+        case T_AFF8: column<T_AFF8, RN>(COLUMN_ARGS); break;
         default: column<T_TQ8_0, RN>(COLUMN_ARGS);
     }
 }

@@ -32,10 +32,14 @@
 //! Attention is split over 64-slot chunks (8 blocks per row and head) and combined in chunk order by the block
 //! that finishes last, so its parallelism grows with the context while every sum keeps a fixed order.
 //!
-//! Not yet: a tiled GEMM for long prefills (they run 16 rows per launch), integer kernels for the K-quants (they
-//! run the f32-activation kernel), MLX-affine weights (refused at load), a persistent per-layer kernel. The
-//! `Backend` operations cannot fail, so a device error after load panics with the driver's message.
+//! MLX-affine weights are re-laid at upload into 32-value blocks with f32 scale and bias (`affine.rs`) and run
+//! the f32-activation kernel, decoding bitwise as the CPU does.
+//!
+//! Not yet: a tiled GEMM for long prefills (they run 16 rows per launch), integer kernels for the K-quants and
+//! MLX affine (they run the f32-activation kernel), a persistent per-layer kernel. The `Backend` operations
+//! cannot fail, so a device error after load panics with the driver's message.
 
+pub mod affine;
 mod launch;
 pub mod tiles;
 
@@ -413,6 +417,33 @@ impl CudaBackend {
         }
     }
 
+    /// An MLX affine matrix, re-laid into `affine.rs`'s blocks, on the f32-activation kernel.
+    fn load_mlx(&self, m: &QMatrix, bits: u32) -> Result<CudaMatrix> {
+        let blocks = affine::to_blocks(m).expect("an MLX affine matrix");
+        let data = self
+            .stream
+            .clone_htod(&blocks)
+            .map_err(|e| Error::Invalid(format!("CUDA upload of {}: {e}", m.name)))?;
+        let mut matrix = CudaMatrix {
+            ty: if bits == 4 { 12 } else { 13 },
+            tiled: false,
+            rows: m.rows,
+            cols: m.cols,
+            data,
+            launch_rows: (1..=MAX_ROWS)
+                .rev()
+                .find(|&r| staged_bytes(r, m.cols) <= self.matmul_shared)
+                .ok_or_else(|| {
+                    Error::Unsupported(format!(
+                        "{}: rows of {} values do not fit the CUDA projection kernel's shared memory",
+                        m.name, m.cols
+                    ))
+                })?,
+        };
+        matrix.launch_rows = self.admit(&matrix);
+        Ok(matrix)
+    }
+
     /// Weight shapes checked so far, and how many of them failed the admission check (their verifies run one
     /// row per launch).
     pub fn admission(&self) -> (usize, usize) {
@@ -508,11 +539,9 @@ impl Backend for CudaBackend {
     }
 
     fn load_matrix(&self, m: QMatrix) -> Result<CudaMatrix> {
-        let WeightFormat::Ggml(ty) = m.format else {
-            return Err(Error::Unsupported(format!(
-                "{}: {} weights on the CUDA backend",
-                m.name, m.format
-            )));
+        let ty = match m.format {
+            WeightFormat::Ggml(ty) => ty,
+            WeightFormat::Mlx(q) => return self.load_mlx(&m, q.bits),
         };
         let tiled = self.int8_tiles && tiles::tileable(ty);
         let tag = type_tag(ty, tiled);
