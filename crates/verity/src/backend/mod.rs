@@ -167,6 +167,29 @@ pub trait Backend: Send + Sync + 'static {
         rope: Rope,
         step: &Self::Step,
     );
+    /// [`Backend::matmuls`] of the Q, K and V projections of x̂, then [`Backend::rope_and_cache`]: one launch
+    /// where the device can fuse them. Afterwards `q` is rotated, the cache slots `step.base..` hold the rotated
+    /// K and the V, and `k` and `v` are scratch.
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_rope_and_cache(
+        &self,
+        x: &Self::Buffer,
+        norm: Option<(&Self::Buffer, f32)>,
+        [wq, wk, wv]: [&Self::Matrix; 3],
+        [q, k, v]: [&mut Self::Buffer; 3],
+        [k_cache, v_cache]: [&mut Self::Buffer; 2],
+        shape: AttnShape,
+        rope: Rope,
+        step: &Self::Step,
+    ) {
+        self.matmuls(
+            x,
+            norm,
+            shape.rows,
+            &mut [(wq, &mut *q), (wk, &mut *k), (wv, &mut *v)],
+        );
+        self.rope_and_cache(q, k, v, k_cache, v_cache, shape, rope, step);
+    }
     /// An error if this backend's attention cannot run heads of `head_dim` values (checked when a model loads,
     /// so an unsupported model is refused up front instead of failing inside a kernel).
     fn check_head_dim(&self, head_dim: usize) -> Result<()> {

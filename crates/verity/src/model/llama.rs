@@ -400,6 +400,54 @@ impl<B: Backend> Layer<B> {
         shape: AttnShape,
     ) {
         let rows = shape.rows;
+        if self.qkv_bias.is_none() && self.qk_norm.is_none() {
+            // Nothing between the projections and RoPE: one fused step where the backend has it.
+            be.qkv_rope_and_cache(
+                &s.x,
+                Some((&self.attn_norm, hp.rms_eps)),
+                [&self.q, &self.k, &self.v],
+                [&mut s.q, &mut s.k, &mut s.v],
+                [&mut *k_cache, &mut *v_cache],
+                shape,
+                rope,
+                &s.step,
+            );
+        } else {
+            self.qkv_unfused(be, hp, rope, s, [&mut *k_cache, &mut *v_cache], shape);
+        }
+        be.attention(
+            &s.q,
+            k_cache,
+            v_cache,
+            attn_work,
+            shape,
+            &s.step,
+            &mut s.attn,
+        );
+        be.matmul_add(&self.o, &s.attn, rows, &mut s.x);
+
+        be.swiglu_matmul(
+            &s.x,
+            Some((&self.ffn_norm, hp.rms_eps)),
+            rows,
+            &self.gate,
+            &self.up,
+            &mut s.act,
+        );
+        be.matmul_add(&self.down, &s.act, rows, &mut s.x);
+    }
+
+    /// Q/K/V with what comes between them and RoPE (biases, per-head norms), then RoPE and the cache write.
+    fn qkv_unfused(
+        &self,
+        be: &B,
+        hp: &HParams,
+        rope: Rope,
+        s: &mut Scratch<B>,
+        [k_cache, v_cache]: [&mut B::Buffer; 2],
+        shape: AttnShape,
+    ) {
+        let rows = shape.rows;
         let hd = hp.head_dim;
         let (qd, kvd) = (hp.n_heads * hd, hp.n_kv_heads * hd);
         be.matmuls(
@@ -426,25 +474,5 @@ impl<B: Backend> Layer<B> {
         be.rope_and_cache(
             &mut s.q, &mut s.k, &s.v, k_cache, v_cache, shape, rope, &s.step,
         );
-        be.attention(
-            &s.q,
-            k_cache,
-            v_cache,
-            attn_work,
-            shape,
-            &s.step,
-            &mut s.attn,
-        );
-        be.matmul_add(&self.o, &s.attn, rows, &mut s.x);
-
-        be.swiglu_matmul(
-            &s.x,
-            Some((&self.ffn_norm, hp.rms_eps)),
-            rows,
-            &self.gate,
-            &self.up,
-            &mut s.act,
-        );
-        be.matmul_add(&self.down, &s.act, rows, &mut s.x);
     }
 }

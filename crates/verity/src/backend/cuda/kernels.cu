@@ -648,6 +648,7 @@ struct TileOf {
     const u8* w;
     int ty, tiles, n, lt;
     float* o;
+    int m;  // which of the launch's matrices
 };
 
 __device__ __forceinline__ bool tile_of(int tile, int glu, const u8* w0, int ty0, int n0, float* o0,
@@ -655,11 +656,11 @@ __device__ __forceinline__ bool tile_of(int tile, int glu, const u8* w0, int ty0
                                         int n2, float* o2, TileOf* t) {
     int t0 = (n0 + 15) / 16, t1 = glu ? 0 : (n1 + 15) / 16, t2 = (n2 + 15) / 16;
     if (tile < t0) {
-        *t = {w0, ty0, t0, n0, tile, o0};
+        *t = {w0, ty0, t0, n0, tile, o0, 0};
     } else if (tile < t0 + t1) {
-        *t = {w1, ty1, t1, n1, tile - t0, o1};
+        *t = {w1, ty1, t1, n1, tile - t0, o1, 1};
     } else if (tile < t0 + t1 + t2) {
-        *t = {w2, ty2, t2, n2, tile - t0 - t1, o2};
+        *t = {w2, ty2, t2, n2, tile - t0 - t1, o2, 2};
     } else {
         return false;
     }
@@ -669,6 +670,35 @@ __device__ __forceinline__ bool tile_of(int tile, int glu, const u8* w0, int ty0
 __device__ __forceinline__ void store_out(float* o, int n, int col, int r, float v, int accumulate) {
     float* dst = o + (size_t)r * n + col;
     *dst = accumulate ? *dst + v : v;
+}
+
+// RoPE and the cache write fused into the Q/K/V projection (interleaved pairs, which a tile never splits): what
+// `rope_and_cache` does, with the same angle arithmetic. `hd` = 0: no fusion.
+struct RopeFusion {
+    float theta;
+    int hd;
+    float* kc;
+    float* vc;
+    const int* step;
+    int cap, r0;  // the step's row of the launch's row 0
+};
+
+// The output of (column col, launch row r) of matrix m with value v, whose pair partner holds `partner`: q
+// rotated in place, k rotated into its cache slot, v copied into its slot (k and v buffers are scratch).
+__device__ __forceinline__ void store_qkv(const RopeFusion& f, const TileOf& t, int col, int r, float v,
+                                          float partner) {
+    Step st = read_step(f.step, f.cap);
+    int row = f.r0 + r;
+    float out = v;
+    if (t.m < 2) {
+        int cin = col % f.hd, i = cin >> 1;
+        double a = (double)st.positions[row] * pow((double)f.theta, -2.0 * i / (double)f.hd);
+        float c = (float)cos(a), s = (float)sin(a);
+        float x0 = (cin & 1) ? partner : v, x1 = (cin & 1) ? v : partner;
+        out = (cin & 1) ? x0 * s + x1 * c : x0 * c - x1 * s;
+    }
+    if (t.m == 0) t.o[(size_t)r * t.n + col] = out;
+    else (t.m == 1 ? f.kc : f.vc)[(size_t)(st.base + row) * t.n + col] = out;
 }
 
 // 16 bytes global -> shared without holding a register or the thread (sm_80+), and the wait for all of them.
@@ -690,7 +720,7 @@ __device__ __forceinline__ void copies_done() {
 // grid before has finished.
 template <int TY, int MATS>
 __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k, int rows, const float* norm_w,
-                            float eps, int chunk, u8* smem, int accumulate) {
+                            float eps, int chunk, u8* smem, int accumulate, const RopeFusion& rope) {
     int nb = k / 32, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int rows_pad = rows <= 8 ? 8 : 16, ntiles = rows_pad / 8;
     int stage_bytes = rows_pad * (k + 16) + 2 * rows_pad * nb * 4 + 64;
@@ -767,6 +797,15 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
         if (c1 < nb) __syncthreads();  // the next chunk's sums reuse the exchange
     }
     int col = t.lt * 16 + c;
+    if (MATS == 1 && rope.hd > 0) {
+        if (chains) {
+            // The pair partner is the neighbouring column, the neighbouring thread (both active: a row's 16
+            // chain threads are active together).
+            float partner = __shfl_xor_sync(__activemask(), acc[0], 1);
+            if (col < t.n) store_qkv(rope, t, col, r, acc[0], partner);
+        }
+        return;
+    }
     if (chains && col < t.n) {
         float v = MATS == 2 ? acc[0] / (1.f + __expf(-acc[0])) * acc[1] : acc[0];
         store_out(t.o, t.n, col, r, v, accumulate);
@@ -856,7 +895,8 @@ template <bool WIDE>
 __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, int accumulate,
                                               const float* norm_w, float eps, int glu, int chunk,
                                               const u8* w0, int ty0, int n0, float* o0, const u8* w1, int ty1,
-                                              int n1, float* o1, const u8* w2, int ty2, int n2, float* o2) {
+                                              int n1, float* o1, const u8* w2, int ty2, int n2, float* o2,
+                                              const RopeFusion& rope) {
     extern __shared__ __align__(16) u8 smem[];
     int warp = threadIdx.x >> 5;
     TileOf t;
@@ -872,8 +912,8 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
         if (glu) wide_tile<TY, 2>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate);          \
         else wide_tile<TY, 1>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate);              \
     } else {                                                                                        \
-        if (glu) narrow_tile<TY, 2>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate);       \
-        else narrow_tile<TY, 1>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate);           \
+        if (glu) narrow_tile<TY, 2>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope); \
+        else narrow_tile<TY, 1>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope);     \
     }
     switch (ty) {
         case T_TQ4_0: QM_RUN(T_TQ4_0); break;
@@ -893,15 +933,18 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
 #define QM_PARAMS                                                                                              \
     const float *x, int k, int rows, int accumulate, const float *norm_w, float eps, int glu, int chunk,        \
         const u8 *w0, int ty0, int n0, float *o0, const u8 *w1, int ty1, int n1, float *o1, const u8 *w2,       \
-        int ty2, int n2, float *o2
+        int ty2, int n2, float *o2, float rope_theta, int rope_hd, float *kc, float *vc, const int *step,       \
+        int cap, int r0
 #define QM_ARGS x, k, rows, accumulate, norm_w, eps, glu, chunk, w0, ty0, n0, o0, w1, ty1, n1, o1, w2, ty2, n2, o2
 
+// The last parameters fuse RoPE and the cache write into a narrow Q/K/V launch (w0, w1, w2 = q, k, v; see
+// `RopeFusion`); rope_hd = 0 for every other launch.
 extern "C" __global__ void __launch_bounds__(QM_WARPS * 32) qmatmuls_narrow(QM_PARAMS) {
-    qmatmuls_body<false>(QM_ARGS);
+    qmatmuls_body<false>(QM_ARGS, RopeFusion{rope_theta, rope_hd, kc, vc, step, cap, r0});
 }
 
 extern "C" __global__ void __launch_bounds__(QM_WARPS * 32, 2) qmatmuls_wide(QM_PARAMS) {
-    qmatmuls_body<true>(QM_ARGS);
+    qmatmuls_body<true>(QM_ARGS, RopeFusion{0.f, 0, nullptr, nullptr, nullptr, 0, 0});
 }
 
 // out[r, :] = table row step.tokens[r] (one block of threads per row, one thread per 32-value block).
@@ -998,10 +1041,158 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
 // n_heads of the step; `work` holds 16 * n_heads counters, then per (row, head) `chunks` records of
 // {max, sum, head_dim value sums}.
 #define ATT_CHUNK 64
+#define ATT_COMBINE 256  // chunks combined per shared-memory tile (quarter's rows hold them)
 #define ATT_SPLIT 8
 #define MAX_HEAD_DIM 256
 
 extern "C" __global__ void attention(const float* q, const float* kc, const float* vc, int row0, int n_heads,
+                                     int n_kv_heads, int head_dim, float scale, const int* step, int cap,
+                                     float* work, int chunks, float* out) {
+    __shared__ float sc[ATT_CHUNK];
+    __shared__ float red[ATT_CHUNK];
+    __shared__ float quarter[4][MAX_HEAD_DIM];
+    __shared__ int last;
+    wait_inputs();
+    release_dependents();
+    Step st = read_step(step, cap);
+    int base = st.base, rows = st.rows, n = base + rows;
+    int t = threadIdx.x;
+    int rh = blockIdx.y;
+    int i = row0 + rh / n_heads, h = rh % n_heads;
+    int kvh = h / (n_heads / n_kv_heads);
+    int kv_dim = n_kv_heads * head_dim;
+    int rec = head_dim + 2;
+    const float* qv = q + ((size_t)i * n_heads + h) * head_dim;
+    const float* kh = kc + kvh * head_dim;
+    const float* vh = vc + kvh * head_dim;
+    unsigned int* counters = (unsigned int*)work;
+    float* records = work + 16 * n_heads + (size_t)rh * chunks * rec;
+    for (int c = blockIdx.x; c * ATT_CHUNK < n; c += ATT_SPLIT) {
+        int j0 = c * ATT_CHUNK;
+        // Scores: four threads per slot, each a quarter of the head's dims, then a fixed butterfly.
+        int js = t >> 2, sub = t & 3, j = j0 + js;
+        bool sees = j < n && (j < base || (st.tree ? st.mask[i * rows + (j - base)] != 0 : (j - base) <= i));
+        float d = 0.f;
+        if (sees) {
+            const float* kv = kh + (size_t)j * kv_dim;
+            if ((head_dim & 15) == 0) {
+                int w = head_dim / 16;  // float4s per quarter
+                const float4* k4 = (const float4*)kv + sub * w;
+                const float4* q4 = (const float4*)qv + sub * w;
+                // Loads four at a time ahead of the chain: one memory round trip per four, not per float4.
+                for (int e0 = 0; e0 < w; e0 += 4) {
+                    float4 a[4], b[4];
+#pragma unroll
+                    for (int u = 0; u < 4; u++) {
+                        if (e0 + u < w) {
+                            a[u] = q4[e0 + u];
+                            b[u] = k4[e0 + u];
+                        }
+                    }
+#pragma unroll
+                    for (int u = 0; u < 4; u++) {
+                        if (e0 + u < w) {
+                            d = fmaf(a[u].x, b[u].x, d);
+                            d = fmaf(a[u].y, b[u].y, d);
+                            d = fmaf(a[u].z, b[u].z, d);
+                            d = fmaf(a[u].w, b[u].w, d);
+                        }
+                    }
+                }
+            } else {
+                for (int e = sub; e < head_dim; e += 4) d = fmaf(qv[e], kv[e], d);
+            }
+        }
+        d += __shfl_xor_sync(0xffffffffu, d, 1);
+        d += __shfl_xor_sync(0xffffffffu, d, 2);
+        if (sub == 0) sc[js] = sees ? d * scale : NEG_INF;
+        __syncthreads();
+        if (t < ATT_CHUNK) red[t] = sc[t];
+        __syncthreads();
+        for (int o = ATT_CHUNK / 2; o > 0; o >>= 1) {
+            if (t < o) red[t] = fmaxf(red[t], red[t + o]);
+            __syncthreads();
+        }
+        float m = red[0];
+        __syncthreads();
+        if (t < ATT_CHUNK) {
+            float p = sc[t] == NEG_INF ? 0.f : __expf(sc[t] - m);
+            sc[t] = p;
+            red[t] = p;
+        }
+        __syncthreads();
+        for (int o = ATT_CHUNK / 2; o > 0; o >>= 1) {
+            if (t < o) red[t] += red[t + o];
+            __syncthreads();
+        }
+        // Value sums: each quarter of the chunk's slots in order, then the quarters in order.
+        // The quarter's values are loaded before its chain (one memory round trip, not one per slot).
+        for (int u = t; u < 4 * head_dim; u += blockDim.x) {
+            int qq = u / head_dim, e = u % head_dim;
+            int jq = j0 + qq * (ATT_CHUNK / 4);
+            float vv[ATT_CHUNK / 4];
+#pragma unroll
+            for (int jj = 0; jj < ATT_CHUNK / 4; jj++) vv[jj] = jq + jj < n ? vh[(size_t)(jq + jj) * kv_dim + e] : 0.f;
+            float a = 0.f;
+#pragma unroll
+            for (int jj = 0; jj < ATT_CHUNK / 4; jj++) {
+                if (jq + jj < n) a = fmaf(sc[qq * (ATT_CHUNK / 4) + jj], vv[jj], a);
+            }
+            quarter[qq][e] = a;
+        }
+        __syncthreads();
+        float* r = records + (size_t)c * rec;
+        for (int e = t; e < head_dim; e += blockDim.x)
+            r[2 + e] = ((quarter[0][e] + quarter[1][e]) + quarter[2][e]) + quarter[3][e];
+        if (t == 0) {
+            r[0] = m;
+            r[1] = red[0];
+        }
+        __syncthreads();
+    }
+    __threadfence();
+    __syncthreads();
+    if (t == 0) last = atomicAdd(&counters[rh], 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (t == 0) counters[rh] = 0;
+    // The combine: the largest chunk maximum (exact, so in any order), then each chunk's weight and sum staged
+    // in shared memory by one thread per chunk, then the chunks in order: den and, per dim (head_dim <= blockDim,
+    // checked by the host), num — the records' loads in parallel, never one round trip per chunk.
+    int nc = (n + ATT_CHUNK - 1) / ATT_CHUNK;
+    float mx = NEG_INF;
+    for (int c = t; c < nc; c += blockDim.x) mx = fmaxf(mx, __ldcg(records + (size_t)c * rec));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    if ((t & 31) == 0) red[t >> 5] = mx;
+    __syncthreads();
+    float big = NEG_INF;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) big = fmaxf(big, red[w]);
+    float* cf = quarter[0];  // chunk weights and sums, ATT_COMBINE at a time
+    float* cs = quarter[1];
+    float den = 0.f, num = 0.f;
+    for (int c0 = 0; c0 < nc; c0 += ATT_COMBINE) {
+        int cn = min(ATT_COMBINE, nc - c0);
+        __syncthreads();  // the previous tile's weights are read
+        if (t < cn) {
+            const float* r = records + (size_t)(c0 + t) * rec;
+            float mc = __ldcg(r);
+            cf[t] = mc == NEG_INF ? 0.f : __expf(mc - big);
+            cs[t] = __ldcg(r + 1);
+        }
+        __syncthreads();
+        for (int c = 0; c < cn; c++) den = fmaf(cf[c], cs[c], den);
+        if (t < head_dim) {
+#pragma unroll 8
+            for (int c = 0; c < cn; c++) num = fmaf(cf[c], __ldcg(records + (size_t)(c0 + c) * rec + 2 + t), num);
+        }
+    }
+    if (t < head_dim) out[((size_t)i * n_heads + h) * head_dim + t] = num / den;
+}
+
+// A/B: the attention kernel before the batched loads (VERITY_CUDA_ATT_V1=1).
+extern "C" __global__ void attention_v1(const float* q, const float* kc, const float* vc, int row0, int n_heads,
                                      int n_kv_heads, int head_dim, float scale, const int* step, int cap,
                                      float* work, int chunks, float* out) {
     __shared__ float sc[ATT_CHUNK];

@@ -121,7 +121,17 @@ struct Kernels {
     rms_norm: CudaFunction,
     rope_and_cache: CudaFunction,
     attention: CudaFunction,
+    attention_v1: CudaFunction,
     add_bias: CudaFunction,
+}
+
+/// RoPE and the cache write fused into a Q/K/V launch of the integer kernel (`kernels.cu`'s `RopeFusion`).
+struct RopeFusion<'a> {
+    theta: f32,
+    head_dim: usize,
+    k_cache: &'a CudaSlice<f32>,
+    v_cache: &'a CudaSlice<f32>,
+    step: &'a CudaStep,
 }
 
 /// Instantiated CUDA graphs by replay key, oldest first.
@@ -152,6 +162,9 @@ pub struct CudaBackend {
     int8_tiles: bool,
     /// Programmatic dependent launch on every launch (sm_90+, unless `VERITY_CUDA_PDL=0`).
     pdl: bool,
+    /// EXPERIMENT A/B switches: `VERITY_CUDA_FUSE_ROPE=0`, `VERITY_CUDA_ATT_V1=1`.
+    fuse_rope: bool,
+    att_v1: bool,
     /// The admission verdict per weight shape (type, rows, cols): rows per launch.
     admitted: Mutex<HashMap<(i32, usize, usize), usize>>,
 }
@@ -232,6 +245,7 @@ impl CudaBackend {
             rms_norm: f("rms_norm")?,
             rope_and_cache: f("rope_and_cache")?,
             attention: f("attention")?,
+            attention_v1: f("attention_v1")?,
             add_bias: f("add_bias")?,
         };
         let optin = ctx
@@ -267,6 +281,8 @@ impl CudaBackend {
             matmul_shared,
             int8_tiles,
             pdl,
+            fuse_rope: !off("VERITY_CUDA_FUSE_ROPE"),
+            att_v1: matches!(std::env::var("VERITY_CUDA_ATT_V1").as_deref(), Ok("1")),
             admitted: Mutex::new(HashMap::new()),
         })
     }
@@ -300,6 +316,7 @@ impl CudaBackend {
         glu: bool,
         mats: &[&CudaMatrix],
         outs: &mut [&mut CudaSlice<f32>],
+        rope: Option<&RopeFusion>,
     ) {
         debug_assert!((1..=3).contains(&mats.len()) && rows <= MAX_ROWS);
         debug_assert!(mats.iter().all(|m| rows <= m.launch_rows));
@@ -390,10 +407,35 @@ impl CudaBackend {
                 ]),
             }
         }
-        // SAFETY: the arguments follow the kernel's signature (null pointers for an absent norm and unused
-        // outputs, which the kernel never touches); x holds rows × k values from r0, the norm weight k, each
-        // output rows × its columns from r0; the grid covers every column (tile) and row group once, and the
-        // staged rows fit the dynamic shared memory asked for.
+        if int8 {
+            match rope {
+                Some(r) => args.extend([
+                    Arg::F32(r.theta),
+                    Arg::I32(r.head_dim as i32),
+                    self.at(r.k_cache, 0),
+                    self.at(r.v_cache, 0),
+                    self.at(&r.step.dev, 0),
+                    Arg::I32(r.step.cap as i32),
+                    Arg::I32(r0 as i32),
+                ]),
+                None => args.extend([
+                    Arg::F32(0.0),
+                    Arg::I32(0),
+                    Arg::Ptr(0),
+                    Arg::Ptr(0),
+                    Arg::Ptr(0),
+                    Arg::I32(0),
+                    Arg::I32(0),
+                ]),
+            }
+        } else {
+            assert!(rope.is_none(), "RoPE fuses only into the integer kernel");
+        }
+        // SAFETY: the arguments follow the kernel's signature (null pointers for an absent norm, unused outputs
+        // and an absent RoPE fusion, which the kernel never touches); x holds rows × k values from r0, the norm
+        // weight k, each output rows × its columns from r0, a fused RoPE's caches room for the step's slots; the
+        // grid covers every column (tile) and row group once, and the staged rows fit the dynamic shared memory
+        // asked for.
         unsafe { self.go("matmul", f, cfg, &args) };
     }
 
@@ -407,12 +449,13 @@ impl CudaBackend {
         glu: bool,
         mats: &[&CudaMatrix],
         outs: &mut [&mut CudaSlice<f32>],
+        rope: Option<&RopeFusion>,
     ) {
         let per_launch = mats.iter().map(|m| m.launch_rows).min().unwrap_or(1);
         let mut r0 = 0;
         while r0 < rows {
             let take = (rows - r0).min(per_launch);
-            self.launch_matmuls(x, norm, r0, take, accumulate, glu, mats, outs);
+            self.launch_matmuls(x, norm, r0, take, accumulate, glu, mats, outs, rope);
             r0 += take;
         }
     }
@@ -476,7 +519,7 @@ impl CudaBackend {
         let x = self.upload(&x);
         let mut one = self.buffer(MAX_ROWS * n);
         for r in 0..MAX_ROWS {
-            self.launch_matmuls(&x, None, r, 1, false, false, &[m], &mut [&mut one]);
+            self.launch_matmuls(&x, None, r, 1, false, false, &[m], &mut [&mut one], None);
         }
         let one = self.download(&one, MAX_ROWS * n);
         let mut wide = self.buffer(MAX_ROWS * n);
@@ -485,7 +528,7 @@ impl CudaBackend {
             if w > m.launch_rows {
                 continue;
             }
-            self.launch_matmuls(&x, None, r0, w, false, false, &[m], &mut [&mut wide]);
+            self.launch_matmuls(&x, None, r0, w, false, false, &[m], &mut [&mut wide], None);
             let got = self.download(&wide, MAX_ROWS * n);
             let span = r0 * n..(r0 + w) * n;
             exact &= got[span.clone()]
@@ -707,7 +750,7 @@ impl Backend for CudaBackend {
     }
 
     fn matmul(&self, w: &CudaMatrix, x: &CudaSlice<f32>, rows: usize, out: &mut CudaSlice<f32>) {
-        self.matmuls_chunked(x, None, rows, false, false, &[w], &mut [out]);
+        self.matmuls_chunked(x, None, rows, false, false, &[w], &mut [out], None);
     }
 
     fn matmul_add(
@@ -717,7 +760,7 @@ impl Backend for CudaBackend {
         rows: usize,
         out: &mut CudaSlice<f32>,
     ) {
-        self.matmuls_chunked(x, None, rows, true, false, &[w], &mut [out]);
+        self.matmuls_chunked(x, None, rows, true, false, &[w], &mut [out], None);
     }
 
     fn matmuls(
@@ -731,7 +774,7 @@ impl Backend for CudaBackend {
             let mats: Vec<&CudaMatrix> = chunk.iter().map(|(w, _)| *w).collect();
             let mut bufs: Vec<&mut CudaSlice<f32>> =
                 chunk.iter_mut().map(|(_, o)| &mut **o).collect();
-            self.matmuls_chunked(x, norm, rows, false, false, &mats, &mut bufs);
+            self.matmuls_chunked(x, norm, rows, false, false, &mats, &mut bufs, None);
         }
     }
 
@@ -745,7 +788,59 @@ impl Backend for CudaBackend {
         out: &mut CudaSlice<f32>,
     ) {
         assert_eq!(gate.rows, up.rows, "gate and up projections of one width");
-        self.matmuls_chunked(x, norm, rows, false, true, &[gate, up], &mut [out]);
+        self.matmuls_chunked(x, norm, rows, false, true, &[gate, up], &mut [out], None);
+    }
+
+    fn qkv_rope_and_cache(
+        &self,
+        x: &CudaSlice<f32>,
+        norm: Option<(&CudaSlice<f32>, f32)>,
+        mats: [&CudaMatrix; 3],
+        [q, k, v]: [&mut CudaSlice<f32>; 3],
+        [k_cache, v_cache]: [&mut CudaSlice<f32>; 2],
+        shape: AttnShape,
+        rope: Rope,
+        step: &CudaStep,
+    ) {
+        // Fused where a tile never splits a rotated pair (interleaved pairs, an even head size) and the
+        // projections run the narrow integer schedule, whose epilogue holds a column and its neighbour in
+        // neighbouring threads.
+        let n_tiles: usize = mats.iter().map(|m| tiles::tiles(m.rows)).sum();
+        let fused = self.fuse_rope
+            && mats.iter().all(|m| m.tiled)
+            && n_tiles < QM_WIDE_TILES
+            && rope.style == RopeStyle::Interleaved
+            && shape.head_dim.is_multiple_of(2)
+            && mats[0].rows == shape.n_heads * shape.head_dim
+            && mats[1].rows == shape.n_kv_heads * shape.head_dim
+            && mats[2].rows == mats[1].rows;
+        if !fused {
+            self.matmuls(
+                x,
+                norm,
+                shape.rows,
+                &mut [(mats[0], &mut *q), (mats[1], &mut *k), (mats[2], &mut *v)],
+            );
+            self.rope_and_cache(q, k, v, k_cache, v_cache, shape, rope, step);
+            return;
+        }
+        let fusion = RopeFusion {
+            theta: rope.theta,
+            head_dim: shape.head_dim,
+            k_cache,
+            v_cache,
+            step,
+        };
+        self.matmuls_chunked(
+            x,
+            norm,
+            shape.rows,
+            false,
+            false,
+            &mats,
+            &mut [q, k, v],
+            Some(&fusion),
+        );
     }
 
     fn add_bias(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, rows: usize, dim: usize) {
@@ -893,7 +988,13 @@ impl Backend for CudaBackend {
             // SAFETY: q/out hold rows × n_heads × head_dim values, the caches (base + rows) × kv_dim within
             // their capacity; `work` holds the counters and chunk records of up to MAX_ROWS rows (checked above);
             // the mask is in the step.
-            unsafe { self.go("attention", &self.k.attention, cfg, &args) };
+            let f = if self.att_v1 {
+                &self.k.attention_v1
+            } else {
+                &self.k.attention
+            };
+            // SAFETY: as above (both kernels take the same arguments).
+            unsafe { self.go("attention", f, cfg, &args) };
             r0 += take;
         }
     }
