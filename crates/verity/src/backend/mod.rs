@@ -190,10 +190,11 @@ pub trait Backend: Send + Sync + 'static {
         );
         self.rope_and_cache(q, k, v, k_cache, v_cache, shape, rope, step);
     }
-    /// An error if this backend's attention cannot run heads of `head_dim` values (checked when a model loads,
-    /// so an unsupported model is refused up front instead of failing inside a kernel).
-    fn check_head_dim(&self, head_dim: usize) -> Result<()> {
-        let _ = head_dim;
+    /// Called when a model loads, before its first step is made: an error if this backend's attention cannot
+    /// run heads of `head_dim` values (so an unsupported model is refused up front instead of failing inside a
+    /// kernel); a backend may prepare what [`Backend::rope_and_cache`] needs for this rotation.
+    fn prepare_attention(&self, head_dim: usize, rope: Rope) -> Result<()> {
+        let _ = (head_dim, rope);
         Ok(())
     }
     /// Values of scratch [`Backend::attention`] needs over a cache of `capacity` slots; the cache owns it, so it

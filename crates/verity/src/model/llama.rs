@@ -58,7 +58,13 @@ impl<B: Backend> Model<B> {
     pub fn load(bundle: &Bundle, backend: Arc<B>) -> Result<Self> {
         let hp = bundle.hparams.clone();
         let be = backend.as_ref();
-        be.check_head_dim(hp.head_dim)?;
+        be.prepare_attention(
+            hp.head_dim,
+            Rope {
+                theta: hp.rope_theta,
+                style: hp.rope_style,
+            },
+        )?;
         let h = hp.hidden;
         let mut weight_bytes = 0usize;
         let mut mat = |key: TensorKey, rows: usize, cols: usize| -> Result<B::Matrix> {

@@ -44,8 +44,9 @@ __device__ __forceinline__ void release_dependents() {
 #endif
 }
 
-// The step buffer: int header {base, rows, tree, 0}, then u32 tokens[cap], int positions[cap], u8 mask[cap * cap]
-// (row-major, written only for tree masks).
+// The step buffer: int header {base, rows, tree, mask offset in bytes}, then u32 tokens[cap], int positions[cap],
+// per prepared rotation its rows' (cos, sin) pairs (`CudaStep`), u8 mask[cap * cap] (row-major, written only for
+// tree masks).
 struct Step {
     int base, rows, tree;
     const u32* tokens;
@@ -60,7 +61,7 @@ __device__ __forceinline__ Step read_step(const int* s, int cap) {
     st.tree = s[2];
     st.tokens = (const u32*)(s + 4);
     st.positions = s + 4 + cap;
-    st.mask = (const u8*)(s + 4 + 2 * cap);
+    st.mask = (const u8*)s + s[3];
     return st;
 }
 
@@ -559,6 +560,20 @@ __device__ __forceinline__ float chain_step(float acc, u32 scale_word, float xd,
     return acc;
 }
 
+// 16 bytes global -> shared without holding a register or the thread (sm_80+), and the wait for all of them.
+__device__ __forceinline__ void copy_async16(void* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
+    unsigned a = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(src) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void copies_done() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\ncp.async.wait_all;" ::: "memory");
+#endif
+}
+
 // The quantized rows of x in shared memory: xq[r * xstride + i], and per (row, block) its scale xd and d * sum.
 struct Staged {
     const signed char* xq;
@@ -567,65 +582,126 @@ struct Staged {
     const float* xs;
 };
 
+// One 8-lane item of stage_q8 (four values of block b of row r, loaded in v): normed with the row's scale and
+// the norm weights staged in shared memory (nws) when norm_w is set, quantized; the block's scale and d * sum written by its first lane. Max and sum
+// are exact, so the butterflies give the serial results.
+__device__ __forceinline__ void quantize_item(float4 v, int item, int nb, const float* norm_w, const float* nws,
+                                              const float* rscale, signed char* xq, int xstride, float* xd,
+                                              float* xs, unsigned group) {
+    int rb = item >> 3, r = rb / nb, b = rb % nb, j = item & 7;
+    float q4[4] = {v.x, v.y, v.z, v.w};
+    if (norm_w) {
+        float4 w = ((const float4*)(nws + b * 32))[j];
+        float sc = rscale[r];
+        q4[0] = q4[0] * sc * w.x;
+        q4[1] = q4[1] * sc * w.y;
+        q4[2] = q4[2] * sc * w.z;
+        q4[3] = q4[3] * sc * w.w;
+    }
+    float amax = fmaxf(fmaxf(fabsf(q4[0]), fabsf(q4[1])), fmaxf(fabsf(q4[2]), fabsf(q4[3])));
+#pragma unroll
+    for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(group, amax, off));
+    float d = amax / 127.f;
+    float id = d > 0.f ? 1.f / d : 0.f;
+    int sum = 0;
+    u32 word = 0;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        int q = (int)fminf(fmaxf(rintf(q4[e] * id), -127.f), 127.f);
+        sum += q;
+        word |= (u32)(q & 0xff) << (8 * e);
+    }
+    ((u32*)(xq + (size_t)r * xstride + b * 32))[j] = word;
+#pragma unroll
+    for (int off = 4; off > 0; off >>= 1) sum += __shfl_xor_sync(group, sum, off);
+    if (j == 0) {
+        xd[rb] = d;
+        xs[rb] = d * (float)sum;
+    }
+}
+
+#define STAGE_HELD 6  // items per thread stage_q8 holds in registers for its single pass
+
+// The bytes of stage_q8's shared memory before the norm weights: the 8-bit rows (each 16 bytes longer than k
+// against bank conflicts), their blocks' scales and sums, 16 norm scales.
+__device__ __forceinline__ int stage_head_bytes(int k, int rows_pad) {
+    return rows_pad * (k + 16) + 2 * rows_pad * (k / 32) * 4 + 64;
+}
+
+// Copy the norm weights (k values) into stage_q8's shared memory, asynchronously: they are the model's, not the
+// grid before's, so the copy is issued before waiting for it (`copies_done` before stage_q8).
+__device__ __forceinline__ void stage_norm_weights(const float* norm_w, int k, int rows_pad, u8* smem) {
+    if (!norm_w) return;
+    float* nws = (float*)(smem + stage_head_bytes(k, rows_pad));
+    for (int i = threadIdx.x; i < k / 4; i += blockDim.x) copy_async16(nws + 4 * i, norm_w + 4 * i);
+}
+
 // Stage `rows` rows of x (RMS-normed with norm_w when non-null), quantized. Rows up to `rows_pad` are left as
 // they are: their MMA columns and chains are computed and never stored, and no valid row reads them. Shared
-// memory from `smem`: xq, then xd and xs, then 16 norm scales. Eight threads quantize a block, four values
-// each (max and sum are exact, so the butterflies give the serial results).
+// memory from `smem`: xq, then xd and xs, then 16 norm scales, then the norm weights (`stage_norm_weights`,
+// landed). Eight threads quantize a block, four values each. Where every thread's items fit STAGE_HELD
+// registers (and `held`; 0 forces the passes), x is loaded once, all of it at a time, and the norm's scale is
+// taken from the held values (the arithmetic of `norm_scales`); otherwise `norm_scales`, then passes of four
+// items per thread. Both give the same bits.
 __device__ __forceinline__ void stage_q8(const float* x, int k, int rows, int rows_pad, const float* norm_w,
-                                         float eps, u8* smem, Staged* st) {
+                                         float eps, u8* smem, Staged* st, int held) {
     int nb = k / 32, xstride = k + 16;
     signed char* xq = (signed char*)smem;
     float* xd = (float*)(smem + (size_t)rows_pad * xstride);
     float* xs = xd + rows_pad * nb;
     float* rscale = xs + rows_pad * nb;
+    const float* nws = (const float*)(smem + stage_head_bytes(k, rows_pad));
     int lane = threadIdx.x & 31;
-    // The norm's scratch is xd (free until the quantized blocks are written, after the norm's last barrier).
-    if (norm_w) norm_scales(x, k, rows, eps, xd, rscale);
     int items = rows * nb * 8;
     unsigned group = 0xffu << (lane & 24);
-    for (int item0 = 0; item0 < items; item0 += blockDim.x * 4) {
-        float4 v[4], w[4];
+    if (held && items <= (int)blockDim.x * STAGE_HELD) {
+        float4 v[STAGE_HELD];
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
-            int item = item0 + u * blockDim.x + threadIdx.x;
-            if (item < items) {
-                int rb = item >> 3, r = rb / nb, b = rb % nb, j = item & 7;
-                v[u] = ((const float4*)(x + (size_t)r * k + b * 32))[j];
-                if (norm_w) w[u] = ((const float4*)(norm_w + b * 32))[j];
+        for (int u = 0; u < STAGE_HELD; u++) {
+            int item = u * blockDim.x + threadIdx.x;
+            if (item < items) v[u] = ((const float4*)(x + (size_t)(item >> 3) / nb * k))[(item >> 3) % nb * 8 + (item & 7)];
+        }
+        if (norm_w) {
+            // The norm's scratch is xd (free until the quantized blocks are written, after the last barrier).
+#pragma unroll
+            for (int u = 0; u < STAGE_HELD; u++) {
+                int item = u * blockDim.x + threadIdx.x;
+                if (item < items) {  // whole 8-lane groups: items and blockDim are multiples of 8
+                    float t = v[u].x * v[u].x;
+                    t = fmaf(v[u].y, v[u].y, t);
+                    t = fmaf(v[u].z, v[u].z, t);
+                    t = fmaf(v[u].w, v[u].w, t);
+#pragma unroll
+                    for (int off = 4; off > 0; off >>= 1) t += __shfl_xor_sync(group, t, off);
+                    if ((item & 7) == 0) xd[item >> 3] = t;
+                }
             }
+            __syncthreads();
+            if (threadIdx.x < rows) {
+                float t = 0.f;
+                for (int b = 0; b < nb; b++) t += xd[threadIdx.x * nb + b];
+                rscale[threadIdx.x] = rsqrtf(t / k + eps);
+            }
+            __syncthreads();
         }
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
-            int item = item0 + u * blockDim.x + threadIdx.x;
-            if (item >= items) continue;  // whole 8-lane groups: items and blockDim are multiples of 8
-            int rb = item >> 3, r = rb / nb, b = rb % nb, j = item & 7;
-            float q4[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-            if (norm_w) {
-                float sc = rscale[r];
-                q4[0] = q4[0] * sc * w[u].x;
-                q4[1] = q4[1] * sc * w[u].y;
-                q4[2] = q4[2] * sc * w[u].z;
-                q4[3] = q4[3] * sc * w[u].w;
+        for (int u = 0; u < STAGE_HELD; u++) {
+            int item = u * blockDim.x + threadIdx.x;
+            if (item < items) quantize_item(v[u], item, nb, norm_w, nws, rscale, xq, xstride, xd, xs, group);
+        }
+    } else {
+        if (norm_w) norm_scales(x, k, rows, eps, xd, rscale);
+        for (int item0 = 0; item0 < items; item0 += blockDim.x * 4) {
+            float4 v[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                int item = item0 + u * blockDim.x + threadIdx.x;
+                if (item < items) v[u] = ((const float4*)(x + (size_t)(item >> 3) / nb * k))[(item >> 3) % nb * 8 + (item & 7)];
             }
-            float amax = fmaxf(fmaxf(fabsf(q4[0]), fabsf(q4[1])), fmaxf(fabsf(q4[2]), fabsf(q4[3])));
 #pragma unroll
-            for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(group, amax, off));
-            float d = amax / 127.f;
-            float id = d > 0.f ? 1.f / d : 0.f;
-            int sum = 0;
-            u32 word = 0;
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int q = (int)fminf(fmaxf(rintf(q4[e] * id), -127.f), 127.f);
-                sum += q;
-                word |= (u32)(q & 0xff) << (8 * e);
-            }
-            ((u32*)(xq + (size_t)r * xstride + b * 32))[j] = word;
-#pragma unroll
-            for (int off = 4; off > 0; off >>= 1) sum += __shfl_xor_sync(group, sum, off);
-            if (j == 0) {
-                xd[rb] = d;
-                xs[rb] = d * (float)sum;
+            for (int u = 0; u < 4; u++) {
+                int item = item0 + u * blockDim.x + threadIdx.x;
+                if (item < items) quantize_item(v[u], item, nb, norm_w, nws, rscale, xq, xstride, xd, xs, group);
             }
         }
     }
@@ -675,7 +751,7 @@ __device__ __forceinline__ void store_out(float* o, int n, int col, int r, float
 // RoPE and the cache write fused into the Q/K/V projection (interleaved pairs, which a tile never splits): what
 // `rope_and_cache` does, with the same angle arithmetic. `hd` = 0: no fusion.
 struct RopeFusion {
-    float theta;
+    int table;  // the step's (cos, sin) table of the step's rows (f32 offset)
     int hd;
     float* kc;
     float* vc;
@@ -692,8 +768,8 @@ __device__ __forceinline__ void store_qkv(const RopeFusion& f, const TileOf& t, 
     float out = v;
     if (t.m < 2) {
         int cin = col % f.hd, i = cin >> 1;
-        double a = (double)st.positions[row] * pow((double)f.theta, -2.0 * i / (double)f.hd);
-        float c = (float)cos(a), s = (float)sin(a);
+        float2 cs = ((const float2*)(f.step + f.table))[row * (f.hd >> 1) + i];
+        float c = cs.x, s = cs.y;
         float x0 = (cin & 1) ? partner : v, x1 = (cin & 1) ? v : partner;
         out = (cin & 1) ? x0 * s + x1 * c : x0 * c - x1 * s;
     }
@@ -701,30 +777,15 @@ __device__ __forceinline__ void store_qkv(const RopeFusion& f, const TileOf& t, 
     else (t.m == 1 ? f.kc : f.vc)[(size_t)(st.base + row) * t.n + col] = out;
 }
 
-// 16 bytes global -> shared without holding a register or the thread (sm_80+), and the wait for all of them.
-__device__ __forceinline__ void copy_async16(void* dst, const void* src) {
-#if __CUDA_ARCH__ >= 800
-    unsigned a = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(src) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void copies_done() {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;\ncp.async.wait_all;" ::: "memory");
-#endif
-}
-
 // Narrow schedule: this CTA's tile (`up`: the up projection for glu, gate in t; MATS = 1 or 2). The tile's scale
 // words (copied asynchronously into shared memory) and the quants of its first chunk are fetched before the
 // grid before has finished.
 template <int TY, int MATS>
 __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k, int rows, const float* norm_w,
-                            float eps, int chunk, u8* smem, int accumulate, const RopeFusion& rope) {
+                            float eps, int chunk, u8* smem, int accumulate, const RopeFusion& rope, int held) {
     int nb = k / 32, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int rows_pad = rows <= 8 ? 8 : 16, ntiles = rows_pad / 8;
-    int stage_bytes = rows_pad * (k + 16) + 2 * rows_pad * nb * 4 + 64;
-    u32* ssc = (u32*)(smem + stage_bytes);
+    u32* ssc = (u32*)(smem + stage_head_bytes(k, rows_pad) + 4 * k);
     int* iex = (int*)(ssc + MATS * nb * 16);
     int per_chunk = chunk * rows_pad * QM_STRIDE;
     const u8* wq[2] = {t.w, up};
@@ -746,12 +807,13 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
                 if (b < c1) load_quants<TY>(qbase[m] + (size_t)b * tile_quant_bytes(TY), lane, raw[m][i]);
             }
     };
+    stage_norm_weights(norm_w, k, rows_pad, smem);
     load_chunk(0);
     wait_inputs();
     release_dependents();
-    copies_done();  // this thread's scale copies land before stage_q8's barriers
+    copies_done();  // this thread's scale and norm weight copies land before stage_q8's barriers
     Staged st;
-    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st);
+    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st, held);
     int c = threadIdx.x & 15, r = threadIdx.x >> 4;
     bool chains = r < rows;
     float acc[2] = {0.f, 0.f};
@@ -817,7 +879,7 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
 // finished.
 template <int TY, int MATS>
 __device__ void wide_tile(const TileOf& t, bool mine, const u8* up, const float* x, int k, int rows,
-                          const float* norm_w, float eps, u8* smem, int accumulate) {
+                          const float* norm_w, float eps, u8* smem, int accumulate, int held) {
     int nb = k / 32, lane = threadIdx.x & 31, g = lane >> 2, i2 = 2 * (lane & 3);
     int rows_pad = rows <= 8 ? 8 : 16, ntiles = rows_pad / 8;
     const u8* wq[2] = {t.w, up};
@@ -835,11 +897,13 @@ __device__ void wide_tile(const TileOf& t, bool mine, const u8* up, const float*
             }
         }
     };
+    stage_norm_weights(norm_w, k, rows_pad, smem);
     if (mine) load_group(0, 0);
     wait_inputs();
     release_dependents();
+    copies_done();
     Staged st;
-    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st);
+    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st, held);
     if (!mine) return;  // after the CTA's last barrier
     float acc[2][2][4];
 #pragma unroll
@@ -896,7 +960,7 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
                                               const float* norm_w, float eps, int glu, int chunk,
                                               const u8* w0, int ty0, int n0, float* o0, const u8* w1, int ty1,
                                               int n1, float* o1, const u8* w2, int ty2, int n2, float* o2,
-                                              const RopeFusion& rope) {
+                                              const RopeFusion& rope, int held) {
     extern __shared__ __align__(16) u8 smem[];
     int warp = threadIdx.x >> 5;
     TileOf t;
@@ -909,11 +973,11 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
     const u8* up = glu ? w1 : nullptr;
 #define QM_RUN(TY)                                                                                  \
     if (WIDE) {                                                                                     \
-        if (glu) wide_tile<TY, 2>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate);          \
-        else wide_tile<TY, 1>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate);              \
+        if (glu) wide_tile<TY, 2>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate, held);       \
+        else wide_tile<TY, 1>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate, held);           \
     } else {                                                                                        \
-        if (glu) narrow_tile<TY, 2>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope); \
-        else narrow_tile<TY, 1>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope);     \
+        if (glu) narrow_tile<TY, 2>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope, held); \
+        else narrow_tile<TY, 1>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope, held);     \
     }
     switch (ty) {
         case T_TQ4_0: QM_RUN(T_TQ4_0); break;
@@ -933,18 +997,18 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
 #define QM_PARAMS                                                                                              \
     const float *x, int k, int rows, int accumulate, const float *norm_w, float eps, int glu, int chunk,        \
         const u8 *w0, int ty0, int n0, float *o0, const u8 *w1, int ty1, int n1, float *o1, const u8 *w2,       \
-        int ty2, int n2, float *o2, float rope_theta, int rope_hd, float *kc, float *vc, const int *step,       \
-        int cap, int r0
+        int ty2, int n2, float *o2, int rope_table, int rope_hd, float *kc, float *vc, const int *step,       \
+        int cap, int r0, int held
 #define QM_ARGS x, k, rows, accumulate, norm_w, eps, glu, chunk, w0, ty0, n0, o0, w1, ty1, n1, o1, w2, ty2, n2, o2
 
-// The last parameters fuse RoPE and the cache write into a narrow Q/K/V launch (w0, w1, w2 = q, k, v; see
-// `RopeFusion`); rope_hd = 0 for every other launch.
+// rope_*, kc, vc, step, cap and r0 fuse RoPE and the cache write into a narrow Q/K/V launch (w0, w1, w2 = q, k,
+// v; see `RopeFusion`); rope_hd = 0 for every other launch. `held`: see `stage_q8`.
 extern "C" __global__ void __launch_bounds__(QM_WARPS * 32) qmatmuls_narrow(QM_PARAMS) {
-    qmatmuls_body<false>(QM_ARGS, RopeFusion{rope_theta, rope_hd, kc, vc, step, cap, r0});
+    qmatmuls_body<false>(QM_ARGS, RopeFusion{rope_table, rope_hd, kc, vc, step, cap, r0}, held);
 }
 
 extern "C" __global__ void __launch_bounds__(QM_WARPS * 32, 2) qmatmuls_wide(QM_PARAMS) {
-    qmatmuls_body<true>(QM_ARGS, RopeFusion{0.f, 0, nullptr, nullptr, nullptr, 0, 0});
+    qmatmuls_body<true>(QM_ARGS, RopeFusion{0, 0, nullptr, nullptr, nullptr, 0, 0}, held);
 }
 
 // out[r, :] = table row step.tokens[r] (one block of threads per row, one thread per 32-value block).
@@ -988,9 +1052,9 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, flo
 
 // RoPE of every Q head (in place) and K head (into the cache slot step.base + r), and V copied to its slot.
 // Threads [0, rows * (n_heads + n_kv_heads) * half) rotate one pair each; the next rows * kv_dim copy V. The
-// angle is computed in double precision and rounded once, as the host's `rope_angle` does.
+// (cos, sin) pairs are the step's table at f32 offset `table` (the host's `rope_angle` values).
 extern "C" __global__ void rope_and_cache(float* q, const float* k, const float* v, float* kc, float* vc,
-                                          int rows, int n_heads, int n_kv_heads, int head_dim, float theta,
+                                          int rows, int n_heads, int n_kv_heads, int head_dim, int table,
                                           int interleaved, const int* step, int cap) {
     wait_inputs();
     release_dependents();
@@ -1011,8 +1075,8 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
     int i = t % half;
     int h = (t / half) % heads;
     int r = t / (half * heads);
-    double a = (double)st.positions[r] * pow((double)theta, -2.0 * i / (double)head_dim);
-    float c = (float)cos(a), s = (float)sin(a);
+    float2 cs = ((const float2*)(step + table))[r * half + i];
+    float c = cs.x, s = cs.y;
     int ia = interleaved ? 2 * i : i;
     int ib = interleaved ? 2 * i + 1 : i + half;
     if (h < n_heads) {
@@ -1041,158 +1105,10 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
 // n_heads of the step; `work` holds 16 * n_heads counters, then per (row, head) `chunks` records of
 // {max, sum, head_dim value sums}.
 #define ATT_CHUNK 64
-#define ATT_COMBINE 256  // chunks combined per shared-memory tile (quarter's rows hold them)
 #define ATT_SPLIT 8
 #define MAX_HEAD_DIM 256
 
 extern "C" __global__ void attention(const float* q, const float* kc, const float* vc, int row0, int n_heads,
-                                     int n_kv_heads, int head_dim, float scale, const int* step, int cap,
-                                     float* work, int chunks, float* out) {
-    __shared__ float sc[ATT_CHUNK];
-    __shared__ float red[ATT_CHUNK];
-    __shared__ float quarter[4][MAX_HEAD_DIM];
-    __shared__ int last;
-    wait_inputs();
-    release_dependents();
-    Step st = read_step(step, cap);
-    int base = st.base, rows = st.rows, n = base + rows;
-    int t = threadIdx.x;
-    int rh = blockIdx.y;
-    int i = row0 + rh / n_heads, h = rh % n_heads;
-    int kvh = h / (n_heads / n_kv_heads);
-    int kv_dim = n_kv_heads * head_dim;
-    int rec = head_dim + 2;
-    const float* qv = q + ((size_t)i * n_heads + h) * head_dim;
-    const float* kh = kc + kvh * head_dim;
-    const float* vh = vc + kvh * head_dim;
-    unsigned int* counters = (unsigned int*)work;
-    float* records = work + 16 * n_heads + (size_t)rh * chunks * rec;
-    for (int c = blockIdx.x; c * ATT_CHUNK < n; c += ATT_SPLIT) {
-        int j0 = c * ATT_CHUNK;
-        // Scores: four threads per slot, each a quarter of the head's dims, then a fixed butterfly.
-        int js = t >> 2, sub = t & 3, j = j0 + js;
-        bool sees = j < n && (j < base || (st.tree ? st.mask[i * rows + (j - base)] != 0 : (j - base) <= i));
-        float d = 0.f;
-        if (sees) {
-            const float* kv = kh + (size_t)j * kv_dim;
-            if ((head_dim & 15) == 0) {
-                int w = head_dim / 16;  // float4s per quarter
-                const float4* k4 = (const float4*)kv + sub * w;
-                const float4* q4 = (const float4*)qv + sub * w;
-                // Loads four at a time ahead of the chain: one memory round trip per four, not per float4.
-                for (int e0 = 0; e0 < w; e0 += 4) {
-                    float4 a[4], b[4];
-#pragma unroll
-                    for (int u = 0; u < 4; u++) {
-                        if (e0 + u < w) {
-                            a[u] = q4[e0 + u];
-                            b[u] = k4[e0 + u];
-                        }
-                    }
-#pragma unroll
-                    for (int u = 0; u < 4; u++) {
-                        if (e0 + u < w) {
-                            d = fmaf(a[u].x, b[u].x, d);
-                            d = fmaf(a[u].y, b[u].y, d);
-                            d = fmaf(a[u].z, b[u].z, d);
-                            d = fmaf(a[u].w, b[u].w, d);
-                        }
-                    }
-                }
-            } else {
-                for (int e = sub; e < head_dim; e += 4) d = fmaf(qv[e], kv[e], d);
-            }
-        }
-        d += __shfl_xor_sync(0xffffffffu, d, 1);
-        d += __shfl_xor_sync(0xffffffffu, d, 2);
-        if (sub == 0) sc[js] = sees ? d * scale : NEG_INF;
-        __syncthreads();
-        if (t < ATT_CHUNK) red[t] = sc[t];
-        __syncthreads();
-        for (int o = ATT_CHUNK / 2; o > 0; o >>= 1) {
-            if (t < o) red[t] = fmaxf(red[t], red[t + o]);
-            __syncthreads();
-        }
-        float m = red[0];
-        __syncthreads();
-        if (t < ATT_CHUNK) {
-            float p = sc[t] == NEG_INF ? 0.f : __expf(sc[t] - m);
-            sc[t] = p;
-            red[t] = p;
-        }
-        __syncthreads();
-        for (int o = ATT_CHUNK / 2; o > 0; o >>= 1) {
-            if (t < o) red[t] += red[t + o];
-            __syncthreads();
-        }
-        // Value sums: each quarter of the chunk's slots in order, then the quarters in order.
-        // The quarter's values are loaded before its chain (one memory round trip, not one per slot).
-        for (int u = t; u < 4 * head_dim; u += blockDim.x) {
-            int qq = u / head_dim, e = u % head_dim;
-            int jq = j0 + qq * (ATT_CHUNK / 4);
-            float vv[ATT_CHUNK / 4];
-#pragma unroll
-            for (int jj = 0; jj < ATT_CHUNK / 4; jj++) vv[jj] = jq + jj < n ? vh[(size_t)(jq + jj) * kv_dim + e] : 0.f;
-            float a = 0.f;
-#pragma unroll
-            for (int jj = 0; jj < ATT_CHUNK / 4; jj++) {
-                if (jq + jj < n) a = fmaf(sc[qq * (ATT_CHUNK / 4) + jj], vv[jj], a);
-            }
-            quarter[qq][e] = a;
-        }
-        __syncthreads();
-        float* r = records + (size_t)c * rec;
-        for (int e = t; e < head_dim; e += blockDim.x)
-            r[2 + e] = ((quarter[0][e] + quarter[1][e]) + quarter[2][e]) + quarter[3][e];
-        if (t == 0) {
-            r[0] = m;
-            r[1] = red[0];
-        }
-        __syncthreads();
-    }
-    __threadfence();
-    __syncthreads();
-    if (t == 0) last = atomicAdd(&counters[rh], 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    if (t == 0) counters[rh] = 0;
-    // The combine: the largest chunk maximum (exact, so in any order), then each chunk's weight and sum staged
-    // in shared memory by one thread per chunk, then the chunks in order: den and, per dim (head_dim <= blockDim,
-    // checked by the host), num — the records' loads in parallel, never one round trip per chunk.
-    int nc = (n + ATT_CHUNK - 1) / ATT_CHUNK;
-    float mx = NEG_INF;
-    for (int c = t; c < nc; c += blockDim.x) mx = fmaxf(mx, __ldcg(records + (size_t)c * rec));
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    if ((t & 31) == 0) red[t >> 5] = mx;
-    __syncthreads();
-    float big = NEG_INF;
-    for (int w = 0; w < (int)(blockDim.x >> 5); w++) big = fmaxf(big, red[w]);
-    float* cf = quarter[0];  // chunk weights and sums, ATT_COMBINE at a time
-    float* cs = quarter[1];
-    float den = 0.f, num = 0.f;
-    for (int c0 = 0; c0 < nc; c0 += ATT_COMBINE) {
-        int cn = min(ATT_COMBINE, nc - c0);
-        __syncthreads();  // the previous tile's weights are read
-        if (t < cn) {
-            const float* r = records + (size_t)(c0 + t) * rec;
-            float mc = __ldcg(r);
-            cf[t] = mc == NEG_INF ? 0.f : __expf(mc - big);
-            cs[t] = __ldcg(r + 1);
-        }
-        __syncthreads();
-        for (int c = 0; c < cn; c++) den = fmaf(cf[c], cs[c], den);
-        if (t < head_dim) {
-#pragma unroll 8
-            for (int c = 0; c < cn; c++) num = fmaf(cf[c], __ldcg(records + (size_t)(c0 + c) * rec + 2 + t), num);
-        }
-    }
-    if (t < head_dim) out[((size_t)i * n_heads + h) * head_dim + t] = num / den;
-}
-
-// A/B: the attention kernel before the batched loads (VERITY_CUDA_ATT_V1=1).
-extern "C" __global__ void attention_v1(const float* q, const float* kc, const float* vc, int row0, int n_heads,
                                      int n_kv_heads, int head_dim, float scale, const int* step, int cap,
                                      float* work, int chunks, float* out) {
     __shared__ float sc[ATT_CHUNK];

@@ -101,15 +101,42 @@ pub struct CudaMatrix {
 
 /// A forward's inputs on the device, laid out as `kernels.cu`'s `Step` reads them: an i32 header {base, rows,
 /// tree, 0}, u32 tokens[cap], i32 positions[cap], u8 mask[cap²].
+/// One forward's inputs on the device, one upload per step. Layout (`kernels.cu`'s `read_step`): a 16-byte
+/// header {base, rows, tree, mask offset}, `cap` tokens, `cap` positions, then per prepared rotation its rows'
+/// `(cos, sin)` pairs (`cap` × `head_dim` f32), then the `cap` × `cap` tree mask.
 pub struct CudaStep {
     cap: usize,
+    /// Per prepared rotation: its key and the f32 offset of its rows' table.
+    ropes: Vec<(RopeKey, usize)>,
+    mask_at: usize,
     host: Vec<u8>,
     dev: CudaSlice<u8>,
 }
 
-impl CudaStep {
-    fn bytes(cap: usize) -> usize {
-        16 + 8 * cap + cap * cap
+/// A rotation by `(theta's bits, head_dim)`.
+type RopeKey = (u32, usize);
+
+/// The `(cos, sin)` pairs of one prepared rotation by position, `rope_angle`'s values computed once per position
+/// on the host: steps upload their rows' pairs, so the device reads the angles (bitwise the CPU backend's, and
+/// no double-precision transcendental on the Q/K/V critical path).
+struct RopeTable {
+    key: RopeKey,
+    /// `[position][pair] = (cos, sin)`, `head_dim` values per position.
+    pairs: Vec<f32>,
+}
+
+impl RopeTable {
+    /// The `head_dim` values of position `pos`, extending the table as far as needed.
+    fn at(&mut self, pos: usize) -> &[f32] {
+        let (theta, hd) = (f32::from_bits(self.key.0), self.key.1);
+        while self.pairs.len() < (pos + 1) * hd {
+            let p = self.pairs.len() / hd;
+            for i in 0..hd / 2 {
+                let (c, s) = crate::backend::rope_angle(p, i, hd, theta);
+                self.pairs.extend([c, s]);
+            }
+        }
+        &self.pairs[pos * hd..(pos + 1) * hd]
     }
 }
 
@@ -121,13 +148,13 @@ struct Kernels {
     rms_norm: CudaFunction,
     rope_and_cache: CudaFunction,
     attention: CudaFunction,
-    attention_v1: CudaFunction,
     add_bias: CudaFunction,
 }
 
 /// RoPE and the cache write fused into a Q/K/V launch of the integer kernel (`kernels.cu`'s `RopeFusion`).
 struct RopeFusion<'a> {
-    theta: f32,
+    /// The step's `(cos, sin)` table (`CudaStep::rope_table`).
+    table: i32,
     head_dim: usize,
     k_cache: &'a CudaSlice<f32>,
     v_cache: &'a CudaSlice<f32>,
@@ -162,11 +189,33 @@ pub struct CudaBackend {
     int8_tiles: bool,
     /// Programmatic dependent launch on every launch (sm_90+, unless `VERITY_CUDA_PDL=0`).
     pdl: bool,
-    /// EXPERIMENT A/B switches: `VERITY_CUDA_FUSE_ROPE=0`, `VERITY_CUDA_ATT_V1=1`.
+    /// RoPE and the cache write fused into the Q/K/V projection where it can be (`VERITY_CUDA_FUSE_ROPE=0`:
+    /// never, for side-by-side measurements).
     fuse_rope: bool,
-    att_v1: bool,
+    /// Whether the integer kernels stage x in one pass held in registers where it fits (`kernels.cu`'s
+    /// `stage_q8`; `VERITY_CUDA_STAGE_HELD=0`: always the passes, for side-by-side measurements).
+    stage_held: i32,
     /// The admission verdict per weight shape (type, rows, cols): rows per launch.
     admitted: Mutex<HashMap<(i32, usize, usize), usize>>,
+    /// Rotations prepared at load (`prepare_attention`), in the order of every step's tables.
+    ropes: Mutex<Vec<RopeTable>>,
+}
+
+/// A mutex's guard, also after a panic elsewhere (the guarded tables stay consistent: every update is one push
+/// or insert).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl CudaStep {
+    /// The f32 offset in the step of the rows' `(cos, sin)` table of `rope` for heads of `head_dim`.
+    fn rope_table(&self, rope: Rope, head_dim: usize) -> i32 {
+        let key = (rope.theta.to_bits(), head_dim);
+        let at = self.ropes.iter().find(|(k, _)| *k == key).map(|t| t.1);
+        at.expect(
+            "a rotation prepared at load (Backend::prepare_attention) before the step was made",
+        ) as i32
+    }
 }
 
 fn dev<T>(what: &str, r: std::result::Result<T, cudarc::driver::DriverError>) -> T {
@@ -183,12 +232,12 @@ fn staged_bytes(rows: usize, k: usize) -> usize {
 
 /// Shared memory of a `qmatmuls_*` launch of `rows` rows of `k` values over `mats` matrices per tile (2 for
 /// gate/up), and its exchange chunk (blocks; 0 in the wide schedule): the staged 8-bit rows (padded to 8 or 16,
-/// each row 16 bytes longer than k against bank conflicts), their per-block scales and sums, 16 norm scales,
-/// then (narrow) the tile's scale words and the exchanged integer sums.
+/// each row 16 bytes longer than k against bank conflicts), their per-block scales and sums, 16 norm scales, the
+/// norm weights, then (narrow) the tile's scale words and the exchanged integer sums.
 fn q_shared(rows: usize, k: usize, wide: bool, mats: usize) -> (usize, usize) {
     let rows_pad = if rows <= 8 { 8 } else { 16 };
     let nb = k / 32;
-    let stage = rows_pad * (k + 16) + 2 * rows_pad * nb * 4 + 16 * 4;
+    let stage = rows_pad * (k + 16) + 2 * rows_pad * nb * 4 + 16 * 4 + 4 * k;
     if wide {
         return (stage, 0);
     }
@@ -245,7 +294,6 @@ impl CudaBackend {
             rms_norm: f("rms_norm")?,
             rope_and_cache: f("rope_and_cache")?,
             attention: f("attention")?,
-            attention_v1: f("attention_v1")?,
             add_bias: f("add_bias")?,
         };
         let optin = ctx
@@ -282,8 +330,9 @@ impl CudaBackend {
             int8_tiles,
             pdl,
             fuse_rope: !off("VERITY_CUDA_FUSE_ROPE"),
-            att_v1: matches!(std::env::var("VERITY_CUDA_ATT_V1").as_deref(), Ok("1")),
+            stage_held: i32::from(!off("VERITY_CUDA_STAGE_HELD")),
             admitted: Mutex::new(HashMap::new()),
+            ropes: Mutex::new(Vec::new()),
         })
     }
 
@@ -410,7 +459,7 @@ impl CudaBackend {
         if int8 {
             match rope {
                 Some(r) => args.extend([
-                    Arg::F32(r.theta),
+                    Arg::I32(r.table),
                     Arg::I32(r.head_dim as i32),
                     self.at(r.k_cache, 0),
                     self.at(r.v_cache, 0),
@@ -419,7 +468,7 @@ impl CudaBackend {
                     Arg::I32(r0 as i32),
                 ]),
                 None => args.extend([
-                    Arg::F32(0.0),
+                    Arg::I32(0),
                     Arg::I32(0),
                     Arg::Ptr(0),
                     Arg::Ptr(0),
@@ -428,6 +477,7 @@ impl CudaBackend {
                     Arg::I32(0),
                 ]),
             }
+            args.push(Arg::I32(self.stage_held));
         } else {
             assert!(rope.is_none(), "RoPE fuses only into the integer kernel");
         }
@@ -490,7 +540,7 @@ impl CudaBackend {
     /// Weight shapes checked so far, and how many of them failed the admission check (their verifies run one
     /// row per launch).
     pub fn admission(&self) -> (usize, usize) {
-        let a = self.admitted.lock().unwrap_or_else(|e| e.into_inner());
+        let a = lock(&self.admitted);
         (a.len(), a.values().filter(|&&r| r < MAX_ROWS).count())
     }
 
@@ -500,12 +550,7 @@ impl CudaBackend {
     /// launch may take: `m.launch_rows` if admitted, else 1.
     fn admit(&self, m: &CudaMatrix) -> usize {
         let key = (m.ty, m.rows, m.cols);
-        if let Some(&rows) = self
-            .admitted
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&key)
-        {
+        if let Some(&rows) = lock(&self.admitted).get(&key) {
             return rows;
         }
         let (k, n) = (m.cols, m.rows);
@@ -546,10 +591,7 @@ impl CudaBackend {
             );
             1
         };
-        self.admitted
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(key, rows);
+        lock(&self.admitted).insert(key, rows);
         rows
     }
 }
@@ -657,9 +699,20 @@ impl Backend for CudaBackend {
     }
 
     fn step(&self, max_rows: usize) -> CudaStep {
-        let bytes = CudaStep::bytes(max_rows);
+        let mut at = 16 + 8 * max_rows;
+        let ropes = lock(&self.ropes)
+            .iter()
+            .map(|t| {
+                let table = (t.key, at / 4);
+                at += 4 * max_rows * t.key.1;
+                table
+            })
+            .collect();
+        let bytes = at + max_rows * max_rows;
         CudaStep {
             cap: max_rows,
+            ropes,
+            mask_at: at,
             host: vec![0; bytes],
             dev: dev("alloc", self.stream.alloc_zeros::<u8>(bytes)),
         }
@@ -676,20 +729,34 @@ impl Backend for CudaBackend {
             AttnMask::Tree(v) => Some(v),
         };
         let h = &mut step.host;
-        let mut put = |at: usize, v: i32| h[at..at + 4].copy_from_slice(&v.to_le_bytes());
-        put(0, inputs.base as i32);
-        put(4, rows as i32);
-        put(8, i32::from(tree.is_some()));
+        let mut put = |at: usize, v: [u8; 4]| h[at..at + 4].copy_from_slice(&v);
+        put(0, (inputs.base as i32).to_le_bytes());
+        put(4, (rows as i32).to_le_bytes());
+        put(8, i32::from(tree.is_some()).to_le_bytes());
+        put(12, (step.mask_at as i32).to_le_bytes());
         for (r, (&t, &p)) in inputs.tokens.iter().zip(inputs.positions).enumerate() {
-            put(16 + 4 * r, t as i32);
-            put(16 + 4 * (cap + r), p as i32);
+            put(16 + 4 * r, (t as i32).to_le_bytes());
+            put(16 + 4 * (cap + r), (p as i32).to_le_bytes());
         }
         let mut used = 16 + 8 * cap;
+        let mut tables = lock(&self.ropes);
+        for (key, at) in &step.ropes {
+            let table = tables
+                .iter_mut()
+                .find(|t| t.key == *key)
+                .expect("a step's rotations stay prepared");
+            for (r, &p) in inputs.positions.iter().enumerate() {
+                for (i, v) in table.at(p).iter().enumerate() {
+                    put(4 * (at + r * key.1 + i), v.to_le_bytes());
+                }
+            }
+            used = 4 * (at + rows * key.1);
+        }
         if let Some(v) = tree {
             for (i, &seen) in v.iter().enumerate() {
-                h[used + i] = u8::from(seen);
+                h[step.mask_at + i] = u8::from(seen);
             }
-            used += v.len();
+            used = step.mask_at + v.len();
         }
         dev(
             "step upload",
@@ -702,7 +769,7 @@ impl Backend for CudaBackend {
         let Some(store) = &self.graphs else {
             return work();
         };
-        let mut g = store.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut g = lock(&store.0);
         if let Some(graph) = g.by_key.get(&key) {
             dev("graph launch", graph.launch());
             return;
@@ -825,7 +892,7 @@ impl Backend for CudaBackend {
             return;
         }
         let fusion = RopeFusion {
-            theta: rope.theta,
+            table: step.rope_table(rope, shape.head_dim),
             head_dim: shape.head_dim,
             k_cache,
             v_cache,
@@ -908,7 +975,7 @@ impl Backend for CudaBackend {
             Arg::I32(nh),
             Arg::I32(nkv),
             Arg::I32(hdi),
-            Arg::F32(rope.theta),
+            Arg::I32(step.rope_table(rope, hd)),
             Arg::I32(il),
             self.at(&step.dev, 0),
             Arg::I32(cap),
@@ -925,11 +992,20 @@ impl Backend for CudaBackend {
         };
     }
 
-    fn check_head_dim(&self, head_dim: usize) -> Result<()> {
-        if head_dim > MAX_HEAD_DIM {
+    fn prepare_attention(&self, head_dim: usize, rope: Rope) -> Result<()> {
+        if head_dim > MAX_HEAD_DIM || !head_dim.is_multiple_of(2) {
             return Err(Error::Unsupported(format!(
-                "heads of {head_dim} values on the CUDA backend (its attention runs up to {MAX_HEAD_DIM})"
+                "heads of {head_dim} values on the CUDA backend (its attention runs even sizes up to \
+                 {MAX_HEAD_DIM})"
             )));
+        }
+        let key = (rope.theta.to_bits(), head_dim);
+        let mut tables = lock(&self.ropes);
+        if !tables.iter().any(|t| t.key == key) {
+            tables.push(RopeTable {
+                key,
+                pairs: Vec::new(),
+            });
         }
         Ok(())
     }
@@ -988,13 +1064,7 @@ impl Backend for CudaBackend {
             // SAFETY: q/out hold rows × n_heads × head_dim values, the caches (base + rows) × kv_dim within
             // their capacity; `work` holds the counters and chunk records of up to MAX_ROWS rows (checked above);
             // the mask is in the step.
-            let f = if self.att_v1 {
-                &self.k.attention_v1
-            } else {
-                &self.k.attention
-            };
-            // SAFETY: as above (both kernels take the same arguments).
-            unsafe { self.go("attention", f, cfg, &args) };
+            unsafe { self.go("attention", &self.k.attention, cfg, &args) };
             r0 += take;
         }
     }
