@@ -41,6 +41,7 @@
 
 pub mod affine;
 mod launch;
+mod rope;
 pub mod tiles;
 
 use std::collections::{HashMap, VecDeque};
@@ -53,6 +54,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 
 use launch::{addr, Arg};
+use rope::{RopeKey, RopeTable};
 
 use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
 use crate::error::{Error, Result};
@@ -111,33 +113,6 @@ pub struct CudaStep {
     mask_at: usize,
     host: Vec<u8>,
     dev: CudaSlice<u8>,
-}
-
-/// A rotation by `(theta's bits, head_dim)`.
-type RopeKey = (u32, usize);
-
-/// The `(cos, sin)` pairs of one prepared rotation by position, `rope_angle`'s values computed once per position
-/// on the host: steps upload their rows' pairs, so the device reads the angles (bitwise the CPU backend's, and
-/// no double-precision transcendental on the Q/K/V critical path).
-struct RopeTable {
-    key: RopeKey,
-    /// `[position][pair] = (cos, sin)`, `head_dim` values per position.
-    pairs: Vec<f32>,
-}
-
-impl RopeTable {
-    /// The `head_dim` values of position `pos`, extending the table as far as needed.
-    fn at(&mut self, pos: usize) -> &[f32] {
-        let (theta, hd) = (f32::from_bits(self.key.0), self.key.1);
-        while self.pairs.len() < (pos + 1) * hd {
-            let p = self.pairs.len() / hd;
-            for i in 0..hd / 2 {
-                let (c, s) = crate::backend::rope_angle(p, i, hd, theta);
-                self.pairs.extend([c, s]);
-            }
-        }
-        &self.pairs[pos * hd..(pos + 1) * hd]
-    }
 }
 
 struct Kernels {
@@ -210,7 +185,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl CudaStep {
     /// The f32 offset in the step of the rows' `(cos, sin)` table of `rope` for heads of `head_dim`.
     fn rope_table(&self, rope: Rope, head_dim: usize) -> i32 {
-        let key = (rope.theta.to_bits(), head_dim);
+        let key = rope::key(rope, head_dim);
         let at = self.ropes.iter().find(|(k, _)| *k == key).map(|t| t.1);
         at.expect(
             "a rotation prepared at load (Backend::prepare_attention) before the step was made",
@@ -999,13 +974,10 @@ impl Backend for CudaBackend {
                  {MAX_HEAD_DIM})"
             )));
         }
-        let key = (rope.theta.to_bits(), head_dim);
+        let key = rope::key(rope, head_dim);
         let mut tables = lock(&self.ropes);
         if !tables.iter().any(|t| t.key == key) {
-            tables.push(RopeTable {
-                key,
-                pairs: Vec::new(),
-            });
+            tables.push(RopeTable::new(key));
         }
         Ok(())
     }
