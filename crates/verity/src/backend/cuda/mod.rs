@@ -26,8 +26,10 @@
 //! device-resident step written by one copy, so a forward is recorded once as a CUDA graph per key (width,
 //! buffers) and replayed. On sm_90 every launch carries programmatic dependent launch (`launch.rs`): a kernel's
 //! blocks start while the one before runs and prefetch their weights, then wait for its results. Fusions: the
-//! Q/K/V projections with their input norm in one launch, the gate/up projections with their norm and the
-//! SwiGLU in one, RoPE with the cache write, and the output projections adding into the residual stream.
+//! Q/K/V projections with their input norm, RoPE and the cache write in one launch (the integer kernel's
+//! epilogue; the angles come with the step, `rope.rs`), the gate/up projections with their norm and the SwiGLU
+//! in one, and the output projections adding into the residual stream. The integer kernels load x for their
+//! staging in one pass where it fits the registers (`stage_q8`), the norm weights copied alongside.
 //!
 //! Attention is split over 64-slot chunks (8 blocks per row and head) and combined in chunk order by the block
 //! that finishes last, so its parallelism grows with the context while every sum keeps a fixed order.
