@@ -560,20 +560,6 @@ __device__ __forceinline__ float chain_step(float acc, u32 scale_word, float xd,
     return acc;
 }
 
-// 16 bytes global -> shared without holding a register or the thread (sm_80+), and the wait for all of them.
-__device__ __forceinline__ void copy_async16(void* dst, const void* src) {
-#if __CUDA_ARCH__ >= 800
-    unsigned a = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(src) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void copies_done() {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;\ncp.async.wait_all;" ::: "memory");
-#endif
-}
-
 // The quantized rows of x in shared memory: xq[r * xstride + i], and per (row, block) its scale xd and d * sum.
 struct Staged {
     const signed char* xq;
@@ -582,126 +568,65 @@ struct Staged {
     const float* xs;
 };
 
-// One 8-lane item of stage_q8 (four values of block b of row r, loaded in v): normed with the row's scale and
-// the norm weights staged in shared memory (nws) when norm_w is set, quantized; the block's scale and d * sum written by its first lane. Max and sum
-// are exact, so the butterflies give the serial results.
-__device__ __forceinline__ void quantize_item(float4 v, int item, int nb, const float* norm_w, const float* nws,
-                                              const float* rscale, signed char* xq, int xstride, float* xd,
-                                              float* xs, unsigned group) {
-    int rb = item >> 3, r = rb / nb, b = rb % nb, j = item & 7;
-    float q4[4] = {v.x, v.y, v.z, v.w};
-    if (norm_w) {
-        float4 w = ((const float4*)(nws + b * 32))[j];
-        float sc = rscale[r];
-        q4[0] = q4[0] * sc * w.x;
-        q4[1] = q4[1] * sc * w.y;
-        q4[2] = q4[2] * sc * w.z;
-        q4[3] = q4[3] * sc * w.w;
-    }
-    float amax = fmaxf(fmaxf(fabsf(q4[0]), fabsf(q4[1])), fmaxf(fabsf(q4[2]), fabsf(q4[3])));
-#pragma unroll
-    for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(group, amax, off));
-    float d = amax / 127.f;
-    float id = d > 0.f ? 1.f / d : 0.f;
-    int sum = 0;
-    u32 word = 0;
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-        int q = (int)fminf(fmaxf(rintf(q4[e] * id), -127.f), 127.f);
-        sum += q;
-        word |= (u32)(q & 0xff) << (8 * e);
-    }
-    ((u32*)(xq + (size_t)r * xstride + b * 32))[j] = word;
-#pragma unroll
-    for (int off = 4; off > 0; off >>= 1) sum += __shfl_xor_sync(group, sum, off);
-    if (j == 0) {
-        xd[rb] = d;
-        xs[rb] = d * (float)sum;
-    }
-}
-
-#define STAGE_HELD 6  // items per thread stage_q8 holds in registers for its single pass
-
-// The bytes of stage_q8's shared memory before the norm weights: the 8-bit rows (each 16 bytes longer than k
-// against bank conflicts), their blocks' scales and sums, 16 norm scales.
-__device__ __forceinline__ int stage_head_bytes(int k, int rows_pad) {
-    return rows_pad * (k + 16) + 2 * rows_pad * (k / 32) * 4 + 64;
-}
-
-// Copy the norm weights (k values) into stage_q8's shared memory, asynchronously: they are the model's, not the
-// grid before's, so the copy is issued before waiting for it (`copies_done` before stage_q8).
-__device__ __forceinline__ void stage_norm_weights(const float* norm_w, int k, int rows_pad, u8* smem) {
-    if (!norm_w) return;
-    float* nws = (float*)(smem + stage_head_bytes(k, rows_pad));
-    for (int i = threadIdx.x; i < k / 4; i += blockDim.x) copy_async16(nws + 4 * i, norm_w + 4 * i);
-}
-
 // Stage `rows` rows of x (RMS-normed with norm_w when non-null), quantized. Rows up to `rows_pad` are left as
 // they are: their MMA columns and chains are computed and never stored, and no valid row reads them. Shared
-// memory from `smem`: xq, then xd and xs, then 16 norm scales, then the norm weights (`stage_norm_weights`,
-// landed). Eight threads quantize a block, four values each. Where every thread's items fit STAGE_HELD
-// registers (and `held`; 0 forces the passes), x is loaded once, all of it at a time, and the norm's scale is
-// taken from the held values (the arithmetic of `norm_scales`); otherwise `norm_scales`, then passes of four
-// items per thread. Both give the same bits.
+// memory from `smem`: xq, then xd and xs, then 16 norm scales. Eight threads quantize a block, four values
+// each (max and sum are exact, so the butterflies give the serial results).
 __device__ __forceinline__ void stage_q8(const float* x, int k, int rows, int rows_pad, const float* norm_w,
-                                         float eps, u8* smem, Staged* st, int held) {
+                                         float eps, u8* smem, Staged* st) {
     int nb = k / 32, xstride = k + 16;
     signed char* xq = (signed char*)smem;
     float* xd = (float*)(smem + (size_t)rows_pad * xstride);
     float* xs = xd + rows_pad * nb;
     float* rscale = xs + rows_pad * nb;
-    const float* nws = (const float*)(smem + stage_head_bytes(k, rows_pad));
     int lane = threadIdx.x & 31;
+    // The norm's scratch is xd (free until the quantized blocks are written, after the norm's last barrier).
+    if (norm_w) norm_scales(x, k, rows, eps, xd, rscale);
     int items = rows * nb * 8;
     unsigned group = 0xffu << (lane & 24);
-    if (held && items <= (int)blockDim.x * STAGE_HELD) {
-        float4 v[STAGE_HELD];
+    for (int item0 = 0; item0 < items; item0 += blockDim.x * 4) {
+        float4 v[4], w[4];
 #pragma unroll
-        for (int u = 0; u < STAGE_HELD; u++) {
-            int item = u * blockDim.x + threadIdx.x;
-            if (item < items) v[u] = ((const float4*)(x + (size_t)(item >> 3) / nb * k))[(item >> 3) % nb * 8 + (item & 7)];
-        }
-        if (norm_w) {
-            // The norm's scratch is xd (free until the quantized blocks are written, after the last barrier).
-#pragma unroll
-            for (int u = 0; u < STAGE_HELD; u++) {
-                int item = u * blockDim.x + threadIdx.x;
-                if (item < items) {  // whole 8-lane groups: items and blockDim are multiples of 8
-                    float t = v[u].x * v[u].x;
-                    t = fmaf(v[u].y, v[u].y, t);
-                    t = fmaf(v[u].z, v[u].z, t);
-                    t = fmaf(v[u].w, v[u].w, t);
-#pragma unroll
-                    for (int off = 4; off > 0; off >>= 1) t += __shfl_xor_sync(group, t, off);
-                    if ((item & 7) == 0) xd[item >> 3] = t;
-                }
+        for (int u = 0; u < 4; u++) {
+            int item = item0 + u * blockDim.x + threadIdx.x;
+            if (item < items) {
+                int rb = item >> 3, r = rb / nb, b = rb % nb, j = item & 7;
+                v[u] = ((const float4*)(x + (size_t)r * k + b * 32))[j];
+                if (norm_w) w[u] = ((const float4*)(norm_w + b * 32))[j];
             }
-            __syncthreads();
-            if (threadIdx.x < rows) {
-                float t = 0.f;
-                for (int b = 0; b < nb; b++) t += xd[threadIdx.x * nb + b];
-                rscale[threadIdx.x] = rsqrtf(t / k + eps);
-            }
-            __syncthreads();
         }
 #pragma unroll
-        for (int u = 0; u < STAGE_HELD; u++) {
-            int item = u * blockDim.x + threadIdx.x;
-            if (item < items) quantize_item(v[u], item, nb, norm_w, nws, rscale, xq, xstride, xd, xs, group);
-        }
-    } else {
-        if (norm_w) norm_scales(x, k, rows, eps, xd, rscale);
-        for (int item0 = 0; item0 < items; item0 += blockDim.x * 4) {
-            float4 v[4];
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                int item = item0 + u * blockDim.x + threadIdx.x;
-                if (item < items) v[u] = ((const float4*)(x + (size_t)(item >> 3) / nb * k))[(item >> 3) % nb * 8 + (item & 7)];
+        for (int u = 0; u < 4; u++) {
+            int item = item0 + u * blockDim.x + threadIdx.x;
+            if (item >= items) continue;  // whole 8-lane groups: items and blockDim are multiples of 8
+            int rb = item >> 3, r = rb / nb, b = rb % nb, j = item & 7;
+            float q4[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+            if (norm_w) {
+                float sc = rscale[r];
+                q4[0] = q4[0] * sc * w[u].x;
+                q4[1] = q4[1] * sc * w[u].y;
+                q4[2] = q4[2] * sc * w[u].z;
+                q4[3] = q4[3] * sc * w[u].w;
             }
+            float amax = fmaxf(fmaxf(fabsf(q4[0]), fabsf(q4[1])), fmaxf(fabsf(q4[2]), fabsf(q4[3])));
 #pragma unroll
-            for (int u = 0; u < 4; u++) {
-                int item = item0 + u * blockDim.x + threadIdx.x;
-                if (item < items) quantize_item(v[u], item, nb, norm_w, nws, rscale, xq, xstride, xd, xs, group);
+            for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(group, amax, off));
+            float d = amax / 127.f;
+            float id = d > 0.f ? 1.f / d : 0.f;
+            int sum = 0;
+            u32 word = 0;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int q = (int)fminf(fmaxf(rintf(q4[e] * id), -127.f), 127.f);
+                sum += q;
+                word |= (u32)(q & 0xff) << (8 * e);
+            }
+            ((u32*)(xq + (size_t)r * xstride + b * 32))[j] = word;
+#pragma unroll
+            for (int off = 4; off > 0; off >>= 1) sum += __shfl_xor_sync(group, sum, off);
+            if (j == 0) {
+                xd[rb] = d;
+                xs[rb] = d * (float)sum;
             }
         }
     }
@@ -749,7 +674,7 @@ __device__ __forceinline__ void store_out(float* o, int n, int col, int r, float
 }
 
 // RoPE and the cache write fused into the Q/K/V projection (interleaved pairs, which a tile never splits): what
-// `rope_and_cache` does, with the same angle arithmetic. `hd` = 0: no fusion.
+// `rope_and_cache` does, with the same (cos, sin) table. `hd` = 0: no fusion.
 struct RopeFusion {
     int table;  // the step's (cos, sin) table of the step's rows (f32 offset)
     int hd;
@@ -777,15 +702,30 @@ __device__ __forceinline__ void store_qkv(const RopeFusion& f, const TileOf& t, 
     else (t.m == 1 ? f.kc : f.vc)[(size_t)(st.base + row) * t.n + col] = out;
 }
 
+// 16 bytes global -> shared without holding a register or the thread (sm_80+), and the wait for all of them.
+__device__ __forceinline__ void copy_async16(void* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
+    unsigned a = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(src) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void copies_done() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\ncp.async.wait_all;" ::: "memory");
+#endif
+}
+
 // Narrow schedule: this CTA's tile (`up`: the up projection for glu, gate in t; MATS = 1 or 2). The tile's scale
 // words (copied asynchronously into shared memory) and the quants of its first chunk are fetched before the
 // grid before has finished.
 template <int TY, int MATS>
 __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k, int rows, const float* norm_w,
-                            float eps, int chunk, u8* smem, int accumulate, const RopeFusion& rope, int held) {
+                            float eps, int chunk, u8* smem, int accumulate, const RopeFusion& rope) {
     int nb = k / 32, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int rows_pad = rows <= 8 ? 8 : 16, ntiles = rows_pad / 8;
-    u32* ssc = (u32*)(smem + stage_head_bytes(k, rows_pad) + 4 * k);
+    int stage_bytes = rows_pad * (k + 16) + 2 * rows_pad * nb * 4 + 64;
+    u32* ssc = (u32*)(smem + stage_bytes);
     int* iex = (int*)(ssc + MATS * nb * 16);
     int per_chunk = chunk * rows_pad * QM_STRIDE;
     const u8* wq[2] = {t.w, up};
@@ -807,13 +747,12 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
                 if (b < c1) load_quants<TY>(qbase[m] + (size_t)b * tile_quant_bytes(TY), lane, raw[m][i]);
             }
     };
-    stage_norm_weights(norm_w, k, rows_pad, smem);
     load_chunk(0);
     wait_inputs();
     release_dependents();
-    copies_done();  // this thread's scale and norm weight copies land before stage_q8's barriers
+    copies_done();  // this thread's scale copies land before stage_q8's barriers
     Staged st;
-    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st, held);
+    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st);
     int c = threadIdx.x & 15, r = threadIdx.x >> 4;
     bool chains = r < rows;
     float acc[2] = {0.f, 0.f};
@@ -879,7 +818,7 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
 // finished.
 template <int TY, int MATS>
 __device__ void wide_tile(const TileOf& t, bool mine, const u8* up, const float* x, int k, int rows,
-                          const float* norm_w, float eps, u8* smem, int accumulate, int held) {
+                          const float* norm_w, float eps, u8* smem, int accumulate) {
     int nb = k / 32, lane = threadIdx.x & 31, g = lane >> 2, i2 = 2 * (lane & 3);
     int rows_pad = rows <= 8 ? 8 : 16, ntiles = rows_pad / 8;
     const u8* wq[2] = {t.w, up};
@@ -897,13 +836,11 @@ __device__ void wide_tile(const TileOf& t, bool mine, const u8* up, const float*
             }
         }
     };
-    stage_norm_weights(norm_w, k, rows_pad, smem);
     if (mine) load_group(0, 0);
     wait_inputs();
     release_dependents();
-    copies_done();
     Staged st;
-    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st, held);
+    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st);
     if (!mine) return;  // after the CTA's last barrier
     float acc[2][2][4];
 #pragma unroll
@@ -960,7 +897,7 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
                                               const float* norm_w, float eps, int glu, int chunk,
                                               const u8* w0, int ty0, int n0, float* o0, const u8* w1, int ty1,
                                               int n1, float* o1, const u8* w2, int ty2, int n2, float* o2,
-                                              const RopeFusion& rope, int held) {
+                                              const RopeFusion& rope) {
     extern __shared__ __align__(16) u8 smem[];
     int warp = threadIdx.x >> 5;
     TileOf t;
@@ -973,11 +910,11 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
     const u8* up = glu ? w1 : nullptr;
 #define QM_RUN(TY)                                                                                  \
     if (WIDE) {                                                                                     \
-        if (glu) wide_tile<TY, 2>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate, held);       \
-        else wide_tile<TY, 1>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate, held);           \
+        if (glu) wide_tile<TY, 2>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate);          \
+        else wide_tile<TY, 1>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate);              \
     } else {                                                                                        \
-        if (glu) narrow_tile<TY, 2>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope, held); \
-        else narrow_tile<TY, 1>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope, held);     \
+        if (glu) narrow_tile<TY, 2>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope); \
+        else narrow_tile<TY, 1>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope);     \
     }
     switch (ty) {
         case T_TQ4_0: QM_RUN(T_TQ4_0); break;
@@ -998,17 +935,17 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
     const float *x, int k, int rows, int accumulate, const float *norm_w, float eps, int glu, int chunk,        \
         const u8 *w0, int ty0, int n0, float *o0, const u8 *w1, int ty1, int n1, float *o1, const u8 *w2,       \
         int ty2, int n2, float *o2, int rope_table, int rope_hd, float *kc, float *vc, const int *step,       \
-        int cap, int r0, int held
+        int cap, int r0
 #define QM_ARGS x, k, rows, accumulate, norm_w, eps, glu, chunk, w0, ty0, n0, o0, w1, ty1, n1, o1, w2, ty2, n2, o2
 
-// rope_*, kc, vc, step, cap and r0 fuse RoPE and the cache write into a narrow Q/K/V launch (w0, w1, w2 = q, k,
-// v; see `RopeFusion`); rope_hd = 0 for every other launch. `held`: see `stage_q8`.
+// The last parameters fuse RoPE and the cache write into a narrow Q/K/V launch (w0, w1, w2 = q, k, v; see
+// `RopeFusion`); rope_hd = 0 for every other launch.
 extern "C" __global__ void __launch_bounds__(QM_WARPS * 32) qmatmuls_narrow(QM_PARAMS) {
-    qmatmuls_body<false>(QM_ARGS, RopeFusion{rope_table, rope_hd, kc, vc, step, cap, r0}, held);
+    qmatmuls_body<false>(QM_ARGS, RopeFusion{rope_table, rope_hd, kc, vc, step, cap, r0});
 }
 
 extern "C" __global__ void __launch_bounds__(QM_WARPS * 32, 2) qmatmuls_wide(QM_PARAMS) {
-    qmatmuls_body<true>(QM_ARGS, RopeFusion{0, 0, nullptr, nullptr, nullptr, 0, 0}, held);
+    qmatmuls_body<true>(QM_ARGS, RopeFusion{0, 0, nullptr, nullptr, nullptr, 0, 0});
 }
 
 // out[r, :] = table row step.tokens[r] (one block of threads per row, one thread per 32-value block).

@@ -28,8 +28,7 @@
 //! blocks start while the one before runs and prefetch their weights, then wait for its results. Fusions: the
 //! Q/K/V projections with their input norm, RoPE and the cache write in one launch (the integer kernel's
 //! epilogue; the angles come with the step, `rope.rs`), the gate/up projections with their norm and the SwiGLU
-//! in one, and the output projections adding into the residual stream. The integer kernels load x for their
-//! staging in one pass where it fits the registers (`stage_q8`), the norm weights copied alongside.
+//! in one, and the output projections adding into the residual stream.
 //!
 //! Attention is split over 64-slot chunks (8 blocks per row and head) and combined in chunk order by the block
 //! that finishes last, so its parallelism grows with the context while every sum keeps a fixed order.
@@ -169,9 +168,6 @@ pub struct CudaBackend {
     /// RoPE and the cache write fused into the Q/K/V projection where it can be (`VERITY_CUDA_FUSE_ROPE=0`:
     /// never, for side-by-side measurements).
     fuse_rope: bool,
-    /// Whether the integer kernels stage x in one pass held in registers where it fits (`kernels.cu`'s
-    /// `stage_q8`; `VERITY_CUDA_STAGE_HELD=0`: always the passes, for side-by-side measurements).
-    stage_held: i32,
     /// The admission verdict per weight shape (type, rows, cols): rows per launch.
     admitted: Mutex<HashMap<(i32, usize, usize), usize>>,
     /// Rotations prepared at load (`prepare_attention`), in the order of every step's tables.
@@ -209,12 +205,12 @@ fn staged_bytes(rows: usize, k: usize) -> usize {
 
 /// Shared memory of a `qmatmuls_*` launch of `rows` rows of `k` values over `mats` matrices per tile (2 for
 /// gate/up), and its exchange chunk (blocks; 0 in the wide schedule): the staged 8-bit rows (padded to 8 or 16,
-/// each row 16 bytes longer than k against bank conflicts), their per-block scales and sums, 16 norm scales, the
-/// norm weights, then (narrow) the tile's scale words and the exchanged integer sums.
+/// each row 16 bytes longer than k against bank conflicts), their per-block scales and sums, 16 norm scales,
+/// then (narrow) the tile's scale words and the exchanged integer sums.
 fn q_shared(rows: usize, k: usize, wide: bool, mats: usize) -> (usize, usize) {
     let rows_pad = if rows <= 8 { 8 } else { 16 };
     let nb = k / 32;
-    let stage = rows_pad * (k + 16) + 2 * rows_pad * nb * 4 + 16 * 4 + 4 * k;
+    let stage = rows_pad * (k + 16) + 2 * rows_pad * nb * 4 + 16 * 4;
     if wide {
         return (stage, 0);
     }
@@ -307,7 +303,6 @@ impl CudaBackend {
             int8_tiles,
             pdl,
             fuse_rope: !off("VERITY_CUDA_FUSE_ROPE"),
-            stage_held: i32::from(!off("VERITY_CUDA_STAGE_HELD")),
             admitted: Mutex::new(HashMap::new()),
             ropes: Mutex::new(Vec::new()),
         })
@@ -454,7 +449,6 @@ impl CudaBackend {
                     Arg::I32(0),
                 ]),
             }
-            args.push(Arg::I32(self.stage_held));
         } else {
             assert!(rope.is_none(), "RoPE fuses only into the integer kernel");
         }
