@@ -1044,16 +1044,18 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
 #define ATT_CHUNK 64
 #define ATT_SPLIT 8
 #define MAX_HEAD_DIM 256
+#define ATT_AHEAD_DIM 64  // heads up to this size load their first chunk before waiting for the grid before
 
 extern "C" __global__ void attention(const float* q, const float* kc, const float* vc, int row0, int n_heads,
                                      int n_kv_heads, int head_dim, float scale, const int* step, int cap,
-                                     float* work, int chunks, float* out) {
+                                     float* work, int chunks, float* out, int load_ahead) {
     __shared__ float sc[ATT_CHUNK];
     __shared__ float red[ATT_CHUNK];
     __shared__ float quarter[4][MAX_HEAD_DIM];
     __shared__ int last;
-    wait_inputs();
-    release_dependents();
+    // The step (written by the host before the forward) and the committed slots [0, base) (written by earlier
+    // forwards) are read before waiting for the grid before: this block's first chunk of K and V is in flight
+    // while the Q/K/V projection finishes. Only q and this step's slots wait.
     Step st = read_step(step, cap);
     int base = st.base, rows = st.rows, n = base + rows;
     int t = threadIdx.x;
@@ -1067,24 +1069,52 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
     const float* vh = vc + kvh * head_dim;
     unsigned int* counters = (unsigned int*)work;
     float* records = work + 16 * n_heads + (size_t)rh * chunks * rec;
+    // The first chunk's committed K (this thread's quarter of its slot) and V (this thread's first value-sum
+    // item's 16 slots), for heads of up to ATT_AHEAD_DIM values (more would cost occupancy in registers).
+    bool vec = (head_dim & 15) == 0;
+    bool ahead = load_ahead && head_dim <= ATT_AHEAD_DIM && 4 * head_dim <= (int)blockDim.x;
+    float4 kq[ATT_AHEAD_DIM / 16];
+    float vq[ATT_CHUNK / 4];
+    {
+        int j0 = blockIdx.x * ATT_CHUNK, j = j0 + (t >> 2), w = head_dim / 16;
+        if (ahead && vec && j < base) {
+            const float4* k4 = (const float4*)(kh + (size_t)j * kv_dim) + (t & 3) * w;
+#pragma unroll
+            for (int e = 0; e < ATT_AHEAD_DIM / 16; e++)
+                if (e < w) kq[e] = k4[e];
+        }
+        if (ahead && t < 4 * head_dim) {
+            int jq = j0 + t / head_dim * (ATT_CHUNK / 4), e = t % head_dim;
+#pragma unroll
+            for (int jj = 0; jj < ATT_CHUNK / 4; jj++)
+                if (jq + jj < base) vq[jj] = vh[(size_t)(jq + jj) * kv_dim + e];
+        }
+    }
+    wait_inputs();
+    release_dependents();
     for (int c = blockIdx.x; c * ATT_CHUNK < n; c += ATT_SPLIT) {
         int j0 = c * ATT_CHUNK;
+        bool first = c == (int)blockIdx.x;
         // Scores: four threads per slot, each a quarter of the head's dims, then a fixed butterfly.
         int js = t >> 2, sub = t & 3, j = j0 + js;
         bool sees = j < n && (j < base || (st.tree ? st.mask[i * rows + (j - base)] != 0 : (j - base) <= i));
         float d = 0.f;
         if (sees) {
             const float* kv = kh + (size_t)j * kv_dim;
-            if ((head_dim & 15) == 0) {
+            if (vec) {
                 int w = head_dim / 16;  // float4s per quarter
                 const float4* k4 = (const float4*)kv + sub * w;
                 const float4* q4 = (const float4*)qv + sub * w;
-                for (int e = 0; e < w; e++) {
-                    float4 a = q4[e], b = k4[e];
-                    d = fmaf(a.x, b.x, d);
-                    d = fmaf(a.y, b.y, d);
-                    d = fmaf(a.z, b.z, d);
-                    d = fmaf(a.w, b.w, d);
+                bool held = ahead && first && j < base;
+#pragma unroll
+                for (int e = 0; e < MAX_HEAD_DIM / 16; e++) {
+                    if (e < w) {
+                        float4 a = q4[e], b = held && e < ATT_AHEAD_DIM / 16 ? kq[e] : k4[e];
+                        d = fmaf(a.x, b.x, d);
+                        d = fmaf(a.y, b.y, d);
+                        d = fmaf(a.z, b.z, d);
+                        d = fmaf(a.w, b.w, d);
+                    }
                 }
             } else {
                 for (int e = sub; e < head_dim; e += 4) d = fmaf(qv[e], kv[e], d);
@@ -1115,9 +1145,15 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
         // Value sums: each quarter of the chunk's slots in order, then the quarters in order.
         for (int u = t; u < 4 * head_dim; u += blockDim.x) {
             int qq = u / head_dim, e = u % head_dim;
+            int jq = j0 + qq * (ATT_CHUNK / 4);
+            bool held = ahead && first && u == t;
             float a = 0.f;
-            for (int jj = qq * (ATT_CHUNK / 4); jj < (qq + 1) * (ATT_CHUNK / 4); jj++) {
-                if (j0 + jj < n) a = fmaf(sc[jj], vh[(size_t)(j0 + jj) * kv_dim + e], a);
+#pragma unroll
+            for (int jj = 0; jj < ATT_CHUNK / 4; jj++) {
+                if (jq + jj < n) {
+                    float v = held && jq + jj < base ? vq[jj] : vh[(size_t)(jq + jj) * kv_dim + e];
+                    a = fmaf(sc[qq * (ATT_CHUNK / 4) + jj], v, a);
+                }
             }
             quarter[qq][e] = a;
         }

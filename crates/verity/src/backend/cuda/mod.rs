@@ -168,6 +168,9 @@ pub struct CudaBackend {
     /// RoPE and the cache write fused into the Q/K/V projection where it can be (`VERITY_CUDA_FUSE_ROPE=0`:
     /// never, for side-by-side measurements).
     fuse_rope: bool,
+    /// Attention loads its first chunk of committed K and V before waiting for the grid before
+    /// (`VERITY_CUDA_ATT_AHEAD=0`: after, for side-by-side measurements).
+    att_ahead: bool,
     /// The admission verdict per weight shape (type, rows, cols): rows per launch.
     admitted: Mutex<HashMap<(i32, usize, usize), usize>>,
     /// Rotations prepared at load (`prepare_attention`), in the order of every step's tables.
@@ -303,6 +306,7 @@ impl CudaBackend {
             int8_tiles,
             pdl,
             fuse_rope: !off("VERITY_CUDA_FUSE_ROPE"),
+            att_ahead: !off("VERITY_CUDA_ATT_AHEAD"),
             admitted: Mutex::new(HashMap::new()),
             ropes: Mutex::new(Vec::new()),
         })
@@ -1028,6 +1032,7 @@ impl Backend for CudaBackend {
                 self.at(work, 0),
                 Arg::I32(nc),
                 self.at(out, 0),
+                Arg::I32(i32::from(self.att_ahead)),
             ];
             // SAFETY: q/out hold rows × n_heads × head_dim values, the caches (base + rows) × kv_dim within
             // their capacity; `work` holds the counters and chunk records of up to MAX_ROWS rows (checked above);
