@@ -1036,7 +1036,10 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
 // - slots are cut into chunks of ATT_CHUNK by absolute index; ATT_SPLIT blocks per (row, head) take chunks
 //   c = blockIdx.x, + ATT_SPLIT, ...; each chunk's max, exp-sum and value sums are written to `work`;
 // - the block that finishes last (a counter per (row, head), reset by that block) combines the chunks in
-//   chunk order.
+//   chunk order;
+// - a block's first chunk of committed K and V (slots below base, written by earlier forwards) is loaded before
+//   griddepcontrol.wait, so it is in flight while the Q/K/V launch before finishes (`load_ahead`; the loaded
+//   values go through the same arithmetic, so the results are the same bits either way).
 // Every sum's order depends on slot indices alone, never on the number of slots or rows, and slots a row does
 // not see add exact zeros, so a row gives the same bits alone or in a batch. Rows row0 .. row0 + gridDim.y /
 // n_heads of the step; `work` holds 16 * n_heads counters, then per (row, head) `chunks` records of

@@ -31,7 +31,8 @@
 //! in one, and the output projections adding into the residual stream.
 //!
 //! Attention is split over 64-slot chunks (8 blocks per row and head) and combined in chunk order by the block
-//! that finishes last, so its parallelism grows with the context while every sum keeps a fixed order.
+//! that finishes last, so its parallelism grows with the context while every sum keeps a fixed order. Its first
+//! chunk of committed K/V is loaded before it waits for the Q/K/V launch (only the new slots depend on it).
 //!
 //! MLX-affine weights are re-laid at upload into 32-value blocks with f32 scale and bias (`affine.rs`) and run
 //! the f32-activation kernel, decoding bitwise as the CPU does.
