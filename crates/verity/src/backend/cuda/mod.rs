@@ -246,6 +246,27 @@ impl CudaBackend {
     pub fn with_graphs(ordinal: usize, graphs: bool) -> Result<Self> {
         let err =
             |what: &str, e: &dyn std::fmt::Display| Error::Invalid(format!("CUDA {what}: {e}"));
+        // cudarc panics on its first call into a library it cannot load; ask first, so a machine without the
+        // driver or NVRTC gets an error it can act on.
+        // SAFETY: each only tries to open the library (and closes it again).
+        let (driver, nvrtc) = unsafe {
+            (
+                cudarc::driver::sys::is_culib_present(),
+                cudarc::nvrtc::sys::is_culib_present(),
+            )
+        };
+        if !driver {
+            return Err(Error::Unsupported(
+                "CUDA: no NVIDIA driver library (libcuda) found on this machine".into(),
+            ));
+        }
+        if !nvrtc {
+            return Err(Error::Unsupported(
+                "CUDA: no NVRTC library (libnvrtc, the CUDA runtime compiler) found: install the CUDA toolkit's \
+                 NVRTC or put it on LD_LIBRARY_PATH"
+                    .into(),
+            ));
+        }
         let ctx = CudaContext::new(ordinal).map_err(|e| err("device", &e))?;
         // One stream orders everything, so cudarc's per-buffer events are not needed (and must not be recorded
         // into a graph).
@@ -1063,5 +1084,20 @@ impl Backend for CudaBackend {
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         let _ = self.ctx.synchronize();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CudaBackend;
+
+    #[test]
+    fn a_machine_without_the_driver_gets_an_error_instead_of_a_panic() {
+        // SAFETY: only opens the library and closes it again.
+        if unsafe { cudarc::driver::sys::is_culib_present() } {
+            return; // a GPU machine: the backend's own tests (tests/cuda.rs) run there
+        }
+        let e = CudaBackend::new(0).err().expect("no driver, no backend");
+        assert!(e.to_string().contains("libcuda"), "{e}");
     }
 }
