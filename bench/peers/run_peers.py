@@ -75,7 +75,7 @@ class VerityArm:
                 f"  or leave the verity arm out with --arms llama.cpp,mistralrs")
         self.binary = os.path.abspath(resolved)
         self.model, self.threads, self.max_tokens, self.timeout_s = model, threads, max_tokens, timeout_s
-        self.device = ["--device", "cuda"] if gpu else []
+        self.device = ["--device", "cuda"] if gpu else ["--device", "cpu"]
         self.tmpdir = tempfile.mkdtemp(prefix="verity-peers-")
         self.version = self._version()
 

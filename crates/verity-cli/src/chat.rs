@@ -22,7 +22,7 @@ pub fn main(a: Args, device: Device, threads: usize) -> Result<()> {
 
 impl WithBackend for Args {
     type Out = ();
-    fn run<B: Backend>(self, backend: Arc<B>) -> Result<()> {
+    fn run<B: Backend>(self, backend: Arc<B>, _: Device) -> Result<()> {
         chat(self, backend)
     }
 }

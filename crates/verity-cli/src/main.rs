@@ -22,8 +22,9 @@ struct Cli {
     /// CPU threads (0 = one per core).
     #[arg(long, global = true, default_value_t = 0)]
     threads: usize,
-    /// The backend: cpu, or cuda (GPU 0; builds with `--features cuda`).
-    #[arg(long, global = true, value_enum, default_value_t = device::Device::Cpu)]
+    /// The backend: auto (GPU 0 where this build has CUDA and the machine a usable GPU, else the CPU), cpu, or
+    /// cuda (GPU 0; builds with `--features cuda`).
+    #[arg(long, global = true, value_enum, default_value_t = device::Device::Auto)]
     device: device::Device,
     #[command(subcommand)]
     command: Command,

@@ -87,7 +87,7 @@ pub fn main(a: Args, device: Device, threads: usize) -> Result<()> {
 
 impl WithBackend for Args {
     type Out = ();
-    fn run<B: Backend>(self, backend: Arc<B>) -> Result<()> {
+    fn run<B: Backend>(self, backend: Arc<B>, _: Device) -> Result<()> {
         let a = self;
         let mut engine = crate::load::engine_on(&a.gen.model, backend, &a.gen.speculation)?;
         let mut messages = a.gen.first_messages();

@@ -37,6 +37,18 @@ fn run_streams_an_answer_and_reports_speed() {
     assert!(text(&out.stderr).contains("tok/s"), "{}", text(&out.stderr));
 }
 
+/// `--device auto` (the default) took the CPU above; asking for CUDA from a build without it is an error that
+/// says how to get it, never a silent CPU run.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn device_cuda_without_the_cuda_build_says_how_to_build_it() {
+    let b = fixture("llama-f32");
+    let model = b.to_str().unwrap();
+    let out = verity(&["--device", "cuda", "run", "--model", model, "hello"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("--features cuda"), "{}", text(&out.stderr));
+}
+
 #[test]
 fn chat_keeps_the_conversation_and_reuses_its_cache() {
     use std::io::Write;

@@ -73,19 +73,18 @@ struct Cost {
 }
 
 pub fn main(a: Args, device: Device, threads: usize) -> Result<()> {
-    with_backend(device, threads, RowCost { a, device, threads })
+    with_backend(device, threads, RowCost { a, threads })
 }
 
 struct RowCost {
     a: Args,
-    device: Device,
     threads: usize,
 }
 
 impl WithBackend for RowCost {
     type Out = ();
-    fn run<B: Backend>(self, backend: Arc<B>) -> Result<()> {
-        run(self.a, backend, self.device, self.threads)
+    fn run<B: Backend>(self, backend: Arc<B>, device: Device) -> Result<()> {
+        run(self.a, backend, device, self.threads)
     }
 }
 
