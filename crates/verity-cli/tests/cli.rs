@@ -46,7 +46,11 @@ fn device_cuda_without_the_cuda_build_says_how_to_build_it() {
     let model = b.to_str().unwrap();
     let out = verity(&["--device", "cuda", "run", "--model", model, "hello"]);
     assert!(!out.status.success());
-    assert!(text(&out.stderr).contains("--features cuda"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("--features cuda"),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 #[test]
