@@ -9,13 +9,14 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
+use verity::backend::cpu::CpuBackend;
 use verity::backend::cuda::CudaBackend;
 use verity::backend::{AttnMask, Backend};
 use verity::bundle::Bundle;
 use verity::chat::Message;
 use verity::engine::{Engine, GenerateRequest};
 use verity::model::{Batch, LogitRows, Model, MtpHead};
-use verity::quant::{GgmlType, MlxAffine, MlxScaleType, QMatrix};
+use verity::quant::{GgmlType, MlxScaleType, QMatrix};
 use verity::spec::SpecMode;
 use verity::storage::Bytes;
 
@@ -97,6 +98,34 @@ fn cuda_int8_projections_are_bitwise_the_cpu_8_bit_kernels() {
 
 /// The K-quants run the f32-activation kernel: against the CPU's f32 path on the same blocks, within float
 /// rounding of the sums (the two add in different orders).
+/// `m` on the GPU's f32-activation kernel against the CPU's f32 path, 1, 3 and 16 rows: within float rounding
+/// of the sums.
+fn assert_projection_matches_the_cpu(
+    gpu: &CudaBackend,
+    cpu: &CpuBackend,
+    m: &QMatrix,
+    name: &str,
+    seed: u64,
+) {
+    let (n, k) = (m.rows, m.cols);
+    let cw = cpu.load_matrix(m.clone()).unwrap();
+    for rows in [1, 3, 16] {
+        let x = random_f32(rows * k, seed ^ rows as u64, 1.0);
+        let mut want = cpu.buffer(rows * n);
+        cpu.matmul(&cw, &x, rows, &mut want);
+        let got = gpu_matmul(gpu, m, &x, rows);
+        let scale = want.iter().fold(1f32, |a, v| a.max(v.abs()));
+        let worst = got
+            .iter()
+            .zip(&want)
+            .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+        assert!(
+            worst <= 1e-5 * scale * k as f32,
+            "{name}, {rows} rows: max |Δ| {worst}"
+        );
+    }
+}
+
 #[test]
 fn cuda_k_quant_projections_match_the_cpu_backend() {
     let (gpu, cpu) = (gpu(), f32_backend());
@@ -106,91 +135,28 @@ fn cuda_k_quant_projections_match_the_cpu_backend() {
         (GgmlType::Q5K, "Q5_K"),
         (GgmlType::Q6K, "Q6_K"),
     ] {
-        let (n, k) = (40, 512);
-        let m = fixture_matrix(ty, name, n, k, &mut seed);
-        let cw = cpu.load_matrix(m.clone()).unwrap();
-        for rows in [1, 3, 16] {
-            let x = random_f32(rows * k, seed ^ rows as u64, 1.0);
-            let mut want = cpu.buffer(rows * n);
-            cpu.matmul(&cw, &x, rows, &mut want);
-            let got = gpu_matmul(&gpu, &m, &x, rows);
-            let scale = want.iter().fold(1f32, |a, v| a.max(v.abs()));
-            let worst = got
-                .iter()
-                .zip(&want)
-                .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
-            assert!(
-                worst <= 1e-5 * scale * k as f32,
-                "{name}, {rows} rows: max |Δ| {worst}"
-            );
-        }
+        let m = fixture_matrix(ty, name, 40, 512, &mut seed);
+        assert_projection_matches_the_cpu(&gpu, &cpu, &m, name, seed);
     }
 }
 
 /// MLX affine matrices (4 and 8 bits, groups of 32 to 128, every scale dtype), re-laid into blocks at upload,
-/// decode bitwise as the CPU does and run the f32-activation kernel: against the CPU's f32 path within float
-/// rounding of the sums.
+/// decode bitwise as the CPU does and run the f32-activation kernel.
 #[test]
 fn cuda_mlx_affine_projections_match_the_cpu_backend() {
     let (gpu, cpu) = (gpu(), f32_backend());
-    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    };
-    for (bits, group, st) in [
+    for (i, (bits, group, st)) in [
         (4, 32, MlxScaleType::F16),
         (4, 64, MlxScaleType::BF16),
         (8, 128, MlxScaleType::F32),
         (8, 32, MlxScaleType::F16),
-    ] {
-        let (n, k) = (40, group * 4);
-        let q = MlxAffine::new(bits, group, st).unwrap();
-        let words: Vec<u8> = (0..n * k * bits as usize / 32)
-            .flat_map(|_| (next() as u32).to_le_bytes())
-            .collect();
-        let scalar = |v: f32| -> Vec<u8> {
-            match st {
-                MlxScaleType::F16 => half::f16::from_f32(v).to_le_bytes().to_vec(),
-                MlxScaleType::BF16 => half::bf16::from_f32(v).to_le_bytes().to_vec(),
-                MlxScaleType::F32 => v.to_le_bytes().to_vec(),
-            }
-        };
-        let groups = n * k / group;
-        let scales: Vec<u8> = (0..groups)
-            .flat_map(|i| scalar(0.01 * (1 + i % 9) as f32))
-            .collect();
-        let biases: Vec<u8> = (0..groups)
-            .flat_map(|i| scalar(-0.04 * (i % 5) as f32))
-            .collect();
-        let m = QMatrix::mlx(
-            "mlx",
-            q,
-            n,
-            k,
-            Bytes::owned(words),
-            Bytes::owned(scales),
-            Bytes::owned(biases),
-        )
-        .unwrap();
-        let cw = cpu.load_matrix(m.clone()).unwrap();
-        for rows in [1, 3, 16] {
-            let x = random_f32(rows * k, rows as u64 + u64::from(bits), 1.0);
-            let mut want = cpu.buffer(rows * n);
-            cpu.matmul(&cw, &x, rows, &mut want);
-            let got = gpu_matmul(&gpu, &m, &x, rows);
-            let scale = want.iter().fold(1f32, |a, v| a.max(v.abs()));
-            let worst = got
-                .iter()
-                .zip(&want)
-                .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
-            assert!(
-                worst <= 1e-5 * scale * k as f32,
-                "q{bits}-g{group}, {rows} rows: max |Δ| {worst}"
-            );
-        }
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let name = format!("q{bits}-g{group}");
+        let m = random_mlx_matrix(&name, (bits, group, st), 40, group * 4, 0x9e37 + i as u64);
+        assert_projection_matches_the_cpu(&gpu, &cpu, &m, &name, u64::from(bits));
     }
 }
 

@@ -9,7 +9,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use verity::backend::cpu::{Activations, CpuBackend};
 use verity::backend::Backend;
-use verity::quant::{GgmlType, MlxAffine, MlxScaleType, QMatrix};
+use verity::quant::{GgmlType, MlxScaleType, QMatrix};
 use verity::storage::Bytes;
 
 const GGML_QUANTS: &[(&str, GgmlType)] = &[
@@ -89,35 +89,14 @@ fn random_matrices(rng: &mut ChaCha8Rng) -> Vec<QMatrix> {
         (8, 128, MlxScaleType::F32),
         (8, 32, MlxScaleType::F16),
     ] {
-        let cols = group * 3;
-        let q = MlxAffine::new(bits, group, st).unwrap();
-        let words: Vec<u8> = (0..rows * cols * bits as usize / 32)
-            .flat_map(|_| rng.random::<u32>().to_le_bytes())
-            .collect();
-        let n_groups = rows * cols / group;
-        let scalar = |rng: &mut ChaCha8Rng, v: f32| -> Vec<u8> {
-            let v = v * rng.random_range(0.5f32..1.5);
-            match st {
-                MlxScaleType::F16 => f16::from_f32(v).to_le_bytes().to_vec(),
-                MlxScaleType::BF16 => bf16::from_f32(v).to_le_bytes().to_vec(),
-                MlxScaleType::F32 => v.to_le_bytes().to_vec(),
-            }
-        };
-        let scales: Vec<u8> = (0..n_groups).flat_map(|_| scalar(rng, 0.01)).collect();
-        let biases: Vec<u8> = (0..n_groups).flat_map(|_| scalar(rng, -0.05)).collect();
         let name = format!("mlx-q{bits}-g{group}");
-        out.push(
-            QMatrix::mlx(
-                &name,
-                q,
-                rows,
-                cols,
-                Bytes::owned(words),
-                Bytes::owned(scales),
-                Bytes::owned(biases),
-            )
-            .unwrap(),
-        );
+        out.push(random_mlx_matrix(
+            &name,
+            (bits, group, st),
+            rows,
+            group * 3,
+            rng.random(),
+        ));
     }
     out
 }

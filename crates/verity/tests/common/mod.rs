@@ -7,6 +7,8 @@ use std::sync::Arc;
 use verity::backend::cpu::{Activations, CpuBackend};
 use verity::bundle::Bundle;
 use verity::model::Model;
+use verity::quant::{MlxAffine, MlxScaleType, QMatrix};
+use verity::storage::Bytes;
 
 pub fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
@@ -110,19 +112,58 @@ pub fn write_safetensors(path: &Path, tensors: &[StEntry], metadata: &[(&str, &s
     std::fs::write(path, out).unwrap();
 }
 
+/// A deterministic stream of pseudo-random 64-bit values (SplitMix64).
+pub fn splitmix(seed: u64) -> impl FnMut() -> u64 {
+    let mut s = seed;
+    move || {
+        s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
+
 /// Deterministic pseudo-random f32 values in `[-scale, scale)` (SplitMix64).
 pub fn random_f32(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed;
+    let mut next = splitmix(seed);
     (0..n)
-        .map(|_| {
-            s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 31;
-            ((z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
+        .map(|_| ((next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale)
         .collect()
+}
+
+/// A random `rows` × `cols` MLX affine matrix of `bits` with `group` values per scale and bias, stored as `st`:
+/// random quants, scales of 0.01 and biases of -0.05, each times a random factor in [0.5, 1.5).
+pub fn random_mlx_matrix(
+    name: &str,
+    (bits, group, st): (u32, usize, MlxScaleType),
+    rows: usize,
+    cols: usize,
+    seed: u64,
+) -> QMatrix {
+    let mut next = splitmix(seed);
+    let words: Vec<u8> = std::iter::repeat_with(|| next().to_le_bytes())
+        .flatten()
+        .take(rows * cols * bits as usize / 8)
+        .collect();
+    let mut scalar = |v: f32| -> Vec<u8> {
+        let v = v * (0.5 + (next() >> 40) as f32 / (1u64 << 24) as f32);
+        match st {
+            MlxScaleType::F16 => half::f16::from_f32(v).to_le_bytes().to_vec(),
+            MlxScaleType::BF16 => half::bf16::from_f32(v).to_le_bytes().to_vec(),
+            MlxScaleType::F32 => v.to_le_bytes().to_vec(),
+        }
+    };
+    let groups = rows * cols / group;
+    let scales: Vec<u8> = (0..groups).flat_map(|_| scalar(0.01)).collect();
+    let biases: Vec<u8> = (0..groups).flat_map(|_| scalar(-0.05)).collect();
+    let q = MlxAffine::new(bits, group, st).unwrap();
+    let (words, scales, biases) = (
+        Bytes::owned(words),
+        Bytes::owned(scales),
+        Bytes::owned(biases),
+    );
+    QMatrix::mlx(name, q, rows, cols, words, scales, biases).unwrap()
 }
 
 pub fn f32_bytes(v: &[f32]) -> Vec<u8> {

@@ -46,6 +46,7 @@ mod launch;
 mod rope;
 pub mod tiles;
 
+use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
@@ -507,33 +508,6 @@ impl CudaBackend {
         }
     }
 
-    /// An MLX affine matrix, re-laid into `affine.rs`'s blocks, on the f32-activation kernel.
-    fn load_mlx(&self, m: &QMatrix, bits: u32) -> Result<CudaMatrix> {
-        let blocks = affine::to_blocks(m).expect("an MLX affine matrix");
-        let data = self
-            .stream
-            .clone_htod(&blocks)
-            .map_err(|e| Error::Invalid(format!("CUDA upload of {}: {e}", m.name)))?;
-        let mut matrix = CudaMatrix {
-            ty: if bits == 4 { 12 } else { 13 },
-            tiled: false,
-            rows: m.rows,
-            cols: m.cols,
-            data,
-            launch_rows: (1..=MAX_ROWS)
-                .rev()
-                .find(|&r| staged_bytes(r, m.cols) <= self.matmul_shared)
-                .ok_or_else(|| {
-                    Error::Unsupported(format!(
-                        "{}: rows of {} values do not fit the CUDA projection kernel's shared memory",
-                        m.name, m.cols
-                    ))
-                })?,
-        };
-        matrix.launch_rows = self.admit(&matrix);
-        Ok(matrix)
-    }
-
     /// Weight shapes checked so far, and how many of them failed the admission check (their verifies run one
     /// row per launch).
     pub fn admission(&self) -> (usize, usize) {
@@ -611,6 +585,15 @@ fn type_tag(ty: GgmlType, tiled: bool) -> i32 {
     }
 }
 
+/// `kernels.cu`'s tag for an MLX affine matrix of `bits` (re-laid into `affine.rs`'s blocks).
+fn mlx_tag(bits: u32) -> i32 {
+    if bits == 4 {
+        12
+    } else {
+        13
+    }
+}
+
 impl Backend for CudaBackend {
     type Buffer = CudaSlice<f32>;
     type Matrix = CudaMatrix;
@@ -621,29 +604,34 @@ impl Backend for CudaBackend {
     }
 
     fn load_matrix(&self, m: QMatrix) -> Result<CudaMatrix> {
-        let ty = match m.format {
-            WeightFormat::Ggml(ty) => ty,
-            WeightFormat::Mlx(q) => return self.load_mlx(&m, q.bits),
+        // The bytes the kernels read: GGML blocks as stored (Q4_0/Q4_1/Q8_0 repacked into tensor-core tiles
+        // where the int8 kernels run), MLX affine re-laid into 32-value blocks.
+        let (tag, tiled, bytes) = match m.format {
+            WeightFormat::Mlx(q) => {
+                let blocks = affine::to_blocks(&m).expect("an MLX affine matrix");
+                (mlx_tag(q.bits), false, Cow::Owned(blocks))
+            }
+            WeightFormat::Ggml(ty) => {
+                let block = ty.block_len().max(32);
+                if !m.cols.is_multiple_of(block) {
+                    return Err(Error::Unsupported(format!(
+                        "{}: rows of {} values (the CUDA kernels need a multiple of {block})",
+                        m.name, m.cols
+                    )));
+                }
+                let tiled = self.int8_tiles && tiles::tileable(ty);
+                let bytes = if tiled {
+                    Cow::Owned(tiles::tile(ty, m.rows, m.cols, m.data()))
+                } else {
+                    Cow::Borrowed(m.data())
+                };
+                (type_tag(ty, tiled), tiled, bytes)
+            }
         };
-        let tiled = self.int8_tiles && tiles::tileable(ty);
-        let tag = type_tag(ty, tiled);
-        let block = ty.block_len().max(32);
-        if !m.cols.is_multiple_of(block) {
-            return Err(Error::Unsupported(format!(
-                "{}: rows of {} values (the CUDA kernels need a multiple of {block})",
-                m.name, m.cols
-            )));
-        }
-        let upload = |bytes: &[u8]| {
-            self.stream
-                .clone_htod(bytes)
-                .map_err(|e| Error::Invalid(format!("CUDA upload of {}: {e}", m.name)))
-        };
-        let data = if tiled {
-            upload(&tiles::tile(ty, m.rows, m.cols, m.data()))?
-        } else {
-            upload(m.data())?
-        };
+        let data = self
+            .stream
+            .clone_htod(bytes.as_ref())
+            .map_err(|e| Error::Invalid(format!("CUDA upload of {}: {e}", m.name)))?;
         let fits = |r: usize| {
             staged_bytes(r, m.cols) <= self.matmul_shared
                 && (!tiled
