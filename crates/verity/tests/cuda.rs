@@ -17,6 +17,7 @@ use verity::chat::Message;
 use verity::engine::{Engine, GenerateRequest};
 use verity::model::{Batch, LogitRows, Model, MtpHead};
 use verity::quant::{GgmlType, MlxScaleType, QMatrix};
+use verity::sample::argmax;
 use verity::spec::SpecMode;
 use verity::storage::Bytes;
 
@@ -254,6 +255,44 @@ fn cuda_smollm2_logits_match_the_cpu_backend() {
     );
 }
 
+/// The device's argmax picks what the host's `argmax` picks: the lowest index among equal largest values, NaN
+/// never (and index 0 when the first value is NaN), over a vocabulary's width and over rows of few distinct
+/// values.
+#[test]
+fn cuda_argmax_picks_what_the_host_argmax_picks() {
+    let be = gpu();
+    let n = 49_152;
+    let mut next = splitmix(7);
+    let mut rows: Vec<Vec<f32>> = (0..6)
+        .map(|_| (0..n).map(|_| (next() % 9) as f32 - 4.0).collect())
+        .collect();
+    rows[1][0] = f32::NAN; // the host's scan never moves off a NaN first value
+    rows[2][17] = f32::NAN;
+    rows[2][40_000] = 9.0;
+    rows[3].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+    rows[4].iter_mut().for_each(|v| *v = -0.0);
+    rows[4][3] = 0.0; // equal to -0.0: index 0 stays
+    rows[5][n - 1] = 100.0;
+    let x: Vec<f32> = rows.concat();
+    let mut out = be.buffer(rows.len());
+    be.argmax(&be.upload(&x), rows.len(), n, &mut out);
+    let got: Vec<u32> = be
+        .download(&out, rows.len())
+        .iter()
+        .map(|&t| t as u32)
+        .collect();
+    let want: Vec<u32> = rows.iter().map(|r| argmax(r)).collect();
+    assert_eq!(got, want);
+    assert_eq!(&want[1..], &[0, 40_000, 0, 0, n as u32 - 1]);
+    // A width that is not a multiple of four (a draft vocabulary): the kernel's one-value-at-a-time path.
+    let odd: Vec<f32> = (0..2 * 1001).map(|_| (next() % 5) as f32).collect();
+    let mut out = be.buffer(2);
+    be.argmax(&be.upload(&odd), 2, 1001, &mut out);
+    let got: Vec<u32> = be.download(&out, 2).iter().map(|&t| t as u32).collect();
+    let want: Vec<u32> = odd.chunks(1001).map(argmax).collect();
+    assert_eq!(got, want);
+}
+
 /// Every row of a W-row verify is bitwise the logits of the one-row step at that position (W = 2…16), and the
 /// W-row projection kernel was admitted for every weight shape of the model (no row-by-row fallback).
 #[test]
@@ -283,6 +322,21 @@ fn cuda_verify_rows_are_bitwise_the_one_row_step() {
             .forward(&mut cache, &Batch::causal(rows, base), LogitRows::All, &[])
             .unwrap()
             .logits;
+        cache.truncate(base);
+        let greedy = m
+            .forward(
+                &mut cache,
+                &Batch::causal(rows, base),
+                LogitRows::Greedy,
+                &[],
+            )
+            .unwrap()
+            .greedy;
+        let want: Vec<u32> = wide.chunks(vocab).map(argmax).collect();
+        assert_eq!(
+            greedy, want,
+            "W={w}: the device's argmax of the verify rows"
+        );
         cache.truncate(base);
         for (i, &t) in rows.iter().enumerate() {
             let one = m
@@ -446,8 +500,12 @@ fn recorded_mtp_head_steps_replay_bitwise_what_direct_launches_compute() {
             let hidden: Vec<f32> = (0..w * h)
                 .map(|_| (next() >> 8) as f32 / (1u32 << 24) as f32 - 0.5)
                 .collect();
-            let o = head.forward(&mut cache, &tokens, pos, &hidden).unwrap();
-            outs.push((o.hidden, o.logits));
+            let greedy = step % 2 == 1;
+            let o = head
+                .forward(&mut cache, &tokens, pos, &hidden, greedy)
+                .unwrap();
+            let argmax = o.greedy.map_or(Vec::new(), |t| vec![t as f32]);
+            outs.push((o.hidden, [o.logits, argmax].concat()));
             cache.truncate(pos + 1);
         }
         runs.push(outs);

@@ -371,10 +371,28 @@ fn the_trained_head_predicts_what_the_pytorch_reference_predicts() {
         let mut hc = head.new_cache(512);
         let (mut agree, mut n) = (0, 0);
         for p in 1..tokens.len() - 1 {
+            let before = hc.len();
             let o = head
-                .forward(&mut hc, &tokens[p..=p], p, &hidden[(p - 1) * h..p * h])
+                .forward(
+                    &mut hc,
+                    &tokens[p..=p],
+                    p,
+                    &hidden[(p - 1) * h..p * h],
+                    false,
+                )
                 .unwrap();
             let best = verity::sample::argmax(&o.logits) as usize;
+            hc.truncate(before);
+            let g = head
+                .forward(
+                    &mut hc,
+                    &tokens[p..=p],
+                    p,
+                    &hidden[(p - 1) * h..p * h],
+                    true,
+                )
+                .unwrap();
+            assert_eq!(g.greedy, Some(best as u32), "the head's argmax at {p}");
             n += 1;
             agree += usize::from(head.token(best) == want[p]);
         }

@@ -1,5 +1,6 @@
 //! `verity bench rowcost`: milliseconds of one target forward of W rows in verify mode (logits for every row),
 //! W = 1, 2, 4, 8, 16, at a realistic context length; medians after warm-up, widths interleaved per repeat.
+//! `--logits greedy` times the verify a greedy request runs (each row's argmax taken on the device).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -26,8 +27,18 @@ pub struct Args {
     repeat: usize,
     #[arg(long, default_value = "1,2,4,8,16")]
     widths: String,
+    /// What each forward returns: every row's logits (`all`) or every row's argmax (`greedy`, what a greedy
+    /// verify asks for).
+    #[arg(long, value_enum, default_value_t = Returns::All)]
+    logits: Returns,
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Returns {
+    All,
+    Greedy,
 }
 
 #[derive(Serialize)]
@@ -112,7 +123,11 @@ fn run<B: Backend>(a: Args, backend: Arc<B>, device: Device, threads: usize) -> 
             cache.truncate(a.context);
             let batch = Batch::causal(&tokens[a.context..a.context + w], a.context);
             let t = Instant::now();
-            model.forward(&mut cache, &batch, LogitRows::All, &[])?;
+            let logits = match a.logits {
+                Returns::All => LogitRows::All,
+                Returns::Greedy => LogitRows::Greedy,
+            };
+            model.forward(&mut cache, &batch, logits, &[])?;
             if rep >= 2 {
                 samples[i].push(t.elapsed().as_secs_f64() * 1e3);
             }

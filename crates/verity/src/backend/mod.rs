@@ -216,6 +216,10 @@ pub trait Backend: Send + Sync + 'static {
         step: &Self::Step,
         out: &mut Self::Buffer,
     );
+    /// Each of `rows` rows' greedy token: `out[r]` = the index of the largest of `x[r * n..(r + 1) * n]`, chosen
+    /// as [`crate::sample::argmax`] chooses it, as an exact f32 (indices stay below 2^24). A greedy verify then
+    /// copies `rows` values to the host instead of `rows × vocab` logits.
+    fn argmax(&self, x: &Self::Buffer, rows: usize, n: usize, out: &mut Self::Buffer);
     /// Copy `len` values from `src[src_off..]` to `dst[dst_off..]`.
     fn copy(
         &self,

@@ -522,6 +522,17 @@ impl<B: Backend> Engine<B> {
         let vocab = self.model.hp.vocab;
         let mut stats = GenerationStats::new(proposer.as_ref().map_or("ar", |p| p.name()));
         let mut controller = Controller::default();
+        // Where each row's argmax decides the verdict and nothing else reads the logits, the forward returns the
+        // argmax alone (one value per row from the device, not a vocabulary).
+        let wants = if verifier.argmax_decides()
+            && req.constraint.is_none()
+            && req.logprobs == 0
+            && !req.want_logprob
+        {
+            LogitRows::Greedy
+        } else {
+            LogitRows::All
+        };
         // `context` = committed tokens + `pending` (its last element).
         let mut context = prompt.to_vec();
         let mut first_at = None;
@@ -557,10 +568,9 @@ impl<B: Backend> Engine<B> {
             let wants_hidden = proposer.as_deref().is_some_and(|p| p.wants_hidden());
             let mut out = if wants_hidden {
                 self.model
-                    .forward_with_hidden(&mut sess.cache, &batch, LogitRows::All)?
+                    .forward_with_hidden(&mut sess.cache, &batch, wants)?
             } else {
-                self.model
-                    .forward(&mut sess.cache, &batch, LogitRows::All, &[])?
+                self.model.forward(&mut sess.cache, &batch, wants, &[])?
             };
             if let Some(c) = &req.constraint {
                 // Drafts are off under a constraint: the one row is the next token's.
@@ -571,7 +581,10 @@ impl<B: Backend> Engine<B> {
                 }
             }
             let t2 = Instant::now();
-            let verdict = verifier.verify(&out.logits, vocab, &context, &draft.tokens, &draft.q);
+            let verdict = match wants {
+                LogitRows::Greedy => verifier.verify_greedy(&out.greedy, &draft.tokens),
+                _ => verifier.verify(&out.logits, vocab, &context, &draft.tokens, &draft.q),
+            };
             // Commit the kept path: pending + accepted drafts; roll back the rest everywhere.
             sess.cache.truncate(n + 1 + verdict.accepted);
             sess.tokens.push(pending);

@@ -39,6 +39,8 @@ pub(super) struct Scratch<B: Backend> {
     pub(super) attn: B::Buffer,
     pub(super) act: B::Buffer,
     pub(super) logits: B::Buffer,
+    /// Each row's argmax, as exact f32 ([`LogitRows::Greedy`]).
+    pub(super) greedy: B::Buffer,
 }
 
 /// A loaded decoder on backend `B`.
@@ -254,8 +256,15 @@ impl<B: Backend> Model<B> {
         let n = match logit_rows {
             LogitRows::All => rows,
             LogitRows::Last => 1,
-            LogitRows::None => 0,
+            LogitRows::None | LogitRows::Greedy => 0,
         };
+        if logit_rows == LogitRows::Greedy {
+            out.greedy = be
+                .download(&s.greedy, rows)
+                .into_iter()
+                .map(|t| t as u32)
+                .collect();
+        }
         if n > 0 {
             out.logits = be.download(&s.logits, n * self.hp.vocab);
         }
@@ -301,11 +310,14 @@ impl<B: Backend> Model<B> {
         let output = self.output.as_ref().unwrap_or(self.embed.as_ref());
         match logit_rows {
             LogitRows::None => {}
-            LogitRows::All => {
+            LogitRows::All | LogitRows::Greedy => {
                 if !final_hidden {
                     be.rms_norm(&s.x, &self.output_norm, rows, h, eps, &mut s.xn);
                 }
                 be.matmul(output, &s.xn, rows, &mut s.logits);
+                if logit_rows == LogitRows::Greedy {
+                    be.argmax(&s.logits, rows, hp.vocab, &mut s.greedy);
+                }
             }
             // The last row alone: moved to the front of `tmp` (normed there unless it already is).
             LogitRows::Last if final_hidden => {
@@ -345,6 +357,7 @@ impl<B: Backend> Scratch<B> {
             attn: be.buffer(rows * qd),
             act: be.buffer(rows * hp.ffn_hidden),
             logits: be.buffer(rows * vocab),
+            greedy: be.buffer(rows),
         }
     }
 }

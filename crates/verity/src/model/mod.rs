@@ -64,6 +64,9 @@ pub enum LogitRows {
     Last,
     /// None (prefill of a prefix whose next token is known).
     None,
+    /// Every row's greedy token only ([`ForwardOutput::greedy`]): the argmax taken where the logits are, so a
+    /// greedy verify (no penalty, constraint or log-probabilities) copies one value per row, not a vocabulary.
+    Greedy,
 }
 
 /// What a forward returns.
@@ -71,6 +74,8 @@ pub enum LogitRows {
 pub struct ForwardOutput {
     /// `n × vocab`, row-major, for the rows asked for.
     pub logits: Vec<f32>,
+    /// Each row's argmax ([`LogitRows::Greedy`]).
+    pub greedy: Vec<u32>,
     /// For each requested layer `l`: the residual stream after layer `l`, `rows × hidden`.
     pub hidden: Vec<(usize, Vec<f32>)>,
     /// `rows × hidden`: each row's state after the output norm ([`Model::forward_with_hidden`] only).

@@ -50,8 +50,12 @@ struct HeadScratch<B: Backend> {
 pub struct HeadOutput {
     /// `rows × hidden`: each row's `out` (the next recursive step's `h`).
     pub hidden: Vec<f32>,
-    /// The last row's logits over the draft vocabulary (see [`MtpHead::token`]).
+    /// The last row's logits over the draft vocabulary (see [`MtpHead::token`]); empty when the forward was
+    /// asked for the argmax alone.
     pub logits: Vec<f32>,
+    /// The last row's argmax over the draft vocabulary, when asked for instead of the logits (a greedy draft:
+    /// one value from the device, not a vocabulary).
+    pub greedy: Option<u32>,
 }
 
 pub struct MtpHead<B: Backend> {
@@ -220,13 +224,15 @@ impl<B: Backend> MtpHead<B> {
     }
 
     /// Run head steps for `tokens` at positions `start..`, row `i` conditioned on `hidden` row `i` (`rows ×
-    /// hidden`); their K/V are appended to `cache`. Returns every row's `out` and the last row's logits.
+    /// hidden`); their K/V are appended to `cache`. Returns every row's `out` and the last row's logits, or with
+    /// `greedy` their argmax alone.
     pub fn forward(
         &mut self,
         cache: &mut KvCache<B>,
         tokens: &[u32],
         start: usize,
         hidden: &[f32],
+        greedy: bool,
     ) -> Result<HeadOutput> {
         let rows = tokens.len();
         let hd = self.hp.hidden;
@@ -243,7 +249,7 @@ impl<B: Backend> MtpHead<B> {
         }
         cache.reserve(self.backend.as_ref(), rows)?;
         let mut s = self.scratch(rows);
-        let out = self.run(cache, tokens, start, hidden, &mut s);
+        let out = self.run(cache, tokens, start, hidden, greedy, &mut s);
         self.scratch = Some(s);
         Ok(out)
     }
@@ -254,6 +260,7 @@ impl<B: Backend> MtpHead<B> {
         tokens: &[u32],
         start: usize,
         hidden: &[f32],
+        greedy: bool,
         s: &mut HeadScratch<B>,
     ) -> HeadOutput {
         let be = self.backend.as_ref();
@@ -270,18 +277,29 @@ impl<B: Backend> MtpHead<B> {
         );
         be.write(&mut s.h, hidden);
         // A draft step is a few dozen small launches: recorded once per width and buffers, like the target's.
-        let key = (s.block.id, cache.buffers_id(), rows);
-        run_recorded(be, rows, key, &mut || self.encode(cache, rows, s));
+        let key = (s.block.id, cache.buffers_id(), rows, greedy);
+        run_recorded(be, rows, key, &mut || self.encode(cache, rows, greedy, s));
         cache.advance(rows);
-        HeadOutput {
-            hidden: be.download(&s.block.xn, rows * h),
-            logits: be.download(&s.block.logits, self.draft_vocab_len()),
+        let hidden = be.download(&s.block.xn, rows * h);
+        if greedy {
+            HeadOutput {
+                hidden,
+                logits: Vec::new(),
+                greedy: Some(be.download(&s.block.greedy, 1)[0] as u32),
+            }
+        } else {
+            HeadOutput {
+                hidden,
+                logits: be.download(&s.block.logits, self.draft_vocab_len()),
+                greedy: None,
+            }
         }
     }
 
     /// The device work of one head forward whose inputs are in the step and `s.h`: every row's final hidden
-    /// state into `s.block.xn`, the last row's draft logits into `s.block.logits`.
-    fn encode(&self, cache: &mut KvCache<B>, rows: usize, s: &mut HeadScratch<B>) {
+    /// state into `s.block.xn`, the last row's draft logits into `s.block.logits` (and with `greedy` their argmax
+    /// into `s.block.greedy`).
+    fn encode(&self, cache: &mut KvCache<B>, rows: usize, greedy: bool, s: &mut HeadScratch<B>) {
         let be = self.backend.as_ref();
         let hp = &self.hp;
         let (h, eps) = (hp.hidden, hp.rms_eps);
@@ -326,5 +344,13 @@ impl<B: Backend> MtpHead<B> {
         be.rms_norm(&s.block.x, &self.final_norm, rows, h, eps, &mut s.block.xn);
         be.copy(&s.block.xn, (rows - 1) * h, &mut s.block.tmp, 0, h);
         be.matmul(&self.lm_head, &s.block.tmp, 1, &mut s.block.logits);
+        if greedy {
+            be.argmax(
+                &s.block.logits,
+                1,
+                self.draft_vocab_len(),
+                &mut s.block.greedy,
+            );
+        }
     }
 }

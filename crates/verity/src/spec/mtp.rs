@@ -29,8 +29,8 @@ use super::proposer::{Draft, Proposer};
 use crate::backend::Backend;
 use crate::cache::KvCache;
 use crate::error::Result;
-use crate::model::MtpHead;
-use crate::sample::{argmax, draw, Sampler, SamplerConfig};
+use crate::model::{HeadOutput, MtpHead};
+use crate::sample::{draw, Sampler, SamplerConfig};
 
 /// The deepest recursion offered to the controller.
 pub const MAX_DEPTH: usize = 8;
@@ -88,6 +88,11 @@ impl<B: Backend> MtpProposer<B> {
         self.hid.len() / self.head.hidden_size()
     }
 
+    /// Whether drafts are the head's argmax (greedy sampling).
+    fn greedy(&self) -> bool {
+        self.sampler.config().is_greedy()
+    }
+
     /// Roll the head back to slots that still agree with `context`.
     fn align(&mut self, context: &[u32]) {
         let agree = self
@@ -101,13 +106,15 @@ impl<B: Backend> MtpProposer<B> {
         self.committed = agree;
     }
 
-    /// Pick a token from head logits (over the draft vocabulary) and its draft distribution.
-    fn choose(&mut self, logits: &[f32], history: &[u32]) -> (u32, Option<Vec<(u32, f32)>>) {
-        if self.sampler.config().is_greedy() {
-            return (self.head.token(argmax(logits) as usize), None);
+    /// Pick a token from a head step's output (over the draft vocabulary) and its draft distribution. Greedy
+    /// drafts are the head's argmax (no penalty: a draft's quality, not the output, depends on it), which the
+    /// step returns alone ([`MtpProposer::greedy`]).
+    fn choose(&mut self, out: &HeadOutput, history: &[u32]) -> (u32, Option<Vec<(u32, f32)>>) {
+        if let Some(t) = out.greedy {
+            return (self.head.token(t as usize), None);
         }
         let mut full = vec![f32::NEG_INFINITY; self.vocab];
-        for (i, &l) in logits.iter().enumerate() {
+        for (i, &l) in out.logits.iter().enumerate() {
             full[self.head.token(i) as usize] = l;
         }
         let q = self.sampler.distribution(&full, history);
@@ -174,11 +181,12 @@ impl<B: Backend> Proposer for MtpProposer<B> {
             self.cache.truncate(keep);
             next = n;
         }
+        let greedy = self.greedy();
         // Catch up on positions next..=n, each conditioned on the target's hidden state of the one before.
         let rows = &self.hid[(next - 1 - self.hid_start) * h..(n - self.hid_start) * h];
         let out = self
             .head
-            .forward(&mut self.cache, &context[next..=n], next, rows)?;
+            .forward(&mut self.cache, &context[next..=n], next, rows, greedy)?;
         self.cached.extend_from_slice(&context[next..=n]);
         self.committed = self.cache.len();
         // Consumed: the next catch-up starts at n + 1 and needs h_n onwards, which the next verify reports.
@@ -193,9 +201,10 @@ impl<B: Backend> Proposer for MtpProposer<B> {
         self.source = Source::Head;
         let mut draft = Draft::default();
         let mut history = context.to_vec();
-        let (mut logits, mut state) = (out.logits, out.hidden[out.hidden.len() - h..].to_vec());
+        let mut state = out.hidden[out.hidden.len() - h..].to_vec();
+        let mut out = out;
         for i in 0..k.min(MAX_DEPTH) {
-            let (tok, q) = self.choose(&logits, &history);
+            let (tok, q) = self.choose(&out, &history);
             draft.tokens.push(tok);
             draft.q.push(q);
             history.push(tok);
@@ -203,11 +212,10 @@ impl<B: Backend> Proposer for MtpProposer<B> {
                 if self.cache.len() + 1 > self.cache.max_capacity() {
                     break;
                 }
-                let o = self
+                out = self
                     .head
-                    .forward(&mut self.cache, &[tok], n + 1 + i, &state)?;
-                logits = o.logits;
-                state = o.hidden;
+                    .forward(&mut self.cache, &[tok], n + 1 + i, &state, greedy)?;
+                state = std::mem::take(&mut out.hidden);
             }
         }
         Ok(draft)

@@ -97,6 +97,30 @@ impl Verifier {
         }
     }
 
+    /// Whether each row's argmax decides a verify: greedy without a repetition penalty, where
+    /// [`Verifier::verify_greedy`] on the rows' argmax ([`crate::model::LogitRows::Greedy`]) gives the verdict
+    /// [`Verifier::verify`] gives on their logits.
+    pub fn argmax_decides(&self) -> bool {
+        let cfg = self.sampler.config();
+        cfg.is_greedy() && cfg.repetition_penalty == 1.0
+    }
+
+    /// The verdict from each row's argmax (`greedy`: `drafts.len() + 1` tokens), when
+    /// [`Verifier::argmax_decides`]: the longest prefix of drafts equal to the target's tokens, then the target's
+    /// token after it.
+    pub fn verify_greedy(&self, greedy: &[u32], drafts: &[u32]) -> Verdict {
+        assert!(self.argmax_decides() && greedy.len() == drafts.len() + 1);
+        let accepted = drafts
+            .iter()
+            .zip(greedy)
+            .take_while(|(d, g)| d == g)
+            .count();
+        Verdict {
+            accepted,
+            next: greedy[accepted],
+        }
+    }
+
     fn draw(&mut self, dist: &[(u32, f32)]) -> u32 {
         draw(dist, self.rng.random())
     }
@@ -128,4 +152,38 @@ fn residual(p: &[(u32, f32)], q: Option<&Vec<(u32, f32)>>, rejected: u32) -> Vec
         x.1 /= total;
     }
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sample::argmax;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn the_rows_argmax_gives_the_verdict_the_logits_give(
+            logits in proptest::collection::vec(-4i8..4, 5 * 12),
+            drafts in proptest::collection::vec(0u32..12, 4),
+        ) {
+            // Few distinct values over a small vocabulary: ties are common, and the lowest index must win them.
+            let (vocab, logits) = (12, logits.iter().map(|&v| v as f32).collect::<Vec<_>>());
+            let mut v = Verifier::new(SamplerConfig::greedy()).unwrap();
+            let greedy: Vec<u32> = logits.chunks(vocab).map(argmax).collect();
+            let want = v.verify(&logits, vocab, &[1, 2], &drafts, &[None, None, None, None]);
+            prop_assert_eq!(v.verify_greedy(&greedy, &drafts), want);
+        }
+    }
+
+    #[test]
+    fn a_repetition_penalty_needs_the_logits() {
+        let cfg = SamplerConfig {
+            repetition_penalty: 1.3,
+            ..SamplerConfig::greedy()
+        };
+        assert!(!Verifier::new(cfg).unwrap().argmax_decides());
+        assert!(Verifier::new(SamplerConfig::greedy())
+            .unwrap()
+            .argmax_decides());
+    }
 }

@@ -305,6 +305,12 @@ impl Backend for CpuBackend {
         attention::attention(&self.pool, q, k, v, shape, step.base, &step.mask, out)
     }
 
+    fn argmax(&self, x: &Vec<f32>, rows: usize, n: usize, out: &mut Vec<f32>) {
+        for (o, row) in out[..rows].iter_mut().zip(x.chunks_exact(n)) {
+            *o = crate::sample::argmax(row) as f32;
+        }
+    }
+
     fn copy(&self, src: &Vec<f32>, src_off: usize, dst: &mut Vec<f32>, dst_off: usize, len: usize) {
         dst[dst_off..dst_off + len].copy_from_slice(&src[src_off..src_off + len]);
     }

@@ -750,11 +750,15 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
     load_chunk(0);
     wait_inputs();
     release_dependents();
+    int c = threadIdx.x & 15, r = threadIdx.x >> 4, col = t.lt * 16 + c;
+    bool chains = r < rows;
+    // An accumulated output's prior value is read now (the grid before has finished), its latency hidden
+    // behind the staging.
+    float prior = 0.f;
+    if (accumulate && chains && col < t.n) prior = t.o[(size_t)r * t.n + col];
     copies_done();  // this thread's scale copies land before stage_q8's barriers
     Staged st;
     stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st);
-    int c = threadIdx.x & 15, r = threadIdx.x >> 4;
-    bool chains = r < rows;
     float acc[2] = {0.f, 0.f};
     for (int c0 = 0; c0 < nb; c0 += chunk) {
         int c1 = min(nb, c0 + chunk);
@@ -797,7 +801,6 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
         }
         if (c1 < nb) __syncthreads();  // the next chunk's sums reuse the exchange
     }
-    int col = t.lt * 16 + c;
     if (MATS == 1 && rope.hd > 0) {
         if (chains) {
             // The pair partner is the neighbouring column, the neighbouring thread (both active: a row's 16
@@ -809,7 +812,7 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
     }
     if (chains && col < t.n) {
         float v = MATS == 2 ? acc[0] / (1.f + __expf(-acc[0])) * acc[1] : acc[0];
-        store_out(t.o, t.n, col, r, v, accumulate);
+        t.o[(size_t)r * t.n + col] = accumulate ? prior + v : v;
     }
 }
 
@@ -1038,8 +1041,8 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
 // - the block that finishes last (a counter per (row, head), reset by that block) combines the chunks in
 //   chunk order;
 // - a block's first chunk of committed K and V (slots below base, written by earlier forwards) is loaded before
-//   griddepcontrol.wait, so it is in flight while the Q/K/V launch before finishes (`load_ahead`; the loaded
-//   values go through the same arithmetic, so the results are the same bits either way).
+//   griddepcontrol.wait, so it is in flight while the Q/K/V launch before finishes (`attention_ahead`; the
+//   loaded values go through the same arithmetic, so the results are the same bits either way).
 // Every sum's order depends on slot indices alone, never on the number of slots or rows, and slots a row does
 // not see add exact zeros, so a row gives the same bits alone or in a batch. Rows row0 .. row0 + gridDim.y /
 // n_heads of the step; `work` holds 16 * n_heads counters, then per (row, head) `chunks` records of
@@ -1049,9 +1052,10 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
 #define MAX_HEAD_DIM 256
 #define ATT_AHEAD_DIM 64  // heads up to this size load their first chunk before waiting for the grid before
 
-extern "C" __global__ void attention(const float* q, const float* kc, const float* vc, int row0, int n_heads,
-                                     int n_kv_heads, int head_dim, float scale, const int* step, int cap,
-                                     float* work, int chunks, float* out, int load_ahead) {
+template <bool AHEAD>
+__device__ __forceinline__ void attention_body(const float* q, const float* kc, const float* vc, int row0,
+                                               int n_heads, int n_kv_heads, int head_dim, float scale,
+                                               const int* step, int cap, float* work, int chunks, float* out) {
     __shared__ float sc[ATT_CHUNK];
     __shared__ float red[ATT_CHUNK];
     __shared__ float quarter[4][MAX_HEAD_DIM];
@@ -1075,9 +1079,9 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
     // The first chunk's committed K (this thread's quarter of its slot) and V (this thread's first value-sum
     // item's 16 slots), for heads of up to ATT_AHEAD_DIM values (more would cost occupancy in registers).
     bool vec = (head_dim & 15) == 0;
-    bool ahead = load_ahead && head_dim <= ATT_AHEAD_DIM && 4 * head_dim <= (int)blockDim.x;
-    float4 kq[ATT_AHEAD_DIM / 16];
-    float vq[ATT_CHUNK / 4];
+    bool ahead = AHEAD && head_dim <= ATT_AHEAD_DIM && 4 * head_dim <= (int)blockDim.x;
+    float4 kq[AHEAD ? ATT_AHEAD_DIM / 16 : 1];
+    float vq[AHEAD ? ATT_CHUNK / 4 : 1];
     {
         int j0 = blockIdx.x * ATT_CHUNK, j = j0 + (t >> 2), w = head_dim / 16;
         if (ahead && vec && j < base) {
@@ -1112,7 +1116,7 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
 #pragma unroll
                 for (int e = 0; e < MAX_HEAD_DIM / 16; e++) {
                     if (e < w) {
-                        float4 a = q4[e], b = held && e < ATT_AHEAD_DIM / 16 ? kq[e] : k4[e];
+                        float4 a = q4[e], b = AHEAD && held && e < ATT_AHEAD_DIM / 16 ? kq[AHEAD ? e : 0] : k4[e];
                         d = fmaf(a.x, b.x, d);
                         d = fmaf(a.y, b.y, d);
                         d = fmaf(a.z, b.z, d);
@@ -1154,7 +1158,7 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
 #pragma unroll
             for (int jj = 0; jj < ATT_CHUNK / 4; jj++) {
                 if (jq + jj < n) {
-                    float v = held && jq + jj < base ? vq[jj] : vh[(size_t)(jq + jj) * kv_dim + e];
+                    float v = AHEAD && held && jq + jj < base ? vq[AHEAD ? jj : 0] : vh[(size_t)(jq + jj) * kv_dim + e];
                     a = fmaf(sc[qq * (ATT_CHUNK / 4) + jj], v, a);
                 }
             }
@@ -1197,9 +1201,65 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
     }
 }
 
+// The attention kernels: the same arithmetic (the same bits), with the first chunk of committed K/V loaded
+// before griddepcontrol.wait (`attention_ahead`: 76 registers, for small grids) or after (`attention`: 44
+// registers, so W-row verifies keep their blocks per SM).
+#define ATT_PARAMS                                                                                             \
+    const float *q, const float *kc, const float *vc, int row0, int n_heads, int n_kv_heads, int head_dim,     \
+        float scale, const int *step, int cap, float *work, int chunks, float *out
+#define ATT_ARGS q, kc, vc, row0, n_heads, n_kv_heads, head_dim, scale, step, cap, work, chunks, out
+
+extern "C" __global__ void attention(ATT_PARAMS) { attention_body<false>(ATT_ARGS); }
+
+extern "C" __global__ void attention_ahead(ATT_PARAMS) { attention_body<true>(ATT_ARGS); }
+
 extern "C" __global__ void add_bias(float* x, const float* b, int dim, int n) {
     wait_inputs();
     release_dependents();
     int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t < n) x[t] += b[t % dim];
+}
+
+// Whether candidate (v, i) beats the best so far (b, bi; bi < 0: none yet) under `sample::argmax`'s choice: the
+// largest value, the lowest index among equals, NaN never chosen.
+__device__ __forceinline__ bool beats(float v, int i, float b, int bi) {
+    return !isnan(v) && (bi < 0 || v > b || (v == b && i < bi));
+}
+
+// out[r] = the index of row r's largest of n values (a block per row), as an exact float, picked as
+// `sample::argmax` picks it: its serial scan never moves off a NaN first value (index 0); otherwise it finds the
+// lowest index of the largest non-NaN value, which is what this order-free reduction finds.
+extern "C" __global__ void argmax_rows(const float* x, int n, float* out) {
+    __shared__ float sb[32];
+    __shared__ int si[32];
+    wait_inputs();
+    release_dependents();
+    const float* xr = x + (size_t)blockIdx.x * n;
+    float b = 0.f;
+    int bi = -1;
+#pragma unroll 8
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = xr[i];
+        if (beats(v, i, b, bi)) b = v, bi = i;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        float v = __shfl_xor_sync(0xffffffffu, b, off);
+        int i = __shfl_xor_sync(0xffffffffu, bi, off);
+        if (i >= 0 && beats(v, i, b, bi)) b = v, bi = i;
+    }
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    if (lane == 0) sb[warp] = b, si[warp] = bi;
+    __syncthreads();
+    if (warp == 0) {
+        b = lane < warps ? sb[lane] : 0.f;
+        bi = lane < warps ? si[lane] : -1;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            float v = __shfl_xor_sync(0xffffffffu, b, off);
+            int i = __shfl_xor_sync(0xffffffffu, bi, off);
+            if (i >= 0 && beats(v, i, b, bi)) b = v, bi = i;
+        }
+        if (lane == 0) out[blockIdx.x] = (float)(isnan(xr[0]) || bi < 0 ? 0 : bi);
+    }
 }

@@ -126,7 +126,9 @@ struct Kernels {
     rms_norm: CudaFunction,
     rope_and_cache: CudaFunction,
     attention: CudaFunction,
+    attention_ahead: CudaFunction,
     add_bias: CudaFunction,
+    argmax_rows: CudaFunction,
 }
 
 /// RoPE and the cache write fused into a Q/K/V launch of the integer kernel (`kernels.cu`'s `RopeFusion`).
@@ -170,9 +172,11 @@ pub struct CudaBackend {
     /// RoPE and the cache write fused into the Q/K/V projection where it can be (`VERITY_CUDA_FUSE_ROPE=0`:
     /// never, for side-by-side measurements).
     fuse_rope: bool,
-    /// Attention loads its first chunk of committed K and V before waiting for the grid before
-    /// (`VERITY_CUDA_ATT_AHEAD=0`: after, for side-by-side measurements).
+    /// Attention loads its first chunk of committed K and V before waiting for the grid before, where its grid
+    /// is small (`VERITY_CUDA_ATT_AHEAD=0`: never, for side-by-side measurements).
     att_ahead: bool,
+    /// Streaming multiprocessors of the device.
+    sms: usize,
     /// The admission verdict per weight shape (type, rows, cols): rows per launch.
     admitted: Mutex<HashMap<(i32, usize, usize), usize>>,
     /// Rotations prepared at load (`prepare_attention`), in the order of every step's tables.
@@ -293,12 +297,17 @@ impl CudaBackend {
             rms_norm: f("rms_norm")?,
             rope_and_cache: f("rope_and_cache")?,
             attention: f("attention")?,
+            attention_ahead: f("attention_ahead")?,
             add_bias: f("add_bias")?,
+            argmax_rows: f("argmax_rows")?,
         };
         let optin = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(|e| err("device", &e))? as usize;
         let matmul_shared = optin.saturating_sub(MATMUL_STATIC_BYTES);
+        let sms = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| err("device", &e))? as usize;
         for f in [&k.matmuls, &k.qmatmuls_narrow, &k.qmatmuls_wide] {
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -330,6 +339,7 @@ impl CudaBackend {
             pdl,
             fuse_rope: !off("VERITY_CUDA_FUSE_ROPE"),
             att_ahead: !off("VERITY_CUDA_ATT_AHEAD"),
+            sms,
             admitted: Mutex::new(HashMap::new()),
             ropes: Mutex::new(Vec::new()),
         })
@@ -1042,14 +1052,32 @@ impl Backend for CudaBackend {
                 self.at(work, 0),
                 Arg::I32(nc),
                 self.at(out, 0),
-                Arg::I32(i32::from(self.att_ahead)),
             ];
+            // The early-load variant takes more registers, so fewer of its blocks fit an SM: it runs where the
+            // grid fits twice over the SMs (decode steps, short verifies). Both give the same bits.
+            let blocks = ATT_SPLIT * take * shape.n_heads;
+            let f = if self.att_ahead && blocks <= 2 * self.sms {
+                &self.k.attention_ahead
+            } else {
+                &self.k.attention
+            };
             // SAFETY: q/out hold rows × n_heads × head_dim values, the caches (base + rows) × kv_dim within
             // their capacity; `work` holds the counters and chunk records of up to MAX_ROWS rows (checked above);
-            // the mask is in the step.
-            unsafe { self.go("attention", &self.k.attention, cfg, &args) };
+            // the mask is in the step; both kernels take these arguments.
+            unsafe { self.go("attention", f, cfg, &args) };
             r0 += take;
         }
+    }
+
+    fn argmax(&self, x: &CudaSlice<f32>, rows: usize, n: usize, out: &mut CudaSlice<f32>) {
+        let args = [self.at(x, 0), Arg::I32(n as i32), self.at(out, 0)];
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: x holds rows × n values, out rows; a block per row.
+        unsafe { self.go("argmax", &self.k.argmax_rows, cfg, &args) };
     }
 
     fn copy(
