@@ -568,12 +568,69 @@ struct Staged {
     const float* xs;
 };
 
+// Quantization with four threads per 32-value block, 8 values each: two butterfly steps instead of three, and
+// the block's scale divided out once per 8 values instead of once per 4. For many rows, where the eight-lane
+// loop's instructions rather than its loads bound the staging. The same arithmetic per value (max is exact in
+// any order, the integer sums exact), so the same bits.
+__device__ __forceinline__ void quantize_quads(const float* x, int k, int rows, const float* norm_w,
+                                               const float* rscale, signed char* xq, int xstride, float* xd,
+                                               float* xs) {
+    int nb = k / 32, items = rows * nb * 4;
+    for (int item0 = 0; item0 < items; item0 += blockDim.x) {  // uniform: every lane reaches the shuffles
+        int item = item0 + threadIdx.x, rb = item >> 2, h = item & 3;
+        bool live = item < items;
+        int r = live ? rb / nb : 0, b = rb - r * nb;
+        float q[8];
+#pragma unroll
+        for (int e = 0; e < 8; e++) q[e] = 0.f;
+        if (live) {
+            const float4* src = (const float4*)(x + (size_t)r * k + b * 32 + h * 8);
+            float4 v0 = src[0], v1 = src[1];
+            q[0] = v0.x, q[1] = v0.y, q[2] = v0.z, q[3] = v0.w, q[4] = v1.x, q[5] = v1.y, q[6] = v1.z, q[7] = v1.w;
+            if (norm_w) {
+                const float4* wv = (const float4*)(norm_w + b * 32 + h * 8);
+                float4 w0 = wv[0], w1 = wv[1];
+                float sc = rscale[r];
+                q[0] = q[0] * sc * w0.x, q[1] = q[1] * sc * w0.y, q[2] = q[2] * sc * w0.z, q[3] = q[3] * sc * w0.w;
+                q[4] = q[4] * sc * w1.x, q[5] = q[5] * sc * w1.y, q[6] = q[6] * sc * w1.z, q[7] = q[7] * sc * w1.w;
+            }
+        }
+        float amax = fabsf(q[0]);
+#pragma unroll
+        for (int e = 1; e < 8; e++) amax = fmaxf(amax, fabsf(q[e]));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        float d = amax / 127.f;
+        float id = d > 0.f ? 1.f / d : 0.f;
+        int sum = 0;
+        u32* dst = (u32*)(xq + (size_t)r * xstride + b * 32 + h * 8);
+#pragma unroll
+        for (int w = 0; w < 2; w++) {
+            u32 word = 0;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int qi = (int)fminf(fmaxf(rintf(q[4 * w + e] * id), -127.f), 127.f);
+                sum += qi;
+                word |= (u32)(qi & 0xff) << (8 * e);
+            }
+            if (live) dst[w] = word;
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        if (live && h == 0) {
+            xd[rb] = d;
+            xs[rb] = d * (float)sum;
+        }
+    }
+}
+
 // Stage `rows` rows of x (RMS-normed with norm_w when non-null), quantized. Rows up to `rows_pad` are left as
 // they are: their MMA columns and chains are computed and never stored, and no valid row reads them. Shared
 // memory from `smem`: xq, then xd and xs, then 16 norm scales. Eight threads quantize a block, four values
-// each (max and sum are exact, so the butterflies give the serial results).
+// each (max and sum are exact, so the butterflies give the serial results) — or, with `quads` where that takes
+// more than one pass of four items per thread, four threads (`quantize_quads`).
 __device__ __forceinline__ void stage_q8(const float* x, int k, int rows, int rows_pad, const float* norm_w,
-                                         float eps, u8* smem, Staged* st) {
+                                         float eps, u8* smem, Staged* st, int quads) {
     int nb = k / 32, xstride = k + 16;
     signed char* xq = (signed char*)smem;
     float* xd = (float*)(smem + (size_t)rows_pad * xstride);
@@ -583,6 +640,10 @@ __device__ __forceinline__ void stage_q8(const float* x, int k, int rows, int ro
     // The norm's scratch is xd (free until the quantized blocks are written, after the norm's last barrier).
     if (norm_w) norm_scales(x, k, rows, eps, xd, rscale);
     int items = rows * nb * 8;
+    if (quads && items > 4 * (int)blockDim.x) {
+        quantize_quads(x, k, rows, norm_w, rscale, xq, xstride, xd, xs);
+        items = 0;  // skips the eight-lane loop
+    }
     unsigned group = 0xffu << (lane & 24);
     for (int item0 = 0; item0 < items; item0 += blockDim.x * 4) {
         float4 v[4], w[4];
@@ -684,22 +745,34 @@ struct RopeFusion {
     int cap, r0;  // the step's row of the launch's row 0
 };
 
+// What the output of (column col, launch row r) needs from the step: its rotation's (cos, sin) and the step's
+// first cache slot. The step is written before the forward's first launch, so this is read before the grid
+// before has finished, off the epilogue's critical path.
+struct QkvStore {
+    float2 cs;
+    int base;
+};
+
+__device__ __forceinline__ QkvStore qkv_inputs(const RopeFusion& f, const TileOf& t, int col, int r) {
+    QkvStore q = {make_float2(0.f, 0.f), read_step(f.step, f.cap).base};
+    if (t.m < 2) q.cs = ((const float2*)(f.step + f.table))[(f.r0 + r) * (f.hd >> 1) + ((col % f.hd) >> 1)];
+    return q;
+}
+
 // The output of (column col, launch row r) of matrix m with value v, whose pair partner holds `partner`: q
 // rotated in place, k rotated into its cache slot, v copied into its slot (k and v buffers are scratch).
-__device__ __forceinline__ void store_qkv(const RopeFusion& f, const TileOf& t, int col, int r, float v,
-                                          float partner) {
-    Step st = read_step(f.step, f.cap);
+__device__ __forceinline__ void store_qkv(const RopeFusion& f, const TileOf& t, const QkvStore& in, int col, int r,
+                                          float v, float partner) {
     int row = f.r0 + r;
     float out = v;
     if (t.m < 2) {
-        int cin = col % f.hd, i = cin >> 1;
-        float2 cs = ((const float2*)(f.step + f.table))[row * (f.hd >> 1) + i];
-        float c = cs.x, s = cs.y;
+        int cin = col % f.hd;
+        float c = in.cs.x, s = in.cs.y;
         float x0 = (cin & 1) ? partner : v, x1 = (cin & 1) ? v : partner;
         out = (cin & 1) ? x0 * s + x1 * c : x0 * c - x1 * s;
     }
     if (t.m == 0) t.o[(size_t)r * t.n + col] = out;
-    else (t.m == 1 ? f.kc : f.vc)[(size_t)(st.base + row) * t.n + col] = out;
+    else (t.m == 1 ? f.kc : f.vc)[(size_t)(in.base + row) * t.n + col] = out;
 }
 
 // 16 bytes global -> shared without holding a register or the thread (sm_80+), and the wait for all of them.
@@ -721,7 +794,7 @@ __device__ __forceinline__ void copies_done() {
 // grid before has finished.
 template <int TY, int MATS>
 __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k, int rows, const float* norm_w,
-                            float eps, int chunk, u8* smem, int accumulate, const RopeFusion& rope) {
+                            float eps, int chunk, u8* smem, int accumulate, const RopeFusion& rope, int quads) {
     int nb = k / 32, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int rows_pad = rows <= 8 ? 8 : 16, ntiles = rows_pad / 8;
     int stage_bytes = rows_pad * (k + 16) + 2 * rows_pad * nb * 4 + 64;
@@ -748,17 +821,19 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
             }
     };
     load_chunk(0);
-    wait_inputs();
-    release_dependents();
     int c = threadIdx.x & 15, r = threadIdx.x >> 4, col = t.lt * 16 + c;
     bool chains = r < rows;
+    QkvStore qkv = {};
+    if (MATS == 1 && rope.hd > 0 && chains && col < t.n) qkv = qkv_inputs(rope, t, col, r);
+    wait_inputs();
+    release_dependents();
     // An accumulated output's prior value is read now (the grid before has finished), its latency hidden
     // behind the staging.
     float prior = 0.f;
     if (accumulate && chains && col < t.n) prior = t.o[(size_t)r * t.n + col];
     copies_done();  // this thread's scale copies land before stage_q8's barriers
     Staged st;
-    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st);
+    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st, quads);
     float acc[2] = {0.f, 0.f};
     for (int c0 = 0; c0 < nb; c0 += chunk) {
         int c1 = min(nb, c0 + chunk);
@@ -806,7 +881,7 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
             // The pair partner is the neighbouring column, the neighbouring thread (both active: a row's 16
             // chain threads are active together).
             float partner = __shfl_xor_sync(__activemask(), acc[0], 1);
-            if (col < t.n) store_qkv(rope, t, col, r, acc[0], partner);
+            if (col < t.n) store_qkv(rope, t, qkv, col, r, acc[0], partner);
         }
         return;
     }
@@ -821,7 +896,7 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
 // finished.
 template <int TY, int MATS>
 __device__ void wide_tile(const TileOf& t, bool mine, const u8* up, const float* x, int k, int rows,
-                          const float* norm_w, float eps, u8* smem, int accumulate) {
+                          const float* norm_w, float eps, u8* smem, int accumulate, int quads) {
     int nb = k / 32, lane = threadIdx.x & 31, g = lane >> 2, i2 = 2 * (lane & 3);
     int rows_pad = rows <= 8 ? 8 : 16, ntiles = rows_pad / 8;
     const u8* wq[2] = {t.w, up};
@@ -843,7 +918,7 @@ __device__ void wide_tile(const TileOf& t, bool mine, const u8* up, const float*
     wait_inputs();
     release_dependents();
     Staged st;
-    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st);
+    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st, quads);
     if (!mine) return;  // after the CTA's last barrier
     float acc[2][2][4];
 #pragma unroll
@@ -900,7 +975,7 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
                                               const float* norm_w, float eps, int glu, int chunk,
                                               const u8* w0, int ty0, int n0, float* o0, const u8* w1, int ty1,
                                               int n1, float* o1, const u8* w2, int ty2, int n2, float* o2,
-                                              const RopeFusion& rope) {
+                                              const RopeFusion& rope, int quads) {
     extern __shared__ __align__(16) u8 smem[];
     int warp = threadIdx.x >> 5;
     TileOf t;
@@ -913,11 +988,11 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
     const u8* up = glu ? w1 : nullptr;
 #define QM_RUN(TY)                                                                                  \
     if (WIDE) {                                                                                     \
-        if (glu) wide_tile<TY, 2>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate);          \
-        else wide_tile<TY, 1>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate);              \
-    } else {                                                                                        \
-        if (glu) narrow_tile<TY, 2>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope); \
-        else narrow_tile<TY, 1>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope);     \
+        if (glu) wide_tile<TY, 2>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate, quads);          \
+        else wide_tile<TY, 1>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate, quads);              \
+    } else {                                                                                               \
+        if (glu) narrow_tile<TY, 2>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope, quads); \
+        else narrow_tile<TY, 1>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope, quads);     \
     }
     switch (ty) {
         case T_TQ4_0: QM_RUN(T_TQ4_0); break;
@@ -938,17 +1013,17 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
     const float *x, int k, int rows, int accumulate, const float *norm_w, float eps, int glu, int chunk,        \
         const u8 *w0, int ty0, int n0, float *o0, const u8 *w1, int ty1, int n1, float *o1, const u8 *w2,       \
         int ty2, int n2, float *o2, int rope_table, int rope_hd, float *kc, float *vc, const int *step,       \
-        int cap, int r0
+        int cap, int r0, int quads
 #define QM_ARGS x, k, rows, accumulate, norm_w, eps, glu, chunk, w0, ty0, n0, o0, w1, ty1, n1, o1, w2, ty2, n2, o2
 
 // The last parameters fuse RoPE and the cache write into a narrow Q/K/V launch (w0, w1, w2 = q, k, v; see
 // `RopeFusion`); rope_hd = 0 for every other launch.
 extern "C" __global__ void __launch_bounds__(QM_WARPS * 32) qmatmuls_narrow(QM_PARAMS) {
-    qmatmuls_body<false>(QM_ARGS, RopeFusion{rope_table, rope_hd, kc, vc, step, cap, r0});
+    qmatmuls_body<false>(QM_ARGS, RopeFusion{rope_table, rope_hd, kc, vc, step, cap, r0}, quads);
 }
 
 extern "C" __global__ void __launch_bounds__(QM_WARPS * 32, 2) qmatmuls_wide(QM_PARAMS) {
-    qmatmuls_body<true>(QM_ARGS, RopeFusion{0, 0, nullptr, nullptr, nullptr, 0, 0});
+    qmatmuls_body<true>(QM_ARGS, RopeFusion{0, 0, nullptr, nullptr, nullptr, 0, 0}, quads);
 }
 
 // out[r, :] = table row step.tokens[r] (one block of threads per row, one thread per 32-value block).
@@ -1226,9 +1301,10 @@ __device__ __forceinline__ bool beats(float v, int i, float b, int bi) {
     return !isnan(v) && (bi < 0 || v > b || (v == b && i < bi));
 }
 
-// out[r] = the index of row r's largest of n values (a block per row), as an exact float, picked as
-// `sample::argmax` picks it: its serial scan never moves off a NaN first value (index 0); otherwise it finds the
-// lowest index of the largest non-NaN value, which is what this order-free reduction finds.
+// out[r] = the index of row r's largest of n values (a block of 1024 threads per row), as an exact float, picked
+// as `sample::argmax` picks it: its serial scan never moves off a NaN first value (index 0); otherwise it finds
+// the lowest index of the largest non-NaN value, which is what this order-free reduction finds. Each thread has
+// four 16-byte loads in flight at a time (a vocabulary row is three round trips, not one per value).
 extern "C" __global__ void argmax_rows(const float* x, int n, float* out) {
     __shared__ float sb[32];
     __shared__ int si[32];
@@ -1237,8 +1313,26 @@ extern "C" __global__ void argmax_rows(const float* x, int n, float* out) {
     const float* xr = x + (size_t)blockIdx.x * n;
     float b = 0.f;
     int bi = -1;
-#pragma unroll 8
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    int n4 = n % 4 == 0 ? n / 4 : 0;  // rows start 16-byte aligned when n is a multiple of 4
+    for (int i0 = threadIdx.x; i0 < n4; i0 += 4 * blockDim.x) {
+        float4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int i = i0 + u * blockDim.x;
+            if (i < n4) v[u] = ((const float4*)xr)[i];
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int i = 4 * (i0 + u * blockDim.x);
+            if (i < n) {
+                if (beats(v[u].x, i, b, bi)) b = v[u].x, bi = i;
+                if (beats(v[u].y, i + 1, b, bi)) b = v[u].y, bi = i + 1;
+                if (beats(v[u].z, i + 2, b, bi)) b = v[u].z, bi = i + 2;
+                if (beats(v[u].w, i + 3, b, bi)) b = v[u].w, bi = i + 3;
+            }
+        }
+    }
+    for (int i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) {
         float v = xr[i];
         if (beats(v, i, b, bi)) b = v, bi = i;
     }

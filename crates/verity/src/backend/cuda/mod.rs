@@ -175,6 +175,9 @@ pub struct CudaBackend {
     /// Attention loads its first chunk of committed K and V before waiting for the grid before, where its grid
     /// is small (`VERITY_CUDA_ATT_AHEAD=0`: never, for side-by-side measurements).
     att_ahead: bool,
+    /// Many-row launches quantize x with four threads per 32-value block (`VERITY_CUDA_STAGE_QUADS=0`: eight,
+    /// for side-by-side measurements).
+    stage_quads: bool,
     /// Streaming multiprocessors of the device.
     sms: usize,
     /// The admission verdict per weight shape (type, rows, cols): rows per launch.
@@ -339,6 +342,7 @@ impl CudaBackend {
             pdl,
             fuse_rope: !off("VERITY_CUDA_FUSE_ROPE"),
             att_ahead: !off("VERITY_CUDA_ATT_AHEAD"),
+            stage_quads: !off("VERITY_CUDA_STAGE_QUADS"),
             sms,
             admitted: Mutex::new(HashMap::new()),
             ropes: Mutex::new(Vec::new()),
@@ -486,6 +490,7 @@ impl CudaBackend {
                     Arg::I32(0),
                 ]),
             }
+            args.push(Arg::I32(i32::from(self.stage_quads)));
         } else {
             assert!(rope.is_none(), "RoPE fuses only into the integer kernel");
         }
