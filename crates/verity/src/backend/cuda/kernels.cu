@@ -568,44 +568,55 @@ struct Staged {
     const float* xs;
 };
 
-// Quantization with four threads per 32-value block, 8 values each: two butterfly steps instead of three, and
-// the block's scale divided out once per 8 values instead of once per 4. For many rows, where the eight-lane
-// loop's instructions rather than its loads bound the staging. The same arithmetic per value (max is exact in
-// any order, the integer sums exact), so the same bits.
-__device__ __forceinline__ void quantize_quads(const float* x, int k, int rows, const float* norm_w,
+// Quantization with L = 4 or 2 threads per 32-value block, 32 / L values each: log2(L) butterfly steps instead
+// of three, and the block's scale divided out once per 32 / L values instead of once per 4 — the staging is
+// bound by its instructions, not its loads (H200 A/B: copying x to shared memory first changed nothing, fewer
+// lanes per block took W=1 from 0.81 to 0.75 ms and W=8 from 1.46 to 1.13). The same arithmetic per value (max
+// is exact in any order, the integer sums exact), so the same bits as the eight-lane loop.
+template <int L>
+__device__ __forceinline__ void quantize_lanes(const float* x, int k, int rows, const float* norm_w,
                                                const float* rscale, signed char* xq, int xstride, float* xd,
                                                float* xs) {
-    int nb = k / 32, items = rows * nb * 4;
+    constexpr int V = 32 / L;
+    int nb = k / 32, items = rows * nb * L;
     for (int item0 = 0; item0 < items; item0 += blockDim.x) {  // uniform: every lane reaches the shuffles
-        int item = item0 + threadIdx.x, rb = item >> 2, h = item & 3;
+        int item = item0 + threadIdx.x, rb = item / L, h = item % L;
         bool live = item < items;
         int r = live ? rb / nb : 0, b = rb - r * nb;
-        float q[8];
+        float q[V];
 #pragma unroll
-        for (int e = 0; e < 8; e++) q[e] = 0.f;
+        for (int e = 0; e < V; e++) q[e] = 0.f;
         if (live) {
-            const float4* src = (const float4*)(x + (size_t)r * k + b * 32 + h * 8);
-            float4 v0 = src[0], v1 = src[1];
-            q[0] = v0.x, q[1] = v0.y, q[2] = v0.z, q[3] = v0.w, q[4] = v1.x, q[5] = v1.y, q[6] = v1.z, q[7] = v1.w;
+            const float4* src = (const float4*)(x + (size_t)r * k + b * 32 + h * V);
+#pragma unroll
+            for (int u = 0; u < V / 4; u++) {
+                float4 v = src[u];
+                q[4 * u] = v.x, q[4 * u + 1] = v.y, q[4 * u + 2] = v.z, q[4 * u + 3] = v.w;
+            }
             if (norm_w) {
-                const float4* wv = (const float4*)(norm_w + b * 32 + h * 8);
-                float4 w0 = wv[0], w1 = wv[1];
+                const float4* wv = (const float4*)(norm_w + b * 32 + h * V);
                 float sc = rscale[r];
-                q[0] = q[0] * sc * w0.x, q[1] = q[1] * sc * w0.y, q[2] = q[2] * sc * w0.z, q[3] = q[3] * sc * w0.w;
-                q[4] = q[4] * sc * w1.x, q[5] = q[5] * sc * w1.y, q[6] = q[6] * sc * w1.z, q[7] = q[7] * sc * w1.w;
+#pragma unroll
+                for (int u = 0; u < V / 4; u++) {
+                    float4 w = wv[u];
+                    q[4 * u] = q[4 * u] * sc * w.x;
+                    q[4 * u + 1] = q[4 * u + 1] * sc * w.y;
+                    q[4 * u + 2] = q[4 * u + 2] * sc * w.z;
+                    q[4 * u + 3] = q[4 * u + 3] * sc * w.w;
+                }
             }
         }
         float amax = fabsf(q[0]);
 #pragma unroll
-        for (int e = 1; e < 8; e++) amax = fmaxf(amax, fabsf(q[e]));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        for (int e = 1; e < V; e++) amax = fmaxf(amax, fabsf(q[e]));
+#pragma unroll
+        for (int off = L / 2; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
         float d = amax / 127.f;
         float id = d > 0.f ? 1.f / d : 0.f;
         int sum = 0;
-        u32* dst = (u32*)(xq + (size_t)r * xstride + b * 32 + h * 8);
+        u32* dst = (u32*)(xq + (size_t)r * xstride + b * 32 + h * V);
 #pragma unroll
-        for (int w = 0; w < 2; w++) {
+        for (int w = 0; w < V / 4; w++) {
             u32 word = 0;
 #pragma unroll
             for (int e = 0; e < 4; e++) {
@@ -615,8 +626,8 @@ __device__ __forceinline__ void quantize_quads(const float* x, int k, int rows, 
             }
             if (live) dst[w] = word;
         }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+#pragma unroll
+        for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
         if (live && h == 0) {
             xd[rb] = d;
             xs[rb] = d * (float)sum;
@@ -626,11 +637,12 @@ __device__ __forceinline__ void quantize_quads(const float* x, int k, int rows, 
 
 // Stage `rows` rows of x (RMS-normed with norm_w when non-null), quantized. Rows up to `rows_pad` are left as
 // they are: their MMA columns and chains are computed and never stored, and no valid row reads them. Shared
-// memory from `smem`: xq, then xd and xs, then 16 norm scales. Eight threads quantize a block, four values
-// each (max and sum are exact, so the butterflies give the serial results) — or, with `quads` where that takes
-// more than one pass of four items per thread, four threads (`quantize_quads`).
+// memory from `smem`: xq, then xd and xs, then 16 norm scales. Four threads quantize a block, eight values
+// each, or two threads, sixteen values each, where four would take more than one item per thread
+// (`quantize_lanes`); with `eight_lanes` (the previous staging, for side-by-side measurements) eight threads,
+// four values each (max and sum are exact, so every variant's butterflies give the serial results).
 __device__ __forceinline__ void stage_q8(const float* x, int k, int rows, int rows_pad, const float* norm_w,
-                                         float eps, u8* smem, Staged* st, int quads) {
+                                         float eps, u8* smem, Staged* st, int eight_lanes) {
     int nb = k / 32, xstride = k + 16;
     signed char* xq = (signed char*)smem;
     float* xd = (float*)(smem + (size_t)rows_pad * xstride);
@@ -640,8 +652,9 @@ __device__ __forceinline__ void stage_q8(const float* x, int k, int rows, int ro
     // The norm's scratch is xd (free until the quantized blocks are written, after the norm's last barrier).
     if (norm_w) norm_scales(x, k, rows, eps, xd, rscale);
     int items = rows * nb * 8;
-    if (quads && items > 4 * (int)blockDim.x) {
-        quantize_quads(x, k, rows, norm_w, rscale, xq, xstride, xd, xs);
+    if (!eight_lanes) {
+        if (rows * nb * 4 > (int)blockDim.x) quantize_lanes<2>(x, k, rows, norm_w, rscale, xq, xstride, xd, xs);
+        else quantize_lanes<4>(x, k, rows, norm_w, rscale, xq, xstride, xd, xs);
         items = 0;  // skips the eight-lane loop
     }
     unsigned group = 0xffu << (lane & 24);
@@ -794,7 +807,7 @@ __device__ __forceinline__ void copies_done() {
 // grid before has finished.
 template <int TY, int MATS>
 __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k, int rows, const float* norm_w,
-                            float eps, int chunk, u8* smem, int accumulate, const RopeFusion& rope, int quads) {
+                            float eps, int chunk, u8* smem, int accumulate, const RopeFusion& rope, int eight_lanes) {
     int nb = k / 32, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int rows_pad = rows <= 8 ? 8 : 16, ntiles = rows_pad / 8;
     int stage_bytes = rows_pad * (k + 16) + 2 * rows_pad * nb * 4 + 64;
@@ -833,7 +846,7 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
     if (accumulate && chains && col < t.n) prior = t.o[(size_t)r * t.n + col];
     copies_done();  // this thread's scale copies land before stage_q8's barriers
     Staged st;
-    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st, quads);
+    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st, eight_lanes);
     float acc[2] = {0.f, 0.f};
     for (int c0 = 0; c0 < nb; c0 += chunk) {
         int c1 = min(nb, c0 + chunk);
@@ -896,7 +909,7 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
 // finished.
 template <int TY, int MATS>
 __device__ void wide_tile(const TileOf& t, bool mine, const u8* up, const float* x, int k, int rows,
-                          const float* norm_w, float eps, u8* smem, int accumulate, int quads) {
+                          const float* norm_w, float eps, u8* smem, int accumulate, int eight_lanes) {
     int nb = k / 32, lane = threadIdx.x & 31, g = lane >> 2, i2 = 2 * (lane & 3);
     int rows_pad = rows <= 8 ? 8 : 16, ntiles = rows_pad / 8;
     const u8* wq[2] = {t.w, up};
@@ -918,7 +931,7 @@ __device__ void wide_tile(const TileOf& t, bool mine, const u8* up, const float*
     wait_inputs();
     release_dependents();
     Staged st;
-    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st, quads);
+    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st, eight_lanes);
     if (!mine) return;  // after the CTA's last barrier
     float acc[2][2][4];
 #pragma unroll
@@ -975,7 +988,7 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
                                               const float* norm_w, float eps, int glu, int chunk,
                                               const u8* w0, int ty0, int n0, float* o0, const u8* w1, int ty1,
                                               int n1, float* o1, const u8* w2, int ty2, int n2, float* o2,
-                                              const RopeFusion& rope, int quads) {
+                                              const RopeFusion& rope, int eight_lanes) {
     extern __shared__ __align__(16) u8 smem[];
     int warp = threadIdx.x >> 5;
     TileOf t;
@@ -986,13 +999,13 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
     // only for matrices of one type.
     int ty = mine ? t.ty : ty0;
     const u8* up = glu ? w1 : nullptr;
-#define QM_RUN(TY)                                                                                  \
-    if (WIDE) {                                                                                     \
-        if (glu) wide_tile<TY, 2>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate, quads);          \
-        else wide_tile<TY, 1>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate, quads);              \
-    } else {                                                                                               \
-        if (glu) narrow_tile<TY, 2>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope, quads); \
-        else narrow_tile<TY, 1>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope, quads);     \
+#define QM_RUN(TY)                                                                                               \
+    if (WIDE) {                                                                                                  \
+        if (glu) wide_tile<TY, 2>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate, eight_lanes);          \
+        else wide_tile<TY, 1>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate, eight_lanes);              \
+    } else {                                                                                                     \
+        if (glu) narrow_tile<TY, 2>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope, eight_lanes); \
+        else narrow_tile<TY, 1>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope, eight_lanes);     \
     }
     switch (ty) {
         case T_TQ4_0: QM_RUN(T_TQ4_0); break;
@@ -1013,17 +1026,17 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
     const float *x, int k, int rows, int accumulate, const float *norm_w, float eps, int glu, int chunk,        \
         const u8 *w0, int ty0, int n0, float *o0, const u8 *w1, int ty1, int n1, float *o1, const u8 *w2,       \
         int ty2, int n2, float *o2, int rope_table, int rope_hd, float *kc, float *vc, const int *step,       \
-        int cap, int r0, int quads
+        int cap, int r0, int eight_lanes
 #define QM_ARGS x, k, rows, accumulate, norm_w, eps, glu, chunk, w0, ty0, n0, o0, w1, ty1, n1, o1, w2, ty2, n2, o2
 
 // The last parameters fuse RoPE and the cache write into a narrow Q/K/V launch (w0, w1, w2 = q, k, v; see
 // `RopeFusion`); rope_hd = 0 for every other launch.
 extern "C" __global__ void __launch_bounds__(QM_WARPS * 32) qmatmuls_narrow(QM_PARAMS) {
-    qmatmuls_body<false>(QM_ARGS, RopeFusion{rope_table, rope_hd, kc, vc, step, cap, r0}, quads);
+    qmatmuls_body<false>(QM_ARGS, RopeFusion{rope_table, rope_hd, kc, vc, step, cap, r0}, eight_lanes);
 }
 
 extern "C" __global__ void __launch_bounds__(QM_WARPS * 32, 2) qmatmuls_wide(QM_PARAMS) {
-    qmatmuls_body<true>(QM_ARGS, RopeFusion{0, 0, nullptr, nullptr, nullptr, 0, 0}, quads);
+    qmatmuls_body<true>(QM_ARGS, RopeFusion{0, 0, nullptr, nullptr, nullptr, 0, 0}, eight_lanes);
 }
 
 // out[r, :] = table row step.tokens[r] (one block of threads per row, one thread per 32-value block).
@@ -1301,59 +1314,98 @@ __device__ __forceinline__ bool beats(float v, int i, float b, int bi) {
     return !isnan(v) && (bi < 0 || v > b || (v == b && i < bi));
 }
 
-// out[r] = the index of row r's largest of n values (a block of 1024 threads per row), as an exact float, picked
-// as `sample::argmax` picks it: its serial scan never moves off a NaN first value (index 0); otherwise it finds
-// the lowest index of the largest non-NaN value, which is what this order-free reduction finds. Each thread has
-// four 16-byte loads in flight at a time (a vocabulary row is three round trips, not one per value).
-extern "C" __global__ void argmax_rows(const float* x, int n, float* out) {
+// The argmax of values [lo, hi) of row xr by the whole block, as (b, bi), bi = -1 for none; four 16-byte loads in
+// flight per thread where the row allows them (n a multiple of 4, lo too).
+__device__ __forceinline__ void argmax_range(const float* xr, int n, int lo, int hi, float* b, int* bi) {
     __shared__ float sb[32];
     __shared__ int si[32];
-    wait_inputs();
-    release_dependents();
-    const float* xr = x + (size_t)blockIdx.x * n;
-    float b = 0.f;
-    int bi = -1;
-    int n4 = n % 4 == 0 ? n / 4 : 0;  // rows start 16-byte aligned when n is a multiple of 4
-    for (int i0 = threadIdx.x; i0 < n4; i0 += 4 * blockDim.x) {
+    float bv = 0.f;
+    int bix = -1;
+    int lo4 = n % 4 == 0 ? lo / 4 : 0, hi4 = n % 4 == 0 ? hi / 4 : 0;
+    for (int i0 = lo4 + threadIdx.x; i0 < hi4; i0 += 4 * blockDim.x) {
         float4 v[4];
 #pragma unroll
         for (int u = 0; u < 4; u++) {
             int i = i0 + u * blockDim.x;
-            if (i < n4) v[u] = ((const float4*)xr)[i];
+            if (i < hi4) v[u] = ((const float4*)xr)[i];
         }
 #pragma unroll
         for (int u = 0; u < 4; u++) {
             int i = 4 * (i0 + u * blockDim.x);
-            if (i < n) {
-                if (beats(v[u].x, i, b, bi)) b = v[u].x, bi = i;
-                if (beats(v[u].y, i + 1, b, bi)) b = v[u].y, bi = i + 1;
-                if (beats(v[u].z, i + 2, b, bi)) b = v[u].z, bi = i + 2;
-                if (beats(v[u].w, i + 3, b, bi)) b = v[u].w, bi = i + 3;
+            if (i < 4 * hi4) {
+                if (beats(v[u].x, i, bv, bix)) bv = v[u].x, bix = i;
+                if (beats(v[u].y, i + 1, bv, bix)) bv = v[u].y, bix = i + 1;
+                if (beats(v[u].z, i + 2, bv, bix)) bv = v[u].z, bix = i + 2;
+                if (beats(v[u].w, i + 3, bv, bix)) bv = v[u].w, bix = i + 3;
             }
         }
     }
-    for (int i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) {
+    for (int i = (hi4 > lo4 ? 4 * hi4 : lo) + threadIdx.x; i < hi; i += blockDim.x) {
         float v = xr[i];
-        if (beats(v, i, b, bi)) b = v, bi = i;
+        if (beats(v, i, bv, bix)) bv = v, bix = i;
     }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        float v = __shfl_xor_sync(0xffffffffu, bv, off);
+        int i = __shfl_xor_sync(0xffffffffu, bix, off);
+        if (i >= 0 && beats(v, i, bv, bix)) bv = v, bix = i;
+    }
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    if (lane == 0) sb[warp] = bv, si[warp] = bix;
+    __syncthreads();
+    if (warp == 0) {
+        bv = lane < warps ? sb[lane] : 0.f;
+        bix = lane < warps ? si[lane] : -1;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            float v = __shfl_xor_sync(0xffffffffu, bv, off);
+            int i = __shfl_xor_sync(0xffffffffu, bix, off);
+            if (i >= 0 && beats(v, i, bv, bix)) bv = v, bix = i;
+        }
+    }
+    *b = bv;
+    *bi = bix;  // valid in thread 0
+}
+
+// out[r] = the index of row r's largest of n values, as an exact float, picked as `sample::argmax` picks it: its
+// serial scan never moves off a NaN first value (index 0); otherwise it finds the lowest index of the largest
+// non-NaN value, which is what this order-free reduction finds. Grid (rows, parts): each block takes a slice of
+// its row (a multiple of 4 values, so slices stay 16-byte aligned) and leaves its best in `work` (per row:
+// parts values, parts indices, as floats); the row's last block (`counters[row]`, zero between launches: that
+// block resets it) reduces them.
+extern "C" __global__ void argmax_rows(const float* x, int n, float* out, float* work, unsigned* counters) {
+    __shared__ bool last;
+    wait_inputs();
+    release_dependents();
+    int row = blockIdx.x, part = blockIdx.y, parts = gridDim.y;
+    const float* xr = x + (size_t)row * n;
+    int per = ((n + parts - 1) / parts + 3) & ~3;
+    int lo = min(n, part * per), hi = min(n, lo + per);
+    float b;
+    int bi;
+    argmax_range(xr, n, lo, hi, &b, &bi);
+    float* rec = work + (size_t)row * 2 * parts;
+    unsigned* counter = counters + row;
+    if (threadIdx.x == 0) {
+        rec[part] = b;
+        rec[parts + part] = __int_as_float(bi);
+        __threadfence();
+        last = atomicAdd(counter, 1u) == (unsigned)parts - 1;
+    }
+    __syncthreads();
+    if (!last || threadIdx.x >= 32) return;
+    __threadfence();
+    int lane = threadIdx.x;
+    b = lane < parts ? __ldcg(rec + lane) : 0.f;
+    bi = lane < parts ? __float_as_int(__ldcg(rec + parts + lane)) : -1;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
         float v = __shfl_xor_sync(0xffffffffu, b, off);
         int i = __shfl_xor_sync(0xffffffffu, bi, off);
         if (i >= 0 && beats(v, i, b, bi)) b = v, bi = i;
     }
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    if (lane == 0) sb[warp] = b, si[warp] = bi;
-    __syncthreads();
-    if (warp == 0) {
-        b = lane < warps ? sb[lane] : 0.f;
-        bi = lane < warps ? si[lane] : -1;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            float v = __shfl_xor_sync(0xffffffffu, b, off);
-            int i = __shfl_xor_sync(0xffffffffu, bi, off);
-            if (i >= 0 && beats(v, i, b, bi)) b = v, bi = i;
-        }
-        if (lane == 0) out[blockIdx.x] = (float)(isnan(xr[0]) || bi < 0 ? 0 : bi);
+    if (lane == 0) {
+        out[row] = (float)(isnan(xr[0]) || bi < 0 ? 0 : bi);
+        *counter = 0;
     }
 }

@@ -86,6 +86,8 @@ const QM_WIDE_TILES: usize = WIDE_COLUMNS / tiles::TILE_ROWS;
 /// The attention kernel's slots per chunk, blocks per (row, head) and largest head (`kernels.cu`).
 const ATT_CHUNK: usize = 64;
 const ATT_SPLIT: usize = 8;
+/// Blocks per row of the argmax kernel (`kernels.cu`'s `argmax_rows`).
+const ARGMAX_PARTS: usize = 16;
 const MAX_HEAD_DIM: usize = 256;
 /// Recorded forwards kept; the oldest is dropped beyond this.
 const MAX_GRAPHS: usize = 128;
@@ -175,9 +177,11 @@ pub struct CudaBackend {
     /// Attention loads its first chunk of committed K and V before waiting for the grid before, where its grid
     /// is small (`VERITY_CUDA_ATT_AHEAD=0`: never, for side-by-side measurements).
     att_ahead: bool,
-    /// Many-row launches quantize x with four threads per 32-value block (`VERITY_CUDA_STAGE_QUADS=0`: eight,
-    /// for side-by-side measurements).
-    stage_quads: bool,
+    /// x is quantized with eight threads per 32-value block, as before the four- and two-lane staging
+    /// (`VERITY_CUDA_STAGE_LANES=8`, for side-by-side measurements).
+    eight_lanes: bool,
+    /// The argmax kernel's per-row records and counters (`Backend::argmax`).
+    argmax_work: CudaSlice<f32>,
     /// Streaming multiprocessors of the device.
     sms: usize,
     /// The admission verdict per weight shape (type, rows, cols): rows per launch.
@@ -331,6 +335,9 @@ impl CudaBackend {
         );
         // Graph capture needs a stream other than the legacy default one.
         let stream = ctx.new_stream().map_err(|e| err("stream", &e))?;
+        let argmax_work = stream
+            .alloc_zeros::<f32>(MAX_ROWS * (2 * ARGMAX_PARTS + 1))
+            .map_err(|e| err("alloc", &e))?;
         Ok(CudaBackend {
             ctx,
             stream,
@@ -342,7 +349,8 @@ impl CudaBackend {
             pdl,
             fuse_rope: !off("VERITY_CUDA_FUSE_ROPE"),
             att_ahead: !off("VERITY_CUDA_ATT_AHEAD"),
-            stage_quads: !off("VERITY_CUDA_STAGE_QUADS"),
+            argmax_work,
+            eight_lanes: matches!(std::env::var("VERITY_CUDA_STAGE_LANES").as_deref(), Ok("8")),
             sms,
             admitted: Mutex::new(HashMap::new()),
             ropes: Mutex::new(Vec::new()),
@@ -490,7 +498,7 @@ impl CudaBackend {
                     Arg::I32(0),
                 ]),
             }
-            args.push(Arg::I32(i32::from(self.stage_quads)));
+            args.push(Arg::I32(i32::from(self.eight_lanes)));
         } else {
             assert!(rope.is_none(), "RoPE fuses only into the integer kernel");
         }
@@ -1075,14 +1083,25 @@ impl Backend for CudaBackend {
     }
 
     fn argmax(&self, x: &CudaSlice<f32>, rows: usize, n: usize, out: &mut CudaSlice<f32>) {
-        let args = [self.at(x, 0), Arg::I32(n as i32), self.at(out, 0)];
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: x holds rows × n values, out rows; a block per row.
-        unsafe { self.go("argmax", &self.k.argmax_rows, cfg, &args) };
+        let counters = MAX_ROWS * 2 * ARGMAX_PARTS;
+        for r0 in (0..rows).step_by(MAX_ROWS) {
+            let take = (rows - r0).min(MAX_ROWS);
+            let args = [
+                self.at(x, r0 * n),
+                Arg::I32(n as i32),
+                self.at(out, r0),
+                self.at(&self.argmax_work, 0),
+                self.at(&self.argmax_work, counters),
+            ];
+            let cfg = LaunchConfig {
+                grid_dim: (take as u32, ARGMAX_PARTS as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: x holds rows × n values, out rows; `argmax_work` holds MAX_ROWS rows of records and then
+            // MAX_ROWS counters, zero between launches (the kernel's last block per row resets its counter).
+            unsafe { self.go("argmax", &self.k.argmax_rows, cfg, &args) };
+        }
     }
 
     fn copy(
