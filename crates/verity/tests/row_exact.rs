@@ -50,6 +50,22 @@ fn assert_row_exact(model: &mut Model<CpuBackend>, prefix: &[u32], cont: &[u32],
                 "{label}: W={w} row {r} differs from the 1-row forward"
             );
         }
+        // What a greedy verify asks for: each row's argmax, which must be the argmax of those logits.
+        cache.truncate(base);
+        let greedy = model
+            .forward(
+                &mut cache,
+                &Batch::causal(&cont[..w], base),
+                LogitRows::Greedy,
+                &[],
+            )
+            .unwrap()
+            .greedy;
+        let want: Vec<u32> = single[..w]
+            .iter()
+            .map(|l| verity::sample::argmax(l))
+            .collect();
+        assert_eq!(greedy, want, "{label}: W={w} greedy rows");
     }
 }
 
