@@ -184,7 +184,7 @@ impl<B: Backend> Proposer for MtpProposer<B> {
         let greedy = self.greedy();
         // Catch up on positions next..=n, each conditioned on the target's hidden state of the one before.
         let rows = &self.hid[(next - 1 - self.hid_start) * h..(n - self.hid_start) * h];
-        let out = self
+        let mut out = self
             .head
             .forward(&mut self.cache, &context[next..=n], next, rows, greedy)?;
         self.cached.extend_from_slice(&context[next..=n]);
@@ -202,7 +202,6 @@ impl<B: Backend> Proposer for MtpProposer<B> {
         let mut draft = Draft::default();
         let mut history = context.to_vec();
         let mut state = out.hidden[out.hidden.len() - h..].to_vec();
-        let mut out = out;
         for i in 0..k.min(MAX_DEPTH) {
             let (tok, q) = self.choose(&out, &history);
             draft.tokens.push(tok);
