@@ -117,17 +117,17 @@ fn run<B: Backend>(a: Args, backend: Arc<B>, device: Device, threads: usize) -> 
         let pos = cache.len();
         model.forward(&mut cache, &Batch::causal(chunk, pos), LogitRows::None, &[])?;
     }
+    let returns = match a.logits {
+        Returns::All => LogitRows::All,
+        Returns::Greedy => LogitRows::Greedy,
+    };
     let mut samples = vec![Vec::new(); widths.len()];
     for rep in 0..a.repeat + 2 {
         for (i, &w) in widths.iter().enumerate() {
             cache.truncate(a.context);
             let batch = Batch::causal(&tokens[a.context..a.context + w], a.context);
             let t = Instant::now();
-            let logits = match a.logits {
-                Returns::All => LogitRows::All,
-                Returns::Greedy => LogitRows::Greedy,
-            };
-            model.forward(&mut cache, &batch, logits, &[])?;
+            model.forward(&mut cache, &batch, returns, &[])?;
             if rep >= 2 {
                 samples[i].push(t.elapsed().as_secs_f64() * 1e3);
             }

@@ -280,19 +280,15 @@ impl<B: Backend> MtpHead<B> {
         let key = (s.block.id, cache.buffers_id(), rows, greedy);
         run_recorded(be, rows, key, &mut || self.encode(cache, rows, greedy, s));
         cache.advance(rows);
-        let hidden = be.download(&s.block.xn, rows * h);
-        if greedy {
-            HeadOutput {
-                hidden,
-                logits: Vec::new(),
-                greedy: Some(be.download(&s.block.greedy, 1)[0] as u32),
-            }
+        let (logits, greedy) = if greedy {
+            (Vec::new(), Some(be.download(&s.block.greedy, 1)[0] as u32))
         } else {
-            HeadOutput {
-                hidden,
-                logits: be.download(&s.block.logits, self.draft_vocab_len()),
-                greedy: None,
-            }
+            (be.download(&s.block.logits, self.draft_vocab_len()), None)
+        };
+        HeadOutput {
+            hidden: be.download(&s.block.xn, rows * h),
+            logits,
+            greedy,
         }
     }
 
