@@ -311,10 +311,13 @@ impl<B: Backend> Model<B> {
         match logit_rows {
             LogitRows::None => {}
             LogitRows::All | LogitRows::Greedy => {
-                if !final_hidden {
-                    be.rms_norm(&s.x, &self.output_norm, rows, h, eps, &mut s.xn);
+                if final_hidden {
+                    be.matmul(output, &s.xn, rows, &mut s.logits);
+                } else {
+                    // The output norm fused into the output projection (one launch fewer on a GPU).
+                    let norm = Some((&self.output_norm, eps));
+                    be.matmuls(&s.x, norm, rows, &mut [(output, &mut s.logits)]);
                 }
-                be.matmul(output, &s.xn, rows, &mut s.logits);
                 if logit_rows == LogitRows::Greedy {
                     be.argmax(&s.logits, rows, hp.vocab, &mut s.greedy);
                 }
@@ -331,8 +334,8 @@ impl<B: Backend> Model<B> {
                     be.copy(&s.x, (rows - 1) * h, &mut s.tmp, 0, h);
                     &s.tmp
                 };
-                be.rms_norm(last, &self.output_norm, 1, h, eps, &mut s.xn);
-                be.matmul(output, &s.xn, 1, &mut s.logits);
+                let norm = Some((&self.output_norm, eps));
+                be.matmuls(last, norm, 1, &mut [(output, &mut s.logits)]);
             }
         }
     }
