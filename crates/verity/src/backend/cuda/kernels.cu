@@ -44,6 +44,19 @@ __device__ __forceinline__ void release_dependents() {
 #endif
 }
 
+// `-DLAUNCH_FLOOR` (through `VERITY_CUDA_NVRTC`): every kernel only orders itself after the grid before and
+// returns, so a forward costs its launch boundaries alone — a measurement of the floor, never a result.
+#ifdef LAUNCH_FLOOR
+#define FLOOR_EXIT           \
+    {                        \
+        wait_inputs();       \
+        release_dependents(); \
+        return;              \
+    }
+#else
+#define FLOOR_EXIT
+#endif
+
 // The step buffer: int header {base, rows, tree, mask offset in bytes}, then u32 tokens[cap], int positions[cap],
 // per prepared rotation its rows' (cos, sin) pairs (`CudaStep`), u8 mask[cap * cap] (row-major, written only for
 // tree masks).
@@ -427,6 +440,7 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
                                    const u8* w0, int ty0, int n0, float* o0,
                                    const u8* w1, int ty1, int n1, float* o1,
                                    const u8* w2, int ty2, int n2, float* o2) {
+    FLOOR_EXIT
     extern __shared__ float xs[];  // staged rows, then (with a norm) rows * nb floats of scratch
     __shared__ float scales[ROWS_PER_GROUP];
     int nb = k / 32;
@@ -501,15 +515,23 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
 // cost hardly grows with the rows: one MMA serves 8 of them.
 //
 // Two schedules, chosen by the host per launch (neither changes any row's arithmetic):
-// - narrow (a CTA per 16-column tile): the 8 warps take the tile's blocks in turn and leave their integer sums in
-//   shared memory, chunk by chunk; one thread per (column, row) then runs the sequential chain. Many warps per
-//   tile for the small projections, whose tiles are few.
+// - narrow (a CTA per 16-column tile): its NQ_WARPS warps take the tile's blocks in turn and leave their integer
+//   sums in shared memory, chunk by chunk; one thread per (column, row) then runs the sequential chain. Many
+//   warps per tile for the small projections, whose tiles are few (16 rather than 8: H200, W=1 0.67 vs 0.75 ms
+//   a forward, W=8 0.91 vs 1.07 — fewer blocks per warp, one staging pass for twice the items).
 // - wide (a warp per tile): each warp runs its tile's blocks in order and keeps the chains in its MMA fragment
 //   registers. For the output layer, whose tiles are many.
 #define QM_WARPS 8
 #define QM_STRIDE 20      // ints per (block, row) of exchanged sums: 16 columns, padded against bank conflicts
-#define QM_PER_WARP 8     // blocks a warp takes per exchange chunk (chunks are at most 64 blocks)
-#define QM_AHEAD 6        // blocks a wide-schedule warp loads ahead
+// Warps of a narrow-schedule CTA (set by the host at compilation: 16, or 8 for side-by-side measurements; 32
+// would spill), and the blocks each takes per exchange chunk (chunks are at most 64 blocks).
+#ifndef NQ_WARPS
+#define NQ_WARPS 16
+#endif
+#define NQ_PER_WARP (64 / NQ_WARPS)
+#ifndef QM_AHEAD
+#define QM_AHEAD 6  // blocks a wide-schedule warp loads ahead
+#endif
 
 __device__ __forceinline__ void mma_s8(int (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
 #if __CUDA_ARCH__ >= 800
@@ -822,14 +844,14 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
         const u32* sc = (const u32*)(wq[m] + (size_t)t.tiles * nb * tile_quant_bytes(TY)) + (size_t)t.lt * nb * 16;
         for (int i = threadIdx.x; i < nb * 4; i += blockDim.x) copy_async16(ssc + m * nb * 16 + 4 * i, sc + 4 * i);
     }
-    u32 raw[MATS][QM_PER_WARP][4];
+    u32 raw[MATS][NQ_PER_WARP][4];
     auto load_chunk = [&](int c0) {
         int c1 = min(nb, c0 + chunk);
 #pragma unroll
         for (int m = 0; m < MATS; m++)
 #pragma unroll
-            for (int i = 0; i < QM_PER_WARP; i++) {
-                int b = c0 + warp + QM_WARPS * i;
+            for (int i = 0; i < NQ_PER_WARP; i++) {
+                int b = c0 + warp + NQ_WARPS * i;
                 if (b < c1) load_quants<TY>(qbase[m] + (size_t)b * tile_quant_bytes(TY), lane, raw[m][i]);
             }
     };
@@ -854,8 +876,8 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
 #pragma unroll
         for (int m = 0; m < MATS; m++) {
 #pragma unroll
-            for (int i = 0; i < QM_PER_WARP; i++) {
-                int b = c0 + warp + QM_WARPS * i;
+            for (int i = 0; i < NQ_PER_WARP; i++) {
+                int b = c0 + warp + NQ_WARPS * i;
                 if (b < c1) {
                     u32 a[4];
                     fragment<TY>(raw[m][i], a);
@@ -1031,16 +1053,19 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
 
 // The last parameters fuse RoPE and the cache write into a narrow Q/K/V launch (w0, w1, w2 = q, k, v; see
 // `RopeFusion`); rope_hd = 0 for every other launch.
-extern "C" __global__ void __launch_bounds__(QM_WARPS * 32) qmatmuls_narrow(QM_PARAMS) {
+extern "C" __global__ void __launch_bounds__(NQ_WARPS * 32) qmatmuls_narrow(QM_PARAMS) {
+    FLOOR_EXIT
     qmatmuls_body<false>(QM_ARGS, RopeFusion{rope_table, rope_hd, kc, vc, step, cap, r0}, eight_lanes);
 }
 
 extern "C" __global__ void __launch_bounds__(QM_WARPS * 32, 2) qmatmuls_wide(QM_PARAMS) {
+    FLOOR_EXIT
     qmatmuls_body<true>(QM_ARGS, RopeFusion{0, 0, nullptr, nullptr, nullptr, 0, 0}, eight_lanes);
 }
 
 // out[r, :] = table row step.tokens[r] (one block of threads per row, one thread per 32-value block).
 extern "C" __global__ void embed(const u8* w, int ty, int k, int tiles, const int* step, int cap, float* out) {
+    FLOOR_EXIT
     wait_inputs();
     release_dependents();
     Step st = read_step(step, cap);
@@ -1057,6 +1082,7 @@ extern "C" __global__ void embed(const u8* w, int ty, int k, int tiles, const in
 // a multiple of 32 values take `norm_scales`, as the fused norms do; shorter or ragged ones (per-head Q/K norms)
 // a warp's lane-strided sums and butterfly.
 extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, float eps, float* out) {
+    FLOOR_EXIT
     extern __shared__ float ss[];
     __shared__ float scale;
     wait_inputs();
@@ -1084,6 +1110,7 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, flo
 extern "C" __global__ void rope_and_cache(float* q, const float* k, const float* v, float* kc, float* vc,
                                           int rows, int n_heads, int n_kv_heads, int head_dim, int table,
                                           int interleaved, const int* step, int cap) {
+    FLOOR_EXIT
     wait_inputs();
     release_dependents();
     Step st = read_step(step, cap);
@@ -1124,8 +1151,9 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
 
 // Attention of each (row, head) over committed slots [0, base) and the batch rows the row sees (causal, or the
 // step's tree mask), split over the slots for parallelism (flash-decoding), deterministically:
-// - slots are cut into chunks of ATT_CHUNK by absolute index; ATT_SPLIT blocks per (row, head) take chunks
-//   c = blockIdx.x, + ATT_SPLIT, ...; each chunk's max, exp-sum and value sums are written to `work`;
+// - slots are cut into chunks of ATT_CHUNK by absolute index; gridDim.x blocks per (row, head) (the host's
+//   split, which changes no bits) take chunks c = blockIdx.x, + gridDim.x, ...; each chunk's max, exp-sum and
+//   value sums are written to `work`;
 // - the block that finishes last (a counter per (row, head), reset by that block) combines the chunks in
 //   chunk order;
 // - a block's first chunk of committed K and V (slots below base, written by earlier forwards) is loaded before
@@ -1136,7 +1164,6 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
 // n_heads of the step; `work` holds 16 * n_heads counters, then per (row, head) `chunks` records of
 // {max, sum, head_dim value sums}.
 #define ATT_CHUNK 64
-#define ATT_SPLIT 8
 #define MAX_HEAD_DIM 256
 #define ATT_AHEAD_DIM 64  // heads up to this size load their first chunk before waiting for the grid before
 
@@ -1145,7 +1172,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
                                                int n_heads, int n_kv_heads, int head_dim, float scale,
                                                const int* step, int cap, float* work, int chunks, float* out) {
     __shared__ float sc[ATT_CHUNK];
-    __shared__ float red[ATT_CHUNK];
+    __shared__ float red[2];  // the chunk's max and exp-sum
     __shared__ float quarter[4][MAX_HEAD_DIM];
     __shared__ int last;
     // The step (written by the host before the forward) and the committed slots [0, base) (written by earlier
@@ -1187,7 +1214,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
     }
     wait_inputs();
     release_dependents();
-    for (int c = blockIdx.x; c * ATT_CHUNK < n; c += ATT_SPLIT) {
+    for (int c = blockIdx.x; c * ATT_CHUNK < n; c += gridDim.x) {
         int j0 = c * ATT_CHUNK;
         bool first = c == (int)blockIdx.x;
         // Scores: four threads per slot, each a quarter of the head's dims, then a fixed butterfly.
@@ -1219,24 +1246,26 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
         d += __shfl_xor_sync(0xffffffffu, d, 2);
         if (sub == 0) sc[js] = sees ? d * scale : NEG_INF;
         __syncthreads();
-        if (t < ATT_CHUNK) red[t] = sc[t];
-        __syncthreads();
-        for (int o = ATT_CHUNK / 2; o > 0; o >>= 1) {
-            if (t < o) red[t] = fmaxf(red[t], red[t + o]);
-            __syncthreads();
+        // The chunk's max and exp-sum in the first warp, two slots per lane: the sum in the order of a halving
+        // tree (slot t + 32 onto t, then shfl_down 16 ... 1), the max exact in any order.
+        if (t < 32) {
+            float a = sc[t], b = sc[t + 32];
+            float m = fmaxf(a, b);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+            float pa = a == NEG_INF ? 0.f : __expf(a - m), pb = b == NEG_INF ? 0.f : __expf(b - m);
+            sc[t] = pa;
+            sc[t + 32] = pb;
+            float sum = pa + pb;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, o);
+            if (t == 0) {
+                red[0] = m;
+                red[1] = sum;
+            }
         }
+        __syncthreads();
         float m = red[0];
-        __syncthreads();
-        if (t < ATT_CHUNK) {
-            float p = sc[t] == NEG_INF ? 0.f : __expf(sc[t] - m);
-            sc[t] = p;
-            red[t] = p;
-        }
-        __syncthreads();
-        for (int o = ATT_CHUNK / 2; o > 0; o >>= 1) {
-            if (t < o) red[t] += red[t + o];
-            __syncthreads();
-        }
         // Value sums: each quarter of the chunk's slots in order, then the quarters in order.
         for (int u = t; u < 4 * head_dim; u += blockDim.x) {
             int qq = u / head_dim, e = u % head_dim;
@@ -1258,7 +1287,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
             r[2 + e] = ((quarter[0][e] + quarter[1][e]) + quarter[2][e]) + quarter[3][e];
         if (t == 0) {
             r[0] = m;
-            r[1] = red[0];
+            r[1] = red[1];
         }
         __syncthreads();
     }
@@ -1297,11 +1326,12 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
         float scale, const int *step, int cap, float *work, int chunks, float *out
 #define ATT_ARGS q, kc, vc, row0, n_heads, n_kv_heads, head_dim, scale, step, cap, work, chunks, out
 
-extern "C" __global__ void attention(ATT_PARAMS) { attention_body<false>(ATT_ARGS); }
+extern "C" __global__ void attention(ATT_PARAMS) { FLOOR_EXIT attention_body<false>(ATT_ARGS); }
 
-extern "C" __global__ void attention_ahead(ATT_PARAMS) { attention_body<true>(ATT_ARGS); }
+extern "C" __global__ void attention_ahead(ATT_PARAMS) { FLOOR_EXIT attention_body<true>(ATT_ARGS); }
 
 extern "C" __global__ void add_bias(float* x, const float* b, int dim, int n) {
+    FLOOR_EXIT
     wait_inputs();
     release_dependents();
     int t = blockIdx.x * blockDim.x + threadIdx.x;
@@ -1374,6 +1404,7 @@ __device__ __forceinline__ void argmax_range(const float* xr, int n, int lo, int
 // parts values, parts indices, as floats); the row's last block (`counters[row]`, zero between launches: that
 // block resets it) reduces them.
 extern "C" __global__ void argmax_rows(const float* x, int n, float* out, float* work, unsigned* counters) {
+    FLOOR_EXIT
     __shared__ bool last;
     wait_inputs();
     release_dependents();

@@ -83,9 +83,13 @@ const QM_STRIDE: usize = 20;
 const QM_CHUNK_MAX: usize = 64;
 const QM_EXCHANGE_BYTES: usize = 48 * 1024;
 const QM_WIDE_TILES: usize = WIDE_COLUMNS / tiles::TILE_ROWS;
-/// The attention kernel's slots per chunk, blocks per (row, head) and largest head (`kernels.cu`).
+/// Warps of a narrow-schedule CTA (`kernels.cu`'s `NQ_WARPS`; its blocks per warp make chunks of at most 64).
+const NARROW_WARPS: usize = 16;
+/// The attention kernel's slots per chunk, blocks per (row, head) (the default split) and largest head
+/// (`kernels.cu`).
 const ATT_CHUNK: usize = 64;
 const ATT_SPLIT: usize = 8;
+const ATT_SPLIT_MAX: usize = 32;
 /// Blocks per row of the argmax kernel (`kernels.cu`'s `argmax_rows`).
 const ARGMAX_PARTS: usize = 16;
 const MAX_HEAD_DIM: usize = 256;
@@ -177,6 +181,11 @@ pub struct CudaBackend {
     /// Attention loads its first chunk of committed K and V before waiting for the grid before, where its grid
     /// is small (`VERITY_CUDA_ATT_AHEAD=0`: never, for side-by-side measurements).
     att_ahead: bool,
+    /// Warps of a narrow-schedule projection CTA (`kernels.cu`'s `NQ_WARPS`, set at compilation).
+    narrow_warps: usize,
+    /// Attention blocks per (row, head) forced by `VERITY_CUDA_ATT_SPLIT` (side-by-side measurements); `None`:
+    /// [`CudaBackend::att_split`]'s rule.
+    att_split: Option<usize>,
     /// x is quantized with eight threads per 32-value block, as before the four- and two-lane staging
     /// (`VERITY_CUDA_STAGE_LANES=8`, for side-by-side measurements).
     eight_lanes: bool,
@@ -286,10 +295,22 @@ impl CudaBackend {
         unsafe { ctx.disable_event_tracking() };
         let (major, minor) = ctx.compute_capability().map_err(|e| err("device", &e))?;
         let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
+        // `VERITY_CUDA_NVRTC`: extra compiler options, space-separated (`-DQM_AHEAD=9`, `-lineinfo`): kernel
+        // constants tried side by side on one binary, and source lines for the profiler.
+        let mut options: Vec<String> = std::env::var("VERITY_CUDA_NVRTC")
+            .map(|o| o.split_whitespace().map(String::from).collect())
+            .unwrap_or_default();
+        // `VERITY_CUDA_NARROW_WARPS=8`: narrow-schedule CTAs of 8 warps, as before (side-by-side measurements).
+        let narrow_warps = match std::env::var("VERITY_CUDA_NARROW_WARPS").as_deref() {
+            Ok("8") => 8,
+            _ => NARROW_WARPS,
+        };
+        options.push(format!("-DNQ_WARPS={narrow_warps}"));
         let ptx = compile_ptx_with_opts(
             SOURCE,
             CompileOptions {
                 arch: Some(arch),
+                options,
                 ..Default::default()
             },
         )
@@ -349,12 +370,31 @@ impl CudaBackend {
             pdl,
             fuse_rope: !off("VERITY_CUDA_FUSE_ROPE"),
             att_ahead: !off("VERITY_CUDA_ATT_AHEAD"),
+            narrow_warps,
+            att_split: std::env::var("VERITY_CUDA_ATT_SPLIT")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|n| (1..=ATT_SPLIT_MAX).contains(n)),
             argmax_work,
             eight_lanes: matches!(std::env::var("VERITY_CUDA_STAGE_LANES").as_deref(), Ok("8")),
             sms,
             admitted: Mutex::new(HashMap::new()),
             ropes: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Attention blocks per (row, head) for a launch of `row_heads` (row, head) pairs: ATT_SPLIT, or where that
+    /// would leave SMs idle (decode steps), enough to fill them twice over, up to ATT_SPLIT_MAX — each block
+    /// then takes fewer chunks of a long context in turn (H200, context 1024, W=1: 0.87 ms at 16, 1.01 at 8).
+    /// No bits depend on it: every chunk's record is the same whichever block computes it, and the combine
+    /// reads them in chunk order.
+    fn att_split(&self, row_heads: usize) -> usize {
+        self.att_split
+            .unwrap_or(if ATT_SPLIT * row_heads < self.sms {
+                (2 * self.sms / row_heads).clamp(ATT_SPLIT, ATT_SPLIT_MAX)
+            } else {
+                ATT_SPLIT
+            })
     }
 
     /// Launch `f` (with programmatic dependent launch where the device has it); a driver error panics.
@@ -423,9 +463,10 @@ impl CudaBackend {
             } else {
                 n_tiles
             };
+            let warps = if wide { MM_WARPS } else { self.narrow_warps };
             let cfg = LaunchConfig {
                 grid_dim: (ctas as u32, 1, 1),
-                block_dim: ((MM_WARPS * 32) as u32, 1, 1),
+                block_dim: ((warps * 32) as u32, 1, 1),
                 shared_mem_bytes: bytes as u32,
             };
             let f = if wide {
@@ -1045,8 +1086,9 @@ impl Backend for CudaBackend {
         let mut r0 = 0;
         while r0 < shape.rows {
             let take = (shape.rows - r0).min(MAX_ROWS);
+            let split = self.att_split(take * shape.n_heads);
             let cfg = LaunchConfig {
-                grid_dim: (ATT_SPLIT as u32, (take * shape.n_heads) as u32, 1),
+                grid_dim: (split as u32, (take * shape.n_heads) as u32, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
@@ -1068,7 +1110,7 @@ impl Backend for CudaBackend {
             ];
             // The early-load variant takes more registers, so fewer of its blocks fit an SM: it runs where the
             // grid fits twice over the SMs (decode steps, short verifies). Both give the same bits.
-            let blocks = ATT_SPLIT * take * shape.n_heads;
+            let blocks = split * take * shape.n_heads;
             let f = if self.att_ahead && blocks <= 2 * self.sms {
                 &self.k.attention_ahead
             } else {
