@@ -528,7 +528,7 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
 #ifndef NQ_WARPS
 #define NQ_WARPS 16
 #endif
-#define NQ_PER_WARP (64 / NQ_WARPS)
+#define NQ_PER_WARP ((64 + NQ_WARPS - 1) / NQ_WARPS)
 #ifndef QM_AHEAD
 #define QM_AHEAD 6  // blocks a wide-schedule warp loads ahead
 #endif

@@ -300,17 +300,20 @@ impl CudaBackend {
         let mut options: Vec<String> = std::env::var("VERITY_CUDA_NVRTC")
             .map(|o| o.split_whitespace().map(String::from).collect())
             .unwrap_or_default();
-        // `VERITY_CUDA_NARROW_WARPS=8`: narrow-schedule CTAs of 8 warps, as before (side-by-side measurements).
-        let narrow_warps = match std::env::var("VERITY_CUDA_NARROW_WARPS").as_deref() {
-            Ok("8") => 8,
-            _ => NARROW_WARPS,
-        };
+        // `VERITY_CUDA_NARROW_WARPS=N` (4 to 32): narrow-schedule CTAs of N warps (side-by-side measurements).
+        let narrow_warps = std::env::var("VERITY_CUDA_NARROW_WARPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|n| (4..=32).contains(n))
+            .unwrap_or(NARROW_WARPS);
         options.push(format!("-DNQ_WARPS={narrow_warps}"));
         let ptx = compile_ptx_with_opts(
             SOURCE,
             CompileOptions {
                 arch: Some(arch),
                 options,
+                // The source's path from the repository root, where a profiler run there finds it (`-lineinfo`).
+                name: Some("crates/verity/src/backend/cuda/kernels.cu".into()),
                 ..Default::default()
             },
         )
