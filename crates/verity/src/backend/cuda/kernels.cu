@@ -523,8 +523,8 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
 //   registers. For the output layer, whose tiles are many.
 #define QM_WARPS 8
 #define QM_STRIDE 20      // ints per (block, row) of exchanged sums: 16 columns, padded against bank conflicts
-// Warps of a narrow-schedule CTA (set by the host at compilation: 16, or 8 for side-by-side measurements; 32
-// would spill), and the blocks each takes per exchange chunk (chunks are at most 64 blocks).
+// Warps of a narrow-schedule CTA (set by the host at compilation: 16, or 4..32 for side-by-side measurements;
+// past 16 the registers spill), and the blocks each takes per exchange chunk (chunks are at most 64 blocks).
 #ifndef NQ_WARPS
 #define NQ_WARPS 16
 #endif
