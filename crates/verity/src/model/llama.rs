@@ -322,7 +322,7 @@ impl<B: Backend> Model<B> {
                     be.argmax(&s.logits, rows, hp.vocab, &mut s.greedy);
                 }
             }
-            // The last row alone: moved to the front of `tmp` (normed there unless it already is).
+            // The last row alone: moved to the front of `tmp` (already normed, or normed inside the projection).
             LogitRows::Last if final_hidden => {
                 be.copy(&s.xn, (rows - 1) * h, &mut s.tmp, 0, h);
                 be.matmul(output, &s.tmp, 1, &mut s.logits);

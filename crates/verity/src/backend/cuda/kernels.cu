@@ -47,11 +47,11 @@ __device__ __forceinline__ void release_dependents() {
 // `-DLAUNCH_FLOOR` (through `VERITY_CUDA_NVRTC`): every kernel only orders itself after the grid before and
 // returns, so a forward costs its launch boundaries alone — a measurement of the floor, never a result.
 #ifdef LAUNCH_FLOOR
-#define FLOOR_EXIT           \
-    {                        \
-        wait_inputs();       \
-        release_dependents(); \
-        return;              \
+#define FLOOR_EXIT             \
+    {                          \
+        wait_inputs();         \
+        release_dependents();  \
+        return;                \
     }
 #else
 #define FLOOR_EXIT

@@ -34,8 +34,8 @@
 //!
 //! Attention is split over 64-slot chunks (8 blocks per row and head, more where that would leave SMs idle) and
 //! combined in chunk order by the block that finishes last, so its parallelism grows with the context while
-//! every sum keeps a fixed order. Its first
-//! chunk of committed K/V is loaded before it waits for the Q/K/V launch (only the new slots depend on it).
+//! every sum keeps a fixed order. Its first chunk of committed K/V is loaded before it waits for the Q/K/V
+//! launch (only the new slots depend on it).
 //!
 //! MLX-affine weights are re-laid at upload into 32-value blocks with f32 scale and bias (`affine.rs`) and run
 //! the f32-activation kernel, decoding bitwise as the CPU does.
@@ -250,6 +250,12 @@ fn q_shared(rows: usize, k: usize, wide: bool, mats: usize) -> (usize, usize) {
     (stage + scales + chunk * per_block, chunk)
 }
 
+/// A count set by environment variable `var` for side-by-side measurements, if it parses and lies in `range`.
+fn env_count(var: &str, range: std::ops::RangeInclusive<usize>) -> Option<usize> {
+    let n = std::env::var(var).ok()?.parse().ok()?;
+    range.contains(&n).then_some(n)
+}
+
 fn grid(n: usize, block: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: ((n as u32).div_ceil(block).max(1), 1, 1),
@@ -304,11 +310,7 @@ impl CudaBackend {
             .map(|o| o.split_whitespace().map(String::from).collect())
             .unwrap_or_default();
         // `VERITY_CUDA_NARROW_WARPS=N` (4 to 32): narrow-schedule CTAs of N warps (side-by-side measurements).
-        let narrow_warps = std::env::var("VERITY_CUDA_NARROW_WARPS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|n| (4..=32).contains(n))
-            .unwrap_or(NARROW_WARPS);
+        let narrow_warps = env_count("VERITY_CUDA_NARROW_WARPS", 4..=32).unwrap_or(NARROW_WARPS);
         options.push(format!("-DNQ_WARPS={narrow_warps}"));
         let ptx = compile_ptx_with_opts(
             SOURCE,
@@ -377,10 +379,7 @@ impl CudaBackend {
             fuse_rope: !off("VERITY_CUDA_FUSE_ROPE"),
             att_ahead: !off("VERITY_CUDA_ATT_AHEAD"),
             narrow_warps,
-            att_split: std::env::var("VERITY_CUDA_ATT_SPLIT")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .filter(|n| (1..=ATT_SPLIT_MAX).contains(n)),
+            att_split: env_count("VERITY_CUDA_ATT_SPLIT", 1..=ATT_SPLIT_MAX),
             argmax_work,
             eight_lanes: matches!(std::env::var("VERITY_CUDA_STAGE_LANES").as_deref(), Ok("8")),
             sms,
