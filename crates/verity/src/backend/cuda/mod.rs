@@ -46,6 +46,7 @@
 
 pub mod affine;
 mod launch;
+mod ptx_cache;
 mod rope;
 pub mod tiles;
 
@@ -56,8 +57,10 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys::{
     CUdevice_attribute, CUfunction_attribute, CUgraphInstantiate_flags, CUstreamCaptureMode,
 };
-use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, LaunchConfig};
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, LaunchConfig,
+};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
 use launch::{addr, Arg};
 use rope::{RopeKey, RopeTable};
@@ -256,6 +259,52 @@ fn env_count(var: &str, range: std::ops::RangeInclusive<usize>) -> Option<usize>
     range.contains(&n).then_some(n)
 }
 
+/// The kernels compiled for `arch` with `options` and loaded: the PTX comes from verity's cache folder when an
+/// earlier run compiled the same source the same way (`ptx_cache`), else from NVRTC. A cached PTX the driver
+/// refuses (a driver older than the one that ran before, say) is compiled afresh and replaced.
+fn load_kernels(
+    ctx: &Arc<CudaContext>,
+    arch: &'static str,
+    options: Vec<String>,
+) -> Result<Arc<CudaModule>> {
+    let err = |what: &str, e: &dyn std::fmt::Display| Error::Invalid(format!("CUDA {what}: {e}"));
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: NVRTC is loaded (checked by the caller) and writes two ints.
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    let nvrtc = format!("nvrtc {major}.{minor}");
+    let joined = options.join(" ");
+    let key = ptx_cache::key(&[SOURCE, arch, &joined, &nvrtc, env!("CARGO_PKG_VERSION")]);
+    let compile = || {
+        compile_ptx_with_opts(
+            SOURCE,
+            CompileOptions {
+                arch: Some(arch),
+                options: options.clone(),
+                // The source's path from the repository root, where a profiler run there finds it (`-lineinfo`).
+                name: Some("crates/verity/src/backend/cuda/kernels.cu".into()),
+                ..Default::default()
+            },
+        )
+        .map(|ptx| ptx.to_src())
+        .map_err(|e| err("kernel compilation", &e))
+    };
+    let dir = crate::registry::cache_dir().ok();
+    let (ptx, cached) = ptx_cache::get_or_compile(dir.as_deref(), key, compile)?;
+    match ctx.load_module(Ptx::from_src(ptx)) {
+        Ok(module) => Ok(module),
+        Err(e) if cached => {
+            tracing::warn!("the cached CUDA kernels did not load ({e}); compiling them again");
+            let ptx = compile()?;
+            if let Some(d) = &dir {
+                let _ = ptx_cache::write(&ptx_cache::path(d, key), &ptx);
+            }
+            ctx.load_module(Ptx::from_src(ptx))
+                .map_err(|e| err("module", &e))
+        }
+        Err(e) => Err(err("module", &e)),
+    }
+}
+
 fn grid(n: usize, block: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: ((n as u32).div_ceil(block).max(1), 1, 1),
@@ -312,18 +361,7 @@ impl CudaBackend {
         // `VERITY_CUDA_NARROW_WARPS=N` (4 to 32): narrow-schedule CTAs of N warps (side-by-side measurements).
         let narrow_warps = env_count("VERITY_CUDA_NARROW_WARPS", 4..=32).unwrap_or(NARROW_WARPS);
         options.push(format!("-DNQ_WARPS={narrow_warps}"));
-        let ptx = compile_ptx_with_opts(
-            SOURCE,
-            CompileOptions {
-                arch: Some(arch),
-                options,
-                // The source's path from the repository root, where a profiler run there finds it (`-lineinfo`).
-                name: Some("crates/verity/src/backend/cuda/kernels.cu".into()),
-                ..Default::default()
-            },
-        )
-        .map_err(|e| err("kernel compilation", &e))?;
-        let module = ctx.load_module(ptx).map_err(|e| err("module", &e))?;
+        let module = load_kernels(&ctx, arch, options)?;
         let f = |n: &str| module.load_function(n).map_err(|e| err(n, &e));
         let k = Kernels {
             matmuls: f("matmuls")?,

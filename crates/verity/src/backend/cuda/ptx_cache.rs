@@ -1,0 +1,191 @@
+//! Compiled kernels kept on disk between runs.
+//!
+//! NVRTC needs seconds to compile `kernels.cu` (27 s on the project's 2-core CPU machine), and a CUDA run
+//! used to pay that at every start. The PTX of each (source, architecture, options, compiler version) is kept
+//! in verity's cache folder under a name derived from all of them, and reused; the driver keeps its own cache
+//! of the machine code it makes from PTX.
+//!
+//! Invariants:
+//! - A file is used only if it holds exactly what it claims: a header with the PTX's length and checksum,
+//!   then that PTX. A truncated or altered file is ignored and replaced by a fresh compilation.
+//! - Nothing here can stop a run: without a cache folder, or when it cannot be written, every run compiles.
+//! - Files are written to a temporary name and renamed, so a reader never sees half a file.
+//!
+//! The key and the checksum are 64-bit FNV-1a, written here: they only need to tell inputs and files apart,
+//! not resist an adversary, and no hashing crate is among verity's dependencies.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+const MAGIC: &str = "verity-ptx";
+
+/// 64-bit FNV-1a over `parts`, each followed by a separator byte (so ("ab", "c") and ("a", "bc") differ).
+pub fn key(parts: &[&str]) -> u64 {
+    let mut h = fnv(0xcbf2_9ce4_8422_2325, &[]);
+    for p in parts {
+        h = fnv(h, p.as_bytes());
+        h = fnv(h, &[0xff]);
+    }
+    h
+}
+
+fn fnv(mut h: u64, bytes: &[u8]) -> u64 {
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+fn checksum(ptx: &str) -> u64 {
+    fnv(0xcbf2_9ce4_8422_2325, ptx.as_bytes())
+}
+
+/// The file of `key` in `dir`.
+pub fn path(dir: &Path, key: u64) -> PathBuf {
+    dir.join("cuda").join(format!("kernels-{key:016x}.ptx"))
+}
+
+/// The PTX stored at `path`, if the file is whole.
+pub fn read(path: &Path) -> Option<String> {
+    let text = fs::read_to_string(path).ok()?;
+    let (header, ptx) = text.split_once('\n')?;
+    let mut fields = header.split(' ');
+    let (magic, len, sum) = (fields.next()?, fields.next()?, fields.next()?);
+    let whole = magic == MAGIC
+        && fields.next().is_none()
+        && len.parse::<usize>().ok()? == ptx.len()
+        && u64::from_str_radix(sum, 16).ok()? == checksum(ptx);
+    whole.then(|| ptx.to_string())
+}
+
+/// Store `ptx` at `path` (through a temporary file in the same folder).
+pub fn write(path: &Path, ptx: &str) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(
+        ".{}.{}.tmp",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("ptx"),
+        std::process::id()
+    ));
+    let header = format!("{MAGIC} {} {:016x}\n", ptx.len(), checksum(ptx));
+    fs::write(&tmp, header + ptx)?;
+    fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = fs::remove_file(&tmp);
+    })
+}
+
+/// The PTX of `key`: from `dir`'s cache when a whole file is there (`true`), else from `compile` (`false`),
+/// which is then stored for the next run (a failure to store is logged, never returned).
+pub fn get_or_compile<E>(
+    dir: Option<&Path>,
+    key: u64,
+    compile: impl FnOnce() -> Result<String, E>,
+) -> Result<(String, bool), E> {
+    let file = dir.map(|d| path(d, key));
+    if let Some(ptx) = file.as_deref().and_then(read) {
+        return Ok((ptx, true));
+    }
+    let ptx = compile()?;
+    if let Some(file) = &file {
+        if let Err(e) = write(file, &ptx) {
+            tracing::warn!(
+                "could not keep the compiled kernels in {}: {e}",
+                file.display()
+            );
+        }
+    }
+    Ok((ptx, false))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn folder(name: &str) -> PathBuf {
+        let d =
+            std::env::temp_dir().join(format!("verity-ptx-cache-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        d
+    }
+
+    #[test]
+    fn a_second_run_reads_what_the_first_compiled() {
+        let d = folder("reuse");
+        let k = key(&["src", "compute_90", "-DX=1"]);
+        let first = get_or_compile(Some(&d), k, || {
+            Ok::<_, ()>(".version 8.0\n// kernels\n".to_string())
+        });
+        assert_eq!(first, Ok((".version 8.0\n// kernels\n".to_string(), false)));
+        let second = get_or_compile(Some(&d), k, || -> Result<String, ()> {
+            panic!("compiled again")
+        });
+        assert_eq!(second, Ok((".version 8.0\n// kernels\n".to_string(), true)));
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn every_input_of_the_compilation_changes_the_key() {
+        let base = key(&["src", "compute_90", "-DX=1", "12.9"]);
+        for other in [
+            ["src2", "compute_90", "-DX=1", "12.9"],
+            ["src", "compute_80", "-DX=1", "12.9"],
+            ["src", "compute_90", "-DX=2", "12.9"],
+            ["src", "compute_90", "-DX=1", "13.0"],
+        ] {
+            assert_ne!(key(&other), base, "{other:?}");
+        }
+        assert_ne!(key(&["ab", "c"]), key(&["a", "bc"]));
+    }
+
+    #[test]
+    fn a_truncated_or_altered_file_is_compiled_again_and_replaced() {
+        let d = folder("damaged");
+        let k = key(&["src"]);
+        let ptx = ".version 8.0\n.target sm_90\n// a kernel\n".to_string();
+        get_or_compile(Some(&d), k, || Ok::<_, ()>(ptx.clone())).unwrap();
+        let file = path(&d, k);
+        let whole = fs::read(&file).unwrap();
+        for damaged in [
+            whole[..whole.len() - 5].to_vec(), // truncated
+            [&whole[..], b"extra"].concat(),   // grown
+            String::from_utf8(whole.clone())
+                .unwrap()
+                .replace("a kernel", "b kernel")
+                .into_bytes(), // altered
+            b"not a cache file".to_vec(),
+            Vec::new(),
+        ] {
+            fs::write(&file, &damaged).unwrap();
+            assert_eq!(read(&file), None);
+            let got = get_or_compile(Some(&d), k, || Ok::<_, ()>(ptx.clone())).unwrap();
+            assert_eq!(got, (ptx.clone(), false));
+            assert_eq!(
+                read(&file).as_deref(),
+                Some(ptx.as_str()),
+                "replaced by the fresh compilation"
+            );
+        }
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn without_a_cache_folder_every_run_compiles_and_errors_pass_through() {
+        let got = get_or_compile(None, 7, || Ok::<_, ()>("ptx".to_string()));
+        assert_eq!(got, Ok(("ptx".to_string(), false)));
+        let err = get_or_compile(None, 7, || Err::<String, _>("syntax error"));
+        assert_eq!(err, Err("syntax error"));
+    }
+
+    #[test]
+    fn an_unwritable_cache_folder_only_means_compiling() {
+        let d = folder("blocked");
+        fs::create_dir_all(d.parent().unwrap()).unwrap();
+        fs::write(&d, b"a file where the folder should be").unwrap();
+        for _ in 0..2 {
+            let got = get_or_compile(Some(&d), 1, || Ok::<_, ()>("ptx".to_string()));
+            assert_eq!(got, Ok(("ptx".to_string(), false)));
+        }
+        fs::remove_file(&d).unwrap();
+    }
+}
