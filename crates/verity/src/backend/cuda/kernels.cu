@@ -515,7 +515,7 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
 // cost hardly grows with the rows: one MMA serves 8 of them.
 //
 // Two schedules, chosen by the host per launch (neither changes any row's arithmetic):
-// - narrow (a CTA per 16-column tile): its NQ_WARPS warps take the tile's blocks in turn and leave their integer
+// - narrow (a CTA per 16-column tile): its warps take the tile's blocks in turn and leave their integer
 //   sums in shared memory, chunk by chunk; one thread per (column, row) then runs the sequential chain. Many
 //   warps per tile for the small projections, whose tiles are few (16 rather than 8: H200, W=1 0.67 vs 0.75 ms
 //   a forward, W=8 0.91 vs 1.07 — fewer blocks per warp, one staging pass for twice the items).
@@ -523,12 +523,16 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
 //   registers. For the output layer, whose tiles are many.
 #define QM_WARPS 8
 #define QM_STRIDE 20      // ints per (block, row) of exchanged sums: 16 columns, padded against bank conflicts
-// Warps of a narrow-schedule CTA (set by the host at compilation: 16, or 4..32 for side-by-side measurements;
-// past 16 the registers spill), and the blocks each takes per exchange chunk (chunks are at most 64 blocks).
+// Warps of a narrow-schedule CTA: NQ_WARPS for launches of up to 3 rows, NQ_WARPS_ROWS for more (set by the
+// host at compilation: 16 and 24, or 4..32 for side-by-side measurements; past 16 the registers spill a little).
+// More warps take fewer blocks each, which pays once the rows make each block's work longer (H200: 24 warps
+// W=8 0.86 vs 0.91 ms, W=1 0.69 vs 0.68).
 #ifndef NQ_WARPS
 #define NQ_WARPS 16
 #endif
-#define NQ_PER_WARP ((64 + NQ_WARPS - 1) / NQ_WARPS)
+#ifndef NQ_WARPS_ROWS
+#define NQ_WARPS_ROWS 24
+#endif
 #ifndef QM_AHEAD
 #define QM_AHEAD 6  // blocks a wide-schedule warp loads ahead
 #endif
@@ -827,9 +831,10 @@ __device__ __forceinline__ void copies_done() {
 // Narrow schedule: this CTA's tile (`up`: the up projection for glu, gate in t; MATS = 1 or 2). The tile's scale
 // words (copied asynchronously into shared memory) and the quants of its first chunk are fetched before the
 // grid before has finished.
-template <int TY, int MATS>
+template <int TY, int MATS, int WARPS>
 __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k, int rows, const float* norm_w,
                             float eps, int chunk, u8* smem, int accumulate, const RopeFusion& rope, int eight_lanes) {
+    constexpr int PER_WARP = (64 + WARPS - 1) / WARPS;  // blocks a warp takes per exchange chunk (at most 64)
     int nb = k / 32, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int rows_pad = rows <= 8 ? 8 : 16, ntiles = rows_pad / 8;
     int stage_bytes = rows_pad * (k + 16) + 2 * rows_pad * nb * 4 + 64;
@@ -844,14 +849,14 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
         const u32* sc = (const u32*)(wq[m] + (size_t)t.tiles * nb * tile_quant_bytes(TY)) + (size_t)t.lt * nb * 16;
         for (int i = threadIdx.x; i < nb * 4; i += blockDim.x) copy_async16(ssc + m * nb * 16 + 4 * i, sc + 4 * i);
     }
-    u32 raw[MATS][NQ_PER_WARP][4];
+    u32 raw[MATS][PER_WARP][4];
     auto load_chunk = [&](int c0) {
         int c1 = min(nb, c0 + chunk);
 #pragma unroll
         for (int m = 0; m < MATS; m++)
 #pragma unroll
-            for (int i = 0; i < NQ_PER_WARP; i++) {
-                int b = c0 + warp + NQ_WARPS * i;
+            for (int i = 0; i < PER_WARP; i++) {
+                int b = c0 + warp + WARPS * i;
                 if (b < c1) load_quants<TY>(qbase[m] + (size_t)b * tile_quant_bytes(TY), lane, raw[m][i]);
             }
     };
@@ -876,8 +881,8 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
 #pragma unroll
         for (int m = 0; m < MATS; m++) {
 #pragma unroll
-            for (int i = 0; i < NQ_PER_WARP; i++) {
-                int b = c0 + warp + NQ_WARPS * i;
+            for (int i = 0; i < PER_WARP; i++) {
+                int b = c0 + warp + WARPS * i;
                 if (b < c1) {
                     u32 a[4];
                     fragment<TY>(raw[m][i], a);
@@ -1005,7 +1010,7 @@ __device__ void wide_tile(const TileOf& t, bool mine, const u8* up, const float*
     }
 }
 
-template <bool WIDE>
+template <bool WIDE, int WARPS>
 __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, int accumulate,
                                               const float* norm_w, float eps, int glu, int chunk,
                                               const u8* w0, int ty0, int n0, float* o0, const u8* w1, int ty1,
@@ -1026,8 +1031,10 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
         if (glu) wide_tile<TY, 2>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate, eight_lanes);          \
         else wide_tile<TY, 1>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate, eight_lanes);              \
     } else {                                                                                                     \
-        if (glu) narrow_tile<TY, 2>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope, eight_lanes); \
-        else narrow_tile<TY, 1>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope, eight_lanes);     \
+        if (glu) narrow_tile<TY, 2, WARPS>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope,       \
+                                           eight_lanes);                                                        \
+        else narrow_tile<TY, 1, WARPS>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope,           \
+                                       eight_lanes);                                                            \
     }
     switch (ty) {
         case T_TQ4_0: QM_RUN(T_TQ4_0); break;
@@ -1055,12 +1062,19 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
 // `RopeFusion`); rope_hd = 0 for every other launch.
 extern "C" __global__ void __launch_bounds__(NQ_WARPS * 32) qmatmuls_narrow(QM_PARAMS) {
     FLOOR_EXIT
-    qmatmuls_body<false>(QM_ARGS, RopeFusion{rope_table, rope_hd, kc, vc, step, cap, r0}, eight_lanes);
+    qmatmuls_body<false, NQ_WARPS>(QM_ARGS, RopeFusion{rope_table, rope_hd, kc, vc, step, cap, r0}, eight_lanes);
+}
+
+// The same with NQ_WARPS_ROWS warps, for launches of many rows (the host's choice; no bits depend on it).
+extern "C" __global__ void __launch_bounds__(NQ_WARPS_ROWS * 32) qmatmuls_narrow_rows(QM_PARAMS) {
+    FLOOR_EXIT
+    qmatmuls_body<false, NQ_WARPS_ROWS>(QM_ARGS, RopeFusion{rope_table, rope_hd, kc, vc, step, cap, r0},
+                                        eight_lanes);
 }
 
 extern "C" __global__ void __launch_bounds__(QM_WARPS * 32, 2) qmatmuls_wide(QM_PARAMS) {
     FLOOR_EXIT
-    qmatmuls_body<true>(QM_ARGS, RopeFusion{0, 0, nullptr, nullptr, nullptr, 0, 0}, eight_lanes);
+    qmatmuls_body<true, QM_WARPS>(QM_ARGS, RopeFusion{0, 0, nullptr, nullptr, nullptr, 0, 0}, eight_lanes);
 }
 
 // out[r, :] = table row step.tokens[r] (one block of threads per row, one thread per 32-value block).

@@ -89,8 +89,11 @@ const QM_STRIDE: usize = 20;
 const QM_CHUNK_MAX: usize = 64;
 const QM_EXCHANGE_BYTES: usize = 48 * 1024;
 const QM_WIDE_TILES: usize = WIDE_COLUMNS / tiles::TILE_ROWS;
-/// Warps of a narrow-schedule CTA (`kernels.cu`'s `NQ_WARPS`; its blocks per warp make chunks of at most 64).
+/// Warps of a narrow-schedule CTA (`kernels.cu`'s `NQ_WARPS` and `NQ_WARPS_ROWS`): for launches of fewer than
+/// `NARROW_ROWS_FROM` rows, and for the others.
 const NARROW_WARPS: usize = 16;
+const NARROW_WARPS_ROWS: usize = 24;
+const NARROW_ROWS_FROM: usize = 4;
 /// The attention kernel's slots per chunk, blocks per (row, head) (the default split) and largest head
 /// (`kernels.cu`).
 const ATT_CHUNK: usize = 64;
@@ -133,6 +136,7 @@ pub struct CudaStep {
 struct Kernels {
     matmuls: CudaFunction,
     qmatmuls_narrow: CudaFunction,
+    qmatmuls_narrow_rows: CudaFunction,
     qmatmuls_wide: CudaFunction,
     embed: CudaFunction,
     rms_norm: CudaFunction,
@@ -187,8 +191,9 @@ pub struct CudaBackend {
     /// Attention loads its first chunk of committed K and V before waiting for the grid before, where its grid
     /// is small (`VERITY_CUDA_ATT_AHEAD=0`: never, for side-by-side measurements).
     att_ahead: bool,
-    /// Warps of a narrow-schedule projection CTA (`kernels.cu`'s `NQ_WARPS`, set at compilation).
-    narrow_warps: usize,
+    /// Warps of a narrow-schedule projection CTA for launches of fewer than `NARROW_ROWS_FROM` rows and for the
+    /// others (`kernels.cu`'s `NQ_WARPS`, `NQ_WARPS_ROWS`, set at compilation).
+    narrow_warps: [usize; 2],
     /// Attention blocks per (row, head) forced by `VERITY_CUDA_ATT_SPLIT` (side-by-side measurements); `None`:
     /// [`CudaBackend::att_split`]'s rule.
     att_split: Option<usize>,
@@ -358,14 +363,20 @@ impl CudaBackend {
         let mut options: Vec<String> = std::env::var("VERITY_CUDA_NVRTC")
             .map(|o| o.split_whitespace().map(String::from).collect())
             .unwrap_or_default();
-        // `VERITY_CUDA_NARROW_WARPS=N` (4 to 32): narrow-schedule CTAs of N warps (side-by-side measurements).
-        let narrow_warps = env_count("VERITY_CUDA_NARROW_WARPS", 4..=32).unwrap_or(NARROW_WARPS);
-        options.push(format!("-DNQ_WARPS={narrow_warps}"));
+        // `VERITY_CUDA_NARROW_WARPS=N` and `VERITY_CUDA_NARROW_WARPS_ROWS=N` (4 to 32): narrow-schedule CTAs of N
+        // warps for few rows and for many (side-by-side measurements).
+        let narrow_warps = [
+            env_count("VERITY_CUDA_NARROW_WARPS", 4..=32).unwrap_or(NARROW_WARPS),
+            env_count("VERITY_CUDA_NARROW_WARPS_ROWS", 4..=32).unwrap_or(NARROW_WARPS_ROWS),
+        ];
+        options.push(format!("-DNQ_WARPS={}", narrow_warps[0]));
+        options.push(format!("-DNQ_WARPS_ROWS={}", narrow_warps[1]));
         let module = load_kernels(&ctx, arch, options)?;
         let f = |n: &str| module.load_function(n).map_err(|e| err(n, &e));
         let k = Kernels {
             matmuls: f("matmuls")?,
             qmatmuls_narrow: f("qmatmuls_narrow")?,
+            qmatmuls_narrow_rows: f("qmatmuls_narrow_rows")?,
             qmatmuls_wide: f("qmatmuls_wide")?,
             embed: f("embed")?,
             rms_norm: f("rms_norm")?,
@@ -382,7 +393,12 @@ impl CudaBackend {
         let sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| err("device", &e))? as usize;
-        for f in [&k.matmuls, &k.qmatmuls_narrow, &k.qmatmuls_wide] {
+        for f in [
+            &k.matmuls,
+            &k.qmatmuls_narrow,
+            &k.qmatmuls_narrow_rows,
+            &k.qmatmuls_wide,
+        ] {
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 matmul_shared as i32,
@@ -506,16 +522,19 @@ impl CudaBackend {
             } else {
                 n_tiles
             };
-            let warps = if wide { MM_WARPS } else { self.narrow_warps };
+            // Both narrow kernels give every (column, row) the same arithmetic: which one a launch takes by its
+            // row count changes no bits (the admission crosses them: MAX_ROWS rows against one).
+            let (f, warps) = if wide {
+                (&self.k.qmatmuls_wide, MM_WARPS)
+            } else if rows >= NARROW_ROWS_FROM {
+                (&self.k.qmatmuls_narrow_rows, self.narrow_warps[1])
+            } else {
+                (&self.k.qmatmuls_narrow, self.narrow_warps[0])
+            };
             let cfg = LaunchConfig {
                 grid_dim: (ctas as u32, 1, 1),
                 block_dim: ((warps * 32) as u32, 1, 1),
                 shared_mem_bytes: bytes as u32,
-            };
-            let f = if wide {
-                &self.k.qmatmuls_wide
-            } else {
-                &self.k.qmatmuls_narrow
             };
             (f, cfg)
         } else {
