@@ -1039,6 +1039,18 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
                                               const RopeFusion& rope, int eight_lanes) {
     extern __shared__ __align__(16) u8 smem[];
     int warp = threadIdx.x >> 5;
+    RopeFusion rp = rope;
+    if (!WIDE && gridDim.y > 1) {
+        // Row group blockIdx.y: rows [lo, lo + per) of the launch, as a launch of its own.
+        int per = (rows + gridDim.y - 1) / gridDim.y, lo = blockIdx.y * per;
+        if (lo >= rows) return;  // the whole CTA, before any barrier
+        rows = min(rows, lo + per) - lo;
+        x += (size_t)lo * k;
+        o0 += (size_t)lo * n0;
+        if (o1) o1 += (size_t)lo * n1;
+        if (o2) o2 += (size_t)lo * n2;
+        rp.r0 += lo;
+    }
     TileOf t;
     bool mine = tile_of(WIDE ? blockIdx.x * QM_WARPS + warp : blockIdx.x, glu, w0, ty0, n0, o0, w1, ty1, n1, o1,
                         w2, ty2, n2, o2, &t);
@@ -1052,9 +1064,9 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
         if (glu) wide_tile<TY, 2>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate, eight_lanes);          \
         else wide_tile<TY, 1>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate, eight_lanes);              \
     } else {                                                                                                     \
-        if (glu) narrow_tile<TY, 2, WARPS>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope,       \
+        if (glu) narrow_tile<TY, 2, WARPS>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rp,         \
                                            eight_lanes);                                                        \
-        else narrow_tile<TY, 1, WARPS>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rope,           \
+        else narrow_tile<TY, 1, WARPS>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rp,             \
                                        eight_lanes);                                                            \
     }
     switch (ty) {

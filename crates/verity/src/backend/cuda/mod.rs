@@ -197,6 +197,9 @@ pub struct CudaBackend {
     /// Attention blocks per (row, head) forced by `VERITY_CUDA_ATT_SPLIT` (side-by-side measurements); `None`:
     /// [`CudaBackend::att_split`]'s rule.
     att_split: Option<usize>,
+    /// Row groups per narrow launch forced by `VERITY_CUDA_ROW_GROUPS` (1: none; side-by-side measurements);
+    /// `None`: [`CudaBackend::row_groups`]'s rule.
+    row_groups: Option<usize>,
     /// x is quantized with eight threads per 32-value block, as before the four- and two-lane staging
     /// (`VERITY_CUDA_STAGE_LANES=8`, for side-by-side measurements).
     eight_lanes: bool,
@@ -434,6 +437,7 @@ impl CudaBackend {
             att_ahead: !off("VERITY_CUDA_ATT_AHEAD"),
             narrow_warps,
             att_split: env_count("VERITY_CUDA_ATT_SPLIT", 1..=ATT_SPLIT_MAX),
+            row_groups: env_count("VERITY_CUDA_ROW_GROUPS", 1..=MAX_ROWS),
             argmax_work,
             eight_lanes: matches!(std::env::var("VERITY_CUDA_STAGE_LANES").as_deref(), Ok("8")),
             sms,
@@ -454,6 +458,22 @@ impl CudaBackend {
             } else {
                 ATT_SPLIT
             })
+    }
+
+    /// Row groups of a narrow projection launch of `tiles` CTAs and `rows` rows, each group's rows a launch of
+    /// their own (`kernels.cu`'s `qmatmuls_body`). Only past 8 rows, where one CTA would pad its rows to 16
+    /// (two MMA n-tiles, twice the exchange), and only as many groups as leave no CTA waiting for an SM: H200,
+    /// W=16 0.98 vs 1.11 ms. At 8 rows or fewer, groups cost more than they save (W=8 0.88 vs 0.82, W=2 0.69
+    /// vs 0.64: measured), so those launches keep one. No bits depend on it: a (column, row)'s arithmetic is
+    /// the same in any group (`rowexact`, the admission).
+    fn row_groups(&self, tiles: usize, rows: usize) -> usize {
+        let want = match self.row_groups {
+            Some(forced) => forced,
+            None if rows > 8 => self.sms / tiles.max(1),
+            None => 1,
+        };
+        let per = rows.div_ceil(want.clamp(1, rows.max(1)));
+        rows.div_ceil(per.max(1)).max(1)
     }
 
     /// Launch `f` (with programmatic dependent launch where the device has it); a driver error panics.
@@ -514,25 +534,27 @@ impl CudaBackend {
             };
             // The wide schedule's CTAs may straddle matrices, so it needs them of one type (`kernels.cu`).
             let wide = n_tiles >= QM_WIDE_TILES && mats.iter().all(|m| m.ty == mats[0].ty);
-            let (bytes, chunk) = q_shared(rows, k, wide, if glu { 2 } else { 1 });
+            let (ctas, groups) = if wide {
+                (n_tiles.div_ceil(MM_WARPS), 1)
+            } else {
+                (n_tiles, self.row_groups(n_tiles, rows))
+            };
+            // The rows one CTA takes (the kernel's own split).
+            let cta_rows = rows.div_ceil(groups);
+            let (bytes, chunk) = q_shared(cta_rows, k, wide, if glu { 2 } else { 1 });
             debug_assert!(bytes <= self.matmul_shared, "capped by `launch_rows`");
             args.push(Arg::I32(chunk as i32));
-            let ctas = if wide {
-                n_tiles.div_ceil(MM_WARPS)
-            } else {
-                n_tiles
-            };
             // Both narrow kernels give every (column, row) the same arithmetic: which one a launch takes by its
             // row count changes no bits (the admission crosses them: MAX_ROWS rows against one).
             let (f, warps) = if wide {
                 (&self.k.qmatmuls_wide, MM_WARPS)
-            } else if rows >= NARROW_ROWS_FROM {
+            } else if cta_rows >= NARROW_ROWS_FROM {
                 (&self.k.qmatmuls_narrow_rows, self.narrow_warps[1])
             } else {
                 (&self.k.qmatmuls_narrow, self.narrow_warps[0])
             };
             let cfg = LaunchConfig {
-                grid_dim: (ctas as u32, 1, 1),
+                grid_dim: (ctas as u32, groups as u32, 1),
                 block_dim: ((warps * 32) as u32, 1, 1),
                 shared_mem_bytes: bytes as u32,
             };
