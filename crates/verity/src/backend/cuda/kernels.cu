@@ -56,6 +56,10 @@ __device__ __forceinline__ void release_dependents() {
 #else
 #define FLOOR_EXIT
 #endif
+// Knockouts, for the same kind of measurement: `-DKO_STAGE` (the projections' staging of x: no norm, no
+// quantization), `-DKO_CHAIN` (their per-(column, row) chains), `-DKO_ATT` (attention returns after its wait).
+// Each removes one part's time from a forward and computes garbage — never a result. (Under KO_STAGE the W-row
+// kernels fail their admission, so verifies run a row per launch: only its W=1 time means anything.)
 
 // The step buffer: int header {base, rows, tree, mask offset in bytes}, then u32 tokens[cap], int positions[cap],
 // per prepared rotation its rows' (cos, sin) pairs (`CudaStep`), u8 mask[cap * cap] (row-major, written only for
@@ -697,6 +701,11 @@ __device__ __forceinline__ void stage_q8(const float* x, int k, int rows, int ro
     float* rscale = xs + rows_pad * nb;
     int lane = threadIdx.x & 31;
     // The norm's scratch is xd (free until the quantized blocks are written, after the norm's last barrier).
+#ifdef KO_STAGE
+    norm_w = nullptr;
+    eight_lanes = 1;
+    rows = 0;
+#endif
     if (norm_w) norm_scales(x, k, rows, eps, xd, rscale);
     int items = rows * nb * 8;
     if (!eight_lanes) {
@@ -923,6 +932,9 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
             }
         }
         __syncthreads();
+#ifdef KO_CHAIN
+        if (chains && c0 == 0) acc[0] = acc[1] = (float)iex[r * QM_STRIDE + c];
+#else
         if (chains) {
 #pragma unroll
             for (int m = 0; m < MATS; m++) {
@@ -935,6 +947,7 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
                 }
             }
         }
+#endif
         if (c1 < nb) __syncthreads();  // the next chunk's sums reuse the exchange
     }
     if (MATS == 1 && rope.hd > 0) {
@@ -1373,9 +1386,19 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
         float scale, const int *step, int cap, float *work, int chunks, float *out
 #define ATT_ARGS q, kc, vc, row0, n_heads, n_kv_heads, head_dim, scale, step, cap, work, chunks, out
 
-extern "C" __global__ void attention(ATT_PARAMS) { FLOOR_EXIT attention_body<false>(ATT_ARGS); }
+#ifdef KO_ATT
+#define ATT_EXIT                \
+    {                           \
+        wait_inputs();          \
+        release_dependents();   \
+        return;                 \
+    }
+#else
+#define ATT_EXIT FLOOR_EXIT
+#endif
+extern "C" __global__ void attention(ATT_PARAMS) { ATT_EXIT attention_body<false>(ATT_ARGS); }
 
-extern "C" __global__ void attention_ahead(ATT_PARAMS) { FLOOR_EXIT attention_body<true>(ATT_ARGS); }
+extern "C" __global__ void attention_ahead(ATT_PARAMS) { ATT_EXIT attention_body<true>(ATT_ARGS); }
 
 extern "C" __global__ void add_bias(float* x, const float* b, int dim, int n) {
     FLOOR_EXIT
