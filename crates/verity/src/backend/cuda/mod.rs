@@ -1,6 +1,8 @@
 //! The CUDA backend (feature `cuda`): CUDA C kernels (`kernels.cu`) compiled by NVRTC at load for the card's
 //! architecture, launched through the driver loaded at run time — so the build needs no CUDA toolkit, and a
-//! machine without a GPU gets a clear error instead of a link failure.
+//! machine without a GPU gets a clear error instead of a link failure. The compiled PTX is kept in the cache
+//! folder (`ptx_cache.rs`): NVRTC takes tens of seconds for `kernels.cu`, paid once per source, options and
+//! toolkit instead of at every start.
 //!
 //! Projections, two kernels:
 //! - Q4_0, Q4_1 and Q8_0 on sm_80+ (`qmatmuls_narrow`, `qmatmuls_wide`): weights repacked at upload into
@@ -30,7 +32,9 @@
 //! epilogue; the angles come with the step, `rope.rs`), the gate/up projections with their norm and the SwiGLU
 //! in one, the final norm with the output projection, and the output projections adding into the residual
 //! stream. With graphs and PDL the launches' own cost is small (H200: a forward whose kernels return at once,
-//! `-DLAUNCH_FLOOR`, takes 0.08 of 0.68 ms): what remains is the kernels' bodies.
+//! `-DLAUNCH_FLOOR`, takes 0.08 of 0.68 ms): what remains is the kernels' bodies — by knockouts
+//! (`-DKO_STAGE`, `-DKO_ATT`, `-DKO_CHAIN`; H200, W=1, context 256, 0.65 ms a step) the staging of x into the
+//! projections ~0.17 ms, attention ~0.15, the per-(column, row) chains ~0.07.
 //!
 //! Attention is split over 64-slot chunks (8 blocks per row and head, more where that would leave SMs idle) and
 //! combined in chunk order by the block that finishes last, so its parallelism grows with the context while
