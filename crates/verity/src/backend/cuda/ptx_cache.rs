@@ -10,14 +10,20 @@
 //!   then that PTX. A truncated or altered file is ignored and replaced by a fresh compilation.
 //! - Nothing here can stop a run: without a cache folder, or when it cannot be written, every run compiles.
 //! - Files are written to a temporary name and renamed, so a reader never sees half a file.
+//! - The folder holds at most [`KEEP`] PTX files: each verity version, option set or toolkit writes its own
+//!   (~4 MB for `kernels.cu`), so after a new one is written the least recently used past that many go (a
+//!   file's use refreshes its modification time).
 //!
 //! The key and the checksum are 64-bit FNV-1a, written here: they only need to tell inputs and files apart,
 //! not resist an adversary, and no hashing crate is among verity's dependencies.
 
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::time::SystemTime;
 
 const MAGIC: &str = "verity-ptx";
+/// PTX files kept in the cache folder.
+pub const KEEP: usize = 8;
 
 /// 64-bit FNV-1a over `parts`, each followed by a separator byte (so ("ab", "c") and ("a", "bc") differ).
 pub fn key(parts: &[&str]) -> u64 {
@@ -84,18 +90,50 @@ pub fn get_or_compile<E>(
 ) -> Result<(String, bool), E> {
     let file = dir.map(|d| path(d, key));
     if let Some(ptx) = file.as_deref().and_then(read) {
+        touch(file.as_deref().expect("read from a file"));
         return Ok((ptx, true));
     }
     let ptx = compile()?;
     if let Some(file) = &file {
-        if let Err(e) = write(file, &ptx) {
-            tracing::warn!(
+        match write(file, &ptx) {
+            Ok(()) => prune(file.parent().unwrap_or(Path::new(".")), KEEP),
+            Err(e) => tracing::warn!(
                 "could not keep the compiled kernels in {}: {e}",
                 file.display()
-            );
+            ),
         }
     }
     Ok((ptx, false))
+}
+
+/// Mark `path` as just used (best effort: a read-only cache only loses the ordering).
+fn touch(path: &Path) {
+    let _ = fs::File::options()
+        .append(true)
+        .open(path)
+        .and_then(|f| f.set_modified(SystemTime::now()));
+}
+
+/// Remove the PTX files of `dir` past the `keep` most recently used (best effort).
+pub fn prune(dir: &Path, keep: usize) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    let mut files: Vec<(SystemTime, PathBuf)> = entries
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let name = e.file_name();
+            let name = name.to_str()?;
+            if !(name.starts_with("kernels-") && name.ends_with(".ptx")) {
+                return None;
+            }
+            Some((e.metadata().ok()?.modified().ok()?, e.path()))
+        })
+        .collect();
+    files.sort_by_key(|f| std::cmp::Reverse(f.0));
+    for (_, old) in files.into_iter().skip(keep) {
+        let _ = fs::remove_file(old);
+    }
 }
 
 #[cfg(test)]
@@ -166,6 +204,37 @@ mod tests {
                 "replaced by the fresh compilation"
             );
         }
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn the_folder_keeps_only_the_most_recently_used_files() {
+        let d = folder("prune");
+        let t0 = SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_000_000);
+        let stamp = |k: u64, secs: u64| {
+            fs::File::options()
+                .append(true)
+                .open(path(&d, k))
+                .unwrap()
+                .set_modified(t0 + std::time::Duration::from_secs(secs))
+                .unwrap();
+        };
+        for k in 0..KEEP as u64 {
+            write(&path(&d, k), "ptx").unwrap();
+            stamp(k, k);
+        }
+        fs::write(d.join("cuda").join("notes.txt"), "not ours").unwrap();
+        // Key 0, the oldest, is used again: it becomes the newest.
+        assert!(get_or_compile(Some(&d), 0, || Err("compiled")).unwrap().1);
+        // A new compilation pushes the folder past KEEP: the least recently used (key 1) goes.
+        get_or_compile(Some(&d), 100, || Ok::<_, ()>("ptx".to_string())).unwrap();
+        let left = |k: u64| path(&d, k).exists();
+        assert!(!left(1));
+        assert!(left(0) && left(100) && (2..KEEP as u64).all(left));
+        assert!(
+            d.join("cuda").join("notes.txt").exists(),
+            "other files are left alone"
+        );
         fs::remove_dir_all(&d).unwrap();
     }
 
