@@ -44,15 +44,17 @@ __device__ __forceinline__ void release_dependents() {
 #endif
 }
 
-// `-DLAUNCH_FLOOR` (through `VERITY_CUDA_NVRTC`): every kernel only orders itself after the grid before and
-// returns, so a forward costs its launch boundaries alone — a measurement of the floor, never a result.
-#ifdef LAUNCH_FLOOR
-#define FLOOR_EXIT             \
+// A kernel that only orders itself after the grid before and returns (the measurement switches below).
+#define WAIT_AND_RETURN        \
     {                          \
         wait_inputs();         \
         release_dependents();  \
         return;                \
     }
+// `-DLAUNCH_FLOOR` (through `VERITY_CUDA_NVRTC`): every kernel does only that, so a forward costs its launch
+// boundaries alone — a measurement of the floor, never a result.
+#ifdef LAUNCH_FLOOR
+#define FLOOR_EXIT WAIT_AND_RETURN
 #else
 #define FLOOR_EXIT
 #endif
@@ -663,18 +665,8 @@ __device__ __forceinline__ void quantize_lanes(const float* x, int k, int rows, 
         u32* dst = (u32*)(xq + (size_t)r * xstride + b * 32 + h * V);
 #pragma unroll
         for (int w = 0; w < V / 4; w++) {
-#ifdef Q8_CONVERT
-            u32 word = 0;
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int qi = (int)fminf(fmaxf(rintf(q[4 * w + e] * id), -127.f), 127.f);
-                sum += qi;
-                word |= (u32)(qi & 0xff) << (8 * e);
-            }
-#else
             u32 word = pack_q8(q[4 * w] * id, q[4 * w + 1] * id, q[4 * w + 2] * id, q[4 * w + 3] * id);
             sum = __dp4a((int)word, 0x01010101, sum);
-#endif
             if (live) dst[w] = word;
         }
 #pragma unroll
@@ -1387,12 +1379,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
 #define ATT_ARGS q, kc, vc, row0, n_heads, n_kv_heads, head_dim, scale, step, cap, work, chunks, out
 
 #ifdef KO_ATT
-#define ATT_EXIT                \
-    {                           \
-        wait_inputs();          \
-        release_dependents();   \
-        return;                 \
-    }
+#define ATT_EXIT WAIT_AND_RETURN
 #else
 #define ATT_EXIT FLOOR_EXIT
 #endif

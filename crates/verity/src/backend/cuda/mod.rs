@@ -476,8 +476,9 @@ impl CudaBackend {
             None if rows > 8 => self.sms / tiles.max(1),
             None => 1,
         };
+        // The kernel gives each group ceil(rows / groups) rows; as many groups as that leaves non-empty.
         let per = rows.div_ceil(want.clamp(1, rows.max(1)));
-        rows.div_ceil(per.max(1)).max(1)
+        rows.div_ceil(per)
     }
 
     /// Launch `f` (with programmatic dependent launch where the device has it); a driver error panics.
