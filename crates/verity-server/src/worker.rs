@@ -89,6 +89,7 @@ impl Worker {
                         .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
                     let job = match task {
                         Task::ResetCache => {
+                            engine.end_session(session);
                             session = engine.new_session();
                             engine.clear_prefix_cache();
                             continue;

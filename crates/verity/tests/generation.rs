@@ -156,3 +156,40 @@ fn a_follow_up_turn_reuses_the_cached_prefix_and_matches_a_fresh_run() {
     .unwrap();
     assert_eq!(warm, fresh, "a restored prefix must not change the answer");
 }
+
+#[test]
+fn a_new_session_runs_on_an_ended_sessions_grown_cache_and_answers_as_on_a_new_one() {
+    let mut e = engine();
+    // A prompt past the cache's first 256 slots, so that the session's cache grows (and holds stale K/V).
+    let long = "Count the apples: one apple, two apples, three apples. ".repeat(24);
+    let p1 = e.chat_prompt(&[Message::new("user", &long)]).unwrap();
+    assert!(p1.len() > 256, "{} prompt tokens", p1.len());
+    let mut sess = e.new_session();
+    e.generate(&mut sess, &p1, &greedy(2), |_, _| true).unwrap();
+    let grown = sess.cache.capacity();
+    assert!(grown > 256, "the cache grew to {grown} slots");
+    e.end_session(sess);
+
+    let mut reused = e.new_session();
+    assert_eq!(
+        reused.cache.len(),
+        0,
+        "an ended session's slots are not committed in a new one"
+    );
+    assert_eq!(
+        reused.cache.capacity(),
+        grown,
+        "the ended session's buffers are reused"
+    );
+    let p2 = e
+        .chat_prompt(&[Message::new("user", "What is the capital of France?")])
+        .unwrap();
+    let mut on_reused = Vec::new();
+    e.generate(&mut reused, &p2, &greedy(16), |_, emitted| {
+        on_reused.push(emitted.id);
+        true
+    })
+    .unwrap();
+    let (fresh_text, _) = answer(&mut engine(), "What is the capital of France?", &greedy(16));
+    assert_eq!(e.tokenizer.decode(&on_reused).unwrap(), fresh_text);
+}

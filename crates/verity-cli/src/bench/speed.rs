@@ -146,7 +146,8 @@ pub fn run_prompt<B: Backend>(
     let mut messages: Vec<Message> = Vec::new();
     let mut out = Vec::new();
     for (ti, turn) in p.turns().into_iter().enumerate() {
-        if turns == Turns::FreshSessions {
+        if turns == Turns::FreshSessions && ti > 0 {
+            engine.end_session(sess);
             sess = engine.new_session();
         }
         messages.extend(turn);
@@ -200,6 +201,7 @@ pub fn run_prompt<B: Backend>(
         );
         out.push(rec);
     }
+    engine.end_session(sess);
     Ok(out)
 }
 

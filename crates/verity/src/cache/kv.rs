@@ -67,6 +67,11 @@ impl<B: Backend> KvCache<B> {
         self.max_capacity
     }
 
+    /// Slots the buffers hold now (they grow up to [`KvCache::max_capacity`]).
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
     fn attention_work(backend: &B, shape: CacheShape, capacity: usize) -> B::Buffer {
         backend.buffer(backend.attention_work_len(shape.n_heads, shape.head_dim, capacity))
     }

@@ -9,7 +9,7 @@
 mod stats;
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 pub use stats::{GenerationStats, StopReason};
@@ -179,7 +179,15 @@ pub struct Engine<B: Backend> {
     disk: Option<DiskTier>,
     /// Identifies the model's layout in the disk tier.
     fingerprint: u64,
+    /// Caches of ended sessions, handed to new ones ([`Engine::end_session`]).
+    spare: Mutex<Vec<KvCache<B>>>,
 }
+
+/// Ended sessions' caches kept for new ones. A cache keeps its buffers (and the capacity they grew to), so a
+/// new session's forwards run on the same buffers as the last one's: a backend that records forwards per
+/// buffer set (CUDA graphs) replays them instead of recording every shape again for every request, and no
+/// allocation happens per request. More than a worker's session and a spare would only hold memory.
+const SPARE_CACHES: usize = 2;
 
 impl<B: Backend> Engine<B> {
     /// Load a bundle and set up the speculative route `mode` resolves to.
@@ -252,6 +260,7 @@ impl<B: Backend> Engine<B> {
             prefix: PrefixCache::new(0),
             disk: None,
             fingerprint,
+            spare: Mutex::new(Vec::new()),
         })
     }
 
@@ -304,11 +313,28 @@ impl<B: Backend> Engine<B> {
         self.proposer = proposer;
     }
 
+    /// An empty session: on an ended session's cache where one is spare, else on a new one.
     pub fn new_session(&self) -> Session<B> {
+        let spare = self.spare.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let cache = match spare {
+            Some(mut cache) => {
+                cache.truncate(0);
+                cache
+            }
+            None => self.model.new_cache(self.model.hp.context_len),
+        };
         Session {
-            cache: self.model.new_cache(self.model.hp.context_len),
+            cache,
             tokens: Vec::new(),
             hidden: HiddenTrail::default(),
+        }
+    }
+
+    /// End `sess`, keeping its cache's buffers for a later [`Engine::new_session`].
+    pub fn end_session(&self, sess: Session<B>) {
+        let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+        if spare.len() < SPARE_CACHES {
+            spare.push(sess.cache);
         }
     }
 

@@ -51,11 +51,12 @@
 pub mod affine;
 mod launch;
 mod ptx_cache;
+mod recorded;
 mod rope;
 pub mod tiles;
 
 use std::borrow::Cow;
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{
@@ -67,6 +68,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
 use launch::{addr, Arg};
+use recorded::Recorded;
 use rope::{RopeKey, RopeTable};
 
 use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
@@ -106,7 +108,7 @@ const ATT_SPLIT_MAX: usize = 32;
 /// Blocks per row of the argmax kernel (`kernels.cu`'s `argmax_rows`).
 const ARGMAX_PARTS: usize = 16;
 const MAX_HEAD_DIM: usize = 256;
-/// Recorded forwards kept; the oldest is dropped beyond this.
+/// Recorded forwards kept; the least recently replayed is dropped beyond this (`recorded.rs`).
 const MAX_GRAPHS: usize = 128;
 
 /// A weight matrix on the device, in its GGML block format or (Q4_0, Q4_1, Q8_0 on sm_80+) in tiles.
@@ -161,15 +163,8 @@ struct RopeFusion<'a> {
     step: &'a CudaStep,
 }
 
-/// Instantiated CUDA graphs by replay key, oldest first.
-#[derive(Default)]
-struct Graphs {
-    by_key: HashMap<u64, CudaGraph>,
-    order: VecDeque<u64>,
-}
-
 /// The graphs are only touched under the backend's mutex, from one thread at a time.
-struct GraphStore(Mutex<Graphs>);
+struct GraphStore(Mutex<Recorded<CudaGraph>>);
 // SAFETY: a `CudaGraph` holds driver handles that must not be used concurrently; the mutex serialises every use.
 unsafe impl Send for GraphStore {}
 // SAFETY: as above.
@@ -195,6 +190,9 @@ pub struct CudaBackend {
     /// Attention loads its first chunk of committed K and V before waiting for the grid before, where its grid
     /// is small (`VERITY_CUDA_ATT_AHEAD=0`: never, for side-by-side measurements).
     att_ahead: bool,
+    /// The largest attention grid, in blocks per SM, that runs the early-load variant (2; for side-by-side
+    /// measurements `VERITY_CUDA_ATT_AHEAD_PER_SM`).
+    att_ahead_per_sm: usize,
     /// Warps of a narrow-schedule projection CTA for launches of fewer than `NARROW_ROWS_FROM` rows and for the
     /// others (`kernels.cu`'s `NQ_WARPS`, `NQ_WARPS_ROWS`, set at compilation).
     narrow_warps: [usize; 2],
@@ -433,12 +431,13 @@ impl CudaBackend {
             stream,
             k,
             name,
-            graphs: graphs.then(|| GraphStore(Mutex::new(Graphs::default()))),
+            graphs: graphs.then(|| GraphStore(Mutex::new(Recorded::new(MAX_GRAPHS)))),
             matmul_shared,
             int8_tiles,
             pdl,
             fuse_rope: !off("VERITY_CUDA_FUSE_ROPE"),
             att_ahead: !off("VERITY_CUDA_ATT_AHEAD"),
+            att_ahead_per_sm: env_count("VERITY_CUDA_ATT_AHEAD_PER_SM", 1..=64).unwrap_or(2),
             narrow_warps,
             att_split: env_count("VERITY_CUDA_ATT_SPLIT", 1..=ATT_SPLIT_MAX),
             row_groups: env_count("VERITY_CUDA_ROW_GROUPS", 1..=MAX_ROWS),
@@ -908,7 +907,7 @@ impl Backend for CudaBackend {
             return work();
         };
         let mut g = lock(&store.0);
-        if let Some(graph) = g.by_key.get(&key) {
+        if let Some(graph) = g.replay(key) {
             dev("graph launch", graph.launch());
             return;
         }
@@ -923,14 +922,15 @@ impl Backend for CudaBackend {
             self.stream.end_capture(CUgraphInstantiate_flags(0)),
         )
         .expect("a captured forward has operations");
-        dev("graph launch", graph.launch());
-        if g.order.len() >= MAX_GRAPHS {
-            if let Some(old) = g.order.pop_front() {
-                g.by_key.remove(&old);
-            }
-        }
-        g.order.push_back(key);
-        g.by_key.insert(key, graph);
+        dev("graph launch", g.insert(key, graph).launch());
+        let s = g.stats();
+        tracing::debug!(
+            "CUDA graph recorded: {} kept, {} recorded, {} evicted, {} replays so far",
+            g.len(),
+            s.recordings,
+            s.evictions,
+            s.replays
+        );
     }
 
     fn embed(&self, table: &CudaMatrix, step: &CudaStep, rows: usize, out: &mut CudaSlice<f32>) {
@@ -1200,7 +1200,7 @@ impl Backend for CudaBackend {
             // The early-load variant takes more registers, so fewer of its blocks fit an SM: it runs where the
             // grid fits twice over the SMs (decode steps, short verifies). Both give the same bits.
             let blocks = split * take * shape.n_heads;
-            let f = if self.att_ahead && blocks <= 2 * self.sms {
+            let f = if self.att_ahead && blocks <= self.att_ahead_per_sm * self.sms {
                 &self.k.attention_ahead
             } else {
                 &self.k.attention
