@@ -36,10 +36,11 @@
 //! (`-DKO_STAGE`, `-DKO_ATT`, `-DKO_CHAIN`; H200, W=1, context 256, 0.65 ms a step) the staging of x into the
 //! projections ~0.17 ms, attention ~0.15, the per-(column, row) chains ~0.07.
 //!
-//! Attention is split over 64-slot chunks (8 blocks per row and head, more where that would leave SMs idle) and
-//! combined in chunk order by the block that finishes last, so its parallelism grows with the context while
-//! every sum keeps a fixed order. Its first chunk of committed K/V is loaded before it waits for the Q/K/V
-//! launch (only the new slots depend on it).
+//! Attention is split over 64-slot chunks (a block per chunk, the context's chunk count rounded up to a step so
+//! that a recorded forward serves a range of contexts; fewer blocks, each taking chunks in turn, where a wave
+//! would not hold them) and combined in chunk order by the block that finishes last, so its parallelism grows
+//! with the context while every sum keeps a fixed order. Its first chunk of committed K/V is loaded before it
+//! waits for the Q/K/V launch (only the new slots depend on it).
 //!
 //! MLX-affine weights are re-laid at upload into 32-value blocks with f32 scale and bias (`affine.rs`) and run
 //! the f32-activation kernel, decoding bitwise as the CPU does.
@@ -105,11 +106,21 @@ const NARROW_ROWS_FROM: usize = 4;
 const ATT_CHUNK: usize = 64;
 const ATT_SPLIT: usize = 8;
 const ATT_SPLIT_MAX: usize = 32;
+/// Chunk counts a context's is rounded up to for its attention split (`att_split`): a recorded launch per step.
+const ATT_SPLIT_STEPS: [usize; 10] = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32];
+/// Blocks of the plain attention kernel resident on an SM (44 registers × 256 threads, beside others' CTAs).
+const ATT_RESIDENT_PER_SM: usize = 4;
+/// Attention grids of up to this many blocks per SM run the early-load variant (76 registers: 3 per SM alone,
+/// so a grid of 4 per SM runs in a wave and a bit). H200, context 256 with the split by context: W=8 0.79 ms
+/// at 4 vs 0.82-0.83 at 2, the other widths the same.
+const ATT_AHEAD_PER_SM: usize = 4;
 /// Blocks per row of the argmax kernel (`kernels.cu`'s `argmax_rows`).
 const ARGMAX_PARTS: usize = 16;
 const MAX_HEAD_DIM: usize = 256;
-/// Recorded forwards kept; the least recently replayed is dropped beyond this (`recorded.rs`).
-const MAX_GRAPHS: usize = 128;
+/// Recorded forwards kept; the least recently replayed is dropped beyond this (`recorded.rs`). Every engine
+/// on the backend records into one store, each width with each attention split step (`att_split`): a 4-route
+/// benchmark holds ~250 (H200: with 128, 242 recorded and 114 evicted in one run).
+const MAX_GRAPHS: usize = 512;
 
 /// A weight matrix on the device, in its GGML block format or (Q4_0, Q4_1, Q8_0 on sm_80+) in tiles.
 pub struct CudaMatrix {
@@ -190,8 +201,8 @@ pub struct CudaBackend {
     /// Attention loads its first chunk of committed K and V before waiting for the grid before, where its grid
     /// is small (`VERITY_CUDA_ATT_AHEAD=0`: never, for side-by-side measurements).
     att_ahead: bool,
-    /// The largest attention grid, in blocks per SM, that runs the early-load variant (2; for side-by-side
-    /// measurements `VERITY_CUDA_ATT_AHEAD_PER_SM`).
+    /// The largest attention grid, in blocks per SM, that runs the early-load variant (`ATT_AHEAD_PER_SM`;
+    /// for side-by-side measurements `VERITY_CUDA_ATT_AHEAD_PER_SM`).
     att_ahead_per_sm: usize,
     /// Warps of a narrow-schedule projection CTA for launches of fewer than `NARROW_ROWS_FROM` rows and for the
     /// others (`kernels.cu`'s `NQ_WARPS`, `NQ_WARPS_ROWS`, set at compilation).
@@ -199,6 +210,9 @@ pub struct CudaBackend {
     /// Attention blocks per (row, head) forced by `VERITY_CUDA_ATT_SPLIT` (side-by-side measurements); `None`:
     /// [`CudaBackend::att_split`]'s rule.
     att_split: Option<usize>,
+    /// The split sized by the context (`att_split`; `VERITY_CUDA_ATT_SPLIT_BY_CONTEXT=0`: by the row count
+    /// alone, for side-by-side measurements).
+    att_split_by_context: bool,
     /// Row groups per narrow launch forced by `VERITY_CUDA_ROW_GROUPS` (1: none; side-by-side measurements);
     /// `None`: [`CudaBackend::row_groups`]'s rule.
     row_groups: Option<usize>,
@@ -267,6 +281,16 @@ fn q_shared(rows: usize, k: usize, wide: bool, mats: usize) -> (usize, usize) {
 fn env_count(var: &str, range: std::ops::RangeInclusive<usize>) -> Option<usize> {
     let n = std::env::var(var).ok()?.parse().ok()?;
     range.contains(&n).then_some(n)
+}
+
+/// The step of [`ATT_SPLIT_STEPS`] that a context of `slots` slots' chunk count rounds up to (the largest for
+/// longer contexts, whose blocks then take several chunks in turn).
+fn att_chunk_bucket(slots: usize) -> usize {
+    let chunks = slots.div_ceil(ATT_CHUNK).max(1);
+    ATT_SPLIT_STEPS
+        .into_iter()
+        .find(|&s| s >= chunks)
+        .unwrap_or(ATT_SPLIT_MAX)
 }
 
 /// The kernels compiled for `arch` with `options` and loaded: the PTX comes from verity's cache folder when an
@@ -437,9 +461,11 @@ impl CudaBackend {
             pdl,
             fuse_rope: !off("VERITY_CUDA_FUSE_ROPE"),
             att_ahead: !off("VERITY_CUDA_ATT_AHEAD"),
-            att_ahead_per_sm: env_count("VERITY_CUDA_ATT_AHEAD_PER_SM", 1..=64).unwrap_or(2),
+            att_ahead_per_sm: env_count("VERITY_CUDA_ATT_AHEAD_PER_SM", 1..=64)
+                .unwrap_or(ATT_AHEAD_PER_SM),
             narrow_warps,
             att_split: env_count("VERITY_CUDA_ATT_SPLIT", 1..=ATT_SPLIT_MAX),
+            att_split_by_context: !off("VERITY_CUDA_ATT_SPLIT_BY_CONTEXT"),
             row_groups: env_count("VERITY_CUDA_ROW_GROUPS", 1..=MAX_ROWS),
             argmax_work,
             eight_lanes: matches!(std::env::var("VERITY_CUDA_STAGE_LANES").as_deref(), Ok("8")),
@@ -449,18 +475,27 @@ impl CudaBackend {
         })
     }
 
-    /// Attention blocks per (row, head) for a launch of `row_heads` (row, head) pairs: ATT_SPLIT, or where that
-    /// would leave SMs idle (decode steps), enough to fill them twice over, up to ATT_SPLIT_MAX — each block
-    /// then takes fewer chunks of a long context in turn (H200, context 1024, W=1: 0.87 ms at 16, 1.01 at 8).
-    /// No bits depend on it: every chunk's record is the same whichever block computes it, and the combine
-    /// reads them in chunk order.
-    fn att_split(&self, row_heads: usize) -> usize {
-        self.att_split
-            .unwrap_or(if ATT_SPLIT * row_heads < self.sms {
+    /// Attention blocks per (row, head) for a launch of `row_heads` (row, head) pairs over at most `slots`
+    /// slots. One block per 64-slot chunk (the context's chunk count rounded up to a step of
+    /// [`ATT_SPLIT_STEPS`], so a recorded launch serves a range of contexts): no block then takes two chunks in
+    /// turn, and few blocks idle. Capped where that many blocks would not be resident at once (ATT_SPLIT, or
+    /// more where a wave of them allows). H200, W=1/2/4/8/16 ms: context 256 split 5 0.64/0.65/0.66/0.81/0.97
+    /// vs the row-count-only rule (29 blocks at W=1, else 8) 0.66/0.64/0.72/0.82/0.99; context 1024 split 32
+    /// 0.79/0.82/0.89/1.14/1.57 vs 0.75/0.94/1.04/1.14/1.49. No bits depend on it: every chunk's record is the
+    /// same whichever block computes it, and the combine reads them in chunk order.
+    fn att_split(&self, row_heads: usize, slots: usize) -> usize {
+        if let Some(forced) = self.att_split {
+            return forced;
+        }
+        if !self.att_split_by_context {
+            return if ATT_SPLIT * row_heads < self.sms {
                 (2 * self.sms / row_heads).clamp(ATT_SPLIT, ATT_SPLIT_MAX)
             } else {
                 ATT_SPLIT
-            })
+            };
+        }
+        let wave = ATT_RESIDENT_PER_SM * self.sms / row_heads.max(1);
+        att_chunk_bucket(slots).min(wave.max(ATT_SPLIT))
     }
 
     /// Row groups of a narrow projection launch of `tiles` CTAs and `rows` rows, each group's rows a launch of
@@ -1145,6 +1180,14 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn attention_geometry(&self, slots: usize) -> usize {
+        if self.att_split_by_context && self.att_split.is_none() {
+            att_chunk_bucket(slots)
+        } else {
+            0
+        }
+    }
+
     fn attention_work_len(&self, n_heads: usize, head_dim: usize, capacity: usize) -> usize {
         let per_row_head = 1 + capacity.div_ceil(ATT_CHUNK) * (head_dim + 2);
         MAX_ROWS * n_heads * per_row_head
@@ -1175,7 +1218,7 @@ impl Backend for CudaBackend {
         let mut r0 = 0;
         while r0 < shape.rows {
             let take = (shape.rows - r0).min(MAX_ROWS);
-            let split = self.att_split(take * shape.n_heads);
+            let split = self.att_split(take * shape.n_heads, shape.slots);
             let cfg = LaunchConfig {
                 grid_dim: (split as u32, (take * shape.n_heads) as u32, 1),
                 block_dim: (256, 1, 1),
@@ -1198,7 +1241,7 @@ impl Backend for CudaBackend {
                 self.at(out, 0),
             ];
             // The early-load variant takes more registers, so fewer of its blocks fit an SM: it runs where the
-            // grid fits twice over the SMs (decode steps, short verifies). Both give the same bits.
+            // grid is small enough (decode steps, verifies of short contexts). Both give the same bits.
             let blocks = split * take * shape.n_heads;
             let f = if self.att_ahead && blocks <= self.att_ahead_per_sm * self.sms {
                 &self.k.attention_ahead
@@ -1260,7 +1303,35 @@ impl Drop for CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::CudaBackend;
+    use super::{att_chunk_bucket, CudaBackend, ATT_CHUNK, ATT_SPLIT_MAX};
+
+    #[test]
+    fn attention_splits_round_the_chunk_count_up_to_a_recorded_step() {
+        let cases = [
+            (1, 1),
+            (64, 1),
+            (65, 2),
+            (192, 3),
+            (257, 6),
+            (320, 6),
+            (1025, 24),
+            (2048, 32),
+        ];
+        for (slots, split) in cases {
+            assert_eq!(att_chunk_bucket(slots), split, "{slots} slots");
+        }
+        assert_eq!(
+            att_chunk_bucket(1 << 20),
+            ATT_SPLIT_MAX,
+            "long contexts take chunks in turn"
+        );
+        let mut last = 0;
+        for slots in 1..5000 {
+            let b = att_chunk_bucket(slots);
+            assert!(b >= last && (b >= slots.div_ceil(ATT_CHUNK) || b == ATT_SPLIT_MAX));
+            last = b;
+        }
+    }
 
     #[test]
     fn a_machine_without_the_driver_gets_an_error_instead_of_a_panic() {
