@@ -57,9 +57,6 @@ pub struct AttnShape {
     pub n_kv_heads: usize,
     pub head_dim: usize,
     pub scale: f32,
-    /// Slots the last row attends over at most (the cache's committed slots plus the batch); a backend may
-    /// size its launch by it (see [`Backend::attention_geometry`]).
-    pub slots: usize,
 }
 
 /// A model's rotary position embedding.
@@ -199,12 +196,6 @@ pub trait Backend: Send + Sync + 'static {
     fn prepare_attention(&self, head_dim: usize, rope: Rope) -> Result<()> {
         let _ = (head_dim, rope);
         Ok(())
-    }
-    /// What a recorded attention launch over `slots` slots depends on besides the width and buffers (a part of
-    /// every replay key): forwards whose values differ must be recorded apart. 0 where nothing does.
-    fn attention_geometry(&self, slots: usize) -> usize {
-        let _ = slots;
-        0
     }
     /// Values of scratch [`Backend::attention`] needs over a cache of `capacity` slots; the cache owns it, so it
     /// is reallocated with the cache's buffers.

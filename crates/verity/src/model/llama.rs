@@ -237,7 +237,6 @@ impl<B: Backend> Model<B> {
                 tree,
                 logit_rows,
                 final_hidden,
-                be.attention_geometry(cache.len() + rows),
             );
             run_recorded(be, rows, key, &mut || {
                 self.encode(cache, rows, logit_rows, final_hidden, s, &mut |_, _| {})
@@ -293,7 +292,6 @@ impl<B: Backend> Model<B> {
             n_kv_heads: hp.n_kv_heads,
             head_dim: hd,
             scale: 1.0 / (hd as f32).sqrt(),
-            slots: cache.len() + rows,
         };
         let rope = Rope {
             theta: hp.rope_theta,

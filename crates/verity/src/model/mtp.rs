@@ -277,13 +277,7 @@ impl<B: Backend> MtpHead<B> {
         );
         be.write(&mut s.h, hidden);
         // A draft step is a few dozen small launches: recorded once per width and buffers, like the target's.
-        let key = (
-            s.block.id,
-            cache.buffers_id(),
-            rows,
-            greedy,
-            be.attention_geometry(cache.len() + rows),
-        );
+        let key = (s.block.id, cache.buffers_id(), rows, greedy);
         run_recorded(be, rows, key, &mut || self.encode(cache, rows, greedy, s));
         cache.advance(rows);
         let (logits, greedy) = if greedy {
@@ -327,7 +321,6 @@ impl<B: Backend> MtpHead<B> {
             n_kv_heads: hp.n_kv_heads,
             head_dim: hp.head_dim,
             scale: 1.0 / (hp.head_dim as f32).sqrt(),
-            slots: cache.len() + rows,
         };
         let rope = Rope {
             theta: hp.rope_theta,

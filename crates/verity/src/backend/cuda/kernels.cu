@@ -1204,8 +1204,9 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
 // Attention of each (row, head) over committed slots [0, base) and the batch rows the row sees (causal, or the
 // step's tree mask), split over the slots for parallelism (flash-decoding), deterministically:
 // - slots are cut into chunks of ATT_CHUNK by absolute index; gridDim.x blocks per (row, head) (the host's
-//   split, which changes no bits) take chunks c = blockIdx.x, + gridDim.x, ...; each chunk's max, exp-sum and
-//   value sums are written to `work`;
+//   split, for the cache's capacity) take chunks c = blockIdx.x, + gridDim.x, ... (which block takes a chunk
+//   changes no bits), and blocks past the step's chunks return at once; each chunk's max, exp-sum and value
+//   sums are written to `work`;
 // - the block that finishes last (a counter per (row, head), reset by that block) combines the chunks in
 //   chunk order;
 // - a block's first chunk of committed K and V (slots below base, written by earlier forwards) is loaded before
@@ -1264,6 +1265,9 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
                 if (jq + jj < base) vq[jj] = vh[(size_t)(jq + jj) * kv_dim + e];
         }
     }
+    // A recorded launch serves every context its cache holds: blocks past the step's chunks have no work (and
+    // loaded nothing above: their slots are past base).
+    if ((int)blockIdx.x * ATT_CHUNK >= n) return;
     wait_inputs();
     release_dependents();
     for (int c = blockIdx.x; c * ATT_CHUNK < n; c += gridDim.x) {
@@ -1345,7 +1349,9 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
     }
     __threadfence();
     __syncthreads();
-    if (t == 0) last = atomicAdd(&counters[rh], 1u) == gridDim.x - 1;
+    // The working blocks: one per chunk up to the grid's width.
+    unsigned working = min(gridDim.x, (unsigned)((n + ATT_CHUNK - 1) / ATT_CHUNK));
+    if (t == 0) last = atomicAdd(&counters[rh], 1u) == working - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();

@@ -36,9 +36,8 @@
 //! (`-DKO_STAGE`, `-DKO_ATT`, `-DKO_CHAIN`; H200, W=1, context 256, 0.65 ms a step) the staging of x into the
 //! projections ~0.17 ms, attention ~0.15, the per-(column, row) chains ~0.07.
 //!
-//! Attention is split over 64-slot chunks (a block per chunk, the context's chunk count rounded up to a step so
-//! that a recorded forward serves a range of contexts; fewer blocks, each taking chunks in turn, where a wave
-//! would not hold them) and combined in chunk order by the block that finishes last, so its parallelism grows
+//! Attention is split over 64-slot chunks (a block per chunk of the cache's capacity, of which as many work as
+//! the step's context has chunks; fewer blocks, each taking chunks in turn, where a wave would not hold them) and combined in chunk order by the block that finishes last, so its parallelism grows
 //! with the context while every sum keeps a fixed order. Its first chunk of committed K/V is loaded before it
 //! waits for the Q/K/V launch (only the new slots depend on it).
 //!
@@ -106,8 +105,6 @@ const NARROW_ROWS_FROM: usize = 4;
 const ATT_CHUNK: usize = 64;
 const ATT_SPLIT: usize = 8;
 const ATT_SPLIT_MAX: usize = 32;
-/// Chunk counts a context's is rounded up to for its attention split (`att_split`): a recorded launch per step.
-const ATT_SPLIT_STEPS: [usize; 10] = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32];
 /// Blocks of the plain attention kernel resident on an SM (44 registers × 256 threads, beside others' CTAs).
 const ATT_RESIDENT_PER_SM: usize = 4;
 /// Attention grids of up to this many blocks per SM run the early-load variant (76 registers: 3 per SM alone,
@@ -118,8 +115,8 @@ const ATT_AHEAD_PER_SM: usize = 4;
 const ARGMAX_PARTS: usize = 16;
 const MAX_HEAD_DIM: usize = 256;
 /// Recorded forwards kept; the least recently replayed is dropped beyond this (`recorded.rs`). Every engine
-/// on the backend records into one store, each width with each attention split step (`att_split`): a 4-route
-/// benchmark holds ~250 (H200: with 128, 242 recorded and 114 evicted in one run).
+/// on the backend records into one store: a 4-route benchmark holds ~80, more with caches of several
+/// capacities (their buffers are part of the keys).
 const MAX_GRAPHS: usize = 512;
 
 /// A weight matrix on the device, in its GGML block format or (Q4_0, Q4_1, Q8_0 on sm_80+) in tiles.
@@ -210,8 +207,8 @@ pub struct CudaBackend {
     /// Attention blocks per (row, head) forced by `VERITY_CUDA_ATT_SPLIT` (side-by-side measurements); `None`:
     /// [`CudaBackend::att_split`]'s rule.
     att_split: Option<usize>,
-    /// The split sized by the context (`att_split`; `VERITY_CUDA_ATT_SPLIT_BY_CONTEXT=0`: by the row count
-    /// alone, for side-by-side measurements).
+    /// The split sized by the cache's capacity (`att_split`; `VERITY_CUDA_ATT_SPLIT_BY_CONTEXT=0`: by the row
+    /// count alone, for side-by-side measurements).
     att_split_by_context: bool,
     /// Row groups per narrow launch forced by `VERITY_CUDA_ROW_GROUPS` (1: none; side-by-side measurements);
     /// `None`: [`CudaBackend::row_groups`]'s rule.
@@ -281,16 +278,6 @@ fn q_shared(rows: usize, k: usize, wide: bool, mats: usize) -> (usize, usize) {
 fn env_count(var: &str, range: std::ops::RangeInclusive<usize>) -> Option<usize> {
     let n = std::env::var(var).ok()?.parse().ok()?;
     range.contains(&n).then_some(n)
-}
-
-/// The step of [`ATT_SPLIT_STEPS`] that a context of `slots` slots' chunk count rounds up to (the largest for
-/// longer contexts, whose blocks then take several chunks in turn).
-fn att_chunk_bucket(slots: usize) -> usize {
-    let chunks = slots.div_ceil(ATT_CHUNK).max(1);
-    ATT_SPLIT_STEPS
-        .into_iter()
-        .find(|&s| s >= chunks)
-        .unwrap_or(ATT_SPLIT_MAX)
 }
 
 /// The kernels compiled for `arch` with `options` and loaded: the PTX comes from verity's cache folder when an
@@ -475,15 +462,16 @@ impl CudaBackend {
         })
     }
 
-    /// Attention blocks per (row, head) for a launch of `row_heads` (row, head) pairs over at most `slots`
-    /// slots. One block per 64-slot chunk (the context's chunk count rounded up to a step of
-    /// [`ATT_SPLIT_STEPS`], so a recorded launch serves a range of contexts): no block then takes two chunks in
-    /// turn, and few blocks idle. Capped where that many blocks would not be resident at once (ATT_SPLIT, or
-    /// more where a wave of them allows). H200, W=1/2/4/8/16 ms: context 256 split 5 0.64/0.65/0.66/0.81/0.97
-    /// vs the row-count-only rule (29 blocks at W=1, else 8) 0.66/0.64/0.72/0.82/0.99; context 1024 split 32
-    /// 0.79/0.82/0.89/1.14/1.57 vs 0.75/0.94/1.04/1.14/1.49. No bits depend on it: every chunk's record is the
-    /// same whichever block computes it, and the combine reads them in chunk order.
-    fn att_split(&self, row_heads: usize, slots: usize) -> usize {
+    /// Attention blocks per (row, head) for a launch of `row_heads` (row, head) pairs over a cache of
+    /// `capacity` slots: a block per 64-slot chunk of the capacity, so that no block takes two chunks in turn
+    /// (the kernel puts only as many blocks to work as the step's context has chunks; the others return at
+    /// once), capped where 4 blocks per SM would not hold the grid (at ATT_SPLIT, or more where a wave allows)
+    /// and at ATT_SPLIT_MAX. H200, W=1/2/4/8/16 ms, a split fitted to the context vs the row-count-only rule
+    /// (29 blocks at W=1, else 8): context 256 0.63-0.64/0.64/0.66-0.67/0.79-0.80/0.98 vs
+    /// 0.66/0.64-0.65/0.72-0.73/0.82/0.98-0.99; context 1024 0.73-0.74/0.77-0.78/0.96-0.97/1.14/1.48-1.50 vs
+    /// 0.75-0.76/0.94/1.04/1.14/1.49-1.50. No bits depend on it: every chunk's record is the same whichever
+    /// block computes it, and the combine reads them in chunk order.
+    fn att_split(&self, row_heads: usize, capacity: usize) -> usize {
         if let Some(forced) = self.att_split {
             return forced;
         }
@@ -495,7 +483,9 @@ impl CudaBackend {
             };
         }
         let wave = ATT_RESIDENT_PER_SM * self.sms / row_heads.max(1);
-        att_chunk_bucket(slots).min(wave.max(ATT_SPLIT))
+        capacity
+            .div_ceil(ATT_CHUNK)
+            .clamp(1, wave.clamp(ATT_SPLIT, ATT_SPLIT_MAX))
     }
 
     /// Row groups of a narrow projection launch of `tiles` CTAs and `rows` rows, each group's rows a launch of
@@ -1180,14 +1170,6 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn attention_geometry(&self, slots: usize) -> usize {
-        if self.att_split_by_context && self.att_split.is_none() {
-            att_chunk_bucket(slots)
-        } else {
-            0
-        }
-    }
-
     fn attention_work_len(&self, n_heads: usize, head_dim: usize, capacity: usize) -> usize {
         let per_row_head = 1 + capacity.div_ceil(ATT_CHUNK) * (head_dim + 2);
         MAX_ROWS * n_heads * per_row_head
@@ -1218,7 +1200,7 @@ impl Backend for CudaBackend {
         let mut r0 = 0;
         while r0 < shape.rows {
             let take = (shape.rows - r0).min(MAX_ROWS);
-            let split = self.att_split(take * shape.n_heads, shape.slots);
+            let split = self.att_split(take * shape.n_heads, capacity);
             let cfg = LaunchConfig {
                 grid_dim: (split as u32, (take * shape.n_heads) as u32, 1),
                 block_dim: (256, 1, 1),
@@ -1303,35 +1285,7 @@ impl Drop for CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::{att_chunk_bucket, CudaBackend, ATT_CHUNK, ATT_SPLIT_MAX};
-
-    #[test]
-    fn attention_splits_round_the_chunk_count_up_to_a_recorded_step() {
-        let cases = [
-            (1, 1),
-            (64, 1),
-            (65, 2),
-            (192, 3),
-            (257, 6),
-            (320, 6),
-            (1025, 24),
-            (2048, 32),
-        ];
-        for (slots, split) in cases {
-            assert_eq!(att_chunk_bucket(slots), split, "{slots} slots");
-        }
-        assert_eq!(
-            att_chunk_bucket(1 << 20),
-            ATT_SPLIT_MAX,
-            "long contexts take chunks in turn"
-        );
-        let mut last = 0;
-        for slots in 1..5000 {
-            let b = att_chunk_bucket(slots);
-            assert!(b >= last && (b >= slots.div_ceil(ATT_CHUNK) || b == ATT_SPLIT_MAX));
-            last = b;
-        }
-    }
+    use super::CudaBackend;
 
     #[test]
     fn a_machine_without_the_driver_gets_an_error_instead_of_a_panic() {
