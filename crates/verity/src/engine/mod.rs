@@ -9,7 +9,7 @@
 mod stats;
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 pub use stats::{GenerationStats, StopReason};
@@ -180,7 +180,7 @@ pub struct Engine<B: Backend> {
     /// Identifies the model's layout in the disk tier.
     fingerprint: u64,
     /// Caches of ended sessions, handed to new ones ([`Engine::end_session`]).
-    spare: Mutex<Vec<KvCache<B>>>,
+    spare: Vec<KvCache<B>>,
 }
 
 /// Ended sessions' caches kept for new ones. A cache keeps its buffers (and the capacity they grew to), so a
@@ -260,7 +260,7 @@ impl<B: Backend> Engine<B> {
             prefix: PrefixCache::new(0),
             disk: None,
             fingerprint,
-            spare: Mutex::new(Vec::new()),
+            spare: Vec::new(),
         })
     }
 
@@ -314,9 +314,8 @@ impl<B: Backend> Engine<B> {
     }
 
     /// An empty session: on an ended session's cache where one is spare, else on a new one.
-    pub fn new_session(&self) -> Session<B> {
-        let spare = self.spare.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        let cache = match spare {
+    pub fn new_session(&mut self) -> Session<B> {
+        let cache = match self.spare.pop() {
             Some(mut cache) => {
                 cache.truncate(0);
                 cache
@@ -331,10 +330,9 @@ impl<B: Backend> Engine<B> {
     }
 
     /// End `sess`, keeping its cache's buffers for a later [`Engine::new_session`].
-    pub fn end_session(&self, sess: Session<B>) {
-        let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
-        if spare.len() < SPARE_CACHES {
-            spare.push(sess.cache);
+    pub fn end_session(&mut self, sess: Session<B>) {
+        if self.spare.len() < SPARE_CACHES {
+            self.spare.push(sess.cache);
         }
     }
 

@@ -1350,13 +1350,12 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
     __threadfence();
     __syncthreads();
     // The working blocks: one per chunk up to the grid's width.
-    unsigned working = min(gridDim.x, (unsigned)((n + ATT_CHUNK - 1) / ATT_CHUNK));
-    if (t == 0) last = atomicAdd(&counters[rh], 1u) == working - 1;
+    int nc = (n + ATT_CHUNK - 1) / ATT_CHUNK;
+    if (t == 0) last = atomicAdd(&counters[rh], 1u) == min(gridDim.x, (unsigned)nc) - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
     if (t == 0) counters[rh] = 0;
-    int nc = (n + ATT_CHUNK - 1) / ATT_CHUNK;
     float big = NEG_INF;
     for (int c = 0; c < nc; c++) big = fmaxf(big, __ldcg(records + (size_t)c * rec));
     float den = 0.f;

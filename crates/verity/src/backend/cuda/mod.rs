@@ -37,9 +37,10 @@
 //! projections ~0.17 ms, attention ~0.15, the per-(column, row) chains ~0.07.
 //!
 //! Attention is split over 64-slot chunks (a block per chunk of the cache's capacity, of which as many work as
-//! the step's context has chunks; fewer blocks, each taking chunks in turn, where a wave would not hold them) and combined in chunk order by the block that finishes last, so its parallelism grows
-//! with the context while every sum keeps a fixed order. Its first chunk of committed K/V is loaded before it
-//! waits for the Q/K/V launch (only the new slots depend on it).
+//! the step's context has chunks; fewer blocks, each taking chunks in turn, where a wave would not hold them)
+//! and combined in chunk order by the block that finishes last, so its parallelism grows with the context while
+//! every sum keeps a fixed order. Its first chunk of committed K/V is loaded before it waits for the Q/K/V
+//! launch (only the new slots depend on it).
 //!
 //! MLX-affine weights are re-laid at upload into 32-value blocks with f32 scale and bias (`affine.rs`) and run
 //! the f32-activation kernel, decoding bitwise as the CPU does.
@@ -108,8 +109,8 @@ const ATT_SPLIT_MAX: usize = 32;
 /// Blocks of the plain attention kernel resident on an SM (44 registers × 256 threads, beside others' CTAs).
 const ATT_RESIDENT_PER_SM: usize = 4;
 /// Attention grids of up to this many blocks per SM run the early-load variant (76 registers: 3 per SM alone,
-/// so a grid of 4 per SM runs in a wave and a bit). H200, context 256 with the split by context: W=8 0.79 ms
-/// at 4 vs 0.82-0.83 at 2, the other widths the same.
+/// so a grid of 4 per SM runs in a wave and a bit). H200, context 256, a block per chunk of the context: W=8
+/// 0.79 ms at 4 vs 0.82-0.83 at 2, the other widths the same (session 10, start 3).
 const ATT_AHEAD_PER_SM: usize = 4;
 /// Blocks per row of the argmax kernel (`kernels.cu`'s `argmax_rows`).
 const ARGMAX_PARTS: usize = 16;
@@ -466,11 +467,12 @@ impl CudaBackend {
     /// `capacity` slots: a block per 64-slot chunk of the capacity, so that no block takes two chunks in turn
     /// (the kernel puts only as many blocks to work as the step's context has chunks; the others return at
     /// once), capped where 4 blocks per SM would not hold the grid (at ATT_SPLIT, or more where a wave allows)
-    /// and at ATT_SPLIT_MAX. H200, W=1/2/4/8/16 ms, a split fitted to the context vs the row-count-only rule
-    /// (29 blocks at W=1, else 8): context 256 0.63-0.64/0.64/0.66-0.67/0.79-0.80/0.98 vs
-    /// 0.66/0.64-0.65/0.72-0.73/0.82/0.98-0.99; context 1024 0.73-0.74/0.77-0.78/0.96-0.97/1.14/1.48-1.50 vs
-    /// 0.75-0.76/0.94/1.04/1.14/1.49-1.50. No bits depend on it: every chunk's record is the same whichever
-    /// block computes it, and the combine reads them in chunk order.
+    /// and at ATT_SPLIT_MAX. H200, W=1/2/4/8/16 ms, this rule (with the early-load variant up to 4 blocks per
+    /// SM) vs the row-count-only one (29 blocks at W=1, else 8; early loads up to 2 per SM), both with the idle
+    /// blocks' early return: context 256 0.64/0.64/0.66/0.77-0.78/0.97-0.98 vs 0.63/0.64/0.72/0.81-0.82/0.97;
+    /// context 1024 0.73/0.76/0.96-0.97/1.13-1.14/1.49-1.50 vs 0.72-0.73/0.93/1.02-1.04/1.13-1.14/1.49-1.50;
+    /// context 16 W=16 0.85 vs 0.80 (the one loss). No bits depend on it: every chunk's record is the same
+    /// whichever block computes it, and the combine reads them in chunk order.
     fn att_split(&self, row_heads: usize, capacity: usize) -> usize {
         if let Some(forced) = self.att_split {
             return forced;
