@@ -1203,47 +1203,51 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
 
 // Attention of each (row, head) over committed slots [0, base) and the batch rows the row sees (causal, or the
 // step's tree mask), split over the slots for parallelism (flash-decoding), deterministically:
-// - slots are cut into chunks of ATT_CHUNK by absolute index; gridDim.x blocks per (row, head) (the host's
-//   split, for the cache's capacity) take chunks c = blockIdx.x, + gridDim.x, ... (which block takes a chunk
-//   changes no bits), and blocks past the step's chunks return at once; each chunk's max, exp-sum and value
-//   sums are written to `work`;
-// - the block that finishes last (a counter per (row, head), reset by that block) combines the chunks in
-//   chunk order;
+// - a block serves HEADS query heads of one KV head in one row (the host's choice per launch): each K and V
+//   value it loads feeds every one of those heads, so a chunk is read once per block rather than per head;
+// - slots are cut into chunks of ATT_CHUNK by absolute index; gridDim.x blocks per (row, head block) (the
+//   host's split, for the cache's capacity) take chunks c = blockIdx.x, + gridDim.x, ... (which block takes a
+//   chunk changes no bits), and blocks past the step's chunks return at once; each (head, chunk)'s max,
+//   exp-sum and value sums are written to `work`;
+// - the block that finishes last (a counter per (row, head block), reset by that block) combines each head's
+//   chunks in chunk order;
 // - a block's first chunk of committed K and V (slots below base, written by earlier forwards) is loaded before
-//   griddepcontrol.wait, so it is in flight while the Q/K/V launch before finishes (`attention_ahead`; the
+//   griddepcontrol.wait, so it is in flight while the Q/K/V launch before finishes (`attention_ahead_*`; the
 //   loaded values go through the same arithmetic, so the results are the same bits either way).
-// Every sum's order depends on slot indices alone, never on the number of slots or rows, and slots a row does
-// not see add exact zeros, so a row gives the same bits alone or in a batch. Rows row0 .. row0 + gridDim.y /
-// n_heads of the step; `work` holds 16 * n_heads counters, then per (row, head) `chunks` records of
-// {max, sum, head_dim value sums}.
+// Every sum's order depends on slot indices alone, never on the number of slots, rows or heads per block, and
+// slots a row does not see add exact zeros, so a row gives the same bits alone or in a batch. Rows row0 ..
+// row0 + gridDim.y * HEADS / n_heads of the step; `work` holds 16 * n_heads counters, then per (row, head)
+// `chunks` records of {max, sum, head_dim value sums}. Dynamic shared memory: HEADS * 4 * head_dim floats.
 #define ATT_CHUNK 64
 #define MAX_HEAD_DIM 256
 #define ATT_AHEAD_DIM 64  // heads up to this size load their first chunk before waiting for the grid before
 
-template <bool AHEAD>
+template <bool AHEAD, int HEADS>
 __device__ __forceinline__ void attention_body(const float* q, const float* kc, const float* vc, int row0,
                                                int n_heads, int n_kv_heads, int head_dim, float scale,
                                                const int* step, int cap, float* work, int chunks, float* out) {
-    __shared__ float sc[ATT_CHUNK];
-    __shared__ float red[2];  // the chunk's max and exp-sum
-    __shared__ float quarter[4][MAX_HEAD_DIM];
+    __shared__ float sc[HEADS][ATT_CHUNK];
+    __shared__ float red[HEADS][2];  // each head's chunk max and exp-sum
     __shared__ int last;
+    extern __shared__ float quarter[];  // [HEADS][4][head_dim]: each head's value sums per quarter of the chunk
     // The step (written by the host before the forward) and the committed slots [0, base) (written by earlier
     // forwards) are read before waiting for the grid before: this block's first chunk of K and V is in flight
     // while the Q/K/V projection finishes. Only q and this step's slots wait.
     Step st = read_step(step, cap);
     int base = st.base, rows = st.rows, n = base + rows;
     int t = threadIdx.x;
-    int rh = blockIdx.y;
-    int i = row0 + rh / n_heads, h = rh % n_heads;
-    int kvh = h / (n_heads / n_kv_heads);
+    int per_row = n_heads / HEADS;
+    int ri = blockIdx.y / per_row, h0 = blockIdx.y % per_row * HEADS;
+    int i = row0 + ri;
+    int kvh = h0 / (n_heads / n_kv_heads);
     int kv_dim = n_kv_heads * head_dim;
     int rec = head_dim + 2;
-    const float* qv = q + ((size_t)i * n_heads + h) * head_dim;
+    const float* qv = q + ((size_t)i * n_heads + h0) * head_dim;  // head h0 + g at qv + g * head_dim
     const float* kh = kc + kvh * head_dim;
     const float* vh = vc + kvh * head_dim;
     unsigned int* counters = (unsigned int*)work;
-    float* records = work + 16 * n_heads + (size_t)rh * chunks * rec;
+    // Head h0 + g's records at records + g * chunks * rec.
+    float* records = work + 16 * n_heads + (size_t)(ri * n_heads + h0) * chunks * rec;
     // The first chunk's committed K (this thread's quarter of its slot) and V (this thread's first value-sum
     // item's 16 slots), for heads of up to ATT_AHEAD_DIM values (more would cost occupancy in registers).
     bool vec = (head_dim & 15) == 0;
@@ -1273,77 +1277,100 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
     for (int c = blockIdx.x; c * ATT_CHUNK < n; c += gridDim.x) {
         int j0 = c * ATT_CHUNK;
         bool first = c == (int)blockIdx.x;
-        // Scores: four threads per slot, each a quarter of the head's dims, then a fixed butterfly.
+        // Scores: four threads per slot, each a quarter of the head's dims (every head from the same loaded K),
+        // then a fixed butterfly.
         int js = t >> 2, sub = t & 3, j = j0 + js;
         bool sees = j < n && (j < base || (st.tree ? st.mask[i * rows + (j - base)] != 0 : (j - base) <= i));
-        float d = 0.f;
+        float d[HEADS];
+#pragma unroll
+        for (int g = 0; g < HEADS; g++) d[g] = 0.f;
         if (sees) {
             const float* kv = kh + (size_t)j * kv_dim;
             if (vec) {
                 int w = head_dim / 16;  // float4s per quarter
                 const float4* k4 = (const float4*)kv + sub * w;
-                const float4* q4 = (const float4*)qv + sub * w;
                 bool held = ahead && first && j < base;
 #pragma unroll
                 for (int e = 0; e < MAX_HEAD_DIM / 16; e++) {
                     if (e < w) {
-                        float4 a = q4[e], b = AHEAD && held && e < ATT_AHEAD_DIM / 16 ? kq[AHEAD ? e : 0] : k4[e];
-                        d = fmaf(a.x, b.x, d);
-                        d = fmaf(a.y, b.y, d);
-                        d = fmaf(a.z, b.z, d);
-                        d = fmaf(a.w, b.w, d);
+                        float4 b = AHEAD && held && e < ATT_AHEAD_DIM / 16 ? kq[AHEAD ? e : 0] : k4[e];
+#pragma unroll
+                        for (int g = 0; g < HEADS; g++) {
+                            float4 a = ((const float4*)(qv + g * head_dim))[sub * w + e];
+                            d[g] = fmaf(a.x, b.x, d[g]);
+                            d[g] = fmaf(a.y, b.y, d[g]);
+                            d[g] = fmaf(a.z, b.z, d[g]);
+                            d[g] = fmaf(a.w, b.w, d[g]);
+                        }
                     }
                 }
             } else {
-                for (int e = sub; e < head_dim; e += 4) d = fmaf(qv[e], kv[e], d);
+                for (int e = sub; e < head_dim; e += 4) {
+                    float b = kv[e];
+#pragma unroll
+                    for (int g = 0; g < HEADS; g++) d[g] = fmaf(qv[g * head_dim + e], b, d[g]);
+                }
             }
         }
-        d += __shfl_xor_sync(0xffffffffu, d, 1);
-        d += __shfl_xor_sync(0xffffffffu, d, 2);
-        if (sub == 0) sc[js] = sees ? d * scale : NEG_INF;
+#pragma unroll
+        for (int g = 0; g < HEADS; g++) {
+            float s = d[g];
+            s += __shfl_xor_sync(0xffffffffu, s, 1);
+            s += __shfl_xor_sync(0xffffffffu, s, 2);
+            if (sub == 0) sc[g][js] = sees ? s * scale : NEG_INF;
+        }
         __syncthreads();
-        // The chunk's max and exp-sum in the first warp, two slots per lane: the sum in the order of a halving
-        // tree (slot t + 32 onto t, then shfl_down 16 ... 1), the max exact in any order.
-        if (t < 32) {
-            float a = sc[t], b = sc[t + 32];
+        // Each head's chunk max and exp-sum in a warp of its own, two slots per lane: the sum in the order of a
+        // halving tree (slot lane + 32 onto lane, then shfl_down 16 ... 1), the max exact in any order.
+        int g = t >> 5, lane = t & 31;
+        if (g < HEADS) {
+            float a = sc[g][lane], b = sc[g][lane + 32];
             float m = fmaxf(a, b);
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
             float pa = a == NEG_INF ? 0.f : __expf(a - m), pb = b == NEG_INF ? 0.f : __expf(b - m);
-            sc[t] = pa;
-            sc[t + 32] = pb;
+            sc[g][lane] = pa;
+            sc[g][lane + 32] = pb;
             float sum = pa + pb;
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, o);
-            if (t == 0) {
-                red[0] = m;
-                red[1] = sum;
+            if (lane == 0) {
+                red[g][0] = m;
+                red[g][1] = sum;
             }
         }
         __syncthreads();
-        float m = red[0];
-        // Value sums: each quarter of the chunk's slots in order, then the quarters in order.
+        // Value sums: each quarter of the chunk's slots in order (every head from the same loaded V), then the
+        // quarters in order.
         for (int u = t; u < 4 * head_dim; u += blockDim.x) {
             int qq = u / head_dim, e = u % head_dim;
             int jq = j0 + qq * (ATT_CHUNK / 4);
             bool held = ahead && first && u == t;
-            float a = 0.f;
+            float a[HEADS];
+#pragma unroll
+            for (int g = 0; g < HEADS; g++) a[g] = 0.f;
 #pragma unroll
             for (int jj = 0; jj < ATT_CHUNK / 4; jj++) {
                 if (jq + jj < n) {
                     float v = AHEAD && held && jq + jj < base ? vq[AHEAD ? jj : 0] : vh[(size_t)(jq + jj) * kv_dim + e];
-                    a = fmaf(sc[qq * (ATT_CHUNK / 4) + jj], v, a);
+#pragma unroll
+                    for (int g = 0; g < HEADS; g++) a[g] = fmaf(sc[g][qq * (ATT_CHUNK / 4) + jj], v, a[g]);
                 }
             }
-            quarter[qq][e] = a;
+#pragma unroll
+            for (int g = 0; g < HEADS; g++) quarter[(g * 4 + qq) * head_dim + e] = a[g];
         }
         __syncthreads();
-        float* r = records + (size_t)c * rec;
-        for (int e = t; e < head_dim; e += blockDim.x)
-            r[2 + e] = ((quarter[0][e] + quarter[1][e]) + quarter[2][e]) + quarter[3][e];
-        if (t == 0) {
-            r[0] = m;
-            r[1] = red[1];
+        for (int u = t; u < HEADS * head_dim; u += blockDim.x) {
+            int g = u / head_dim, e = u % head_dim;
+            const float* qg = quarter + g * 4 * head_dim;
+            records[((size_t)g * chunks + c) * rec + 2 + e] =
+                ((qg[e] + qg[head_dim + e]) + qg[2 * head_dim + e]) + qg[3 * head_dim + e];
+        }
+        if (t < HEADS) {
+            float* r = records + ((size_t)t * chunks + c) * rec;
+            r[0] = red[t][0];
+            r[1] = red[t][1];
         }
         __syncthreads();
     }
@@ -1351,33 +1378,30 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
     __syncthreads();
     // The working blocks: one per chunk up to the grid's width.
     int nc = (n + ATT_CHUNK - 1) / ATT_CHUNK;
-    if (t == 0) last = atomicAdd(&counters[rh], 1u) == min(gridDim.x, (unsigned)nc) - 1;
+    if (t == 0) last = atomicAdd(&counters[blockIdx.y], 1u) == min(gridDim.x, (unsigned)nc) - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
-    if (t == 0) counters[rh] = 0;
-    float big = NEG_INF;
-    for (int c = 0; c < nc; c++) big = fmaxf(big, __ldcg(records + (size_t)c * rec));
-    float den = 0.f;
-    for (int c = 0; c < nc; c++) {
-        float mc = __ldcg(records + (size_t)c * rec);
-        float f = mc == NEG_INF ? 0.f : __expf(mc - big);
-        den = fmaf(f, __ldcg(records + (size_t)c * rec + 1), den);
-    }
-    for (int e = t; e < head_dim; e += blockDim.x) {
-        float num = 0.f;
+    if (t == 0) counters[blockIdx.y] = 0;
+    for (int u = t; u < HEADS * head_dim; u += blockDim.x) {
+        int g = u / head_dim, e = u % head_dim;
+        const float* rg = records + (size_t)g * chunks * rec;
+        float big = NEG_INF;
+        for (int c = 0; c < nc; c++) big = fmaxf(big, __ldcg(rg + (size_t)c * rec));
+        float den = 0.f, num = 0.f;
         for (int c = 0; c < nc; c++) {
-            float mc = __ldcg(records + (size_t)c * rec);
+            float mc = __ldcg(rg + (size_t)c * rec);
             float f = mc == NEG_INF ? 0.f : __expf(mc - big);
-            num = fmaf(f, __ldcg(records + (size_t)c * rec + 2 + e), num);
+            den = fmaf(f, __ldcg(rg + (size_t)c * rec + 1), den);
+            num = fmaf(f, __ldcg(rg + (size_t)c * rec + 2 + e), num);
         }
-        out[((size_t)i * n_heads + h) * head_dim + e] = num / den;
+        out[((size_t)i * n_heads + h0 + g) * head_dim + e] = num / den;
     }
 }
 
-// The attention kernels: the same arithmetic (the same bits), with the first chunk of committed K/V loaded
-// before griddepcontrol.wait (`attention_ahead`: 76 registers, for small grids) or after (`attention`: 44
-// registers, so W-row verifies keep their blocks per SM).
+// The attention kernels, one per count of heads a block serves: the same arithmetic (the same bits), with the
+// first chunk of committed K/V loaded before griddepcontrol.wait (`attention_ahead_*`, for small grids) or after
+// (`attention_*`: fewer registers, so wide verifies keep their blocks per SM).
 #define ATT_PARAMS                                                                                             \
     const float *q, const float *kc, const float *vc, int row0, int n_heads, int n_kv_heads, int head_dim,     \
         float scale, const int *step, int cap, float *work, int chunks, float *out
@@ -1388,9 +1412,13 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
 #else
 #define ATT_EXIT FLOOR_EXIT
 #endif
-extern "C" __global__ void attention(ATT_PARAMS) { ATT_EXIT attention_body<false>(ATT_ARGS); }
-
-extern "C" __global__ void attention_ahead(ATT_PARAMS) { ATT_EXIT attention_body<true>(ATT_ARGS); }
+#define ATT_KERNELS(H)                                                                                         \
+    extern "C" __global__ void attention_##H(ATT_PARAMS) { ATT_EXIT attention_body<false, H>(ATT_ARGS); }      \
+    extern "C" __global__ void attention_ahead_##H(ATT_PARAMS) { ATT_EXIT attention_body<true, H>(ATT_ARGS); }
+ATT_KERNELS(1)
+ATT_KERNELS(2)
+ATT_KERNELS(3)
+ATT_KERNELS(4)
 
 extern "C" __global__ void add_bias(float* x, const float* b, int dim, int n) {
     FLOOR_EXIT

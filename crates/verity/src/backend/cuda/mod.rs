@@ -40,7 +40,9 @@
 //! the step's context has chunks; fewer blocks, each taking chunks in turn, where a wave would not hold them)
 //! and combined in chunk order by the block that finishes last, so its parallelism grows with the context while
 //! every sum keeps a fixed order. Its first chunk of committed K/V is loaded before it waits for the Q/K/V
-//! launch (only the new slots depend on it).
+//! launch (only the new slots depend on it). Where a block per (row, head, chunk) would crowd the SMs (wide
+//! verifies, long contexts), a block serves all the query heads of a KV head (`att_heads`), loading each K and
+//! V value once for them.
 //!
 //! MLX-affine weights are re-laid at upload into 32-value blocks with f32 scale and bias (`affine.rs`) and run
 //! the f32-activation kernel, decoding bitwise as the CPU does.
@@ -106,6 +108,8 @@ const NARROW_ROWS_FROM: usize = 4;
 const ATT_CHUNK: usize = 64;
 const ATT_SPLIT: usize = 8;
 const ATT_SPLIT_MAX: usize = 32;
+/// The most query heads one attention block serves (`kernels.cu`'s `ATT_KERNELS`).
+const ATT_HEADS: usize = 4;
 /// Blocks of the plain attention kernel resident on an SM (44 registers × 256 threads, beside others' CTAs).
 const ATT_RESIDENT_PER_SM: usize = 4;
 /// Attention grids of up to this many blocks per SM run the early-load variant (76 registers: 3 per SM alone,
@@ -156,8 +160,9 @@ struct Kernels {
     embed: CudaFunction,
     rms_norm: CudaFunction,
     rope_and_cache: CudaFunction,
-    attention: CudaFunction,
-    attention_ahead: CudaFunction,
+    /// Attention for blocks of 1 ..= ATT_HEADS query heads (index: heads - 1), without and with the early load.
+    attention: Vec<CudaFunction>,
+    attention_ahead: Vec<CudaFunction>,
     add_bias: CudaFunction,
     argmax_rows: CudaFunction,
 }
@@ -208,6 +213,9 @@ pub struct CudaBackend {
     /// Attention blocks per (row, head) forced by `VERITY_CUDA_ATT_SPLIT` (side-by-side measurements); `None`:
     /// [`CudaBackend::att_split`]'s rule.
     att_split: Option<usize>,
+    /// Query heads per attention block forced by `VERITY_CUDA_ATT_HEADS` (1: a block per head; side-by-side
+    /// measurements, up to ATT_HEADS); `None`: [`att_heads`]'s rule.
+    att_heads: Option<usize>,
     /// The split sized by the cache's capacity (`att_split`; `VERITY_CUDA_ATT_SPLIT_BY_CONTEXT=0`: by the row
     /// count alone, for side-by-side measurements).
     att_split_by_context: bool,
@@ -273,6 +281,39 @@ fn q_shared(rows: usize, k: usize, wide: bool, mats: usize) -> (usize, usize) {
         .min(QM_CHUNK_MAX)
         .min((QM_EXCHANGE_BYTES / per_block).max(1));
     (stage + scales + chunk * per_block, chunk)
+}
+
+/// Query heads per attention block for a launch of `rows` rows over a cache of `chunks` 64-slot chunks: one
+/// while a block per (row, head, chunk) leaves no SM more than two (`sms`), else the largest divisor of the GQA
+/// group (query heads per KV head) up to ATT_HEADS; `forced` (up to ATT_HEADS) replaces the rule. A block of
+/// several heads loads each K and V value once for all of them (fewer blocks, a chunk read once per KV head),
+/// but its own chain is longer, which costs where the blocks per head fit the GPU anyway. H200, SmolLM2 (groups
+/// of 3), ms with a block per head vs per group (session 11, start 2; rowcost's caches hold the context and
+/// 32 slots): context 256 (5 chunks) W=1 0.62-0.63 vs 0.64-0.65, W=2 0.63-0.64 vs 0.64-0.65, W=4 0.66-0.67 vs
+/// 0.65-0.66, W=8 0.84-0.85 vs 0.74-0.75; context 1024 (17 chunks) W=1 0.69-0.70 vs 0.69-0.71, W=2 0.80 vs
+/// 0.71-0.72; context 16 (1 chunk) within 0.01 at every width. The rule counts the capacity's chunks (a
+/// recorded launch serves every context the cache holds), up to twice the context's: hence two per SM, which
+/// picks the faster count, or one within 0.01 ms of it, at every rowcost point above. MTP's verify per cycle (separate starts): 0.632-0.636
+/// ms at two per SM, 0.641-0.650 at one. Every query's arithmetic is the same at any count (the same bits:
+/// `rowexact` under each), so the count may follow the rows.
+fn att_heads(
+    n_heads: usize,
+    n_kv_heads: usize,
+    rows: usize,
+    chunks: usize,
+    sms: usize,
+    forced: Option<usize>,
+) -> usize {
+    let group = n_heads / n_kv_heads.max(1);
+    let most = match forced {
+        Some(f) => f.clamp(1, ATT_HEADS),
+        None if rows * n_heads * chunks <= 2 * sms => 1,
+        None => ATT_HEADS,
+    };
+    (1..=most.min(group))
+        .rev()
+        .find(|h| group.is_multiple_of(*h))
+        .unwrap_or(1)
 }
 
 /// A count set by environment variable `var` for side-by-side measurements, if it parses and lies in `range`.
@@ -398,8 +439,12 @@ impl CudaBackend {
             embed: f("embed")?,
             rms_norm: f("rms_norm")?,
             rope_and_cache: f("rope_and_cache")?,
-            attention: f("attention")?,
-            attention_ahead: f("attention_ahead")?,
+            attention: (1..=ATT_HEADS)
+                .map(|h| f(&format!("attention_{h}")))
+                .collect::<Result<_>>()?,
+            attention_ahead: (1..=ATT_HEADS)
+                .map(|h| f(&format!("attention_ahead_{h}")))
+                .collect::<Result<_>>()?,
             add_bias: f("add_bias")?,
             argmax_rows: f("argmax_rows")?,
         };
@@ -453,6 +498,7 @@ impl CudaBackend {
                 .unwrap_or(ATT_AHEAD_PER_SM),
             narrow_warps,
             att_split: env_count("VERITY_CUDA_ATT_SPLIT", 1..=ATT_SPLIT_MAX),
+            att_heads: env_count("VERITY_CUDA_ATT_HEADS", 1..=ATT_HEADS),
             att_split_by_context: !off("VERITY_CUDA_ATT_SPLIT_BY_CONTEXT"),
             row_groups: env_count("VERITY_CUDA_ROW_GROUPS", 1..=MAX_ROWS),
             argmax_work,
@@ -1202,11 +1248,20 @@ impl Backend for CudaBackend {
         let mut r0 = 0;
         while r0 < shape.rows {
             let take = (shape.rows - r0).min(MAX_ROWS);
-            let split = self.att_split(take * shape.n_heads, capacity);
+            let heads = att_heads(
+                shape.n_heads,
+                shape.n_kv_heads,
+                take,
+                chunks,
+                self.sms,
+                self.att_heads,
+            );
+            let per_chunk = take * shape.n_heads / heads;
+            let split = self.att_split(per_chunk, capacity);
             let cfg = LaunchConfig {
-                grid_dim: (split as u32, (take * shape.n_heads) as u32, 1),
+                grid_dim: (split as u32, per_chunk as u32, 1),
                 block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes: (heads * 4 * shape.head_dim * 4) as u32,
             };
             let row0 = r0 as i32;
             let args = [
@@ -1226,11 +1281,11 @@ impl Backend for CudaBackend {
             ];
             // The early-load variant takes more registers, so fewer of its blocks fit an SM: it runs where the
             // grid is small enough (decode steps, verifies of short contexts). Both give the same bits.
-            let blocks = split * take * shape.n_heads;
+            let blocks = split * per_chunk;
             let f = if self.att_ahead && blocks <= self.att_ahead_per_sm * self.sms {
-                &self.k.attention_ahead
+                &self.k.attention_ahead[heads - 1]
             } else {
-                &self.k.attention
+                &self.k.attention[heads - 1]
             };
             // SAFETY: q/out hold rows × n_heads × head_dim values, the caches (base + rows) × kv_dim within
             // their capacity; `work` holds the counters and chunk records of up to MAX_ROWS rows (checked above);
@@ -1287,7 +1342,32 @@ impl Drop for CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::CudaBackend;
+    use super::{att_heads, CudaBackend};
+
+    #[test]
+    fn attention_blocks_serve_a_head_each_while_they_fit_two_per_sm() {
+        let sms = 132;
+        assert_eq!(att_heads(9, 3, 1, 8, sms, None), 1); // SmolLM2, W=1 over a cache of 512
+        assert_eq!(att_heads(9, 3, 2, 8, sms, None), 1);
+        assert_eq!(att_heads(9, 3, 4, 8, sms, None), 3);
+        assert_eq!(att_heads(9, 3, 8, 5, sms, None), 3);
+        assert_eq!(att_heads(9, 3, 16, 1, sms, None), 1);
+        assert_eq!(att_heads(9, 3, 1, 32, sms, None), 3);
+        assert_eq!(att_heads(9, 3, 2, 16, sms, None), 3);
+    }
+
+    #[test]
+    fn a_group_block_serves_the_largest_divisor_of_the_group_up_to_four_heads() {
+        let many = |n_heads, n_kv_heads| att_heads(n_heads, n_kv_heads, 16, 32, 132, None);
+        assert_eq!(many(9, 3), 3);
+        assert_eq!(many(4, 1), 4); // Gemma 3 270M
+        assert_eq!(many(32, 4), 4);
+        assert_eq!(many(28, 4), 1); // groups of 7
+        assert_eq!(many(24, 4), 3); // groups of 6
+        assert_eq!(many(8, 8), 1); // no GQA
+        assert_eq!(att_heads(9, 3, 1, 8, 132, Some(3)), 3);
+        assert_eq!(att_heads(16, 2, 16, 32, 132, Some(2)), 2);
+    }
 
     #[test]
     fn a_machine_without_the_driver_gets_an_error_instead_of_a_panic() {
