@@ -15,7 +15,7 @@ use verity::backend::{AttnMask, Backend};
 use verity::bundle::Bundle;
 use verity::chat::Message;
 use verity::engine::{Engine, GenerateRequest};
-use verity::model::{Batch, LogitRows, Model, MtpHead};
+use verity::model::{Batch, HeadInput, LogitRows, Model, MtpHead};
 use verity::quant::{GgmlType, MlxScaleType, QMatrix};
 use verity::sample::argmax;
 use verity::spec::SpecMode;
@@ -475,6 +475,77 @@ fn recorded_forwards_replay_bitwise_what_direct_launches_compute() {
     }
 }
 
+/// A deterministic stream of pseudo-random u32 (a linear congruential generator).
+fn lcg(mut seed: u32) -> impl FnMut() -> u32 {
+    move || {
+        seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        seed
+    }
+}
+
+/// On the GPU, a recursive draft step from the state left on the device computes bitwise what the same step
+/// computes from that state sent back from the host, across the head cache's growth.
+#[test]
+fn mtp_draft_steps_from_the_state_left_on_the_device_equal_steps_from_the_state_sent_back() {
+    let bundle = Bundle::open(&smollm2_mtp()).unwrap();
+    let be = Arc::new(CudaBackend::new(0).unwrap());
+    let model = Model::load(&bundle, be).unwrap();
+    let mut head = MtpHead::load(&bundle, &model).unwrap();
+    let (h, vocab) = (model.hp.hidden, model.hp.vocab as u32);
+    let mut cache = head.new_cache(1024);
+    let mut next = lcg(11);
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for step in 0..120usize {
+        let greedy = step % 2 == 0;
+        let pos = cache.len();
+        let w = 1 + step % 3;
+        let tokens: Vec<u32> = (0..w + 2).map(|_| next() % vocab).collect();
+        let hidden: Vec<f32> = (0..w * h)
+            .map(|_| (next() >> 8) as f32 / (1u32 << 24) as f32 - 0.5)
+            .collect();
+        let caught = head
+            .forward(&mut cache, &tokens[..w], pos, &hidden, greedy)
+            .unwrap();
+        let a1 = head
+            .draft(
+                &mut cache,
+                &tokens[w..w + 1],
+                pos + w,
+                HeadInput::Last,
+                greedy,
+            )
+            .unwrap();
+        let a2 = head
+            .draft(
+                &mut cache,
+                &tokens[w + 1..],
+                pos + w + 1,
+                HeadInput::Last,
+                greedy,
+            )
+            .unwrap();
+        cache.truncate(pos + w);
+        let last = &caught.hidden[(w - 1) * h..];
+        let b1 = head
+            .forward(&mut cache, &tokens[w..w + 1], pos + w, last, greedy)
+            .unwrap();
+        let b2 = head
+            .forward(
+                &mut cache,
+                &tokens[w + 1..],
+                pos + w + 1,
+                &b1.hidden,
+                greedy,
+            )
+            .unwrap();
+        for (i, (a, b)) in [(&a1, &b1), (&a2, &b2)].into_iter().enumerate() {
+            assert_eq!(bits(&a.logits), bits(&b.logits), "step {step}.{i}");
+            assert_eq!(a.greedy, b.greedy, "step {step}.{i}");
+        }
+        cache.truncate(pos + 3); // past 256 slots: the cache grows
+    }
+}
+
 /// The MTP head's recorded draft steps replay bitwise what direct launches compute (hidden states and logits),
 /// across widths and the head cache's growth.
 #[test]
@@ -487,11 +558,7 @@ fn recorded_mtp_head_steps_replay_bitwise_what_direct_launches_compute() {
         let mut head = MtpHead::load(&bundle, &model).unwrap();
         let (h, vocab) = (model.hp.hidden, model.hp.vocab as u32);
         let mut cache = head.new_cache(1024);
-        let mut seed = 7u32;
-        let mut next = || {
-            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            seed
-        };
+        let mut next = lcg(7);
         let mut outs = Vec::new();
         for step in 0..300usize {
             let pos = cache.len();

@@ -11,7 +11,7 @@ use common::*;
 use verity::backend::cpu::CpuBackend;
 use verity::bundle::{Bundle, MtpStatus, Source};
 use verity::engine::{Engine, GenerateRequest};
-use verity::model::{Batch, LogitRows, Model, MtpHead};
+use verity::model::{Batch, HeadInput, LogitRows, Model, MtpHead};
 use verity::spec::mtp::MtpProposer;
 use verity::spec::{Proposer, SpecMode};
 
@@ -239,6 +239,55 @@ fn target_hidden(model: &mut Model<CpuBackend>, tokens: &[u32]) -> Vec<f32> {
         .forward_with_hidden(&mut cache, &Batch::causal(tokens, 0), LogitRows::None)
         .unwrap()
         .final_hidden
+}
+
+/// A recursive draft step from the state the step before left on the backend ([`HeadInput::Last`]) computes
+/// bitwise what the same step computes from that state sent back from the host (logits and argmax, two steps
+/// deep); a step from the last output before any forward is refused.
+#[test]
+fn a_draft_step_from_the_state_left_on_the_backend_equals_one_from_the_state_sent_back() {
+    let d = tiny_with("mtp-last", &tiny_head(5, None));
+    let bundle = Bundle::open(&d).unwrap();
+    let mut model = Model::load(&bundle, be()).unwrap();
+    let mut head = MtpHead::load(&bundle, &model).unwrap();
+    let mut hc = head.new_cache(64);
+    assert!(head.draft(&mut hc, &[1], 1, HeadInput::Last, true).is_err());
+    let tokens = [5u32, 17, 42, 99, 7, 250, 31];
+    let hidden = target_hidden(&mut model, &tokens);
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for greedy in [false, true] {
+        hc.truncate(0);
+        // Catch up on positions 1..=4, then two recursive steps from the state left on the backend.
+        let caught = head
+            .forward(&mut hc, &tokens[1..=4], 1, &hidden[..4 * H], greedy)
+            .unwrap();
+        let a1 = head
+            .draft(&mut hc, &[tokens[5]], 5, HeadInput::Last, greedy)
+            .unwrap();
+        let a2 = head
+            .draft(&mut hc, &[tokens[6]], 6, HeadInput::Last, greedy)
+            .unwrap();
+        assert!(a1.hidden.is_empty(), "a draft step keeps its state");
+        // The same two steps from the states sent back.
+        hc.truncate(4);
+        let b1 = head
+            .forward(&mut hc, &[tokens[5]], 5, &caught.hidden[3 * H..], greedy)
+            .unwrap();
+        let b2 = head
+            .forward(&mut hc, &[tokens[6]], 6, &b1.hidden, greedy)
+            .unwrap();
+        for (i, (a, b)) in [(&a1, &b1), (&a2, &b2)].into_iter().enumerate() {
+            assert_eq!(
+                bits(&a.logits),
+                bits(&b.logits),
+                "step {i}, greedy {greedy}"
+            );
+            assert_eq!(a.greedy, b.greedy, "step {i}, greedy {greedy}");
+        }
+        if !greedy {
+            assert_eq!(a1.logits.len(), 320);
+        }
+    }
 }
 
 /// Drive an MTP proposer through many cycles with random accept counts and random bonus tokens; at every cycle

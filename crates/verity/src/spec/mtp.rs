@@ -29,7 +29,7 @@ use super::proposer::{Draft, Proposer};
 use crate::backend::Backend;
 use crate::cache::KvCache;
 use crate::error::Result;
-use crate::model::{HeadOutput, MtpHead};
+use crate::model::{HeadInput, HeadOutput, MtpHead};
 use crate::sample::{draw, Sampler, SamplerConfig};
 
 /// The deepest recursion offered to the controller.
@@ -184,9 +184,13 @@ impl<B: Backend> Proposer for MtpProposer<B> {
         let greedy = self.greedy();
         // Catch up on positions next..=n, each conditioned on the target's hidden state of the one before.
         let rows = &self.hid[(next - 1 - self.hid_start) * h..(n - self.hid_start) * h];
-        let mut out = self
-            .head
-            .forward(&mut self.cache, &context[next..=n], next, rows, greedy)?;
+        let mut out = self.head.draft(
+            &mut self.cache,
+            &context[next..=n],
+            next,
+            HeadInput::Host(rows),
+            greedy,
+        )?;
         self.cached.extend_from_slice(&context[next..=n]);
         self.committed = self.cache.len();
         // Consumed: the next catch-up starts at n + 1 and needs h_n onwards, which the next verify reports.
@@ -201,7 +205,6 @@ impl<B: Backend> Proposer for MtpProposer<B> {
         self.source = Source::Head;
         let mut draft = Draft::default();
         let mut history = context.to_vec();
-        let mut state = out.hidden[out.hidden.len() - h..].to_vec();
         for i in 0..k.min(MAX_DEPTH) {
             let (tok, q) = self.choose(&out, &history);
             draft.tokens.push(tok);
@@ -211,10 +214,10 @@ impl<B: Backend> Proposer for MtpProposer<B> {
                 if self.cache.len() + 1 > self.cache.max_capacity() {
                     break;
                 }
-                out = self
-                    .head
-                    .forward(&mut self.cache, &[tok], n + 1 + i, &state, greedy)?;
-                state = std::mem::take(&mut out.hidden);
+                // The head's own output state, left on the device by the step before.
+                out =
+                    self.head
+                        .draft(&mut self.cache, &[tok], n + 1 + i, HeadInput::Last, greedy)?;
             }
         }
         Ok(draft)
