@@ -110,11 +110,13 @@ const ATT_SPLIT: usize = 8;
 const ATT_SPLIT_MAX: usize = 32;
 /// The most query heads one attention block serves (`kernels.cu`'s `ATT_KERNELS`).
 const ATT_HEADS: usize = 4;
-/// Blocks of the plain attention kernel resident on an SM (44 registers × 256 threads, beside others' CTAs).
+/// Blocks of the plain attention kernel resident on an SM (46-62 registers × 256 threads, by heads per block;
+/// beside others' CTAs).
 const ATT_RESIDENT_PER_SM: usize = 4;
-/// Attention grids of up to this many blocks per SM run the early-load variant (76 registers: 3 per SM alone,
-/// so a grid of 4 per SM runs in a wave and a bit). H200, context 256, a block per chunk of the context: W=8
-/// 0.79 ms at 4 vs 0.82-0.83 at 2, the other widths the same (session 10, start 3).
+/// Attention grids of up to this many blocks per SM run the early-load variant (78-88 registers: 2-3 per SM
+/// alone, so a grid of 4 per SM runs in two waves at most). H200, context 256, a block per chunk of the
+/// context: W=8 0.79 ms at 4 vs 0.82-0.83 at 2, the other widths the same (session 10, start 3, a block per
+/// head, 76 registers then).
 const ATT_AHEAD_PER_SM: usize = 4;
 /// Blocks per row of the argmax kernel (`kernels.cu`'s `argmax_rows`).
 const ARGMAX_PARTS: usize = 16;
@@ -293,9 +295,9 @@ fn q_shared(rows: usize, k: usize, wide: bool, mats: usize) -> (usize, usize) {
 /// 0.65-0.66, W=8 0.84-0.85 vs 0.74-0.75; context 1024 (17 chunks) W=1 0.69-0.70 vs 0.69-0.71, W=2 0.80 vs
 /// 0.71-0.72; context 16 (1 chunk) within 0.01 at every width. The rule counts the capacity's chunks (a
 /// recorded launch serves every context the cache holds), up to twice the context's: hence two per SM, which
-/// picks the faster count, or one within 0.01 ms of it, at every rowcost point above. MTP's verify per cycle (separate starts): 0.632-0.636
-/// ms at two per SM, 0.641-0.650 at one. Every query's arithmetic is the same at any count (the same bits:
-/// `rowexact` under each), so the count may follow the rows.
+/// picks the faster count, or one within 0.01 ms of it, at every rowcost point above. MTP's verify per cycle
+/// (separate starts): 0.632-0.636 ms at two per SM, 0.641-0.650 at one. Every query's arithmetic is the same
+/// at any count (the same bits: `rowexact` under each), so the count may follow the rows.
 fn att_heads(
     n_heads: usize,
     n_kv_heads: usize,
