@@ -12,7 +12,8 @@
 //!
 //! `h` is the target's final hidden state (after its output norm) at `p - 1` for committed positions, and the
 //! head's own `out` of the previous step when drafting recursively — which stays on the backend between draft
-//! steps ([`HeadInput::Last`]): on a GPU a greedy draft step sends a token and its position and reads back one argmax.
+//! steps ([`HeadInput::Last`]): on a GPU a greedy draft step sends a token and its position and reads back one
+//! argmax.
 
 use std::sync::Arc;
 
