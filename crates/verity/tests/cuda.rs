@@ -97,6 +97,53 @@ fn cuda_int8_projections_are_bitwise_the_cpu_8_bit_kernels() {
     }
 }
 
+/// A projection launch with the RMS norm fused (Q/K/V and gate/up, the output layer) computes bitwise what the
+/// norm kernel followed by the plain projection computes: the fused staging sums each row's squares in the norm
+/// kernel's order, whether it reads x once (its items fit one pass) or twice; both schedules, 1 to 16 rows.
+#[test]
+fn cuda_fused_norm_projections_are_bitwise_the_norm_then_the_projection() {
+    let be = gpu();
+    let mut seed = 11u64;
+    let eps = 1e-5f32;
+    for (ty, name) in [(GgmlType::Q4_1, "Q4_1"), (GgmlType::Q8_0, "Q8_0")] {
+        for (n, k) in [(960, 576), (1536, 640), (300, 2560), (16_400, 576)] {
+            let m = fixture_matrix(ty, name, n, k, &mut seed);
+            let up = fixture_matrix(ty, name, n, k, &mut seed);
+            let (w, u) = (be.load_matrix(m).unwrap(), be.load_matrix(up).unwrap());
+            let nw = be.upload(&random_f32(k, seed, 1.0));
+            for rows in [1, 2, 3, 5, 8, 12, 16] {
+                let x = be.upload(&random_f32(rows * k, seed ^ rows as u64, 2.0));
+                let mut xn = be.buffer(rows * k);
+                be.rms_norm(&x, &nw, rows, k, eps, &mut xn);
+                let (mut want, mut got) = (be.buffer(rows * n), be.buffer(rows * n));
+                be.matmul(&w, &xn, rows, &mut want);
+                be.matmuls(&x, Some((&nw, eps)), rows, &mut [(&w, &mut got)]);
+                let (want, got) = (be.download(&want, rows * n), be.download(&got, rows * n));
+                let bad = got
+                    .iter()
+                    .zip(&want)
+                    .position(|(a, b)| a.to_bits() != b.to_bits());
+                assert!(
+                    bad.is_none(),
+                    "{name} {n}×{k}, {rows} rows: projection output {bad:?} differs"
+                );
+                let (mut want, mut got) = (be.buffer(rows * n), be.buffer(rows * n));
+                be.swiglu_matmul(&xn, None, rows, &w, &u, &mut want);
+                be.swiglu_matmul(&x, Some((&nw, eps)), rows, &w, &u, &mut got);
+                let (want, got) = (be.download(&want, rows * n), be.download(&got, rows * n));
+                let bad = got
+                    .iter()
+                    .zip(&want)
+                    .position(|(a, b)| a.to_bits() != b.to_bits());
+                assert!(
+                    bad.is_none(),
+                    "{name} {n}×{k}, {rows} rows: SwiGLU output {bad:?} differs"
+                );
+            }
+        }
+    }
+}
+
 /// The K-quants run the f32-activation kernel: against the CPU's f32 path on the same blocks, within float
 /// rounding of the sums (the two add in different orders).
 /// `m` on the GPU's f32-activation kernel against the CPU's f32 path, 1, 3 and 16 rows: within float rounding

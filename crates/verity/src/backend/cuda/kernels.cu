@@ -621,10 +621,16 @@ __device__ __forceinline__ u32 pack_q8(float v0, float v1, float v2, float v3) {
 // bound by its instructions, not its loads (H200 A/B: copying x to shared memory first changed nothing, fewer
 // lanes per block took W=1 from 0.81 to 0.75 ms and W=8 from 1.46 to 1.13). The same arithmetic per value (max
 // is exact in any order, the integer sums exact), so the same bits as the eight-lane loop.
+//
+// With `norm_once` (a norm, and every item in one pass: the caller checks) the RMS norm's sums come from the
+// values this pass loads: x is read once, not once for the norm and again for the quantization (H200, context
+// 256: W=1 0.61-0.62 vs 0.62-0.63 ms, W=8 0.71-0.72 vs 0.74-0.75). The sums keep `norm_scales`' order: each
+// block's 4-value partials t_0..t_7 reduced as ((t0 + t4) + (t2 + t6)) + ((t1 + t5) + (t3 + t7)), the blocks
+// then added in order, so the same bits.
 template <int L>
 __device__ __forceinline__ void quantize_lanes(const float* x, int k, int rows, const float* norm_w,
-                                               const float* rscale, signed char* xq, int xstride, float* xd,
-                                               float* xs) {
+                                               bool norm_once, float eps, float* rscale, signed char* xq,
+                                               int xstride, float* xd, float* xs) {
     constexpr int V = 32 / L;
     int nb = k / 32, items = rows * nb * L;
     for (int item0 = 0; item0 < items; item0 += blockDim.x) {  // uniform: every lane reaches the shuffles
@@ -641,17 +647,52 @@ __device__ __forceinline__ void quantize_lanes(const float* x, int k, int rows, 
                 float4 v = src[u];
                 q[4 * u] = v.x, q[4 * u + 1] = v.y, q[4 * u + 2] = v.z, q[4 * u + 3] = v.w;
             }
-            if (norm_w) {
-                const float4* wv = (const float4*)(norm_w + b * 32 + h * V);
-                float sc = rscale[r];
+        }
+        if (norm_once) {
+            // This thread's partials t_j, j = h V / 4 + u (four squares each, as `norm_scales` sums them), then
+            // the butterfly.
+            float t[V / 4];
 #pragma unroll
-                for (int u = 0; u < V / 4; u++) {
-                    float4 w = wv[u];
-                    q[4 * u] = q[4 * u] * sc * w.x;
-                    q[4 * u + 1] = q[4 * u + 1] * sc * w.y;
-                    q[4 * u + 2] = q[4 * u + 2] * sc * w.z;
-                    q[4 * u + 3] = q[4 * u + 3] * sc * w.w;
-                }
+            for (int u = 0; u < V / 4; u++) {
+                t[u] = q[4 * u] * q[4 * u];
+                t[u] = fmaf(q[4 * u + 1], q[4 * u + 1], t[u]);
+                t[u] = fmaf(q[4 * u + 2], q[4 * u + 2], t[u]);
+                t[u] = fmaf(q[4 * u + 3], q[4 * u + 3], t[u]);
+            }
+            float sum;
+            if (L == 4) {  // thread h: t_{2h} and t_{2h+1}
+                float ev = t[0], od = t[V / 4 - 1];
+                ev += __shfl_xor_sync(0xffffffffu, ev, 2);
+                od += __shfl_xor_sync(0xffffffffu, od, 2);
+                ev += __shfl_xor_sync(0xffffffffu, ev, 1);
+                od += __shfl_xor_sync(0xffffffffu, od, 1);
+                sum = ev + od;
+            } else {  // L == 2, thread h: t_{4h} .. t_{4h+3}
+                float w[4];
+#pragma unroll
+                for (int p = 0; p < 4; p++) w[p] = t[p % (V / 4)] + __shfl_xor_sync(0xffffffffu, t[p % (V / 4)], 1);
+                sum = (w[0] + w[2]) + (w[1] + w[3]);
+            }
+            if (live && h == 0) xd[rb] = sum;  // the norm's scratch: xd is written below, after two barriers
+            __syncthreads();
+            if ((int)threadIdx.x < rows) {
+                float tt = 0.f;
+#pragma unroll 8
+                for (int bb = 0; bb < nb; bb++) tt += xd[threadIdx.x * nb + bb];
+                rscale[threadIdx.x] = rsqrtf(tt / k + eps);
+            }
+            __syncthreads();
+        }
+        if (live && norm_w) {
+            const float4* wv = (const float4*)(norm_w + b * 32 + h * V);
+            float sc = rscale[r];
+#pragma unroll
+            for (int u = 0; u < V / 4; u++) {
+                float4 w = wv[u];
+                q[4 * u] = q[4 * u] * sc * w.x;
+                q[4 * u + 1] = q[4 * u + 1] * sc * w.y;
+                q[4 * u + 2] = q[4 * u + 2] * sc * w.z;
+                q[4 * u + 3] = q[4 * u + 3] * sc * w.w;
             }
         }
         float amax = fabsf(q[0]);
@@ -664,10 +705,10 @@ __device__ __forceinline__ void quantize_lanes(const float* x, int k, int rows, 
         int sum = 0;
         u32* dst = (u32*)(xq + (size_t)r * xstride + b * 32 + h * V);
 #pragma unroll
-        for (int w = 0; w < V / 4; w++) {
-            u32 word = pack_q8(q[4 * w] * id, q[4 * w + 1] * id, q[4 * w + 2] * id, q[4 * w + 3] * id);
+        for (int u = 0; u < V / 4; u++) {
+            u32 word = pack_q8(q[4 * u] * id, q[4 * u + 1] * id, q[4 * u + 2] * id, q[4 * u + 3] * id);
             sum = __dp4a((int)word, 0x01010101, sum);
-            if (live) dst[w] = word;
+            if (live) dst[u] = word;
         }
 #pragma unroll
         for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
@@ -698,11 +739,19 @@ __device__ __forceinline__ void stage_q8(const float* x, int k, int rows, int ro
     eight_lanes = 1;
     rows = 0;
 #endif
-    if (norm_w) norm_scales(x, k, rows, eps, xd, rscale);
+    bool two = rows * nb * 4 > (int)blockDim.x;
+    // The norm from quantize_lanes' own loads where its items fit one pass (NORM_TWO_PASS: always `norm_scales`
+    // first, for side-by-side measurements).
+#ifdef NORM_TWO_PASS
+    bool once = false;
+#else
+    bool once = norm_w && !eight_lanes && rows * nb * (two ? 2 : 4) <= (int)blockDim.x;
+#endif
+    if (norm_w && !once) norm_scales(x, k, rows, eps, xd, rscale);
     int items = rows * nb * 8;
     if (!eight_lanes) {
-        if (rows * nb * 4 > (int)blockDim.x) quantize_lanes<2>(x, k, rows, norm_w, rscale, xq, xstride, xd, xs);
-        else quantize_lanes<4>(x, k, rows, norm_w, rscale, xq, xstride, xd, xs);
+        if (two) quantize_lanes<2>(x, k, rows, norm_w, once, eps, rscale, xq, xstride, xd, xs);
+        else quantize_lanes<4>(x, k, rows, norm_w, once, eps, rscale, xq, xstride, xd, xs);
         items = 0;  // skips the eight-lane loop
     }
     unsigned group = 0xffu << (lane & 24);
