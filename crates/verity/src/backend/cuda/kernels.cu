@@ -667,7 +667,7 @@ __device__ __forceinline__ void quantize_lanes(const float* x, int k, int rows, 
                 ev += __shfl_xor_sync(0xffffffffu, ev, 1);
                 od += __shfl_xor_sync(0xffffffffu, od, 1);
                 sum = ev + od;
-            } else {  // L == 2, thread h: t_{4h} .. t_{4h+3}
+            } else {  // L == 2, thread h: t_{4h} .. t_{4h+3} (the modulo only keeps L = 4's dead copy in bounds)
                 float w[4];
 #pragma unroll
                 for (int p = 0; p < 4; p++) w[p] = t[p % (V / 4)] + __shfl_xor_sync(0xffffffffu, t[p % (V / 4)], 1);
