@@ -60,8 +60,8 @@ __device__ __forceinline__ void release_dependents() {
 #endif
 // Knockouts, for the same kind of measurement: `-DKO_STAGE` (the projections' staging of x: no norm, no
 // quantization), `-DKO_CHAIN` (their per-(column, row) chains), `-DKO_ATT` (attention returns after its wait).
-// Each removes one part's time from a forward and computes garbage — never a result. (Under KO_STAGE the W-row
-// kernels fail their admission, so verifies run a row per launch: only its W=1 time means anything.)
+// Each removes one part's time from a forward and computes garbage — never a result (the host admits every
+// shape unchecked under one, so W-row launches are timed as they would run).
 
 // The step buffer: int header {base, rows, tree, mask offset in bytes}, then u32 tokens[cap], int positions[cap],
 // per prepared rotation its rows' (cos, sin) pairs (`CudaStep`), u8 mask[cap * cap] (row-major, written only for
