@@ -1275,7 +1275,7 @@ template <bool AHEAD, int HEADS>
 __device__ __forceinline__ void attention_body(const float* q, const float* kc, const float* vc, int row0,
                                                int n_heads, int n_kv_heads, int head_dim, float scale,
                                                const int* step, int cap, float* work, int chunks, float* out) {
-    __shared__ float sc[HEADS][ATT_CHUNK];
+    __shared__ __align__(16) float sc[HEADS][ATT_CHUNK];
     __shared__ float red[HEADS][2];  // each head's chunk max and exp-sum
     __shared__ int last;
     extern __shared__ float quarter[];  // [HEADS][4][head_dim]: each head's value sums per quarter of the chunk
@@ -1398,12 +1398,25 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
             float a[HEADS];
 #pragma unroll
             for (int g = 0; g < HEADS; g++) a[g] = 0.f;
+            // The weights four slots at a time: one shared load per head for four FMAs, the same FMAs in order
+            // (H200, ctx 256: W=1 0.60-0.62 vs 0.61-0.63 ms a forward, W=8 0.70-0.71 vs 0.72-0.73).
 #pragma unroll
-            for (int jj = 0; jj < ATT_CHUNK / 4; jj++) {
-                if (jq + jj < n) {
-                    float v = AHEAD && held && jq + jj < base ? vq[AHEAD ? jj : 0] : vh[(size_t)(jq + jj) * kv_dim + e];
+            for (int j4 = 0; j4 < ATT_CHUNK / 16; j4++) {
+                float4 p[HEADS];
 #pragma unroll
-                    for (int g = 0; g < HEADS; g++) a[g] = fmaf(sc[g][qq * (ATT_CHUNK / 4) + jj], v, a[g]);
+                for (int g = 0; g < HEADS; g++) p[g] = ((const float4*)&sc[g][qq * (ATT_CHUNK / 4)])[j4];
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    int jj = 4 * j4 + i;
+                    if (jq + jj < n) {
+                        float v = AHEAD && held && jq + jj < base ? vq[AHEAD ? jj : 0]
+                                                                  : vh[(size_t)(jq + jj) * kv_dim + e];
+#pragma unroll
+                        for (int g = 0; g < HEADS; g++) {
+                            float w = i == 0 ? p[g].x : i == 1 ? p[g].y : i == 2 ? p[g].z : p[g].w;
+                            a[g] = fmaf(w, v, a[g]);
+                        }
+                    }
                 }
             }
 #pragma unroll
@@ -1578,4 +1591,17 @@ extern "C" __global__ void argmax_rows(const float* x, int n, float* out, float*
         out[row] = (float)(isnan(xr[0]) || bi < 0 ? 0 : bi);
         *counter = 0;
     }
+}
+
+// A greedy draft picked on the device (`Backend::draft_token`): token = table[src[0]] (or src[0] itself without a
+// table), to log[0] and, where given, into a step's first token slot — the next draft step's input.
+extern "C" __global__ void draft_token(const float* src, const float* table, float* log, int* step_token) {
+    FLOOR_EXIT
+    wait_inputs();
+    release_dependents();
+    if (threadIdx.x != 0) return;
+    int i = (int)src[0];
+    float token = table ? table[i] : (float)i;
+    log[0] = token;
+    if (step_token) *step_token = (int)token;
 }
