@@ -530,15 +530,19 @@ fn lcg(mut seed: u32) -> impl FnMut() -> u32 {
     }
 }
 
+/// SmolLM2's trained MTP head on GPU 0, with the target's hidden size and vocabulary size.
+fn smollm2_head_on_gpu() -> (MtpHead<CudaBackend>, usize, u32) {
+    let bundle = Bundle::open(&smollm2_mtp()).unwrap();
+    let model = Model::load(&bundle, Arc::new(CudaBackend::new(0).unwrap())).unwrap();
+    let head = MtpHead::load(&bundle, &model).unwrap();
+    (head, model.hp.hidden, model.hp.vocab as u32)
+}
+
 /// On the GPU, a recursive draft step from the state left on the device computes bitwise what the same step
 /// computes from that state sent back from the host, across the head cache's growth.
 #[test]
 fn mtp_draft_steps_from_the_state_left_on_the_device_equal_steps_from_the_state_sent_back() {
-    let bundle = Bundle::open(&smollm2_mtp()).unwrap();
-    let be = Arc::new(CudaBackend::new(0).unwrap());
-    let model = Model::load(&bundle, be).unwrap();
-    let mut head = MtpHead::load(&bundle, &model).unwrap();
-    let (h, vocab) = (model.hp.hidden, model.hp.vocab as u32);
+    let (mut head, h, vocab) = smollm2_head_on_gpu();
     let mut cache = head.new_cache(1024);
     let mut next = lcg(11);
     let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
@@ -589,6 +593,43 @@ fn mtp_draft_steps_from_the_state_left_on_the_device_equal_steps_from_the_state_
             assert_eq!(bits(&a.logits), bits(&b.logits), "step {step}.{i}");
             assert_eq!(a.greedy, b.greedy, "step {step}.{i}");
         }
+        cache.truncate(pos + 3); // past 256 slots: the cache grows
+    }
+}
+
+/// On the GPU, a chained greedy draft (every step queued before the host waits, each step's token picked on the
+/// device from the step before's argmax through the draft vocabulary) gives the tokens of the same steps run one
+/// by one, across catch-up widths, depths and the head cache's growth.
+#[test]
+fn mtp_chained_greedy_drafts_equal_their_steps_run_one_by_one() {
+    let (mut head, h, vocab) = smollm2_head_on_gpu();
+    let mut cache = head.new_cache(1024);
+    let mut next = lcg(5);
+    for round in 0..100usize {
+        let pos = cache.len();
+        let (w, depth) = (1 + round % 3, 1 + round % 8);
+        let tokens: Vec<u32> = (0..w).map(|_| next() % vocab).collect();
+        let hidden: Vec<f32> = (0..w * h)
+            .map(|_| (next() >> 8) as f32 / (1u32 << 24) as f32 - 0.5)
+            .collect();
+        let chained = head
+            .draft_greedy(&mut cache, &tokens, pos, &hidden, depth)
+            .unwrap();
+        assert_eq!(cache.len(), pos + w + depth - 1, "round {round}");
+        cache.truncate(pos);
+        let first = head
+            .draft(&mut cache, &tokens, pos, HeadInput::Host(&hidden), true)
+            .unwrap();
+        let mut stepped = vec![head.token(first.greedy.unwrap() as usize)];
+        while stepped.len() < depth {
+            let at = pos + w + stepped.len() - 1;
+            let last = *stepped.last().unwrap();
+            let out = head
+                .draft(&mut cache, &[last], at, HeadInput::Last, true)
+                .unwrap();
+            stepped.push(head.token(out.greedy.unwrap() as usize));
+        }
+        assert_eq!(chained, stepped, "round {round}");
         cache.truncate(pos + 3); // past 256 slots: the cache grows
     }
 }

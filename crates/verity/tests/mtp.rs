@@ -241,6 +241,61 @@ fn target_hidden(model: &mut Model<CpuBackend>, tokens: &[u32]) -> Vec<f32> {
         .final_hidden
 }
 
+/// A chained greedy draft (the catch-up and every recursive step queued at once, each step's token picked on
+/// the backend) gives the tokens of the same steps run one by one, with and without a draft vocabulary, at
+/// every depth; the head cache ends one slot per step further; depths outside 1..=MAX_CHAIN are refused.
+#[test]
+fn a_chained_greedy_draft_equals_its_steps_run_one_by_one() {
+    let ids: Vec<u32> = (0..320).step_by(3).collect();
+    for (tag, vocab) in [("mtp-chain", None), ("mtp-chain-vocab", Some(&ids[..]))] {
+        let d = tiny_with(tag, &tiny_head(9, vocab));
+        let bundle = Bundle::open(&d).unwrap();
+        let mut model = Model::load(&bundle, be()).unwrap();
+        let mut head = MtpHead::load(&bundle, &model).unwrap();
+        let mut hc = head.new_cache(64);
+        let tokens = [5u32, 17, 42, 99, 7, 250, 31];
+        let hidden = target_hidden(&mut model, &tokens);
+        for depth in 1..=6 {
+            hc.truncate(0);
+            let chained = head
+                .draft_greedy(&mut hc, &tokens[1..=4], 1, &hidden[..4 * H], depth)
+                .unwrap();
+            assert_eq!(hc.len(), 4 + depth - 1, "{tag} depth {depth}");
+            hc.truncate(0);
+            let first = head
+                .draft(
+                    &mut hc,
+                    &tokens[1..=4],
+                    1,
+                    HeadInput::Host(&hidden[..4 * H]),
+                    true,
+                )
+                .unwrap();
+            let mut stepped = vec![head.token(first.greedy.unwrap() as usize)];
+            while stepped.len() < depth {
+                let pos = 4 + stepped.len();
+                let last = *stepped.last().unwrap();
+                let out = head
+                    .draft(&mut hc, &[last], pos, HeadInput::Last, true)
+                    .unwrap();
+                stepped.push(head.token(out.greedy.unwrap() as usize));
+            }
+            assert_eq!(chained, stepped, "{tag} depth {depth}");
+            if let Some(ids) = vocab {
+                assert!(
+                    chained.iter().all(|t| ids.contains(t)),
+                    "{tag}: {chained:?}"
+                );
+            }
+        }
+        for depth in [0, verity::model::MAX_CHAIN + 1] {
+            assert!(head
+                .draft_greedy(&mut hc, &tokens[1..=4], 1, &hidden[..4 * H], depth)
+                .is_err());
+        }
+    }
+}
+
 /// A recursive draft step from the state the step before left on the backend ([`HeadInput::Last`]) computes
 /// bitwise what the same step computes from that state sent back from the host (logits and argmax, two steps
 /// deep); a step from the last output before any forward is refused.

@@ -220,6 +220,18 @@ pub trait Backend: Send + Sync + 'static {
     /// as [`crate::sample::argmax`] chooses it, as an exact f32 (indices stay below 2^24). A greedy verify then
     /// copies `rows` values to the host instead of `rows × vocab` logits.
     fn argmax(&self, x: &Self::Buffer, rows: usize, n: usize, out: &mut Self::Buffer);
+    /// A greedy draft picked where the argmax lies: the token `table[src[0]]` (`src[0]` an argmax index as an
+    /// exact f32; `table` a draft vocabulary's token ids as exact f32s, or `None` where the index is the token)
+    /// goes to `log[at]` and, with `step`, becomes the step's first token — the next draft step's input, chosen
+    /// without a round trip to the host.
+    fn draft_token(
+        &self,
+        src: &Self::Buffer,
+        table: Option<&Self::Buffer>,
+        log: &mut Self::Buffer,
+        at: usize,
+        step: Option<&mut Self::Step>,
+    );
     /// Copy `len` values from `src[src_off..]` to `dst[dst_off..]`.
     fn copy(
         &self,

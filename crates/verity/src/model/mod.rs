@@ -9,7 +9,7 @@ mod llama;
 mod mtp;
 
 pub use llama::Model;
-pub use mtp::{HeadInput, HeadOutput, MtpHead};
+pub use mtp::{HeadInput, HeadOutput, MtpHead, MAX_CHAIN};
 
 use std::hash::{Hash, Hasher};
 

@@ -12,8 +12,8 @@
 //!
 //! `h` is the target's final hidden state (after its output norm) at `p - 1` for committed positions, and the
 //! head's own `out` of the previous step when drafting recursively — which stays on the backend between draft
-//! steps ([`HeadInput::Last`]): on a GPU a greedy draft step sends a token and its position and reads back one
-//! argmax.
+//! steps ([`HeadInput::Last`]). A greedy draft goes further ([`MtpHead::draft_greedy`]): each step's token is
+//! picked on the backend from the step before's argmax, so a whole draft costs the host one wait.
 
 use std::sync::Arc;
 
@@ -26,6 +26,9 @@ use crate::bundle::{st_matrix, st_token_ids, st_vector, Bundle, MtpStatus, Tenso
 use crate::cache::{CacheShape, KvCache};
 use crate::error::{Error, Result};
 use crate::quant::{GgmlType, WeightFormat};
+
+/// The deepest chained greedy draft ([`MtpHead::draft_greedy`]).
+pub const MAX_CHAIN: usize = 16;
 
 enum HeadFusion<B: Backend> {
     Joint(B::Matrix),
@@ -45,6 +48,10 @@ struct HeadScratch<B: Backend> {
     hn: B::Buffer,
     /// `rows × 2·hidden`: `[e; hn]` for a joint fusion.
     fused: B::Buffer,
+    /// One-row steps of a chained greedy draft, one per recursive step ([`MtpHead::draft_greedy`]).
+    chain: Vec<B::Step>,
+    /// The tokens of a chained greedy draft, as f32s.
+    log: B::Buffer,
 }
 
 /// Where a head forward's incoming hidden states come from.
@@ -85,6 +92,8 @@ pub struct MtpHead<B: Backend> {
     lm_head: B::Matrix,
     /// Row `i` of `lm_head` is token `draft_vocab[i]`; `None` = the full vocabulary.
     draft_vocab: Option<Vec<u32>>,
+    /// `draft_vocab` on the backend, as f32s ([`Backend::draft_token`]).
+    token_table: Option<B::Buffer>,
     scratch: Option<HeadScratch<B>>,
     /// Rows of the last forward, whose outputs the scratch holds (0: none yet).
     last_rows: usize,
@@ -165,6 +174,10 @@ impl<B: Backend> MtpHead<B> {
             None => full,
         };
         let lm_head = be.load_matrix(lm_head)?;
+        // Token ids are below 2^24, so exact as f32s.
+        let token_table = draft_vocab
+            .as_ref()
+            .map(|ids| be.upload(&ids.iter().map(|&t| t as f32).collect::<Vec<_>>()));
         let rope = match tensors.metadata.get("rope_style").map(String::as_str) {
             Some("interleaved") => RopeStyle::Interleaved,
             Some("half_split") | None => RopeStyle::HalfSplit,
@@ -185,6 +198,7 @@ impl<B: Backend> MtpHead<B> {
             blocks,
             lm_head,
             draft_vocab,
+            token_table,
             scratch: None,
             last_rows: 0,
             backend,
@@ -235,6 +249,8 @@ impl<B: Backend> MtpHead<B> {
                     h: be.buffer(n),
                     hn: be.buffer(n),
                     fused: be.buffer(2 * n),
+                    chain: Vec::new(),
+                    log: be.buffer(MAX_CHAIN),
                 }
             }
         }
@@ -265,6 +281,100 @@ impl<B: Backend> MtpHead<B> {
         greedy: bool,
     ) -> Result<HeadOutput> {
         self.step(cache, tokens, start, input, greedy, false)
+    }
+
+    /// Greedy drafting of `depth` tokens with one download: a catch-up forward over `tokens` (positions
+    /// `start..`, row `i` conditioned on `hidden` row `i`), then `depth - 1` recursive steps, each from the
+    /// state and the argmax the step before left on the backend ([`Backend::draft_token`] picks its input
+    /// token there). Every step's other inputs (position, cache fill) are known ahead, so each is written into a
+    /// step of its own before any runs, and the host waits once, for the tokens. The same tokens, bitwise, as
+    /// [`MtpHead::draft`] step by step; the cache ends `tokens.len() + depth - 1` slots further.
+    pub fn draft_greedy(
+        &mut self,
+        cache: &mut KvCache<B>,
+        tokens: &[u32],
+        start: usize,
+        hidden: &[f32],
+        depth: usize,
+    ) -> Result<Vec<u32>> {
+        let (rows, hd) = (tokens.len(), self.hp.hidden);
+        if rows == 0 || hidden.len() != rows * hd || !(1..=MAX_CHAIN).contains(&depth) {
+            return Err(Error::Invalid(format!(
+                "MTP head: a chained draft of depth {depth} (at most {MAX_CHAIN}) after {rows} tokens with {} \
+                 hidden values",
+                hidden.len()
+            )));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.hp.vocab) {
+            return Err(Error::Invalid(format!(
+                "token id {t} outside the vocabulary"
+            )));
+        }
+        cache.reserve(self.backend.as_ref(), rows + depth - 1)?;
+        let mut s = self.scratch(rows);
+        let be = self.backend.as_ref();
+        while s.chain.len() < depth - 1 {
+            s.chain.push(be.step(1));
+        }
+        let base = cache.len();
+        let positions: Vec<usize> = (start..start + rows).collect();
+        let causal = AttnMask::Causal;
+        be.set_step(
+            &mut s.block.step,
+            StepInputs {
+                tokens,
+                positions: &positions,
+                base,
+                mask: &causal,
+            },
+        );
+        for (i, step) in s.chain[..depth - 1].iter_mut().enumerate() {
+            // Step i + 1's token is written by the step before it (0 until then).
+            be.set_step(
+                step,
+                StepInputs {
+                    tokens: &[0],
+                    positions: &[start + rows + i],
+                    base: base + rows + i,
+                    mask: &causal,
+                },
+            );
+        }
+        be.write(&mut s.h, hidden);
+        let key = (s.block.id, cache.buffers_id(), rows, true, 0usize);
+        run_recorded(be, rows, key, &mut || {
+            self.encode(cache, rows, true, &mut s)
+        });
+        cache.advance(rows);
+        let mut last = rows;
+        for i in 1..depth {
+            be.draft_token(
+                &s.block.greedy,
+                self.token_table.as_ref(),
+                &mut s.log,
+                i - 1,
+                Some(&mut s.chain[i - 1]),
+            );
+            be.copy(&s.block.xn, (last - 1) * hd, &mut s.h, 0, hd);
+            // The recorded step reads the scratch's step: chain step i takes its place (its own recording).
+            std::mem::swap(&mut s.block.step, &mut s.chain[i - 1]);
+            let key = (s.block.id, cache.buffers_id(), 1usize, true, i);
+            run_recorded(be, 1, key, &mut || self.encode(cache, 1, true, &mut s));
+            std::mem::swap(&mut s.block.step, &mut s.chain[i - 1]);
+            cache.advance(1);
+            last = 1;
+        }
+        be.draft_token(
+            &s.block.greedy,
+            self.token_table.as_ref(),
+            &mut s.log,
+            depth - 1,
+            None,
+        );
+        let drafted = be.download(&s.log, depth);
+        self.scratch = Some(s);
+        self.last_rows = last;
+        Ok(drafted.iter().map(|&t| t as u32).collect())
     }
 
     fn step(
@@ -336,7 +446,7 @@ impl<B: Backend> MtpHead<B> {
             HeadInput::Last => be.copy(&s.block.xn, (self.last_rows - 1) * h, &mut s.h, 0, h),
         }
         // A draft step is a few dozen small launches: recorded once per width and buffers, like the target's.
-        let key = (s.block.id, cache.buffers_id(), rows, greedy);
+        let key = (s.block.id, cache.buffers_id(), rows, greedy, 0usize);
         run_recorded(be, rows, key, &mut || self.encode(cache, rows, greedy, s));
         cache.advance(rows);
         let (logits, greedy) = if greedy {

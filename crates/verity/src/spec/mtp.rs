@@ -20,6 +20,9 @@
 //!   that cycle (copying is free, and long matches run long); the head still catches up, so its cache stays
 //!   aligned. The copy proposer learns from the cycles it drafted (its width and its silence after misses).
 //! - With sampling, drafts are drawn from the head's processed distribution `q`, reported to the verifier.
+//! - Greedy drafts run as one chain on the backend ([`MtpHead::draft_greedy`]): each recursive step's token is
+//!   the step before's argmax, picked where it lies, so the host queues the catch-up and every step at once and
+//!   waits once — the same tokens as stepping through the host.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -62,6 +65,9 @@ pub struct MtpProposer<B: Backend> {
     source: Source,
     sampler: Sampler,
     rng: ChaCha8Rng,
+    /// Greedy drafts as one chain on the backend ([`MtpHead::draft_greedy`]); `VERITY_MTP_CHAIN=0`: step by
+    /// step, each token through the host (side-by-side measurements).
+    chain: bool,
 }
 
 impl<B: Backend> MtpProposer<B> {
@@ -81,6 +87,7 @@ impl<B: Backend> MtpProposer<B> {
             source: Source::None,
             sampler: Sampler::new(sampling)?,
             rng: ChaCha8Rng::seed_from_u64(sampling.seed ^ MTP_SEED),
+            chain: !matches!(std::env::var("VERITY_MTP_CHAIN").as_deref(), Ok("0")),
         })
     }
 
@@ -182,8 +189,28 @@ impl<B: Backend> Proposer for MtpProposer<B> {
             next = n;
         }
         let greedy = self.greedy();
+        let copied = match self.copy.lookup(context, k) {
+            Some((m, tokens)) if m == MAX_MATCH && tokens.len() >= 2 => Some(tokens),
+            _ => None,
+        };
         // Catch up on positions next..=n, each conditioned on the target's hidden state of the one before.
         let rows = &self.hid[(next - 1 - self.hid_start) * h..(n - self.hid_start) * h];
+        if greedy && copied.is_none() && self.chain {
+            // Every draft step's inputs but its token are known ahead: the catch-up and the recursive steps run
+            // as one chain on the backend, with one download (as many steps as the head cache holds).
+            let caught = n + 1 - next;
+            let before = self.cache.len();
+            let room = self.cache.max_capacity().saturating_sub(before + caught);
+            let depth = k.min(MAX_DEPTH).min(room + 1);
+            let tokens =
+                self.head
+                    .draft_greedy(&mut self.cache, &context[next..=n], next, rows, depth)?;
+            self.cached.extend_from_slice(&context[next..=n]);
+            self.committed = before + caught;
+            self.hid.clear();
+            self.source = Source::Head;
+            return Ok(Draft::deterministic(tokens));
+        }
         let mut out = self.head.draft(
             &mut self.cache,
             &context[next..=n],
@@ -196,11 +223,9 @@ impl<B: Backend> Proposer for MtpProposer<B> {
         // Consumed: the next catch-up starts at n + 1 and needs h_n onwards, which the next verify reports.
         self.hid.clear();
 
-        if let Some((m, tokens)) = self.copy.lookup(context, k) {
-            if m == MAX_MATCH && tokens.len() >= 2 {
-                self.source = Source::Copy;
-                return Ok(Draft::deterministic(tokens));
-            }
+        if let Some(tokens) = copied {
+            self.source = Source::Copy;
+            return Ok(Draft::deterministic(tokens));
         }
         self.source = Source::Head;
         let mut draft = Draft::default();

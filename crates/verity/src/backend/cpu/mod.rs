@@ -311,6 +311,22 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn draft_token(
+        &self,
+        src: &Vec<f32>,
+        table: Option<&Vec<f32>>,
+        log: &mut Vec<f32>,
+        at: usize,
+        step: Option<&mut CpuStep>,
+    ) {
+        let i = src[0] as usize;
+        let token = table.map_or(i as f32, |t| t[i]);
+        log[at] = token;
+        if let Some(step) = step {
+            step.tokens[0] = token as u32;
+        }
+    }
+
     fn copy(&self, src: &Vec<f32>, src_off: usize, dst: &mut Vec<f32>, dst_off: usize, len: usize) {
         dst[dst_off..dst_off + len].copy_from_slice(&src[src_off..src_off + len]);
     }

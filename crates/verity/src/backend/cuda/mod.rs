@@ -167,6 +167,7 @@ struct Kernels {
     attention_ahead: Vec<CudaFunction>,
     add_bias: CudaFunction,
     argmax_rows: CudaFunction,
+    draft_token: CudaFunction,
 }
 
 /// RoPE and the cache write fused into a Q/K/V launch of the integer kernel (`kernels.cu`'s `RopeFusion`).
@@ -456,6 +457,7 @@ impl CudaBackend {
                 .collect::<Result<_>>()?,
             add_bias: f("add_bias")?,
             argmax_rows: f("argmax_rows")?,
+            draft_token: f("draft_token")?,
         };
         let optin = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
@@ -1328,6 +1330,27 @@ impl Backend for CudaBackend {
             // MAX_ROWS counters, zero between launches (the kernel's last block per row resets its counter).
             unsafe { self.go("argmax", &self.k.argmax_rows, cfg, &args) };
         }
+    }
+
+    fn draft_token(
+        &self,
+        src: &CudaSlice<f32>,
+        table: Option<&CudaSlice<f32>>,
+        log: &mut CudaSlice<f32>,
+        at: usize,
+        step: Option<&mut CudaStep>,
+    ) {
+        assert!(at < log.len(), "draft log of {} values", log.len());
+        let args = [
+            self.at(src, 0),
+            table.map_or(Arg::Ptr(0), |t| self.at(t, 0)),
+            self.at(log, at),
+            // The step's first token: after its 16-byte header (`set_step`).
+            step.map_or(Arg::Ptr(0), |s| self.at(&s.dev, 16)),
+        ];
+        // SAFETY: src holds an argmax index below the table's length (the draft vocabulary's), log `at + 1`
+        // values (checked), a step at least one token after its header.
+        unsafe { self.go("draft token", &self.k.draft_token, grid(1, 32), &args) };
     }
 
     fn copy(
