@@ -1594,9 +1594,9 @@ extern "C" __global__ void argmax_rows(const float* x, int n, float* out, float*
 }
 
 // A greedy draft picked on the device (`Backend::draft_token`): token = table[src[0]] (or src[0] itself without a
-// table), to log[0] and, where given, into a step's first token slot — the next draft step's input.
+// table), to log[0] and, where given, into a step's first token slot — the next draft step's input. No
+// LAUNCH_FLOOR exit: even a floor measurement must hand the next step a token inside the vocabulary.
 extern "C" __global__ void draft_token(const float* src, const float* table, float* log, int* step_token) {
-    FLOOR_EXIT
     wait_inputs();
     release_dependents();
     if (threadIdx.x != 0) return;
