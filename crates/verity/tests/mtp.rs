@@ -243,7 +243,8 @@ fn target_hidden(model: &mut Model<CpuBackend>, tokens: &[u32]) -> Vec<f32> {
 
 /// A chained greedy draft (the catch-up and every recursive step queued at once, each step's token picked on
 /// the backend) gives the tokens of the same steps run one by one, with and without a draft vocabulary, at
-/// every depth; the head cache ends one slot per step further; depths outside 1..=MAX_CHAIN are refused.
+/// every depth; the head cache ends one slot per step further; depths outside 1..=MAX_CHAIN and token ids
+/// outside the vocabulary are refused.
 #[test]
 fn a_chained_greedy_draft_equals_its_steps_run_one_by_one() {
     let ids: Vec<u32> = (0..320).step_by(3).collect();
@@ -293,6 +294,9 @@ fn a_chained_greedy_draft_equals_its_steps_run_one_by_one() {
                 .draft_greedy(&mut hc, &tokens[1..=4], 1, &hidden[..4 * H], depth)
                 .is_err());
         }
+        assert!(head
+            .draft_greedy(&mut hc, &[99_999], 1, &hidden[..H], 2)
+            .is_err());
     }
 }
 

@@ -305,11 +305,7 @@ impl<B: Backend> MtpHead<B> {
                 hidden.len()
             )));
         }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.hp.vocab) {
-            return Err(Error::Invalid(format!(
-                "token id {t} outside the vocabulary"
-            )));
-        }
+        self.check_tokens(tokens)?;
         cache.reserve(self.backend.as_ref(), rows + depth - 1)?;
         let mut s = self.scratch(rows);
         let be = self.backend.as_ref();
@@ -377,6 +373,16 @@ impl<B: Backend> MtpHead<B> {
         Ok(drafted.iter().map(|&t| t as u32).collect())
     }
 
+    /// Refuse token ids the embedding does not hold.
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        match tokens.iter().find(|&&t| t as usize >= self.hp.vocab) {
+            Some(t) => Err(Error::Invalid(format!(
+                "token id {t} outside the vocabulary"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     fn step(
         &mut self,
         cache: &mut KvCache<B>,
@@ -404,11 +410,7 @@ impl<B: Backend> MtpHead<B> {
             }
             _ => {}
         }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.hp.vocab) {
-            return Err(Error::Invalid(format!(
-                "token id {t} outside the vocabulary"
-            )));
-        }
+        self.check_tokens(tokens)?;
         cache.reserve(self.backend.as_ref(), rows)?;
         let mut s = self.scratch(rows);
         let out = self.run(cache, tokens, start, input, greedy, hidden_out, &mut s);
