@@ -38,6 +38,20 @@ enum HeadFusion<B: Backend> {
     },
 }
 
+/// Write one forward's causal inputs into `step`: `tokens` at positions `start..`, after `base` cached slots.
+fn write_step<B: Backend>(be: &B, step: &mut B::Step, tokens: &[u32], start: usize, base: usize) {
+    let positions: Vec<usize> = (start..start + tokens.len()).collect();
+    be.set_step(
+        step,
+        StepInputs {
+            tokens,
+            positions: &positions,
+            base,
+            mask: &AttnMask::Causal,
+        },
+    );
+}
+
 /// Work buffers of the head beyond a block's scratch.
 struct HeadScratch<B: Backend> {
     block: Scratch<B>,
@@ -313,63 +327,35 @@ impl<B: Backend> MtpHead<B> {
             s.chain.push(be.step(1));
         }
         let base = cache.len();
-        let positions: Vec<usize> = (start..start + rows).collect();
-        let causal = AttnMask::Causal;
-        be.set_step(
-            &mut s.block.step,
-            StepInputs {
-                tokens,
-                positions: &positions,
-                base,
-                mask: &causal,
-            },
-        );
+        write_step(be, &mut s.block.step, tokens, start, base);
         for (i, step) in s.chain[..depth - 1].iter_mut().enumerate() {
             // Step i + 1's token is written by the step before it (0 until then).
-            be.set_step(
-                step,
-                StepInputs {
-                    tokens: &[0],
-                    positions: &[start + rows + i],
-                    base: base + rows + i,
-                    mask: &causal,
-                },
-            );
+            write_step(be, step, &[0], start + rows + i, base + rows + i);
         }
-        be.write(&mut s.h, hidden);
-        let key = (s.block.id, cache.buffers_id(), rows, true, 0usize);
-        run_recorded(be, rows, key, &mut || {
-            self.encode(cache, rows, true, &mut s)
-        });
-        cache.advance(rows);
-        let mut last = rows;
-        for i in 1..depth {
+        self.enqueue(cache, rows, HeadInput::Host(hidden), 0, true, 0, &mut s);
+        let mut prev = rows;
+        for i in 0..depth {
+            // Draft i goes to the log and, but for the last, into the next step's token slot.
+            let next = s.chain[..depth - 1].get_mut(i);
             be.draft_token(
                 &s.block.greedy,
                 self.token_table.as_ref(),
                 &mut s.log,
-                i - 1,
-                Some(&mut s.chain[i - 1]),
+                i,
+                next,
             );
-            be.copy(&s.block.xn, (last - 1) * hd, &mut s.h, 0, hd);
-            // The recorded step reads the scratch's step: chain step i takes its place (its own recording).
-            std::mem::swap(&mut s.block.step, &mut s.chain[i - 1]);
-            let key = (s.block.id, cache.buffers_id(), 1usize, true, i);
-            run_recorded(be, 1, key, &mut || self.encode(cache, 1, true, &mut s));
-            std::mem::swap(&mut s.block.step, &mut s.chain[i - 1]);
-            cache.advance(1);
-            last = 1;
+            if i + 1 == depth {
+                break;
+            }
+            // The recorded forward reads the scratch's step: chain step i takes its place.
+            std::mem::swap(&mut s.block.step, &mut s.chain[i]);
+            self.enqueue(cache, 1, HeadInput::Last, prev, true, i + 1, &mut s);
+            std::mem::swap(&mut s.block.step, &mut s.chain[i]);
+            prev = 1;
         }
-        be.draft_token(
-            &s.block.greedy,
-            self.token_table.as_ref(),
-            &mut s.log,
-            depth - 1,
-            None,
-        );
         let drafted = be.download(&s.log, depth);
         self.scratch = Some(s);
-        self.last_rows = last;
+        self.last_rows = prev;
         Ok(drafted.iter().map(|&t| t as u32).collect())
     }
 
@@ -432,25 +418,8 @@ impl<B: Backend> MtpHead<B> {
     ) -> HeadOutput {
         let be = self.backend.as_ref();
         let (rows, h) = (tokens.len(), self.hp.hidden);
-        let positions: Vec<usize> = (start..start + rows).collect();
-        be.set_step(
-            &mut s.block.step,
-            StepInputs {
-                tokens,
-                positions: &positions,
-                base: cache.len(),
-                mask: &AttnMask::Causal,
-            },
-        );
-        match input {
-            HeadInput::Host(hidden) => be.write(&mut s.h, hidden),
-            // Ordered before the forward that overwrites the outputs (one stream).
-            HeadInput::Last => be.copy(&s.block.xn, (self.last_rows - 1) * h, &mut s.h, 0, h),
-        }
-        // A draft step is a few dozen small launches: recorded once per width and buffers, like the target's.
-        let key = (s.block.id, cache.buffers_id(), rows, greedy, 0usize);
-        run_recorded(be, rows, key, &mut || self.encode(cache, rows, greedy, s));
-        cache.advance(rows);
+        write_step(be, &mut s.block.step, tokens, start, cache.len());
+        self.enqueue(cache, rows, input, self.last_rows, greedy, 0, s);
         let (logits, greedy) = if greedy {
             (Vec::new(), Some(be.download(&s.block.greedy, 1)[0] as u32))
         } else {
@@ -465,6 +434,33 @@ impl<B: Backend> MtpHead<B> {
             logits,
             greedy,
         }
+    }
+
+    /// Queue one head forward of `rows` rows whose step `s.block.step` holds: its incoming hidden states (from
+    /// the host, or the last of the `prev_rows` outputs the forward before left), then the forward, recorded per
+    /// width, buffers and `slot` (which step the scratch holds: 0 its own, `i` a chained draft's step `i`);
+    /// the cache advances by `rows`.
+    #[allow(clippy::too_many_arguments)] // one queued forward's inputs
+    fn enqueue(
+        &self,
+        cache: &mut KvCache<B>,
+        rows: usize,
+        input: HeadInput,
+        prev_rows: usize,
+        greedy: bool,
+        slot: usize,
+        s: &mut HeadScratch<B>,
+    ) {
+        let (be, h) = (self.backend.as_ref(), self.hp.hidden);
+        match input {
+            HeadInput::Host(hidden) => be.write(&mut s.h, hidden),
+            // Ordered before the forward that overwrites the outputs (one stream).
+            HeadInput::Last => be.copy(&s.block.xn, (prev_rows - 1) * h, &mut s.h, 0, h),
+        }
+        // A draft step is a few dozen small launches: recorded once per width and buffers, like the target's.
+        let key = (s.block.id, cache.buffers_id(), rows, greedy, slot);
+        run_recorded(be, rows, key, &mut || self.encode(cache, rows, greedy, s));
+        cache.advance(rows);
     }
 
     /// The device work of one head forward whose inputs are in the step and `s.h`: every row's final hidden
