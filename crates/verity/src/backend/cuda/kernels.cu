@@ -59,7 +59,9 @@ __device__ __forceinline__ void release_dependents() {
 #define FLOOR_EXIT
 #endif
 // Knockouts, for the same kind of measurement: `-DKO_STAGE` (the projections' staging of x: no norm, no
-// quantization), `-DKO_CHAIN` (their per-(column, row) chains), `-DKO_ATT` (attention returns after its wait).
+// quantization), `-DKO_CHAIN` (their per-(column, row) chains), `-DKO_ATT` (attention returns after its wait),
+// `-DKO_ATT_ONEHEAD` (attention's dot products and value sums for a block's first head only), `-DKO_ATT_NOCOMBINE`
+// (no combine of the chunks).
 // Each removes one part's time from a forward and computes garbage — never a result (the host admits every
 // shape unchecked under one, so W-row launches are timed as they would run).
 
@@ -1285,6 +1287,11 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
     Step st = read_step(step, cap);
     int base = st.base, rows = st.rows, n = base + rows;
     int t = threadIdx.x;
+#ifdef KO_ATT_ONEHEAD
+    constexpr int HC = 1;  // knockout: the first head's dot products and value sums only
+#else
+    constexpr int HC = HEADS;
+#endif
     int per_row = n_heads / HEADS;
     int ri = blockIdx.y / per_row, h0 = blockIdx.y % per_row * HEADS;
     int i = row0 + ri;
@@ -1344,7 +1351,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
                     if (e < w) {
                         float4 b = AHEAD && held && e < ATT_AHEAD_DIM / 16 ? kq[AHEAD ? e : 0] : k4[e];
 #pragma unroll
-                        for (int g = 0; g < HEADS; g++) {
+                        for (int g = 0; g < HC; g++) {
                             float4 a = ((const float4*)(qv + g * head_dim))[sub * w + e];
                             d[g] = fmaf(a.x, b.x, d[g]);
                             d[g] = fmaf(a.y, b.y, d[g]);
@@ -1357,7 +1364,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
                 for (int e = sub; e < head_dim; e += 4) {
                     float b = kv[e];
 #pragma unroll
-                    for (int g = 0; g < HEADS; g++) d[g] = fmaf(qv[g * head_dim + e], b, d[g]);
+                    for (int g = 0; g < HC; g++) d[g] = fmaf(qv[g * head_dim + e], b, d[g]);
                 }
             }
         }
@@ -1404,7 +1411,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
             for (int j4 = 0; j4 < ATT_CHUNK / 16; j4++) {
                 float4 p[HEADS];
 #pragma unroll
-                for (int g = 0; g < HEADS; g++) p[g] = ((const float4*)&sc[g][qq * (ATT_CHUNK / 4)])[j4];
+                for (int g = 0; g < HC; g++) p[g] = ((const float4*)&sc[g][qq * (ATT_CHUNK / 4)])[j4];
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     int jj = 4 * j4 + i;
@@ -1412,7 +1419,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
                         float v = AHEAD && held && jq + jj < base ? vq[AHEAD ? jj : 0]
                                                                   : vh[(size_t)(jq + jj) * kv_dim + e];
 #pragma unroll
-                        for (int g = 0; g < HEADS; g++) {
+                        for (int g = 0; g < HC; g++) {
                             float w = i == 0 ? p[g].x : i == 1 ? p[g].y : i == 2 ? p[g].z : p[g].w;
                             a[g] = fmaf(w, v, a[g]);
                         }
@@ -1447,6 +1454,10 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
     if (t == 0) counters[blockIdx.y] = 0;
     for (int u = t; u < HEADS * head_dim; u += blockDim.x) {
         int g = u / head_dim, e = u % head_dim;
+#ifdef KO_ATT_NOCOMBINE
+        out[((size_t)i * n_heads + h0 + g) * head_dim + e] = 0.f;  // knockout: no combine
+        continue;
+#endif
         const float* rg = records + (size_t)g * chunks * rec;
         float big = NEG_INF;
         for (int c = 0; c < nc; c++) big = fmaxf(big, __ldcg(rg + (size_t)c * rec));

@@ -225,6 +225,9 @@ pub struct CudaBackend {
     /// Row groups per narrow launch forced by `VERITY_CUDA_ROW_GROUPS` (1: none; side-by-side measurements);
     /// `None`: [`CudaBackend::row_groups`]'s rule.
     row_groups: Option<usize>,
+    /// Narrow launches of 8 rows or fewer split their rows in two groups where [`CudaBackend::row_groups`]'s
+    /// rule says so (`VERITY_CUDA_SPLIT_ROWS=0`: never, for side-by-side measurements).
+    split_rows: bool,
     /// x is quantized with eight threads per 32-value block, as before the four- and two-lane staging
     /// (`VERITY_CUDA_STAGE_LANES=8`, for side-by-side measurements).
     eight_lanes: bool,
@@ -512,6 +515,7 @@ impl CudaBackend {
             att_heads: env_count("VERITY_CUDA_ATT_HEADS", 1..=ATT_HEADS),
             att_split_by_context: !off("VERITY_CUDA_ATT_SPLIT_BY_CONTEXT"),
             row_groups: env_count("VERITY_CUDA_ROW_GROUPS", 1..=MAX_ROWS),
+            split_rows: !off("VERITY_CUDA_SPLIT_ROWS"),
             argmax_work,
             eight_lanes: matches!(std::env::var("VERITY_CUDA_STAGE_LANES").as_deref(), Ok("8")),
             sms,
@@ -548,16 +552,28 @@ impl CudaBackend {
             .clamp(1, wave.clamp(ATT_SPLIT, ATT_SPLIT_MAX))
     }
 
-    /// Row groups of a narrow projection launch of `tiles` CTAs and `rows` rows, each group's rows a launch of
-    /// their own (`kernels.cu`'s `qmatmuls_body`). Only past 8 rows, where one CTA would pad its rows to 16
-    /// (two MMA n-tiles, twice the exchange), and only as many groups as leave no CTA waiting for an SM: H200,
-    /// W=16 0.98 vs 1.11 ms. At 8 rows or fewer, groups cost more than they save (W=8 0.88 vs 0.82, W=2 0.69
-    /// vs 0.64: measured), so those launches keep one. No bits depend on it: a (column, row)'s arithmetic is
-    /// the same in any group (`rowexact`, the admission).
-    fn row_groups(&self, tiles: usize, rows: usize) -> usize {
+    /// Row groups of a narrow projection launch of `tiles` CTAs and `rows` rows of `k` values, each group's rows
+    /// a launch of their own (`kernels.cu`'s `qmatmuls_body`). Past 8 rows, where one CTA would pad its rows to
+    /// 16 (two MMA n-tiles, twice the exchange), as many groups as leave no CTA waiting for an SM: H200, W=16
+    /// 0.98 vs 1.11 ms. At 8 rows or fewer, two groups where both CTAs of a tile fit the SMs together, each
+    /// group keeps the many-row kernel and stages its rows in one pass of four threads per block (shorter
+    /// staging and chains per CTA), and the launch is not a Q/K/V projection with RoPE fused (attention's
+    /// blocks start while it runs, loading their first chunk, on the SMs it leaves free). H200, context 256,
+    /// 4 interleaved rounds (o and down split at W=7 and 8): W=8 0.696-0.700 vs 0.702-0.705 ms, W=1 the same
+    /// (ratio 1.140-1.153 vs 1.154-1.162); splitting the Q/K/V launch too: W=8 0.734-0.744; groups of three
+    /// rows (W=5, 6, in the few-row kernel): 0.74 vs 0.67. No bits depend on it: a (column, row)'s arithmetic
+    /// is the same in any group (`rowexact`, the admission).
+    fn row_groups(&self, tiles: usize, rows: usize, k: usize, rope: bool) -> usize {
+        let half = rows.div_ceil(2);
+        let split = self.split_rows
+            && half >= NARROW_ROWS_FROM
+            && half * (k / 32) * 4 <= self.narrow_warps[1] * 32
+            && 2 * tiles <= self.sms
+            && !rope;
         let want = match self.row_groups {
             Some(forced) => forced,
             None if rows > 8 => self.sms / tiles.max(1),
+            None if split => 2,
             None => 1,
         };
         // The kernel gives each group ceil(rows / groups) rows; as many groups as that leaves non-empty.
@@ -626,7 +642,7 @@ impl CudaBackend {
             let (ctas, groups) = if wide {
                 (n_tiles.div_ceil(MM_WARPS), 1)
             } else {
-                (n_tiles, self.row_groups(n_tiles, rows))
+                (n_tiles, self.row_groups(n_tiles, rows, k, rope.is_some()))
             };
             // The rows one CTA takes (the kernel's own split).
             let cta_rows = rows.div_ceil(groups);

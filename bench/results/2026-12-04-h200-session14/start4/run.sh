@@ -1,0 +1,56 @@
+#!/bin/bash
+# Session 14, start 4: down's rows split in two groups where its staging would take two-lane items (the
+# default here) vs every 8-row narrow launch whose groups fit (VERITY_CUDA_SPLIT_STAGING=all), those but Q/K/V
+# (=norope), none (=0); attention's combine loops unrolled by 8 (-DATT_COMBINE_UNROLL). Tests, rowexact,
+# rowcost ctx 256 W1/4/7/8/16 (4 rounds), 16 and 1024; speed ar,mtp (2 rounds), every route once.
+set -u
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+test -f /tmp/stage/p1 || { echo "fresh machine: stage again"; exit 3; }
+D=.device/s14d
+mkdir -p /tmp/vc/models/smollm2-135m $OUT/r
+M=/tmp/vc/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
+cat /tmp/stage/p0 $D/p0b /tmp/stage/p1 $D/p1b $D/p2 > $M
+echo "$(cat $D/model.sha256)  $M" | sha256sum -c || exit 4
+cp $D/prompts.jsonl /tmp/stage/
+xz -dc $D/verity-cuda.xz > /tmp/stage/verity-cuda && xz -dc $D/cuda-test.xz > /tmp/stage/cuda-test && chmod +x /tmp/stage/verity-cuda /tmp/stage/cuda-test
+export VERITY_CACHE_DIR=/tmp/vc
+V=/tmp/stage/verity-cuda; P=/tmp/stage/prompts.jsonl
+mkdir -p /work && ln -sfn $PWD /work/main
+$V fetch smollm2-135m-mtp 2>&1 | tail -1
+env_of() { case $1 in
+  new) echo "X=0";;
+  all) echo "VERITY_CUDA_SPLIT_STAGING=all";;
+  norope) echo "VERITY_CUDA_SPLIT_STAGING=norope";;
+  base) echo "VERITY_CUDA_SPLIT_STAGING=0";;
+  unroll) echo "VERITY_CUDA_NVRTC=-DATT_COMBINE_UNROLL";;
+esac; }
+CFGS="new all norope base unroll"
+for c in new unroll; do env $(env_of $c) $V --device cuda bench rowcost --model $M --widths 1 --repeat 1 --logits greedy > /dev/null 2>&1; done
+echo "warm $SECONDS s"
+echo "== tests"; timeout 150 /tmp/stage/cuda-test --test-threads 1 2>&1 | grep -E "^test |test result|panicked|differs" > $OUT/r/tests.txt; tail -1 $OUT/r/tests.txt; grep -E "FAILED|panicked|differs" $OUT/r/tests.txt | head -5
+for c in new all norope unroll; do echo "== rowexact $c: $(env $(env_of $c) timeout 60 $V --device cuda bench rowexact --model $M --prompts $P 2>&1 | tee $OUT/r/rowexact-$c.txt | grep -c 'bitwise equal')"; done
+R="bench rowcost --model $M --widths 1,4,7,8,16 --repeat 15 --logits greedy --context 256"
+for i in 1 2 3 4; do for c in $CFGS; do
+  env $(env_of $c) timeout 60 $V --device cuda $R --json $OUT/r/rc-256-$c-$i.json > /dev/null 2>&1
+done; done
+for ctx in 16 1024; do for c in new base unroll; do
+  env $(env_of $c) timeout 60 $V --device cuda bench rowcost --model $M --widths 1,4,8,16 --repeat 15 --logits greedy --context $ctx --json $OUT/r/rx-$ctx-$c.json > /dev/null 2>&1
+done; done
+python3 - $OUT/r <<'PY' | tee $OUT/ab.txt
+import sys,json,glob,collections
+t=collections.defaultdict(list)
+for f in sorted(glob.glob(sys.argv[1]+'/r[cx]-*.json')):
+    p=f.split('/')[-1][:-5].split('-'); c=p[1]+' '+p[2]
+    d={x['w']:x['median_ms'] for x in json.load(open(f))['widths']}
+    t[c].append("/".join("%.3f"%d[w] for w in sorted(d))+"=%.3f"%(d[8]/d[1]))
+for c,v in t.items(): print(c.ljust(14), "  ".join(v))
+PY
+for i in 1 2; do for c in new unroll; do
+  env $(env_of $c) timeout 100 $V --device cuda bench speed --model smollm2-135m-mtp --routes ar,mtp --prompts $P --max-tokens 128 --repeat 3 --json $OUT/r/sp-$c-$i.json > $OUT/r/sp-$c-$i.txt 2> /dev/null
+  echo "speed $c $i: $(grep -E ' all ' $OUT/r/sp-$c-$i.txt | awk '{print $1, $4, $5}' | tr '\n' ' ')"
+done; done
+timeout 150 $V --device cuda bench speed --model smollm2-135m-mtp --routes ar,mtp,copy,draft_model --prompts $P \
+  --max-tokens 128 --repeat 3 --json $OUT/r/speed.json > $OUT/r/speed.txt 2> /dev/null
+grep -E " all " $OUT/r/speed.txt
+echo "elapsed $SECONDS s"
+cd $OUT && tar cJf r.tar.xz r && rm -rf r
