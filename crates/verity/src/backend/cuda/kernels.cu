@@ -530,8 +530,12 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
 //   warps per tile for the small projections, whose tiles are few (16 rather than 8: H200, W=1 0.67 vs 0.75 ms
 //   a forward, W=8 0.91 vs 1.07 — fewer blocks per warp, one staging pass for twice the items).
 // - wide (a warp per tile): each warp runs its tile's blocks in order and keeps the chains in its MMA fragment
-//   registers. For the output layer, whose tiles are many.
-#define QM_WARPS 8
+//   registers. For the output layer, whose tiles are many. QM_WARPS (16) warps per CTA, one CTA per SM: each
+//   CTA stages x once for 16 tiles, in one pass of its 512 threads up to 8 rows (8 warps took three at W=8: H200,
+//   context 256, W=8 0.695-0.703 vs 0.702-0.707 ms, W=1 within 0.01).
+#ifndef QM_WARPS
+#define QM_WARPS 16  // warps (tiles) of a wide-schedule CTA (set by the host: its `wide_warps`)
+#endif
 #define QM_STRIDE 20      // ints per (block, row) of exchanged sums: 16 columns, padded against bank conflicts
 // Warps of a narrow-schedule CTA: NQ_WARPS for launches of up to 3 rows, NQ_WARPS_ROWS for more (set by the
 // host at compilation: 16 and 24, or 4..32 for side-by-side measurements; past 16 the registers spill a little).
@@ -1138,8 +1142,8 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
 // (gate w0 and up w1 of one type) o0 = silu(gate) * up.
 // - qmatmuls_narrow: a CTA per tile (grid: the tile count), exchange chunks of `chunk` blocks (at most 64);
 //   shared memory: see `stage_q8`, then the tile's scale words and chunk * rows_pad * QM_STRIDE ints, per matrix.
-// - qmatmuls_wide: a warp per tile (grid: tiles / 8), shared memory as `stage_q8`; `chunk` unused. Two CTAs per
-//   SM: its grids are large.
+// - qmatmuls_wide: a warp per tile (grid: tiles / QM_WARPS), shared memory as `stage_q8`; `chunk` unused. Its
+//   grids are large: two CTAs per SM where they have 8 warps or fewer.
 #define QM_PARAMS                                                                                              \
     const float *x, int k, int rows, int accumulate, const float *norm_w, float eps, int glu, int chunk,        \
         const u8 *w0, int ty0, int n0, float *o0, const u8 *w1, int ty1, int n1, float *o1, const u8 *w2,       \
@@ -1161,7 +1165,7 @@ extern "C" __global__ void __launch_bounds__(NQ_WARPS_ROWS * 32) qmatmuls_narrow
                                         eight_lanes);
 }
 
-extern "C" __global__ void __launch_bounds__(QM_WARPS * 32, 2) qmatmuls_wide(QM_PARAMS) {
+extern "C" __global__ void __launch_bounds__(QM_WARPS * 32, QM_WARPS <= 8 ? 2 : 1) qmatmuls_wide(QM_PARAMS) {
     FLOOR_EXIT
     qmatmuls_body<true, QM_WARPS>(QM_ARGS, RopeFusion{0, 0, nullptr, nullptr, nullptr, 0, 0}, eight_lanes);
 }

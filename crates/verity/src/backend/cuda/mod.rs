@@ -98,6 +98,8 @@ const QM_STRIDE: usize = 20;
 const QM_CHUNK_MAX: usize = 64;
 const QM_EXCHANGE_BYTES: usize = 48 * 1024;
 const QM_WIDE_TILES: usize = WIDE_COLUMNS / tiles::TILE_ROWS;
+/// Warps (tiles) of a wide-schedule CTA (`kernels.cu`'s `QM_WARPS`).
+const WIDE_WARPS: usize = 16;
 /// Warps of a narrow-schedule CTA (`kernels.cu`'s `NQ_WARPS` and `NQ_WARPS_ROWS`): for launches of fewer than
 /// `NARROW_ROWS_FROM` rows, and for the others.
 const NARROW_WARPS: usize = 16;
@@ -213,6 +215,8 @@ pub struct CudaBackend {
     /// Warps of a narrow-schedule projection CTA for launches of fewer than `NARROW_ROWS_FROM` rows and for the
     /// others (`kernels.cu`'s `NQ_WARPS`, `NQ_WARPS_ROWS`, set at compilation).
     narrow_warps: [usize; 2],
+    /// Warps (tiles) of a wide-schedule projection CTA (`kernels.cu`'s `QM_WARPS`, set at compilation).
+    wide_warps: usize,
     /// Attention blocks per (row, head) forced by `VERITY_CUDA_ATT_SPLIT` (side-by-side measurements); `None`:
     /// [`CudaBackend::att_split`]'s rule.
     att_split: Option<usize>,
@@ -440,6 +444,9 @@ impl CudaBackend {
         let knockout = options
             .iter()
             .any(|o| o.starts_with("-DKO_") || o == "-DLAUNCH_FLOOR");
+        // `VERITY_CUDA_WIDE_WARPS=N` (4 to 16): wide-schedule CTAs of N warps (side-by-side measurements).
+        let wide_warps = env_count("VERITY_CUDA_WIDE_WARPS", 4..=16).unwrap_or(WIDE_WARPS);
+        options.push(format!("-DQM_WARPS={wide_warps}"));
         options.push(format!("-DNQ_WARPS={}", narrow_warps[0]));
         options.push(format!("-DNQ_WARPS_ROWS={}", narrow_warps[1]));
         let module = load_kernels(&ctx, arch, options)?;
@@ -511,6 +518,7 @@ impl CudaBackend {
             att_ahead_per_sm: env_count("VERITY_CUDA_ATT_AHEAD_PER_SM", 1..=64)
                 .unwrap_or(ATT_AHEAD_PER_SM),
             narrow_warps,
+            wide_warps,
             att_split: env_count("VERITY_CUDA_ATT_SPLIT", 1..=ATT_SPLIT_MAX),
             att_heads: env_count("VERITY_CUDA_ATT_HEADS", 1..=ATT_HEADS),
             att_split_by_context: !off("VERITY_CUDA_ATT_SPLIT_BY_CONTEXT"),
@@ -640,7 +648,7 @@ impl CudaBackend {
             // The wide schedule's CTAs may straddle matrices, so it needs them of one type (`kernels.cu`).
             let wide = n_tiles >= QM_WIDE_TILES && mats.iter().all(|m| m.ty == mats[0].ty);
             let (ctas, groups) = if wide {
-                (n_tiles.div_ceil(MM_WARPS), 1)
+                (n_tiles.div_ceil(self.wide_warps), 1)
             } else {
                 (n_tiles, self.row_groups(n_tiles, rows, k, rope.is_some()))
             };
@@ -652,7 +660,7 @@ impl CudaBackend {
             // Both narrow kernels give every (column, row) the same arithmetic: which one a launch takes by its
             // row count changes no bits (the admission crosses them: MAX_ROWS rows against one).
             let (f, warps) = if wide {
-                (&self.k.qmatmuls_wide, MM_WARPS)
+                (&self.k.qmatmuls_wide, self.wide_warps)
             } else if cta_rows >= NARROW_ROWS_FROM {
                 (&self.k.qmatmuls_narrow_rows, self.narrow_warps[1])
             } else {
