@@ -328,6 +328,50 @@ fn att_heads(
         .unwrap_or(1)
 }
 
+/// Row groups of a narrow projection launch of `tiles` CTAs and `rows` rows of `k` values (`threads` per
+/// many-row CTA, `sms` on the device), each group's rows a launch of their own (`kernels.cu`'s
+/// `qmatmuls_body`). Past 8 rows, where one CTA would pad its rows to 16 (two MMA n-tiles, twice the exchange),
+/// as many groups as leave no CTA waiting for an SM: H200, W=16 0.98 vs 1.11 ms. At 8 rows or fewer (unless
+/// `split_rows` is false), two groups where both CTAs of a tile fit the SMs together, each group keeps the
+/// many-row kernel and stages its rows in one pass of four threads per block (shorter staging and chains per
+/// CTA), and the launch is not a Q/K/V projection with RoPE fused (attention's blocks start while it runs,
+/// loading their first chunk, on the SMs it leaves free). H200, context 256, 6 interleaved rounds (o and down
+/// split at W=7 and 8): W=8 0.697-0.708 vs 0.706-0.718 ms, W=1 the same (ratio median 1.1515 vs 1.1635);
+/// splitting the Q/K/V launch too: W=8 0.734-0.744 vs 0.702-0.705; groups of three rows (W=5, 6, in the few-row
+/// kernel): 0.74 vs 0.67. No bits depend on it: a (column, row)'s arithmetic is the same in any group
+/// (`rowexact`, the admission).
+fn row_groups(
+    tiles: usize,
+    rows: usize,
+    k: usize,
+    rope: bool,
+    sms: usize,
+    threads: usize,
+    split_rows: bool,
+) -> usize {
+    let half = rows.div_ceil(2);
+    let split = split_rows
+        && half >= NARROW_ROWS_FROM
+        && half * (k / 32) * 4 <= threads
+        && 2 * tiles <= sms
+        && !rope;
+    let want = if rows > 8 {
+        sms / tiles.max(1)
+    } else if split {
+        2
+    } else {
+        1
+    };
+    nonempty_groups(rows, want)
+}
+
+/// The groups a launch of `rows` rows in `want` groups has: the kernel gives each group ceil(rows / groups) rows,
+/// so as many as that leaves non-empty.
+fn nonempty_groups(rows: usize, want: usize) -> usize {
+    let per = rows.div_ceil(want.clamp(1, rows.max(1)));
+    rows.div_ceil(per)
+}
+
 /// A count set by environment variable `var` for side-by-side measurements, if it parses and lies in `range`.
 fn env_count(var: &str, range: std::ops::RangeInclusive<usize>) -> Option<usize> {
     let n = std::env::var(var).ok()?.parse().ok()?;
@@ -560,33 +604,14 @@ impl CudaBackend {
             .clamp(1, wave.clamp(ATT_SPLIT, ATT_SPLIT_MAX))
     }
 
-    /// Row groups of a narrow projection launch of `tiles` CTAs and `rows` rows of `k` values, each group's rows
-    /// a launch of their own (`kernels.cu`'s `qmatmuls_body`). Past 8 rows, where one CTA would pad its rows to
-    /// 16 (two MMA n-tiles, twice the exchange), as many groups as leave no CTA waiting for an SM: H200, W=16
-    /// 0.98 vs 1.11 ms. At 8 rows or fewer, two groups where both CTAs of a tile fit the SMs together, each
-    /// group keeps the many-row kernel and stages its rows in one pass of four threads per block (shorter
-    /// staging and chains per CTA), and the launch is not a Q/K/V projection with RoPE fused (attention's
-    /// blocks start while it runs, loading their first chunk, on the SMs it leaves free). H200, context 256,
-    /// 4 interleaved rounds (o and down split at W=7 and 8): W=8 0.696-0.700 vs 0.702-0.705 ms, W=1 the same
-    /// (ratio 1.140-1.153 vs 1.154-1.162); splitting the Q/K/V launch too: W=8 0.734-0.744; groups of three
-    /// rows (W=5, 6, in the few-row kernel): 0.74 vs 0.67. No bits depend on it: a (column, row)'s arithmetic
-    /// is the same in any group (`rowexact`, the admission).
+    /// Row groups of a narrow projection launch (see [`row_groups`]), or the count `VERITY_CUDA_ROW_GROUPS`
+    /// forces.
     fn row_groups(&self, tiles: usize, rows: usize, k: usize, rope: bool) -> usize {
-        let half = rows.div_ceil(2);
-        let split = self.split_rows
-            && half >= NARROW_ROWS_FROM
-            && half * (k / 32) * 4 <= self.narrow_warps[1] * 32
-            && 2 * tiles <= self.sms
-            && !rope;
-        let want = match self.row_groups {
-            Some(forced) => forced,
-            None if rows > 8 => self.sms / tiles.max(1),
-            None if split => 2,
-            None => 1,
-        };
-        // The kernel gives each group ceil(rows / groups) rows; as many groups as that leaves non-empty.
-        let per = rows.div_ceil(want.clamp(1, rows.max(1)));
-        rows.div_ceil(per)
+        let threads = self.narrow_warps[1] * 32;
+        match self.row_groups {
+            Some(forced) => nonempty_groups(rows, forced),
+            None => row_groups(tiles, rows, k, rope, self.sms, threads, self.split_rows),
+        }
     }
 
     /// Launch `f` (with programmatic dependent launch where the device has it); a driver error panics.
@@ -1402,7 +1427,38 @@ impl Drop for CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::{att_heads, CudaBackend};
+    use super::{att_heads, row_groups, CudaBackend};
+
+    #[test]
+    fn o_and_down_take_two_row_groups_at_seven_and_eight_rows_but_qkv_keeps_one() {
+        // SmolLM2 on an H200 (132 SMs, 24-warp many-row CTAs): o 576 -> 576 (36 tiles), down 1536 -> 576 (36),
+        // Q/K/V 576 -> 960 (60, RoPE fused), gate/up 576 -> 1536 (96).
+        let groups = |tiles, rows, k, rope| row_groups(tiles, rows, k, rope, 132, 768, true);
+        assert_eq!(groups(36, 8, 576, false), 2);
+        assert_eq!(groups(36, 8, 1536, false), 2);
+        assert_eq!(groups(36, 7, 1536, false), 2);
+        assert_eq!(groups(60, 8, 576, true), 1);
+        assert_eq!(groups(96, 8, 576, false), 1); // 192 CTAs would not fit the SMs together
+        assert_eq!(row_groups(36, 8, 576, false, 132, 768, false), 1);
+    }
+
+    #[test]
+    fn groups_of_fewer_than_four_rows_are_never_made_up_to_eight_rows() {
+        let groups = |rows| row_groups(36, rows, 1536, false, 132, 768, true);
+        for rows in 1..=6 {
+            assert_eq!(groups(rows), 1, "{rows} rows");
+        }
+        // Halves whose staging would not fit one pass of the CTA's threads stay whole.
+        assert_eq!(row_groups(36, 8, 4096, false, 132, 768, true), 1);
+    }
+
+    #[test]
+    fn past_eight_rows_the_groups_fill_the_sms_and_none_is_empty() {
+        assert_eq!(row_groups(36, 16, 576, false, 132, 768, true), 3); // 132 / 36 = 3 groups of 6, 6, 4
+        assert_eq!(row_groups(60, 16, 576, true, 132, 768, true), 2);
+        assert_eq!(row_groups(96, 16, 576, false, 132, 768, true), 1);
+        assert_eq!(row_groups(4, 10, 576, false, 132, 768, true), 10); // 33 wanted, one row each
+    }
 
     #[test]
     fn attention_blocks_serve_a_head_each_while_they_fit_two_per_sm() {
