@@ -82,9 +82,9 @@ use crate::quant::{GgmlType, QMatrix, WeightFormat};
 const SOURCE: &str = include_str!("kernels.cu");
 /// Rows per projection launch (longer batches run in chunks), and per attention launch.
 const MAX_ROWS: usize = 16;
-/// The projection kernels' geometry (`kernels.cu`): warps per block, rows staged per block, floats per staged
-/// 32-value block, and what is kept back from the dynamic shared memory for their static shared memory (a
-/// bound: `matmuls` uses 32 bytes, `qmatmuls_*` none).
+/// The float projection kernel's geometry (`kernels.cu`'s `matmuls`): warps per block, rows staged per block,
+/// floats per staged 32-value block; and what every projection kernel keeps back from the dynamic shared memory
+/// for its static shared memory (a bound: `matmuls` uses 32 bytes, `qmatmuls_*` none).
 const MM_WARPS: usize = 8;
 const ROWS_PER_GROUP: usize = 8;
 const XPAD: usize = 36;
