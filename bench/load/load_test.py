@@ -2,7 +2,7 @@
 """Bounded load test for `verity serve`.
 
 N concurrent streaming chat clients run for a fixed duration. Each client loops:
-send a chat request (prompts from the shared prompt set), stream the answer, record
+send a chat request (prompts from bench/prompts.jsonl), stream the answer, record
 success/error, TTFT (time to the first content delta), total latency and completion
 tokens. While it runs, the server's RSS is sampled from /proc/PID/status every 5 s.
 At the end a summary is printed (and written as JSON with --json).
@@ -36,7 +36,7 @@ from pathlib import Path
 import openai
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_PROMPTS = Path("/work/shared/bench/prompts.jsonl")
+DEFAULT_PROMPTS = REPO / "bench" / "prompts.jsonl"
 DEFAULT_VERITY = REPO / "target" / "release" / "verity"
 METRIC_NAMES = (
     "verity_requests_total",

@@ -24,7 +24,7 @@ import tempfile
 import time
 from collections import defaultdict
 
-DEFAULT_PROMPTS = "/work/shared/bench/prompts.jsonl"
+DEFAULT_PROMPTS = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "prompts.jsonl"))
 DEFAULT_MODEL = "/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf"
 ALL_ARMS = ("verity-ar", "llama.cpp", "mistralrs")
 ARM_ALIASES = {"verity": "verity-ar", "ar": "verity-ar", "llama": "llama.cpp", "llamacpp": "llama.cpp",
