@@ -1,5 +1,5 @@
 #!/bin/bash
-# On the device machine: start llama.cpp's CUDA build from what `stage_gpu_peer.sh` staged in STAGE_DIR, detached
+# On the GPU machine: start llama.cpp's CUDA build from what `stage_gpu_peer.sh` staged in STAGE_DIR, detached
 # and niced (measurements may run beside it), for sm_90. The package lands in /tmp/llpy, the wheels in
 # /tmp/pydeps; the log in /tmp/llama-build.log ends with "Successfully installed" when it is done.
 #

@@ -1,11 +1,11 @@
 #!/bin/bash
-# Stage llama.cpp's CUDA build for the device machine (no network there): llama-cpp-python's source distribution
+# Stage llama.cpp's CUDA build for a GPU machine without network access: llama-cpp-python's source distribution
 # with what its build does not read removed (76.6 MB -> a few MB, small enough to travel beside a model part),
-# and the wheels `run_peers.py` needs beyond the device's Python. Run here, from anywhere:
+# and the wheels `run_peers.py` needs beyond that machine's Python. Run on a machine with network access:
 #
 #   bench/peers/stage_gpu_peer.sh OUT_DIR        # writes OUT_DIR/llama-src.tgz and OUT_DIR/*.whl
 #
-# On the device, `bench/peers/build_gpu_peer.sh OUT_DIR` starts the build detached (~5 min on 16 cores); poll
+# On the GPU machine, `bench/peers/build_gpu_peer.sh OUT_DIR` starts the build detached (~5 min on 16 cores); poll
 # /tmp/llama-build.log, then run `run_peers.py --gpu` with PYTHONPATH=/tmp/llpy:/tmp/pydeps.
 # pip prepares the sdist's metadata before saving it, which needs scikit-build-core and cmake: a throwaway
 # virtual environment holds them.
