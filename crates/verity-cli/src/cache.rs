@@ -1,8 +1,8 @@
 //! `verity cache ls|clear`: the prefix cache's disk tier of a model.
 
 use anyhow::{Context, Result};
-use verity::registry;
-use verity::spec::SpecMode;
+use verity::speculative::SpecMode;
+use verity_registry as registry;
 
 #[derive(clap::Subcommand)]
 pub enum Command {
@@ -21,7 +21,7 @@ pub struct Args {
 
 /// The disk tier's root: `<verity cache folder>/prefix`.
 pub fn root() -> Result<std::path::PathBuf> {
-    Ok(registry::cache_dir()?.join("prefix"))
+    Ok(verity::storage::cache_dir()?.join("prefix"))
 }
 
 pub fn main(c: Command, threads: usize) -> Result<()> {

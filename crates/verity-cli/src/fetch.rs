@@ -1,5 +1,5 @@
 use anyhow::{bail, Result};
-use verity::registry;
+use verity_registry as registry;
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -116,7 +116,7 @@ pub fn main(a: Args) -> Result<()> {
         Err(e) => println!("tokenizer     unavailable: {e}"),
     }
     println!("mtp head      {}", b.mtp.describe());
-    let plan = verity::spec::plan(&b, &verity::spec::SpecMode::Auto)?;
+    let plan = verity::speculative::plan(&b, &verity::speculative::SpecMode::Auto)?;
     println!(
         "speculation   auto → {} ({})",
         plan.route.name(),

@@ -8,8 +8,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use verity::backend::cpu::CpuBackend;
 use verity::backend::Backend;
 use verity::engine::Engine;
-use verity::registry;
-use verity::spec::SpecMode;
+use verity::speculative::SpecMode;
+use verity_registry as registry;
 
 /// The path of a model argument, fetching a known model with a progress bar if needed.
 pub fn resolve(model: &str) -> Result<PathBuf> {

@@ -8,9 +8,9 @@ use verity::backend::Backend;
 use crate::device::{with_backend, Device, WithBackend};
 use verity::chat::{Message, StreamDecoder};
 use verity::engine::GenerateRequest;
-use verity::registry;
 use verity::sample::SamplerConfig;
-use verity::spec::SpecMode;
+use verity::speculative::SpecMode;
+use verity_registry as registry;
 
 /// Generation settings shared by `run` and `chat`.
 #[derive(clap::Args, Clone)]
@@ -56,12 +56,7 @@ impl GenArgs {
                 repetition_penalty: self.repeat_penalty,
                 seed: self.seed,
             },
-            ignore_eos: false,
-            speculate: true,
-            want_logprob: false,
-            logprobs: 0,
-            constraint: None,
-            store_prefix: None,
+            ..Default::default()
         }
     }
 

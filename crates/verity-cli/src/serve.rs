@@ -2,8 +2,8 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use verity::backend::Backend;
-use verity::registry;
-use verity::spec::SpecMode;
+use verity::speculative::SpecMode;
+use verity_registry as registry;
 
 use crate::device::{with_backend, Device, WithBackend};
 

@@ -29,9 +29,6 @@ pub enum Error {
     /// A request or setting outside its valid range.
     #[error("invalid argument: {0}")]
     Invalid(String),
-    /// Fetching a model from its package failed.
-    #[error("fetch: {0}")]
-    Fetch(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

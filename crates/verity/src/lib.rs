@@ -2,8 +2,9 @@
 //!
 //! The engine is split by concern: [`bundle`] reads model files, [`quant`] decodes weight formats, [`backend`]
 //! runs the operations a forward is made of, [`model`] composes them into architectures, [`cache`] holds model
-//! state, [`sample`] turns logits into tokens, [`chat`] handles tokenizers and templates, [`engine`] runs
-//! requests, and [`registry`] fetches named models.
+//! state, [`sample`] turns logits into tokens, [`chat`] handles tokenizers and templates, [`speculative`] drafts
+//! and verifies, [`engine`] runs requests, and [`storage`] maps files and finds verity's cache folder. The
+//! library never spawns processes or touches the network: fetching named models is `verity-registry`'s job.
 
 pub mod backend;
 pub mod bundle;
@@ -13,9 +14,8 @@ pub mod engine;
 pub mod error;
 pub mod model;
 pub mod quant;
-pub mod registry;
 pub mod sample;
-pub mod spec;
+pub mod speculative;
 pub mod storage;
 
 pub use error::{Error, Result};

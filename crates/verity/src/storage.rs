@@ -3,7 +3,7 @@
 
 use std::fs::File;
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use memmap2::Mmap;
@@ -76,5 +76,22 @@ impl Bytes {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// verity's cache folder (fetched models, the prefix cache's disk tier, compiled kernels): `$VERITY_CACHE_DIR`,
+/// else `$XDG_CACHE_HOME/verity`, else `~/.cache/verity`.
+pub fn cache_dir() -> Result<PathBuf> {
+    if let Some(d) = std::env::var_os("VERITY_CACHE_DIR").filter(|d| !d.is_empty()) {
+        return Ok(PathBuf::from(d));
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
+        return Ok(PathBuf::from(d).join("verity"));
+    }
+    match std::env::var_os("HOME").filter(|d| !d.is_empty()) {
+        Some(h) => Ok(PathBuf::from(h).join(".cache").join("verity")),
+        None => Err(Error::Invalid(
+            "no cache folder: set VERITY_CACHE_DIR or HOME".into(),
+        )),
     }
 }

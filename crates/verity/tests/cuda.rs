@@ -1,5 +1,5 @@
 //! The CUDA backend (feature `cuda`; these tests need a GPU and are built and run on one, see
-//! `../shared/docs/gpu.md`): the projection kernels against the CPU backend's (the 8-bit ones bitwise), logits
+//! `docs/cuda.md`): the projection kernels against the CPU backend's (the 8-bit ones bitwise), logits
 //! against the CPU backend on the fixture bundles, row-exact verify rows, and greedy speculative output equal to
 //! AR for every route on the GPU.
 #![cfg(feature = "cuda")]
@@ -18,7 +18,7 @@ use verity::engine::{Engine, GenerateRequest};
 use verity::model::{Batch, HeadInput, LogitRows, Model, MtpHead};
 use verity::quant::{GgmlType, MlxScaleType, QMatrix};
 use verity::sample::argmax;
-use verity::spec::SpecMode;
+use verity::speculative::SpecMode;
 use verity::storage::Bytes;
 
 fn gpu() -> Arc<CudaBackend> {

@@ -8,7 +8,7 @@ use verity::backend::cpu::CpuBackend;
 use verity::chat::Message;
 use verity::engine::{Engine, GenerateRequest, StopReason};
 use verity::sample::SamplerConfig;
-use verity::spec::SpecMode;
+use verity::speculative::SpecMode;
 
 fn engine() -> Engine<CpuBackend> {
     Engine::load(&smollm2(), backend(), &SpecMode::Off).unwrap()

@@ -12,8 +12,8 @@ use verity::backend::cpu::CpuBackend;
 use verity::bundle::{Bundle, MtpStatus, Source};
 use verity::engine::{Engine, GenerateRequest};
 use verity::model::{Batch, HeadInput, LogitRows, Model, MtpHead};
-use verity::spec::mtp::MtpProposer;
-use verity::spec::{Proposer, SpecMode};
+use verity::speculative::mtp::MtpProposer;
+use verity::speculative::{Proposer, SpecMode};
 
 // The tiny llama fixture: hidden 64, 4 heads / 2 KV heads of 16, MLP 128, vocab 320.
 const H: usize = 64;

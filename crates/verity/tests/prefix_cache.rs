@@ -7,7 +7,7 @@ use common::*;
 use verity::backend::cpu::CpuBackend;
 use verity::chat::{Message, TemplateArgs};
 use verity::engine::{Engine, GenerateRequest, Session};
-use verity::spec::SpecMode;
+use verity::speculative::SpecMode;
 
 fn turn(
     e: &mut Engine<CpuBackend>,

@@ -14,9 +14,9 @@ use verity::chat::Message;
 use verity::engine::{Engine, GenerateRequest, GenerationStats};
 use verity::model::{Model, MtpHead};
 use verity::sample::SamplerConfig;
-use verity::spec::draft_model::DraftModel;
-use verity::spec::mtp::MtpProposer;
-use verity::spec::{Draft, Proposer, SpecMode};
+use verity::speculative::draft_model::DraftModel;
+use verity::speculative::mtp::MtpProposer;
+use verity::speculative::{Draft, Proposer, SpecMode};
 
 /// Adversarial proposers: they know (or not) the AR answer and draft accordingly.
 #[derive(Clone, Debug)]

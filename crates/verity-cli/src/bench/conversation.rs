@@ -16,12 +16,12 @@ use super::summary::median;
 
 #[derive(clap::Args)]
 pub struct Args {
-    #[arg(long, default_value = verity::registry::DEFAULT_MODEL)]
+    #[arg(long, default_value = verity_registry::DEFAULT_MODEL)]
     model: String,
     /// Speculative route of both arms: ar, copy, draft_model (self-drafting) or auto.
     #[arg(long, default_value = "auto")]
     route: String,
-    #[arg(long, default_value = "../shared/bench/prompts.jsonl")]
+    #[arg(long, default_value = "bench/prompts.jsonl")]
     prompts: PathBuf,
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,

@@ -13,7 +13,7 @@ use crate::device::Device;
 
 #[derive(clap::Subcommand)]
 pub enum Command {
-    /// Decode speed per route and prompt category (see shared/bench/README.md for the record format).
+    /// Decode speed per route and prompt category (bench/README.md describes the records).
     Speed(speed::Args),
     /// Two-turn conversations with the prefix cache on and off.
     Conversation(conversation::Args),

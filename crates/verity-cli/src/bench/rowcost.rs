@@ -18,7 +18,7 @@ use super::summary::median;
 
 #[derive(clap::Args)]
 pub struct Args {
-    #[arg(long, default_value = verity::registry::DEFAULT_MODEL)]
+    #[arg(long, default_value = verity_registry::DEFAULT_MODEL)]
     model: String,
     /// Tokens already in the cache when the verify runs.
     #[arg(long, default_value_t = 256)]

@@ -16,13 +16,13 @@ use verity::sample::argmax;
 
 #[derive(clap::Args)]
 pub struct Args {
-    #[arg(long, default_value = verity::registry::DEFAULT_MODEL)]
+    #[arg(long, default_value = verity_registry::DEFAULT_MODEL)]
     model: String,
     /// Positions compared per width.
     #[arg(long, default_value_t = 96)]
     positions: usize,
     /// Prompt file whose texts are concatenated into the teacher-forced text.
-    #[arg(long, default_value = "../shared/bench/prompts.jsonl")]
+    #[arg(long, default_value = "bench/prompts.jsonl")]
     prompts: PathBuf,
     #[arg(long)]
     json: Option<PathBuf>,

@@ -12,7 +12,7 @@ use crate::device::{with_backend, Device, WithBackend};
 use verity::chat::{Message, TemplateArgs};
 use verity::engine::{Engine, GenerateRequest};
 use verity::sample::SamplerConfig;
-use verity::spec::SpecMode;
+use verity::speculative::SpecMode;
 
 use super::prompts::{self, BenchPrompt};
 use super::summary::{self, Record};
@@ -20,7 +20,7 @@ use super::summary::{self, Record};
 #[derive(clap::Args)]
 pub struct Args {
     /// A bundle path or a known model name.
-    #[arg(long, default_value = verity::registry::DEFAULT_MODEL)]
+    #[arg(long, default_value = verity_registry::DEFAULT_MODEL)]
     model: String,
     /// Comma-separated routes: ar, copy, mtp, draft_model, auto.
     #[arg(long, default_value = "ar")]
@@ -28,7 +28,7 @@ pub struct Args {
     /// The draft model of the draft_model route (default: the target itself, i.e. self-drafting).
     #[arg(long)]
     draft_model: Option<String>,
-    #[arg(long, default_value = "../shared/bench/prompts.jsonl")]
+    #[arg(long, default_value = "bench/prompts.jsonl")]
     prompts: PathBuf,
     /// Only the prompts with these ids (comma-separated).
     #[arg(long)]
@@ -85,12 +85,7 @@ fn run<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
             seed: a.seed,
             ..SamplerConfig::default()
         },
-        ignore_eos: false,
-        speculate: true,
-        want_logprob: false,
-        logprobs: 0,
-        constraint: None,
-        store_prefix: None,
+        ..Default::default()
     };
     let mut records = Vec::new();
     for repeat in 0..a.repeat {

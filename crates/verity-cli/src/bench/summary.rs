@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-/// One measured generation (the record format of shared/bench/README.md).
+/// One measured generation (the record format of bench/README.md).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Record {
     pub prompt_id: String,

@@ -10,8 +10,16 @@ pub mod cpu;
 pub mod cuda;
 
 use crate::error::Result;
-use crate::model::hparams::RopeStyle;
 use crate::quant::QMatrix;
+
+/// How RoPE pairs the dimensions of a head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs `(2i, 2i+1)`: GGUF llama files (the converter permutes Q/K for it).
+    Interleaved,
+    /// Pairs `(i, i + d/2)`: Hugging Face `rotate_half`, GGUF qwen2/qwen3 (ggml NEOX mode).
+    HalfSplit,
+}
 
 /// Which keys each new row may attend to. Committed cache slots (before the batch) are always visible.
 #[derive(Debug, Clone, PartialEq, Eq)]

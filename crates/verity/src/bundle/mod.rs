@@ -4,6 +4,7 @@
 //! model code never sees a format's naming scheme.
 
 pub mod gguf;
+pub mod hparams;
 pub mod mtp;
 mod names;
 pub mod safetensors;
@@ -14,9 +15,9 @@ pub use mtp::{MtpHeadSpec, MtpStatus};
 pub use names::TensorKey;
 
 use crate::error::{Error, Result};
-use crate::model::hparams::{HParams, HfConfig};
 use crate::quant::{GgmlType, MlxAffine, MlxScaleType, QMatrix};
 use gguf::GgufFile;
+use hparams::{HParams, HfConfig};
 use safetensors::{SafetensorsSet, StDtype};
 
 /// The on-disk form of a bundle.

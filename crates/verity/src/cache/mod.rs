@@ -4,7 +4,9 @@
 mod disk;
 mod kv;
 mod prefix;
+mod tiers;
 
 pub use disk::{fnv1a, DiskTier};
 pub use kv::{CacheShape, KvCache, KvCheckpoint};
 pub use prefix::PrefixCache;
+pub use tiers::PrefixTiers;

@@ -3,9 +3,9 @@
 
 use std::sync::Arc;
 
-use super::hparams::{Arch, HParams};
 use super::{run_recorded, Batch, ForwardOutput, LogitRows};
 use crate::backend::{buffer_set_id, AttnMask, AttnShape, Backend, Rope, StepInputs};
+use crate::bundle::hparams::{Arch, HParams};
 use crate::bundle::{Bundle, TensorKey};
 use crate::cache::{CacheShape, KvCache};
 use crate::error::{Error, Result};

@@ -4,7 +4,6 @@
 //! positions with an attention mask, appends their K/V to the cache, and returns logits for the rows asked for
 //! (and, on request, the hidden states after chosen layers).
 
-pub mod hparams;
 mod llama;
 mod mtp;
 

@@ -17,10 +17,11 @@
 
 use std::sync::Arc;
 
-use super::hparams::{HParams, RopeStyle};
 use super::llama::{Layer, Scratch};
 use super::{run_recorded, Model};
+use crate::backend::RopeStyle;
 use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
+use crate::bundle::hparams::HParams;
 use crate::bundle::mtp::Fusion;
 use crate::bundle::{st_matrix, st_token_ids, st_vector, Bundle, MtpStatus, TensorKey};
 use crate::cache::{CacheShape, KvCache};

@@ -32,15 +32,14 @@ pub const HF_BUNDLES: &[&str] = &[
 
 /// SmolLM2-135M-Instruct Q4_1, fetched into verity's cache on first use (as `verity fetch` does).
 pub fn smollm2() -> PathBuf {
-    verity::registry::resolve(verity::registry::DEFAULT_MODEL, &mut |_, _| {})
+    verity_registry::resolve(verity_registry::DEFAULT_MODEL, &mut |_, _| {})
         .expect("fetching smollm2-135m")
 }
 
 /// SmolLM2-135M-Instruct with verity's trained MTP head: the bundle folder `verity fetch smollm2-135m-mtp`
 /// assembles.
 pub fn smollm2_mtp() -> PathBuf {
-    verity::registry::resolve("smollm2-135m-mtp", &mut |_, _| {})
-        .expect("fetching smollm2-135m-mtp")
+    verity_registry::resolve("smollm2-135m-mtp", &mut |_, _| {}).expect("fetching smollm2-135m-mtp")
 }
 
 /// The default backend (8-bit activations for the formats with integer kernels).

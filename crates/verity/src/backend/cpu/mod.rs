@@ -9,6 +9,7 @@ mod matmul;
 mod ops;
 mod packed;
 mod pool;
+mod q8;
 mod qmatmul;
 pub mod simd;
 

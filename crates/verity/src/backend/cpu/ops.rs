@@ -2,7 +2,7 @@
 
 use super::math;
 use super::simd::{self, dot};
-use crate::model::hparams::RopeStyle;
+use crate::backend::RopeStyle;
 
 pub fn rms_norm(x: &[f32], w: &[f32], rows: usize, dim: usize, eps: f32, out: &mut [f32]) {
     for r in 0..rows {

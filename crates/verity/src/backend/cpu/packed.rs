@@ -20,7 +20,7 @@
 //! `acc = 0; per block: i = Σ w·x` (an exact integer; Q4_0 weights are `q - 8`), `acc = fma(d·x.d, i, acc)`,
 //! and for Q4_1 `acc = fma(m, x.s, acc)` (`x.s = x.d·Σx`).
 
-use super::qmatmul::Q8Block;
+use super::q8::Q8Block;
 use super::simd::Int8Isa;
 use crate::quant::{GgmlType, QMatrix, WeightFormat};
 use half::f16;
@@ -110,7 +110,7 @@ impl Packed {
     }
 
     /// Columns `16g..16g+16` for the activation rows `xs` (at most [`ROWS`]), each row's blocks quantized by
-    /// `qmatmul::quantize_row`: `out[r][t]` is column `16g+t` of row `r` (0 for padding columns).
+    /// `q8::quantize_row`: `out[r][t]` is column `16g+t` of row `r` (0 for padding columns).
     pub fn group(&self, isa: Int8Isa, g: usize, xs: &[&[Q8Block]], out: &mut [[f32; GROUP]; ROWS]) {
         assert!(g < self.groups() && xs.len() <= ROWS);
         assert!(xs.iter().all(|x| x.len() >= self.blocks));
@@ -397,7 +397,7 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::qmatmul::{quantize_row, ZERO_BLOCK};
+    use super::super::q8::{quantize_row, ZERO_BLOCK};
     use super::*;
     use crate::storage::Bytes;
 

@@ -74,9 +74,9 @@ use launch::{addr, Arg};
 use recorded::Recorded;
 use rope::{RopeKey, RopeTable};
 
+use crate::backend::RopeStyle;
 use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
 use crate::error::{Error, Result};
-use crate::model::hparams::RopeStyle;
 use crate::quant::{GgmlType, QMatrix, WeightFormat};
 
 const SOURCE: &str = include_str!("kernels.cu");
@@ -407,7 +407,7 @@ fn load_kernels(
         .map(|ptx| ptx.to_src())
         .map_err(|e| err("kernel compilation", &e))
     };
-    let dir = crate::registry::cache_dir().ok();
+    let dir = crate::storage::cache_dir().ok();
     let (ptx, cached) = ptx_cache::get_or_compile(dir.as_deref(), key, compile)?;
     match ctx.load_module(Ptx::from_src(ptx)) {
         Ok(module) => Ok(module),

@@ -47,7 +47,7 @@ impl RopeTable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::hparams::RopeStyle;
+    use crate::backend::RopeStyle;
 
     #[test]
     fn positions_read_back_rope_angle_in_any_order() {

@@ -40,6 +40,12 @@ pub trait Proposer: Send {
     /// forget everything past them (its caches roll back to the kept path).
     fn observe(&mut self, drafted: usize, accepted: usize);
 
+    /// Bring the proposer's own state up to `context` without drafting (a cycle another proposer drafts; see
+    /// [`super::copy_first::CopyFirst`]). Stateless proposers have nothing to do.
+    fn catch_up(&mut self, _context: &[u32]) -> Result<()> {
+        Ok(())
+    }
+
     /// Whether the proposer conditions on the target's final hidden states (an MTP head). The engine then runs
     /// the target with hidden-state output and reports committed rows through [`Proposer::observe_hidden`].
     fn wants_hidden(&self) -> bool {

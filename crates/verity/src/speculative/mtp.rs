@@ -16,9 +16,8 @@
 //!   (also across requests: a follow-up turn keeps the head's cache of the shared conversation);
 //!   a gap in the reported hidden states (a restored prefix) restarts the head's cache at the first position it
 //!   can condition; without the hidden state of the position before `pending` the head proposes nothing.
-//! - When the suffix-copy proposer finds a full-length (4-gram) match, its tokens replace the head's drafts for
-//!   that cycle (copying is free, and long matches run long); the head still catches up, so its cache stays
-//!   aligned. The copy proposer learns from the cycles it drafted (its width and its silence after misses).
+//! - [`Proposer::catch_up`] runs the catch-up alone, for a cycle another proposer drafts (the route composes the
+//!   head with copying: [`super::copy_first::CopyFirst`]), so the head's cache stays aligned.
 //! - With sampling, drafts are drawn from the head's processed distribution `q`, reported to the verifier.
 //! - Greedy drafts run as one chain on the backend ([`MtpHead::draft_greedy`]): each recursive step's token is
 //!   the step before's argmax, picked where it lies, so the host queues the catch-up and every step at once and
@@ -27,7 +26,6 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::copy::{SuffixCopy, MAX_MATCH};
 use super::proposer::{Draft, Proposer};
 use crate::backend::Backend;
 use crate::cache::KvCache;
@@ -39,14 +37,6 @@ use crate::sample::{draw, Sampler, SamplerConfig};
 pub const MAX_DEPTH: usize = 8;
 /// Derives the head's random stream from the request seed, distinct from the verifier's.
 const MTP_SEED: u64 = 0x3a7b_9000_0000_0002;
-
-/// Who drafted the current cycle.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Source {
-    None,
-    Head,
-    Copy,
-}
 
 pub struct MtpProposer<B: Backend> {
     head: MtpHead<B>,
@@ -61,8 +51,6 @@ pub struct MtpProposer<B: Backend> {
     /// Target hidden states for positions `hid_start..`, `rows × hidden`.
     hid_start: usize,
     hid: Vec<f32>,
-    copy: SuffixCopy,
-    source: Source,
     sampler: Sampler,
     rng: ChaCha8Rng,
     /// Greedy drafts as one chain on the backend ([`MtpHead::draft_greedy`]); `VERITY_MTP_CHAIN=0`: step by
@@ -83,8 +71,6 @@ impl<B: Backend> MtpProposer<B> {
             committed: 0,
             hid_start: 0,
             hid: Vec::new(),
-            copy: SuffixCopy::new(),
-            source: Source::None,
             sampler: Sampler::new(sampling)?,
             rng: ChaCha8Rng::seed_from_u64(sampling.seed ^ MTP_SEED),
             chain: !matches!(std::env::var("VERITY_MTP_CHAIN").as_deref(), Ok("0")),
@@ -127,6 +113,55 @@ impl<B: Backend> MtpProposer<B> {
         let q = self.sampler.distribution(&full, history);
         (draw(&q, self.rng.random()), Some(q))
     }
+
+    /// Align the head with `context` and find the positions its catch-up covers, `next..=n` (`n`: the position
+    /// of `pending`); `None` when the target's hidden state before `pending` is not known yet.
+    fn prepare(&mut self, context: &[u32]) -> Option<(usize, usize)> {
+        if context.len() < 2 {
+            return None;
+        }
+        let n = context.len() - 1;
+        self.align(context);
+        let hid_end = self.hid_start + self.hidden_rows(); // hidden known for positions < hid_end
+        if self.hid.is_empty() || hid_end < n || self.hid_start >= n {
+            return None;
+        }
+        let mut next = self.first + self.cached.len();
+        if self.cached.is_empty() || next < self.hid_start + 1 {
+            // Start (or restart) the head's cache where the target's hidden states begin.
+            self.first = self.hid_start + 1;
+            self.cached.clear();
+            self.cache.truncate(0);
+            next = self.first;
+        } else if next > n {
+            // Asked again without a commit in between: redo position `n` only.
+            let keep = n - self.first;
+            self.cached.truncate(keep);
+            self.cache.truncate(keep);
+            next = n;
+        }
+        Some((next, n))
+    }
+
+    /// The head over positions `next..=n`, each row conditioned on the target's hidden state of the one before;
+    /// the last row's output predicts draft 1.
+    fn run_catch_up(&mut self, context: &[u32], next: usize, n: usize) -> Result<HeadOutput> {
+        let h = self.head.hidden_size();
+        let greedy = self.greedy();
+        let rows = &self.hid[(next - 1 - self.hid_start) * h..(n - self.hid_start) * h];
+        let out = self.head.draft(
+            &mut self.cache,
+            &context[next..=n],
+            next,
+            HeadInput::Host(rows),
+            greedy,
+        )?;
+        self.cached.extend_from_slice(&context[next..=n]);
+        self.committed = self.cache.len();
+        // Consumed: the next catch-up starts at n + 1 and needs h_n onwards, which the next verify reports.
+        self.hid.clear();
+        Ok(out)
+    }
 }
 
 impl<B: Backend> Proposer for MtpProposer<B> {
@@ -137,7 +172,6 @@ impl<B: Backend> Proposer for MtpProposer<B> {
     fn reset(&mut self, sampling: &SamplerConfig) {
         self.sampler = Sampler::new(*sampling).expect("validated by the request");
         self.rng = ChaCha8Rng::seed_from_u64(sampling.seed ^ MTP_SEED);
-        self.copy.reset(sampling);
         // The head's cache is kept: the next propose rolls it back to the prefix the new context shares (a
         // follow-up turn continues where the last one ended instead of recomputing the conversation).
         self.hid.clear();
@@ -163,41 +197,18 @@ impl<B: Backend> Proposer for MtpProposer<B> {
     }
 
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft> {
-        self.source = Source::None;
-        if k == 0 || context.len() < 2 {
+        if k == 0 {
             return Ok(Draft::default());
         }
-        let h = self.head.hidden_size();
-        let n = context.len() - 1; // position of `pending`
-        self.align(context);
-        let hid_end = self.hid_start + self.hidden_rows(); // hidden known for positions < hid_end
-        if self.hid.is_empty() || hid_end < n || self.hid_start >= n {
-            return Ok(Draft::default()); // the hidden state before `pending` is not known yet
-        }
-        let mut next = self.first + self.cached.len();
-        if self.cached.is_empty() || next < self.hid_start + 1 {
-            // Start (or restart) the head's cache where the target's hidden states begin.
-            self.first = self.hid_start + 1;
-            self.cached.clear();
-            self.cache.truncate(0);
-            next = self.first;
-        } else if next > n {
-            // Asked again without a commit in between: redo position `n` only.
-            let keep = n - self.first;
-            self.cached.truncate(keep);
-            self.cache.truncate(keep);
-            next = n;
-        }
-        let greedy = self.greedy();
-        let copied = match self.copy.lookup(context, k) {
-            Some((m, tokens)) if m == MAX_MATCH && tokens.len() >= 2 => Some(tokens),
-            _ => None,
+        let Some((next, n)) = self.prepare(context) else {
+            return Ok(Draft::default());
         };
-        // Catch up on positions next..=n, each conditioned on the target's hidden state of the one before.
-        let rows = &self.hid[(next - 1 - self.hid_start) * h..(n - self.hid_start) * h];
-        if greedy && copied.is_none() && self.chain {
+        let greedy = self.greedy();
+        if greedy && self.chain {
             // Every draft step's inputs but its token are known ahead: the catch-up and the recursive steps run
             // as one chain on the backend, with one download (as many steps as the head cache holds).
+            let h = self.head.hidden_size();
+            let rows = &self.hid[(next - 1 - self.hid_start) * h..(n - self.hid_start) * h];
             let caught = n + 1 - next;
             let before = self.cache.len();
             let room = self.cache.max_capacity().saturating_sub(before + caught);
@@ -208,26 +219,9 @@ impl<B: Backend> Proposer for MtpProposer<B> {
             self.cached.extend_from_slice(&context[next..=n]);
             self.committed = before + caught;
             self.hid.clear();
-            self.source = Source::Head;
             return Ok(Draft::deterministic(tokens));
         }
-        let mut out = self.head.draft(
-            &mut self.cache,
-            &context[next..=n],
-            next,
-            HeadInput::Host(rows),
-            greedy,
-        )?;
-        self.cached.extend_from_slice(&context[next..=n]);
-        self.committed = self.cache.len();
-        // Consumed: the next catch-up starts at n + 1 and needs h_n onwards, which the next verify reports.
-        self.hid.clear();
-
-        if let Some(tokens) = copied {
-            self.source = Source::Copy;
-            return Ok(Draft::deterministic(tokens));
-        }
-        self.source = Source::Head;
+        let mut out = self.run_catch_up(context, next, n)?;
         let mut draft = Draft::default();
         let mut history = context.to_vec();
         for i in 0..k.min(MAX_DEPTH) {
@@ -248,11 +242,14 @@ impl<B: Backend> Proposer for MtpProposer<B> {
         Ok(draft)
     }
 
-    fn observe(&mut self, drafted: usize, accepted: usize) {
-        self.cache.truncate(self.committed);
-        if self.source == Source::Copy {
-            self.copy.observe(drafted, accepted);
+    fn catch_up(&mut self, context: &[u32]) -> Result<()> {
+        if let Some((next, n)) = self.prepare(context) {
+            self.run_catch_up(context, next, n)?;
         }
-        self.source = Source::None;
+        Ok(())
+    }
+
+    fn observe(&mut self, _drafted: usize, _accepted: usize) {
+        self.cache.truncate(self.committed);
     }
 }

@@ -2,7 +2,7 @@
 //! with one whole file (they serialize on a lock file), and a present file is not fetched again; the MTP bundle
 //! is assembled from those weights and verity's trained head.
 
-use verity::registry::{fetch_in, known, DEFAULT_MODEL};
+use verity_registry::{fetch_in, known, DEFAULT_MODEL};
 
 #[test]
 fn concurrent_fetches_into_an_empty_cache_agree_on_one_whole_file() {

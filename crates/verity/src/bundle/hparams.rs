@@ -2,7 +2,8 @@
 
 use serde::Deserialize;
 
-use crate::bundle::gguf::GgufFile;
+use super::gguf::GgufFile;
+use crate::backend::RopeStyle;
 use crate::error::{Error, Result};
 
 /// The architectures verity implements.
@@ -21,15 +22,6 @@ impl Arch {
             Arch::Qwen3 => "qwen3",
         }
     }
-}
-
-/// How RoPE pairs the dimensions of a head.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RopeStyle {
-    /// Adjacent pairs `(2i, 2i+1)`: GGUF llama files (the converter permutes Q/K for it).
-    Interleaved,
-    /// Pairs `(i, i + d/2)`: Hugging Face `rotate_half`, GGUF qwen2/qwen3 (ggml NEOX mode).
-    HalfSplit,
 }
 
 #[derive(Debug, Clone, PartialEq)]

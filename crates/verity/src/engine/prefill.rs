@@ -1,0 +1,99 @@
+//! Prefill: bring a session's cache to a prompt, restoring the longest cached prefix first and storing the
+//! canonical checkpoint on the way.
+
+use std::time::Instant;
+
+use super::{Engine, Session};
+use crate::backend::Backend;
+use crate::error::Result;
+use crate::model::{Batch, LogitRows};
+use crate::speculative::Proposer;
+
+/// Rows per prefill forward: large enough to amortize weight reads, small enough to bound scratch memory.
+pub const PREFILL_CHUNK: usize = 64;
+
+/// What prefill reused and what storing cost.
+pub(super) struct Prefilled {
+    /// Prompt tokens whose state came from the session or the prefix cache.
+    pub restored: usize,
+    /// Seconds spent storing the checkpoint.
+    pub store_s: f64,
+}
+
+impl<B: Backend> Engine<B> {
+    /// Keep a checkpoint of the session's committed state for `tokens`, in RAM and on disk; returns the seconds
+    /// it took.
+    pub(super) fn store_checkpoint(&mut self, sess: &Session<B>, tokens: &[u32]) -> f64 {
+        let t = Instant::now();
+        let ckpt = sess.cache.checkpoint(self.model.backend());
+        self.prefix.store(tokens, ckpt);
+        t.elapsed().as_secs_f64()
+    }
+
+    /// Bring the session's cache to `prompt[..len - 1]`, reusing the session's cached prefix or the longest
+    /// prefix-cache checkpoint, whichever is longer; the last prompt token stays out of the cache (it starts the
+    /// first decode cycle). A checkpoint is stored when prefill passes `store_at`.
+    pub(super) fn prefill(
+        &mut self,
+        sess: &mut Session<B>,
+        prompt: &[u32],
+        store_at: Option<usize>,
+        proposer: Option<&mut (dyn Proposer + 'static)>,
+    ) -> Result<Prefilled> {
+        let body = &prompt[..prompt.len() - 1];
+        let mut common = sess
+            .tokens
+            .iter()
+            .zip(body)
+            .take_while(|(a, b)| a == b)
+            .count();
+        let backend = self.model.backend();
+        let restored = self
+            .prefix
+            .restore_longest(body, common, |ckpt| sess.cache.restore(backend, ckpt))?;
+        if let Some(m) = restored {
+            sess.hidden.truncate(0);
+            sess.tokens.clear();
+            sess.tokens.extend_from_slice(&body[..m]);
+            common = m;
+        }
+        sess.truncate(common);
+        let h = self.model.hp.hidden;
+        let store_at = store_at.filter(|&b| b > common && b <= body.len() && self.prefix.enabled());
+        let wants_hidden = proposer.as_deref().is_some_and(|p| p.wants_hidden());
+        let mut store_s = 0.0;
+        let mut pos = common;
+        while pos < body.len() {
+            // Chunks end at the canonical boundary so the checkpoint is taken exactly there.
+            let end = match store_at {
+                Some(b) if pos < b => (pos + PREFILL_CHUNK).min(b),
+                _ => (pos + PREFILL_CHUNK).min(body.len()),
+            };
+            let chunk = &body[pos..end];
+            let batch = Batch::causal(chunk, pos);
+            if wants_hidden {
+                let out =
+                    self.model
+                        .forward_with_hidden(&mut sess.cache, &batch, LogitRows::None)?;
+                sess.hidden.push(pos, &out.final_hidden, h);
+            } else {
+                self.model
+                    .forward(&mut sess.cache, &batch, LogitRows::None, &[])?;
+            }
+            sess.tokens.extend_from_slice(chunk);
+            pos = end;
+            if Some(pos) == store_at {
+                store_s = self.store_checkpoint(sess, &body[..pos]);
+            }
+        }
+        if let Some(p) = proposer.filter(|p| p.wants_hidden()) {
+            if sess.hidden.end() == body.len() && !sess.hidden.rows.is_empty() {
+                p.observe_hidden(sess.hidden.start, &sess.hidden.rows);
+            }
+        }
+        Ok(Prefilled {
+            restored: common,
+            store_s,
+        })
+    }
+}

@@ -1,0 +1,64 @@
+//! A conversation's model state between turns.
+
+use crate::backend::Backend;
+use crate::cache::KvCache;
+
+/// A conversation's model state: the cache and the tokens whose K/V it holds.
+pub struct Session<B: Backend> {
+    pub cache: KvCache<B>,
+    pub tokens: Vec<u32>,
+    /// The target's final hidden states of committed positions, kept while the route's proposer conditions on
+    /// them (an MTP head), so that a follow-up turn's head sees the whole conversation, not only the new part.
+    pub(super) hidden: HiddenTrail,
+}
+
+impl<B: Backend> Session<B> {
+    pub(super) fn new(cache: KvCache<B>) -> Self {
+        Session {
+            cache,
+            tokens: Vec::new(),
+            hidden: HiddenTrail::default(),
+        }
+    }
+
+    /// Forget everything from position `pos` on: cache, tokens and hidden states.
+    pub(super) fn truncate(&mut self, pos: usize) {
+        self.cache.truncate(pos);
+        self.tokens.truncate(pos);
+        self.hidden.truncate(pos);
+    }
+}
+
+/// Final hidden states of a contiguous run of committed positions `start..start + rows`.
+#[derive(Debug, Default)]
+pub(super) struct HiddenTrail {
+    pub(super) start: usize,
+    width: usize,
+    pub(super) rows: Vec<f32>,
+}
+
+impl HiddenTrail {
+    pub(super) fn end(&self) -> usize {
+        self.start + self.rows.len().checked_div(self.width).unwrap_or(0)
+    }
+
+    /// Forget positions `pos..`.
+    pub(super) fn truncate(&mut self, pos: usize) {
+        if pos <= self.start {
+            self.rows.clear();
+            self.start = pos;
+        } else if pos < self.end() {
+            self.rows.truncate((pos - self.start) * self.width);
+        }
+    }
+
+    /// Rows for positions `pos..`: appended when they continue the run, else they start a new one.
+    pub(super) fn push(&mut self, pos: usize, rows: &[f32], width: usize) {
+        if self.width != width || pos != self.end() {
+            self.rows.clear();
+            self.start = pos;
+            self.width = width;
+        }
+        self.rows.extend_from_slice(rows);
+    }
+}

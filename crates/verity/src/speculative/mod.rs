@@ -1,0 +1,27 @@
+//! Lossless speculative decoding: propose → verify in one W-row forward → accept → commit.
+//!
+//! Invariants every route keeps:
+//! - **Greedy is exact.** The verify forward is row-exact (each row's logits are bitwise the 1-row AR step's),
+//!   the verifier takes the target's own choice at every position, and the cache keeps only the verified path;
+//!   so the emitted tokens and the cache contents equal those of AR decoding, byte for byte.
+//! - **Sampling is lossless.** Drafts are accepted by rejection sampling against the processed target
+//!   distribution (see [`verify`]), so every emitted token has the AR sampler's distribution.
+//! - **Commit or roll back everything.** After each cycle the target cache and every proposer's state are
+//!   truncated to the kept path; nothing of a rejected draft survives.
+//!
+//! The decode loop ([`crate::engine`]) knows proposers only through [`Proposer`]; the [`Controller`] picks each
+//! cycle's width from measured costs and learned acceptance.
+
+pub mod controller;
+pub mod copy;
+pub mod copy_first;
+pub mod draft_model;
+pub mod mtp;
+pub mod proposer;
+mod route;
+pub mod verify;
+
+pub use controller::Controller;
+pub use proposer::{Draft, Proposer};
+pub use route::{build, plan, Plan, Route, SpecMode};
+pub use verify::{Verdict, Verifier};
