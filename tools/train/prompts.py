@@ -1,7 +1,7 @@
 """Training-instruction generator for the SmolLM2-135M MTP head (self-distillation data).
 
 Every prompt is produced here from templates x topics (all text written for this project).
-It does not read the benchmark prompts (/work/shared/bench/prompts.jsonl) or anything derived from them.
+It does not read the benchmark prompts (bench/prompts.jsonl) or anything derived from them.
 
 `build_conversations(seed)` returns a deterministic list of conversations:
     {"id": str, "kind": str, "turns": [user_text, ...]}
