@@ -76,8 +76,7 @@ pub enum HeadInput<'a> {
     Host(&'a [f32]),
     /// The last row of the previous forward's outputs, where that forward left it (one row: a recursive draft
     /// step). On a GPU the state never crosses to the host between draft steps — fewer transfers, though not a
-    /// measurable speed-up (H200, session 11: drafting 0.117-0.118 ms per MTP cycle vs 0.115-0.123 through the
-    /// host: the head's own forwards are the cost).
+    /// measurable speed-up: the head's own forwards are the cost of drafting, not the transfers.
     Last,
 }
 

@@ -527,20 +527,21 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
 // Two schedules, chosen by the host per launch (neither changes any row's arithmetic):
 // - narrow (a CTA per 16-column tile): its warps take the tile's blocks in turn and leave their integer
 //   sums in shared memory, chunk by chunk; one thread per (column, row) then runs the sequential chain. Many
-//   warps per tile for the small projections, whose tiles are few (16 rather than 8: H200, W=1 0.67 vs 0.75 ms
-//   a forward, W=8 0.91 vs 1.07 — fewer blocks per warp, one staging pass for twice the items).
+//   warps per tile for the small projections, whose tiles are few (16 rather than 8: fewer blocks per warp and
+//   one staging pass for twice the items, faster at every row count measured: BENCHMARKS.md, "Verify cost by
+//   width").
 // - wide (a warp per tile): each warp runs its tile's blocks in order and keeps the chains in its MMA fragment
 //   registers. For the output layer, whose tiles are many. QM_WARPS (16) warps per CTA, one CTA per SM: each
-//   CTA stages x once for 16 tiles, in one pass of its 512 threads up to 8 rows (8 warps took three at W=8: H200,
-//   context 256, W=8 0.695-0.703 vs 0.702-0.707 ms, W=1 within 0.01).
+//   CTA stages x once for 16 tiles, in one pass of its 512 threads up to 8 rows (8 warps take three passes at 8
+//   rows: 16 are faster there, no slower at one row; measured: BENCHMARKS.md, "Verify cost by width").
 #ifndef QM_WARPS
 #define QM_WARPS 16  // warps (tiles) of a wide-schedule CTA (set by the host: its `wide_warps`)
 #endif
 #define QM_STRIDE 20      // ints per (block, row) of exchanged sums: 16 columns, padded against bank conflicts
 // Warps of a narrow-schedule CTA: NQ_WARPS for launches of up to 3 rows, NQ_WARPS_ROWS for more (set by the
 // host at compilation: 16 and 24, or 4..32 for side-by-side measurements; past 16 the registers spill a little).
-// More warps take fewer blocks each, which pays once the rows make each block's work longer (H200: 24 warps
-// W=8 0.86 vs 0.91 ms, W=1 0.69 vs 0.68).
+// More warps take fewer blocks each, which pays once the rows make each block's work longer; at one row the
+// extra warps gain nothing, hence two counts (measured: BENCHMARKS.md, "Verify cost by width").
 #ifndef NQ_WARPS
 #define NQ_WARPS 16
 #endif
@@ -624,13 +625,14 @@ __device__ __forceinline__ u32 pack_q8(float v0, float v1, float v2, float v3) {
 
 // Quantization with L = 4 or 2 threads per 32-value block, 32 / L values each: log2(L) butterfly steps instead
 // of three, and the block's scale divided out once per 32 / L values instead of once per 4 — the staging is
-// bound by its instructions, not its loads (H200 A/B: copying x to shared memory first changed nothing, fewer
-// lanes per block took W=1 from 0.81 to 0.75 ms and W=8 from 1.46 to 1.13). The same arithmetic per value (max
-// is exact in any order, the integer sums exact), so the same bits as the eight-lane loop.
+// bound by its instructions, not its loads (copying x to shared memory first changed nothing; fewer lanes per
+// block made it faster at every width, most at 8 rows; measured: BENCHMARKS.md, "Verify cost by width"). The
+// same arithmetic per value (max is exact in any order, the integer sums exact), so the same bits as the
+// eight-lane loop.
 //
 // With `norm_once` (a norm, and every item in one pass: the caller checks) the RMS norm's sums come from the
-// values this pass loads: x is read once, not once for the norm and again for the quantization (H200, context
-// 256: W=1 0.61-0.62 vs 0.62-0.63 ms, W=8 0.71-0.72 vs 0.74-0.75). The sums keep `norm_scales`' order: each
+// values this pass loads: x is read once, not once for the norm and again for the quantization, faster at every
+// width measured (BENCHMARKS.md, "Verify cost by width"). The sums keep `norm_scales`' order: each
 // block's 4-value partials t_0..t_7 reduced as ((t0 + t4) + (t2 + t6)) + ((t1 + t5) + (t3 + t7)), the blocks
 // then added in order, so the same bits.
 template <int L>
@@ -1409,8 +1411,8 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
             float a[HEADS];
 #pragma unroll
             for (int g = 0; g < HEADS; g++) a[g] = 0.f;
-            // The weights four slots at a time: one shared load per head for four FMAs, the same FMAs in order
-            // (H200, ctx 256: W=1 0.60-0.62 vs 0.61-0.63 ms a forward, W=8 0.70-0.71 vs 0.72-0.73).
+            // The weights four slots at a time: one shared load per head for four FMAs, the same FMAs in order;
+            // fewer shared loads, faster at every width measured (BENCHMARKS.md, "Verify cost by width").
 #pragma unroll
             for (int j4 = 0; j4 < ATT_CHUNK / 16; j4++) {
                 float4 p[HEADS];

@@ -31,10 +31,10 @@
 //! Q/K/V projections with their input norm, RoPE and the cache write in one launch (the integer kernel's
 //! epilogue; the angles come with the step, `rope.rs`), the gate/up projections with their norm and the SwiGLU
 //! in one, the final norm with the output projection, and the output projections adding into the residual
-//! stream. With graphs and PDL the launches' own cost is small (H200: a forward whose kernels return at once,
-//! `-DLAUNCH_FLOOR`, takes 0.08 of 0.68 ms): what remains is the kernels' bodies — by knockouts
-//! (`-DKO_STAGE`, `-DKO_ATT`, `-DKO_CHAIN`; H200, W=1, context 256, 0.65 ms a step) the staging of x into the
-//! projections ~0.17 ms, attention ~0.15, the per-(column, row) chains ~0.07.
+//! stream. With graphs and PDL the launches' own cost is a small part of a forward (a forward whose kernels
+//! return at once, `-DLAUNCH_FLOOR`, takes a fraction of a real one): what remains is the kernels' bodies — by
+//! knockouts (`-DKO_STAGE`, `-DKO_ATT`, `-DKO_CHAIN`) chiefly the staging of x into the projections and
+//! attention, then the per-(column, row) chains.
 //!
 //! Attention is split over 64-slot chunks (a block per chunk of the cache's capacity, of which as many work as
 //! the step's context has chunks; fewer blocks, each taking chunks in turn, where a wave would not hold them)
@@ -116,9 +116,8 @@ const ATT_HEADS: usize = 4;
 /// beside others' CTAs).
 const ATT_RESIDENT_PER_SM: usize = 4;
 /// Attention grids of up to this many blocks per SM run the early-load variant (78-88 registers: 2-3 per SM
-/// alone, so a grid of 4 per SM runs in two waves at most). H200, context 256, a block per chunk of the
-/// context: W=8 0.79 ms at 4 vs 0.82-0.83 at 2, the other widths the same (session 10, start 3, a block per
-/// head, 76 registers then).
+/// alone, so a grid of 4 per SM runs in two waves at most). Four rather than two: the early loads still pay over
+/// two waves, faster at 8 rows and the same at other widths (measured: BENCHMARKS.md, "Verify cost by width").
 const ATT_AHEAD_PER_SM: usize = 4;
 /// Blocks per row of the argmax kernel (`kernels.cu`'s `argmax_rows`).
 const ARGMAX_PARTS: usize = 16;
@@ -299,15 +298,14 @@ fn q_shared(rows: usize, k: usize, wide: bool, mats: usize) -> (usize, usize) {
 /// while a block per (row, head, chunk) leaves no SM more than two (`sms`), else the largest divisor of the GQA
 /// group (query heads per KV head) up to ATT_HEADS; `forced` (up to ATT_HEADS) replaces the rule. A block of
 /// several heads loads each K and V value once for all of them (fewer blocks, a chunk read once per KV head),
-/// but its own chain is longer, which costs where the blocks per head fit the GPU anyway. H200, SmolLM2 (groups
-/// of 3), ms with a block per head vs per group (session 11, start 2; rowcost's caches hold the context and
-/// 32 slots): context 256 (5 chunks) W=1 0.62-0.63 vs 0.64-0.65, W=2 0.63-0.64 vs 0.64-0.65, W=4 0.66-0.67 vs
-/// 0.65-0.66, W=8 0.84-0.85 vs 0.74-0.75; context 1024 (17 chunks) W=1 0.69-0.70 vs 0.69-0.71, W=2 0.80 vs
-/// 0.71-0.72; context 16 (1 chunk) within 0.01 at every width. The rule counts the capacity's chunks (a
-/// recorded launch serves every context the cache holds), up to twice the context's: hence two per SM, which
-/// picks the faster count, or one within 0.01 ms of it, at every rowcost point above. MTP's verify per cycle
-/// (separate starts): 0.632-0.636 ms at two per SM, 0.641-0.650 at one. Every query's arithmetic is the same
-/// at any count (the same bits: `rowexact` under each), so the count may follow the rows.
+/// but its own chain is longer, which costs where the blocks per head fit the GPU anyway: with SmolLM2's groups
+/// of 3, a block per group is faster from 4 rows over a short context and from 2 over a long one, a block per
+/// head at 1-2 rows over a short one, and a one-chunk context does not care. The rule counts the capacity's
+/// chunks (a recorded launch serves every context the cache holds), up to twice the context's: hence two per
+/// SM, which picks the faster count, or one within noise of it, at every width and context measured, and
+/// makes MTP's verify faster than one per SM does (measured: BENCHMARKS.md, "Verify cost by width"). Every
+/// query's arithmetic is the same at any count (the same bits: `rowexact` under each), so the count may follow
+/// the rows.
 fn att_heads(
     n_heads: usize,
     n_kv_heads: usize,
@@ -331,15 +329,14 @@ fn att_heads(
 /// Row groups of a narrow projection launch of `tiles` CTAs and `rows` rows of `k` values (`threads` per
 /// many-row CTA, `sms` on the device), each group's rows a launch of their own (`kernels.cu`'s
 /// `qmatmuls_body`). Past 8 rows, where one CTA would pad its rows to 16 (two MMA n-tiles, twice the exchange),
-/// as many groups as leave no CTA waiting for an SM: H200, W=16 0.98 vs 1.11 ms. At 8 rows or fewer (unless
+/// as many groups as leave no CTA waiting for an SM, which is faster at 16 rows. At 8 rows or fewer (unless
 /// `split_rows` is false), two groups where both CTAs of a tile fit the SMs together, each group keeps the
 /// many-row kernel and stages its rows in one pass of four threads per block (shorter staging and chains per
 /// CTA), and the launch is not a Q/K/V projection with RoPE fused (attention's blocks start while it runs,
-/// loading their first chunk, on the SMs it leaves free). H200, context 256, 6 interleaved rounds (o and down
-/// split at W=7 and 8): W=8 0.697-0.708 vs 0.706-0.718 ms, W=1 the same (ratio median 1.1515 vs 1.1635);
-/// splitting the Q/K/V launch too: W=8 0.734-0.744 vs 0.702-0.705; groups of three rows (W=5, 6, in the few-row
-/// kernel): 0.74 vs 0.67. No bits depend on it: a (column, row)'s arithmetic is the same in any group
-/// (`rowexact`, the admission).
+/// loading their first chunk, on the SMs it leaves free). Splitting o and down at 7-8 rows makes 8-row verifies
+/// faster and one-row steps no slower; splitting the Q/K/V launch too, or groups of three rows (at 5-6 rows, in
+/// the few-row kernel), is slower (measured: BENCHMARKS.md, "Verify cost by width"). No bits depend on it: a
+/// (column, row)'s arithmetic is the same in any group (`rowexact`, the admission).
 fn row_groups(
     tiles: usize,
     rows: usize,
@@ -581,12 +578,11 @@ impl CudaBackend {
     /// `capacity` slots: a block per 64-slot chunk of the capacity, so that no block takes two chunks in turn
     /// (the kernel puts only as many blocks to work as the step's context has chunks; the others return at
     /// once), capped where 4 blocks per SM would not hold the grid (at ATT_SPLIT, or more where a wave allows)
-    /// and at ATT_SPLIT_MAX. H200, W=1/2/4/8/16 ms, this rule (with the early-load variant up to 4 blocks per
-    /// SM) vs the row-count-only one (29 blocks at W=1, else 8; early loads up to 2 per SM), both with the idle
-    /// blocks' early return: context 256 0.64/0.64/0.66/0.77-0.78/0.97-0.98 vs 0.63/0.64/0.72/0.81-0.82/0.97;
-    /// context 1024 0.73/0.76/0.96-0.97/1.13-1.14/1.49-1.50 vs 0.72-0.73/0.93/1.02-1.04/1.13-1.14/1.49-1.50;
-    /// context 16 W=16 0.85 vs 0.80 (the one loss). No bits depend on it: every chunk's record is the same
-    /// whichever block computes it, and the combine reads them in chunk order.
+    /// and at ATT_SPLIT_MAX. Against the row-count-only rule (the branch with `att_split_by_context` off), each
+    /// with its own early-load limit (4 blocks per SM here, 2 there), this one is faster at 4-8 rows over a
+    /// 256-slot context and at 2-4 over a 1024-slot one, within noise elsewhere; its one loss is 16 rows over a
+    /// one-chunk context (measured: BENCHMARKS.md, "Verify cost by width"). No bits depend on it: every chunk's
+    /// record is the same whichever block computes it, and the combine reads them in chunk order.
     fn att_split(&self, row_heads: usize, capacity: usize) -> usize {
         if let Some(forced) = self.att_split {
             return forced;
