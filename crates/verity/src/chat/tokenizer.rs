@@ -1,6 +1,7 @@
 //! The tokenizer of a bundle: the `tokenizers` crate over `tokenizer.json` (or its GGUF equivalent), plus the
 //! special tokens that matter to generation (BOS, EOS, end-of-turn).
 
+use std::ops::Range;
 use std::path::Path;
 
 use serde_json::Value;
@@ -23,6 +24,11 @@ const END_OF_TURN: &[&str] = &[
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The same tokenizer reading special-token text as plain text: for what users wrote, where only the chat
+    /// template's own markers may be control tokens.
+    literal: tokenizers::Tokenizer,
+    /// The text of every special (control) token.
+    special_texts: Vec<String>,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
     /// Prepend BOS when encoding a prompt.
@@ -124,8 +130,18 @@ impl Tokenizer {
                 }
             }
         }
+        let mut literal = inner.clone();
+        literal.set_encode_special_tokens(true);
+        let special_texts = inner
+            .get_added_tokens_decoder()
+            .values()
+            .filter(|t| t.special && !t.content.is_empty())
+            .map(|t| t.content.clone())
+            .collect();
         Tokenizer {
             inner,
+            literal,
+            special_texts,
             bos,
             eos,
             add_bos: add_bos && bos.is_some(),
@@ -137,19 +153,53 @@ impl Tokenizer {
     /// Encode text; special-token strings in it (e.g. from a rendered chat template) become their tokens.
     /// With `add_bos`, BOS is prepended if the tokenizer asks for it and the text does not already start with it.
     pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode(text, false)
-            .map_err(|e| Error::Tokenizer(e.to_string()))?;
-        let mut ids = Vec::with_capacity(enc.len() + 1);
+        self.encode_with_literals(text, &[], add_bos)
+    }
+
+    /// Encode text whose byte ranges `literals` (sorted, disjoint) are what a user wrote: special-token text
+    /// inside them stays text, so a message cannot forge the template's turn markers. The rest is encoded as
+    /// [`Tokenizer::encode`] does. Each literal range is encoded on its own, so token merges never cross its
+    /// edges.
+    pub fn encode_with_literals(
+        &self,
+        text: &str,
+        literals: &[Range<usize>],
+        add_bos: bool,
+    ) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        let mut piece = |tok: &tokenizers::Tokenizer, part: &str| -> Result<()> {
+            if !part.is_empty() {
+                let enc = tok
+                    .encode(part, false)
+                    .map_err(|e| Error::Tokenizer(e.to_string()))?;
+                ids.extend_from_slice(enc.get_ids());
+            }
+            Ok(())
+        };
+        let mut at = 0;
+        for r in literals {
+            let (Some(before), Some(lit)) = (text.get(at..r.start), text.get(r.clone())) else {
+                return Err(Error::Invalid(format!(
+                    "literal range {r:?} is not ordered within the text or splits a character"
+                )));
+            };
+            piece(&self.inner, before)?;
+            piece(&self.literal, lit)?;
+            at = r.end;
+        }
+        piece(&self.inner, &text[at..])?;
         if add_bos && self.add_bos {
             let bos = self.bos.expect("add_bos implies bos");
-            if enc.get_ids().first() != Some(&bos) {
-                ids.push(bos);
+            if ids.first() != Some(&bos) {
+                ids.insert(0, bos);
             }
         }
-        ids.extend_from_slice(enc.get_ids());
         Ok(ids)
+    }
+
+    /// Whether `text` holds the text of a special (control) token.
+    pub fn mentions_special(&self, text: &str) -> bool {
+        self.special_texts.iter().any(|s| text.contains(s.as_str()))
     }
 
     /// Decode ids to text, dropping special tokens.

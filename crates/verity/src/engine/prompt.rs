@@ -1,10 +1,17 @@
 //! Prompts: a conversation rendered through the bundle's chat template (or as raw text for a base model) and
 //! tokenized, with the canonical boundary where a prefix-cache checkpoint is worth storing.
 
+use std::ops::Range;
+
 use super::Engine;
 use crate::backend::Backend;
-use crate::chat::{tools, Message, TemplateArgs};
-use crate::error::Result;
+use crate::chat::{tools, ChatTemplate, Message, TemplateArgs};
+use crate::error::{Error, Result};
+
+/// Private-use characters that mark where a message's content lies in a rendering, so that special-token text
+/// a user wrote is encoded as text ([`crate::chat::Tokenizer::encode_with_literals`]).
+const OPEN: char = '\u{F8F0}';
+const CLOSE: char = '\u{F8F1}';
 
 /// A conversation rendered for the model.
 #[derive(Debug, Clone)]
@@ -33,9 +40,13 @@ impl<B: Backend> Engine<B> {
     /// through its system message ([`crate::chat::tools`]).
     pub fn render_chat(&self, messages: &[Message], args: &TemplateArgs) -> Result<ChatPrompt> {
         let Some(t) = &self.template else {
+            // A base model's prompt is all user text: nothing in it is a control token.
             let text: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
+            let text = text.join("\n");
             return Ok(ChatPrompt {
-                tokens: self.tokenizer.encode(&text.join("\n"), true)?,
+                tokens: self
+                    .tokenizer
+                    .encode_with_literals(&text, &[0..text.len()], true)?,
                 boundary: None,
                 opens_reasoning: false,
             });
@@ -52,11 +63,8 @@ impl<B: Backend> Engine<B> {
         } else {
             (messages, args)
         };
-        let text = t.render(messages, true, args)?;
-        let tokens = self.tokenizer.encode(&text, true)?;
-        let head = self
-            .tokenizer
-            .encode(&t.render(messages, false, args)?, true)?;
+        let (text, tokens) = self.encode_rendering(t, messages, true, args)?;
+        let (_, head) = self.encode_rendering(t, messages, false, args)?;
         let boundary =
             (head.len() < tokens.len() && tokens.starts_with(&head)).then_some(head.len());
         Ok(ChatPrompt {
@@ -65,4 +73,69 @@ impl<B: Backend> Engine<B> {
             opens_reasoning: t.knows_reasoning() && text.trim_end().ends_with("<think>"),
         })
     }
+
+    /// Render `messages` and encode the rendering, with the template's markers as control tokens and the
+    /// messages' contents as text. Only where a content holds special-token text does this differ from encoding
+    /// the rendering whole: the contents are then located by rendering them between marker characters.
+    fn encode_rendering(
+        &self,
+        t: &ChatTemplate,
+        messages: &[Message],
+        generation_prompt: bool,
+        args: &TemplateArgs,
+    ) -> Result<(String, Vec<u32>)> {
+        let text = t.render(messages, generation_prompt, args)?;
+        if !messages
+            .iter()
+            .any(|m| self.tokenizer.mentions_special(&m.content))
+        {
+            let tokens = self.tokenizer.encode(&text, true)?;
+            return Ok((text, tokens));
+        }
+        let marked: Vec<Message> = messages
+            .iter()
+            .map(|m| {
+                if m.content.contains([OPEN, CLOSE]) {
+                    return Err(Error::Invalid(
+                        "a message holds the private-use characters U+F8F0/U+F8F1".into(),
+                    ));
+                }
+                let mut m = m.clone();
+                if self.tokenizer.mentions_special(&m.content) {
+                    m.content = format!("{OPEN}{}{CLOSE}", m.content);
+                }
+                Ok(m)
+            })
+            .collect::<Result<_>>()?;
+        let literals = content_ranges(&t.render(&marked, generation_prompt, args)?, &text)
+            .ok_or_else(|| {
+                Error::Invalid(
+                    "a message holds the text of a control token, and this chat template does not pass \
+                     message contents through verbatim, so it cannot be kept as text"
+                        .into(),
+                )
+            })?;
+        let tokens = self
+            .tokenizer
+            .encode_with_literals(&text, &literals, true)?;
+        Ok((text, tokens))
+    }
+}
+
+/// The byte ranges of `plain` that `marked` (the same rendering with some contents between [`OPEN`] and
+/// [`CLOSE`]) marks; `None` unless the markers pair up and removing them gives exactly `plain` (a template that
+/// trims or rewrites a content would otherwise shift the ranges).
+fn content_ranges(marked: &str, plain: &str) -> Option<Vec<Range<usize>>> {
+    let mut stripped = String::with_capacity(plain.len());
+    let mut ranges = Vec::new();
+    let mut open = None;
+    for c in marked.chars() {
+        match c {
+            OPEN if open.is_none() => open = Some(stripped.len()),
+            CLOSE => ranges.push(open.take()?..stripped.len()),
+            OPEN => return None,
+            c => stripped.push(c),
+        }
+    }
+    (open.is_none() && stripped == plain).then_some(ranges)
 }
