@@ -145,7 +145,8 @@ impl Bundle {
                 .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
                 .map_or(0, |d| d.as_nanos());
             let len = meta.map_or(0, |m| m.len());
-            desc.extend(format!(" {} {len} {modified}", f.display()).bytes());
+            // Not the path: a bundle moved or copied whole (keeping its times) keeps its checkpoints.
+            desc.extend(format!(" {len} {modified}").bytes());
         }
         crate::cache::fnv1a(&desc, 0)
     }
