@@ -23,17 +23,15 @@
 //! numerics, token ids, shapes), each layer's K and V as little-endian f32, then the XXH3-128 of all the bytes
 //! before it, little-endian. Written by hand because no crate stores this.
 
-use std::collections::BTreeSet;
 use std::fs::File;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
 use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64, xxh3_64_with_seed};
 
+use super::temp_file::{temp_in_progress, TempFile, TEMP_PREFIX};
 use super::KvCheckpoint;
 
 const MAGIC: &[u8; 8] = b"VRTYKV02";
@@ -44,10 +42,6 @@ const PREFIX: usize = 12;
 const CHECKSUM: usize = 16;
 /// Headers larger than this are not ours (a million token ids is ~8 MB of JSON).
 const MAX_HEADER: u32 = 16 << 20;
-/// Where a process's liveness cannot be asked, a temporary file older than this is taken for a store whose
-/// process died (a store takes milliseconds to seconds); younger ones may be another process's store in progress.
-const STALE_STORE: std::time::Duration = std::time::Duration::from_secs(600);
-const TEMP_PREFIX: &str = ".tmp-";
 
 /// FNV-1a, 64 bit: a stable hash for short descriptions (std's hasher is not stable across releases).
 pub fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
@@ -137,109 +131,6 @@ fn create_private_dir(dir: &Path) -> std::io::Result<()> {
     #[cfg(unix)]
     std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
     Ok(())
-}
-
-/// Names of the temporary files this process is writing now (any tier; names are unique in a process): at
-/// open, a temporary file named with this process's id but not listed here was left by an earlier process that
-/// had the same id (containers reuse ids).
-fn stores_in_progress() -> std::sync::MutexGuard<'static, BTreeSet<String>> {
-    static LIVE: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
-    LIVE.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// A store's temporary file, private to the owner; removed when dropped unless it was renamed into place, so
-/// that no error path of a store leaves it behind.
-struct TempFile {
-    name: String,
-    path: PathBuf,
-    file: Option<File>,
-}
-
-impl TempFile {
-    fn create(dir: &Path, final_name: &str) -> std::io::Result<Self> {
-        static SEQ: AtomicU64 = AtomicU64::new(0);
-        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-        let name = format!("{TEMP_PREFIX}{}-{seq}-{final_name}", std::process::id());
-        let path = dir.join(&name);
-        let mut options = std::fs::OpenOptions::new();
-        options.write(true).create_new(true);
-        #[cfg(unix)]
-        std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
-        stores_in_progress().insert(name.clone());
-        match options.open(&path) {
-            Ok(file) => Ok(TempFile {
-                name,
-                path,
-                file: Some(file),
-            }),
-            Err(e) => {
-                stores_in_progress().remove(&name);
-                Err(e)
-            }
-        }
-    }
-
-    fn file(&mut self) -> &mut File {
-        self.file.as_mut().expect("open until persisted")
-    }
-
-    /// Rename into place; on failure the drop removes the temporary file.
-    fn persist(mut self, to: &Path) -> std::io::Result<()> {
-        drop(self.file.take());
-        std::fs::rename(&self.path, to)?;
-        stores_in_progress().remove(&self.name);
-        self.path = PathBuf::new();
-        Ok(())
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        if self.path.as_os_str().is_empty() {
-            return;
-        }
-        drop(self.file.take());
-        if let Err(e) = std::fs::remove_file(&self.path) {
-            tracing::warn!("prefix cache: cannot remove {}: {e}", self.path.display());
-        }
-        stores_in_progress().remove(&self.name);
-    }
-}
-
-/// The id of the process that writes a temporary file (from its name).
-fn temp_owner(name: &str) -> Option<u32> {
-    name.strip_prefix(TEMP_PREFIX)?
-        .split('-')
-        .next()?
-        .parse()
-        .ok()
-}
-
-/// Whether process `pid` exists, where the system can say.
-fn process_exists(pid: u32) -> Option<bool> {
-    #[cfg(target_os = "linux")]
-    {
-        if Path::new("/proc/self").exists() {
-            return Some(Path::new("/proc").join(pid.to_string()).exists());
-        }
-    }
-    let _ = pid;
-    None
-}
-
-/// Whether a temporary file may still become a checkpoint: its store is in progress in this process, or in
-/// another process that exists (or, where that cannot be asked, it is recent).
-fn temp_in_progress(name: &str, modified: Option<SystemTime>) -> bool {
-    let owner = temp_owner(name);
-    if owner == Some(std::process::id()) {
-        return stores_in_progress().contains(name);
-    }
-    match owner.and_then(process_exists) {
-        Some(exists) => exists,
-        None => modified
-            .and_then(|t| t.elapsed().ok())
-            .is_none_or(|age| age <= STALE_STORE),
-    }
 }
 
 impl DiskTier {
@@ -418,14 +309,16 @@ impl DiskTier {
         if h.tokens != tokens {
             return Err(Rejected::Changed);
         }
-        let per = h.tokens.len() * h.kv_dim;
-        let floats: Vec<f32> = body[start..]
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        let layers = floats
+        let floats = |bytes: &[u8]| -> Vec<f32> {
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        };
+        let per = h.tokens.len() * h.kv_dim * 4;
+        let layers = body[start..]
             .chunks_exact(2 * per)
-            .map(|l| (l[..per].to_vec(), l[per..].to_vec()))
+            .map(|l| (floats(&l[..per]), floats(&l[per..])))
             .collect();
         Ok(KvCheckpoint::from_parts(h.tokens.len(), h.kv_dim, layers))
     }

@@ -4,6 +4,7 @@
 mod disk;
 mod kv;
 mod prefix;
+mod temp_file;
 
 pub use disk::{fnv1a, DiskTier};
 pub use kv::{CacheShape, KvCache, KvCheckpoint};
