@@ -82,7 +82,13 @@ impl Bundle {
         };
         let hparams = match &source {
             Source::Gguf(g) => HParams::from_gguf(g)?,
-            Source::Safetensors { config, .. } => HParams::from_hf(config)?,
+            // A value out of range is the file's fault: name it.
+            Source::Safetensors { dir, config, .. } => {
+                HParams::from_hf(config).map_err(|e| match e {
+                    Error::Invalid(m) => Error::malformed(dir.join("config.json"), m),
+                    e => e,
+                })?
+            }
         };
         let (mtp, mtp_tensors) = find_mtp(path, meta.is_dir(), &source, &hparams);
         Ok(Bundle {
