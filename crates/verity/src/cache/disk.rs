@@ -120,6 +120,41 @@ fn folder_name(model: u64, numerics: &str) -> String {
     format!("{:016x}", xxh3_64_with_seed(numerics.as_bytes(), model))
 }
 
+/// Remove the checkpoints of earlier formats in every model's folder under `root`: their folders were named by
+/// an earlier fingerprint, so no tier of this version opens them, and they would hold disk outside any quota.
+/// Only files that carry an earlier `VRTYKV` magic, in folders named as tiers name them, are touched.
+fn remove_previous_formats(root: &Path) {
+    let Ok(folders) = std::fs::read_dir(root) else {
+        return;
+    };
+    let tier_folder = |name: &str| name.len() == 16 && name.bytes().all(|b| b.is_ascii_hexdigit());
+    for folder in folders.flatten() {
+        if !tier_folder(&folder.file_name().to_string_lossy()) {
+            continue;
+        }
+        let Ok(files) = std::fs::read_dir(folder.path()) else {
+            continue;
+        };
+        let mut removed = false;
+        for f in files.flatten() {
+            let path = f.path();
+            if path.extension().is_none_or(|x| x != EXT) {
+                continue;
+            }
+            let mut magic = [0u8; 8];
+            let read = File::open(&path).and_then(|mut h| h.read_exact(&mut magic));
+            if read.is_ok() && magic.starts_with(b"VRTYKV") && &magic != MAGIC {
+                removed |= std::fs::remove_file(&path).is_ok();
+            }
+        }
+        // A folder that only held old files (never a current tier's folder that is merely empty so far, which
+        // another process may have just made).
+        if removed {
+            let _ = std::fs::remove_dir(folder.path());
+        }
+    }
+}
+
 /// Create `dir` (and missing parents) private to the owner.
 fn create_private_dir(dir: &Path) -> std::io::Result<()> {
     let mut builder = std::fs::DirBuilder::new();
@@ -146,6 +181,7 @@ impl DiskTier {
         quota: u64,
     ) -> Option<Self> {
         let dir = root.join(folder_name(model, numerics));
+        remove_previous_formats(root);
         if let Err(e) = create_private_dir(&dir) {
             tracing::warn!(
                 "prefix cache folder {}: {e}; the disk tier is off",
@@ -669,6 +705,21 @@ mod tests {
         bytes[..8].copy_from_slice(b"VRTYKV01");
         std::fs::write(&path, bytes).unwrap();
         assert_nothing_restores(&root, &[&[1, 2, 3]], "VRTYKV01");
+        // In the folder of an earlier fingerprint, which no tier opens any more: removed too, with the folder.
+        let old_folder = root.join("00000000deadbeef");
+        std::fs::create_dir_all(&old_folder).unwrap();
+        std::fs::write(old_folder.join("0123.vkv"), b"VRTYKV01 and the rest").unwrap();
+        // Another model's current checkpoints, and files that are not checkpoints, are left alone.
+        let mut other =
+            DiskTier::open(&root, MODEL + 1, NUMERICS, LAYERS, KV_DIM, 1 << 20).unwrap();
+        other.store(&[1, 2, 3], &checkpoint(3, 1.0));
+        let foreign = root.join("not-a-tier");
+        std::fs::create_dir_all(&foreign).unwrap();
+        std::fs::write(foreign.join("x.vkv"), b"VRTYKV01").unwrap();
+        open(&root);
+        assert!(!old_folder.exists());
+        assert!(other.longest(&[1, 2, 3]).is_some());
+        assert!(foreign.join("x.vkv").exists());
         std::fs::remove_dir_all(&root).unwrap();
     }
 
