@@ -180,7 +180,9 @@ impl DiskTier {
         kv_dim: usize,
         quota: u64,
     ) -> Option<Self> {
-        let dir = root.join(folder_name(model, numerics));
+        // verity's version too: a release may change how a kernel rounds.
+        let numerics = format!("verity {} {numerics}", env!("CARGO_PKG_VERSION"));
+        let dir = root.join(folder_name(model, &numerics));
         remove_previous_formats(root);
         if let Err(e) = create_private_dir(&dir) {
             tracing::warn!(
@@ -192,7 +194,7 @@ impl DiskTier {
         let mut tier = DiskTier {
             dir,
             model: format!("{model:016x}"),
-            numerics: numerics.to_string(),
+            numerics,
             quota,
             n_layers,
             kv_dim,
