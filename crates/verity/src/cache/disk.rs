@@ -771,7 +771,7 @@ mod tests {
         std::fs::write(dir.join(&live), [0u8; 1000]).unwrap();
         std::fs::write(dir.join(&reused), [0u8; 10]).unwrap();
         let mut t = open(&root);
-        assert_eq!(files(&dir), [live.clone()]);
+        assert_eq!(files(&dir), std::slice::from_ref(&live));
         // The quota holds the live temporary file and one checkpoint, not two.
         let one = t.encode(&[5, 6, 7], &checkpoint(3, 1.0)).unwrap().len() as u64;
         t.quota = 1000 + one + one / 2;
