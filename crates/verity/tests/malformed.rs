@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use common::*;
 use verity::bundle::gguf::parse_header;
 use verity::bundle::Bundle;
+use verity::chat::Tokenizer;
 use verity::model::Model;
 use verity::Error;
 
@@ -15,6 +16,7 @@ enum V {
     U32(u32),
     F32(f32),
     Str(&'static str),
+    Strs(&'static [&'static str]),
 }
 
 struct Tensor {
@@ -51,6 +53,14 @@ fn gguf(kvs: &[(&str, V)], tensors: &[Tensor]) -> Vec<u8> {
             V::Str(s) => {
                 b.extend(8u32.to_le_bytes());
                 put_str(&mut b, s);
+            }
+            V::Strs(list) => {
+                b.extend(9u32.to_le_bytes());
+                b.extend(8u32.to_le_bytes());
+                b.extend((list.len() as u64).to_le_bytes());
+                for s in list.iter() {
+                    put_str(&mut b, s);
+                }
             }
         }
     }
@@ -417,4 +427,240 @@ fn an_index_entry_whose_shard_lacks_the_tensor_does_not_count() {
         Bundle::open(&d).map(|b| Model::load(&b, backend())),
         Ok(Err(Error::Tensor { .. }))
     ));
+}
+
+/// `kvs` with `key` set to `value` (replaced where present, else appended).
+fn with(mut kvs: Vec<(&'static str, V)>, key: &'static str, value: V) -> Vec<(&'static str, V)> {
+    match kvs.iter_mut().find(|(k, _)| *k == key) {
+        Some(kv) => kv.1 = value,
+        None => kvs.push((key, value)),
+    }
+    kvs
+}
+
+#[test]
+fn non_finite_or_inconsistent_gguf_hyper_parameters_are_rejected_with_the_file_named() {
+    let dir = scratch("hparams");
+    let cases: Vec<(&str, &str, V, &[&str])> = vec![
+        (
+            "inf-theta",
+            "llama.rope.freq_base",
+            V::F32(f32::INFINITY),
+            &["rope_theta inf"],
+        ),
+        (
+            "nan-theta",
+            "llama.rope.freq_base",
+            V::F32(f32::NAN),
+            &["rope_theta NaN"],
+        ),
+        (
+            "text-theta",
+            "llama.rope.freq_base",
+            V::Str("10000"),
+            &["llama.rope.freq_base is not a number"],
+        ),
+        (
+            "nan-eps",
+            "llama.attention.layer_norm_rms_epsilon",
+            V::F32(f32::NAN),
+            &["rms_eps NaN"],
+        ),
+        (
+            "rope-dims",
+            "llama.rope.dimension_count",
+            V::U32(8),
+            &["rope.dimension_count is 8", "16 dimensions"],
+        ),
+        (
+            "rope-dims-wide",
+            "llama.rope.dimension_count",
+            V::U32(32),
+            &["rope.dimension_count is 32"],
+        ),
+        (
+            "context-zero",
+            "llama.context_length",
+            V::U32(0),
+            &["context length 0"],
+        ),
+        (
+            "context-huge",
+            "llama.context_length",
+            V::U32((1 << 24) + 1),
+            &["context length 16777217"],
+        ),
+        (
+            "context-max",
+            "llama.context_length",
+            V::U32(u32::MAX),
+            &["context length 4294967295"],
+        ),
+        (
+            "context-text",
+            "llama.context_length",
+            V::Str("4096"),
+            &["llama.context_length"],
+        ),
+    ];
+    for (name, key, value, needles) in cases {
+        let file = format!("{name}.gguf");
+        let kvs = with(tiny_llama_kvs("llama"), key, value);
+        let path = write(&dir, &file, &gguf(&kvs, &tiny_llama_tensors()));
+        let mut needles = needles.to_vec();
+        needles.push(&file);
+        assert_err(&path, &needles);
+    }
+    // The limits themselves are fine: a whole-head rotation and the longest context.
+    let kvs = with(
+        tiny_llama_kvs("llama"),
+        "llama.rope.dimension_count",
+        V::U32(16),
+    );
+    let kvs = with(kvs, "llama.context_length", V::U32(1 << 24));
+    let path = write(&dir, "limits.gguf", &gguf(&kvs, &tiny_llama_tensors()));
+    let hp = Bundle::open(&path).unwrap().hparams;
+    assert_eq!(hp.context_len, 1 << 24);
+}
+
+/// A copy of the `llama-f32` fixture bundle with `edit` applied to its config.json (as JSON).
+fn edited_hf_bundle(name: &str, edit: impl Fn(&mut serde_json::Value)) -> PathBuf {
+    let good = hf_bundle("llama-f32");
+    let d = scratch(name);
+    for f in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(good.join(f), d.join(f)).unwrap();
+    }
+    let mut cfg = json(&good.join("config.json"));
+    edit(&mut cfg);
+    write(&d, "config.json", cfg.to_string().as_bytes());
+    d
+}
+
+#[test]
+fn non_finite_or_absurd_config_json_values_are_rejected_with_the_file_named() {
+    let cases: Vec<(&str, serde_json::Value, &[&str])> = vec![
+        // Finite in JSON (which has no inf or NaN), infinite as the f32 the forward uses.
+        (
+            "st-theta-huge",
+            serde_json::json!({"rope_theta": 1e39}),
+            &["config.json", "rope_theta inf"],
+        ),
+        (
+            "st-theta-zero",
+            serde_json::json!({"rope_theta": 0.0}),
+            &["config.json", "rope_theta 0"],
+        ),
+        (
+            "st-theta-text",
+            serde_json::json!({"rope_theta": null, "rope_parameters": {"rope_theta": "big", "rope_type": "default"}}),
+            &["rope_parameters.rope_theta is not a number"],
+        ),
+        (
+            "st-partial",
+            serde_json::json!({"partial_rotary_factor": 0.5}),
+            &["partial_rotary_factor 0.5"],
+        ),
+        (
+            "st-context-zero",
+            serde_json::json!({"max_position_embeddings": 0}),
+            &["config.json", "context length 0"],
+        ),
+        (
+            "st-context-huge",
+            serde_json::json!({"max_position_embeddings": 1u64 << 40}),
+            &["config.json", "context length 1099511627776"],
+        ),
+        (
+            "st-context-negative",
+            serde_json::json!({"max_position_embeddings": -1}),
+            &["config.json"],
+        ),
+    ];
+    for (name, fields, needles) in cases {
+        let d = edited_hf_bundle(name, |cfg| {
+            for (k, v) in fields.as_object().unwrap() {
+                cfg[k] = v.clone();
+            }
+        });
+        assert_err(&d, needles);
+    }
+}
+
+fn tokenizer_err(path: &Path) -> String {
+    let bundle = Bundle::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    match Tokenizer::from_bundle(&bundle) {
+        Ok(t) => panic!("{}: EOS {:?} accepted", path.display(), t.eos),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn an_eos_or_bos_id_outside_the_vocabulary_is_rejected() {
+    // config.json's EOS counts where tokenizer_config.json names none.
+    let without_eos = |d: &Path| {
+        let mut tc = json(&d.join("tokenizer_config.json"));
+        tc["eos_token"] = serde_json::Value::Null;
+        write(d, "tokenizer_config.json", tc.to_string().as_bytes());
+    };
+    let ok = edited_hf_bundle("eos-ok", |cfg| cfg["eos_token_id"] = 2.into());
+    without_eos(&ok);
+    let t = Tokenizer::from_bundle(&Bundle::open(&ok).unwrap()).unwrap();
+    assert_eq!(t.eos, Some(2));
+    let vocab = t.vocab_size() as u64;
+    for (name, key, id) in [
+        ("eos-past", "eos_token_id", vocab),
+        // Past u32: must not wrap around into the vocabulary.
+        ("eos-wraps", "eos_token_id", (1u64 << 32) + 2),
+        ("bos-past", "bos_token_id", vocab + 5),
+    ] {
+        let d = edited_hf_bundle(name, |cfg| cfg[key] = id.into());
+        without_eos(&d);
+        let msg = tokenizer_err(&d);
+        for needle in ["config.json", "outside the vocabulary", &id.to_string()] {
+            assert!(msg.contains(needle), "{name}: {msg:?} lacks {needle:?}");
+        }
+    }
+
+    // GGUF: a byte-level vocabulary of 8 tokens.
+    let dir = scratch("eos-gguf");
+    let vocab_kvs = |eos: u32| {
+        let kvs = with(
+            tiny_llama_kvs("llama"),
+            "tokenizer.ggml.model",
+            V::Str("gpt2"),
+        );
+        let kvs = with(
+            kvs,
+            "tokenizer.ggml.tokens",
+            V::Strs(&["a", "b", "c", "d", "e", "f", "g", "h"]),
+        );
+        let kvs = with(kvs, "tokenizer.ggml.merges", V::Strs(&[]));
+        with(kvs, "tokenizer.ggml.eos_token_id", V::U32(eos))
+    };
+    let ok = write(
+        &dir,
+        "eos-ok.gguf",
+        &gguf(&vocab_kvs(7), &tiny_llama_tensors()),
+    );
+    assert_eq!(
+        Tokenizer::from_bundle(&Bundle::open(&ok).unwrap())
+            .unwrap()
+            .eos,
+        Some(7)
+    );
+    let bad = write(
+        &dir,
+        "eos-past.gguf",
+        &gguf(&vocab_kvs(8), &tiny_llama_tensors()),
+    );
+    let msg = tokenizer_err(&bad);
+    assert!(
+        msg.contains("eos-past.gguf")
+            && msg.contains("EOS id 8 is outside the vocabulary (8 tokens)"),
+        "{msg:?}"
+    );
 }

@@ -4,6 +4,9 @@
 mod common;
 
 use common::*;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
 use verity::backend::cpu::CpuBackend;
 use verity::chat::{Message, TemplateArgs};
 use verity::engine::{Engine, GenerateRequest, Session};
@@ -130,38 +133,31 @@ fn the_disk_tier_survives_a_restart_and_rejects_damaged_files() {
     };
     // Damage every stored file in a different way; each must be rejected.
     let files = longest();
+    let intact = std::fs::read(&files[0]).unwrap();
     for (i, f) in files.iter().enumerate() {
         let mut bytes = std::fs::read(f).unwrap();
         match i % 2 {
             0 => {
                 let n = bytes.len();
-                bytes[n - 7] ^= 0x40; // corrupt the data: checksum mismatch
+                bytes[n - 23] ^= 0x40; // corrupt the data (before the 16-byte checksum): checksum mismatch
             }
             _ => bytes.truncate(bytes.len() - 100), // truncated
         }
         std::fs::write(f, bytes).unwrap();
     }
-    // A half-written store of a process that died an hour ago, one in progress in a live process (left
-    // alone), and a foreign model's file.
-    let dead = dir.join(".tmp-999-x.vkv");
-    std::fs::write(&dead, b"VRTYKV01 partial").unwrap();
-    std::fs::File::options()
-        .write(true)
-        .open(&dead)
-        .unwrap()
-        .set_modified(std::time::SystemTime::now() - std::time::Duration::from_secs(3600))
-        .unwrap();
-    std::fs::write(dir.join(".tmp-998-y.vkv"), b"VRTYKV01 in progress").unwrap();
-    let foreign = std::fs::read(&files[0]).unwrap();
-    let foreign = String::from_utf8_lossy(&foreign).replacen(
-        &format!(
-            "\"fingerprint\":\"{}\"",
-            dir.file_name().unwrap().to_string_lossy()
-        ),
-        "\"fingerprint\":\"0000000000000000\"",
-        1,
-    );
-    std::fs::write(dir.join("foreign.vkv"), foreign.as_bytes()).unwrap();
+    // A half-written store of a process that no longer exists (above the kernel's largest process id; written
+    // just now: its age does not matter), one in progress in a live process (process 1; left alone), and a
+    // foreign model's file.
+    std::fs::write(dir.join(".tmp-4194304-0-x.vkv"), b"VRTYKV02 partial").unwrap();
+    std::fs::write(dir.join(".tmp-1-0-y.vkv"), b"VRTYKV02 in progress").unwrap();
+    let mut foreign = intact;
+    let at = foreign
+        .windows(9)
+        .position(|w| w == b"\"model\":\"")
+        .expect("a model field")
+        + 9;
+    foreign[at..at + 16].copy_from_slice(b"0000000000000000");
+    std::fs::write(dir.join("foreign.vkv"), &foreign).unwrap();
     assert_eq!(
         restart(false),
         cold,
@@ -174,11 +170,11 @@ fn the_disk_tier_survives_a_restart_and_rejects_damaged_files() {
         .collect();
     assert!(
         left.iter()
-            .all(|n| n != ".tmp-999-x.vkv" && n != "foreign.vkv"),
+            .all(|n| n != ".tmp-4194304-0-x.vkv" && n != "foreign.vkv"),
         "rejected files are removed: {left:?}"
     );
     assert!(
-        left.iter().any(|n| n == ".tmp-998-y.vkv"),
+        left.iter().any(|n| n == ".tmp-1-0-y.vkv"),
         "another process's store in progress is left alone: {left:?}"
     );
     std::fs::remove_dir_all(&root).unwrap();
@@ -195,4 +191,129 @@ fn an_unusable_cache_folder_turns_the_disk_tier_off_without_affecting_answers() 
         &[Message::new("user", "What is the capital of Japan?")],
     );
     assert!(text.contains("Tokyo"), "{text:?}");
+}
+
+/// A scratch folder for one test, empty.
+fn scratch(test: &str) -> PathBuf {
+    let root = std::env::temp_dir().join(format!("verity-{test}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    root
+}
+
+/// Turn 1 of a conversation on `model` with the disk tier under `root` (storing its checkpoints), and the
+/// messages of turn 2.
+fn first_turn(model: &Path, be: Arc<CpuBackend>, root: &Path) -> Vec<Message> {
+    let mut e = Engine::load(model, be, &SpecMode::Off).unwrap();
+    assert!(e.set_prefix_cache_dir(root, 1 << 30));
+    let mut s = e.new_session();
+    let mut msgs = vec![Message::new("user", "Name three colors of the rainbow.")];
+    let (a1, _, _) = turn(&mut e, &mut s, &msgs);
+    assert!(!e.prefix_disk().unwrap().list().is_empty());
+    msgs.push(Message::new("assistant", &a1));
+    msgs.push(Message::new("user", "And three more?"));
+    msgs
+}
+
+/// Turn 2 on `model` in a new engine: with the disk tier under `root` (the answer and the restored tokens),
+/// or with no cache at all (`root` = None).
+fn second_turn(
+    model: &Path,
+    be: Arc<CpuBackend>,
+    root: Option<&Path>,
+    msgs: &[Message],
+) -> (String, usize) {
+    let mut e = Engine::load(model, be, &SpecMode::Off).unwrap();
+    if let Some(root) = root {
+        assert!(e.set_prefix_cache_dir(root, 1 << 30));
+    }
+    let mut s = e.new_session();
+    let (text, restored, _) = turn(&mut e, &mut s, msgs);
+    (text, restored)
+}
+
+/// A copy of the bundle's GGUF in `dir` with the original's modification time, and `change` applied to the
+/// data of tensor `name`.
+fn copy_gguf(dir: &Path, name: &str, change: impl Fn(&mut [u8])) -> PathBuf {
+    let original = smollm2();
+    let copy = dir.join(original.file_name().unwrap());
+    std::fs::copy(&original, &copy).unwrap();
+    let range = verity::bundle::gguf::GgufFile::open(&copy)
+        .unwrap()
+        .tensor(name)
+        .unwrap_or_else(|| panic!("{name} in the GGUF"))
+        .range
+        .clone();
+    let mut bytes = std::fs::read(&copy).unwrap();
+    change(&mut bytes[range]);
+    std::fs::write(&copy, &bytes).unwrap();
+    let mtime = std::fs::metadata(&original).unwrap().modified().unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&copy)
+        .unwrap()
+        .set_modified(mtime)
+        .unwrap();
+    copy
+}
+
+/// The fingerprint samples the weights: a copy whose only difference is a few bytes at the start of one
+/// tensor (same size, same modification time) never restores the original's checkpoints, and answers like a
+/// cold run of itself; an identical copy does share them (so the check is not vacuous).
+#[test]
+fn a_changed_weight_tensor_never_restores_the_original_models_checkpoints() {
+    let root = scratch("prefix-weights");
+    let msgs = first_turn(&smollm2(), backend(), &root.join("cache"));
+
+    let same_dir = root.join("same");
+    std::fs::create_dir_all(&same_dir).unwrap();
+    let same = copy_gguf(&same_dir, "blk.0.attn_q.weight", |_| {});
+    let (same_text, same_restored) =
+        second_turn(&same, backend(), Some(&root.join("cache")), &msgs);
+    assert!(
+        same_restored > 0,
+        "an identical copy shares the checkpoints"
+    );
+
+    let changed_dir = root.join("changed");
+    std::fs::create_dir_all(&changed_dir).unwrap();
+    let changed = copy_gguf(&changed_dir, "blk.0.attn_q.weight", |data| {
+        // The first Q4_1 blocks' scales and minimums: a different model, still finite.
+        for b in data[..64].iter_mut() {
+            *b ^= 0x01;
+        }
+    });
+    let (warm, restored) = second_turn(&changed, backend(), Some(&root.join("cache")), &msgs);
+    assert_eq!(
+        restored, 0,
+        "the changed model restored the original's checkpoint"
+    );
+    let (cold, _) = second_turn(&changed, backend(), None, &msgs);
+    assert_eq!(
+        warm, cold,
+        "the changed model answers like a cold run of itself"
+    );
+    let (original_cold, _) = second_turn(&smollm2(), backend(), None, &msgs);
+    assert_eq!(same_text, original_cold);
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// Checkpoints computed with 8-bit activations are never restored under f32 activations (the numerics differ
+/// in bits), and the other way round.
+#[test]
+fn checkpoints_of_other_activations_are_never_restored() {
+    let root = scratch("prefix-numerics");
+    let msgs = first_turn(&smollm2(), backend(), &root);
+    let (warm, restored) = second_turn(&smollm2(), f32_backend(), Some(&root), &msgs);
+    assert_eq!(restored, 0, "f32 activations restored a Q8 checkpoint");
+    let (cold, _) = second_turn(&smollm2(), f32_backend(), None, &msgs);
+    assert_eq!(warm, cold);
+    // The f32 run stored its own; Q8 still restores only its own, and answers like a cold Q8 run.
+    let (q8_warm, q8_restored) = second_turn(&smollm2(), backend(), Some(&root), &msgs);
+    assert!(q8_restored > 0);
+    let (q8_cold, _) = second_turn(&smollm2(), backend(), None, &msgs);
+    assert_eq!(q8_warm, q8_cold);
+    let folders = std::fs::read_dir(&root).unwrap().count();
+    assert_eq!(folders, 2, "a folder per numerics");
+    std::fs::remove_dir_all(&root).unwrap();
 }

@@ -99,6 +99,11 @@ pub trait Backend: Send + Sync + 'static {
     type Step: Send;
 
     fn name(&self) -> String;
+    /// Every choice of this backend that changes a bit of a forward's results (the instruction set where the
+    /// paths differ in bits, the activation precision, the kernels' compiler and options), and none that only
+    /// changes speed. Results computed under one string may be reused under the same string only: the prefix
+    /// cache's disk tier keeps a folder per model and numerics.
+    fn numerics(&self) -> String;
 
     fn load_matrix(&self, m: QMatrix) -> Result<Self::Matrix>;
     /// Bytes the matrix occupies on the device.

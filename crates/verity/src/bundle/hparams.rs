@@ -45,10 +45,23 @@ pub struct HParams {
     pub context_len: usize,
 }
 
+/// The longest context a header may declare (16M tokens; the longest real models declare 10M): beyond it a
+/// value is corrupt, and would size caches from nonsense.
+pub const MAX_CONTEXT: usize = 1 << 24;
+
+/// Where a header does not say how long its context is.
+const DEFAULT_CONTEXT: usize = 4096;
+
 impl HParams {
     /// Check the relations the forward relies on, so that a bad header fails here and not in a kernel.
     pub fn validate(&self) -> Result<()> {
-        let bad = |m: String| Err(Error::Invalid(format!("model hyper-parameters: {m}")));
+        self.check()
+            .map_err(|m| Error::Invalid(format!("model hyper-parameters: {m}")))
+    }
+
+    /// [`HParams::validate`]'s check: what is wrong, if anything.
+    fn check(&self) -> std::result::Result<(), String> {
+        let bad = Err;
         if self.n_layers == 0
             || self.hidden == 0
             || self.n_heads == 0
@@ -74,11 +87,21 @@ impl HParams {
         {
             return bad(format!("sizes out of range in {self:?}"));
         }
-        let in_range = self.rms_eps > 0.0 && self.rms_eps < 1.0 && self.rope_theta > 0.0;
+        // Written so that NaN fails too; an infinite base would make every rotation angle 0 or NaN.
+        let in_range = self.rms_eps > 0.0
+            && self.rms_eps < 1.0
+            && self.rope_theta > 0.0
+            && self.rope_theta.is_finite();
         if !in_range {
             return bad(format!(
                 "rms_eps {} / rope_theta {}",
                 self.rms_eps, self.rope_theta
+            ));
+        }
+        if self.context_len == 0 || self.context_len > MAX_CONTEXT {
+            return bad(format!(
+                "context length {} (expected 1 to {MAX_CONTEXT})",
+                self.context_len
             ));
         }
         Ok(())
@@ -110,8 +133,20 @@ impl HParams {
                     Error::malformed(&g.path, format!("{} is missing or not an integer", key(k)))
                 })
         };
-        let float = |k: &str, default: f64| -> f32 {
-            g.get(&key(k)).and_then(|v| v.as_f64()).unwrap_or(default) as f32
+        // Absent: the default; present, a number (or an error: a typo'd type is not a reason to guess).
+        let float = |k: &str, default: f64| -> Result<f32> {
+            match g.get(&key(k)) {
+                None => Ok(default as f32),
+                Some(v) => v.as_f64().map(|x| x as f32).ok_or_else(|| {
+                    Error::malformed(&g.path, format!("{} is not a number: {v:?}", key(k)))
+                }),
+            }
+        };
+        let optional_int = |k: &str| -> Result<Option<usize>> {
+            match g.get(&key(k)) {
+                None => Ok(None),
+                Some(_) => int(k).map(Some),
+            }
         };
         let hidden = int("embedding_length")?;
         let n_heads = int("attention.head_count")?;
@@ -126,6 +161,19 @@ impl HParams {
                 .map(|a| a.len())
                 .ok_or_else(|| Error::malformed(&g.path, "vocabulary size unknown"))?,
         };
+        // verity rotates whole heads: a header that rotates part of one (or more than one) is another model.
+        if let Some(rope_dims) = optional_int("rope.dimension_count")? {
+            if rope_dims != head_dim {
+                return Err(Error::malformed(
+                    &g.path,
+                    format!(
+                        "{} is {rope_dims} but a head has {head_dim} dimensions (partial rotary \
+                         embeddings are not supported)",
+                        key("rope.dimension_count")
+                    ),
+                ));
+            }
+        }
         let tied = g.tensor("output.weight").is_none();
         let hp = HParams {
             arch,
@@ -136,15 +184,16 @@ impl HParams {
             head_dim,
             ffn_hidden: int("feed_forward_length")?,
             vocab,
-            rms_eps: float("attention.layer_norm_rms_epsilon", 1e-5),
-            rope_theta: float("rope.freq_base", 10000.0),
+            rms_eps: float("attention.layer_norm_rms_epsilon", 1e-5)?,
+            rope_theta: float("rope.freq_base", 10000.0)?,
             rope_style,
             tied_embeddings: tied,
             qkv_bias: g.tensor("blk.0.attn_q.bias").is_some(),
             qk_norm: g.tensor("blk.0.attn_q_norm.weight").is_some(),
-            context_len: int("context_length").unwrap_or(4096),
+            context_len: optional_int("context_length")?.unwrap_or(DEFAULT_CONTEXT),
         };
-        hp.validate()?;
+        hp.check()
+            .map_err(|m| Error::malformed(&g.path, format!("model hyper-parameters: {m}")))?;
         Ok(hp)
     }
 
@@ -175,9 +224,24 @@ impl HParams {
                 "rope type {rope_type:?} in config.json (only default RoPE)"
             )));
         }
-        let rope_theta = cfg
-            .rope_theta
-            .or_else(|| params.and_then(|p| p.get("rope_theta")?.as_f64()));
+        let rope_theta = match (cfg.rope_theta, params.and_then(|p| p.get("rope_theta"))) {
+            (Some(theta), _) => Some(theta),
+            (None, None) => None,
+            (None, Some(v)) => Some(v.as_f64().ok_or_else(|| {
+                Error::Invalid(format!(
+                    "config.json rope_parameters.rope_theta is not a number: {v}"
+                ))
+            })?),
+        };
+        let partial = cfg
+            .partial_rotary_factor
+            .or_else(|| params.and_then(|p| p.get("partial_rotary_factor")?.as_f64()));
+        if partial.is_some_and(|f| f != 1.0) {
+            return Err(Error::Unsupported(format!(
+                "config.json partial_rotary_factor {} (verity rotates whole heads)",
+                partial.unwrap_or_default()
+            )));
+        }
         let n_heads = cfg.num_attention_heads;
         let hp = HParams {
             arch,
@@ -199,7 +263,7 @@ impl HParams {
                 _ => cfg.attention_bias.unwrap_or(false),
             },
             qk_norm: arch == Arch::Qwen3,
-            context_len: cfg.max_position_embeddings.unwrap_or(4096),
+            context_len: cfg.max_position_embeddings.unwrap_or(DEFAULT_CONTEXT),
         };
         hp.validate()?;
         Ok(hp)
@@ -224,6 +288,8 @@ pub struct HfConfig {
     pub attention_bias: Option<bool>,
     pub rope_scaling: Option<serde_json::Value>,
     pub rope_parameters: Option<serde_json::Value>,
+    /// The share of each head that RoPE rotates (Phi, StableLM); verity rotates whole heads.
+    pub partial_rotary_factor: Option<f64>,
     pub bos_token_id: Option<serde_json::Value>,
     pub eos_token_id: Option<serde_json::Value>,
     /// MLX affine quantization: `{"group_size": G, "bits": B}`, possibly with per-module overrides.

@@ -83,7 +83,13 @@ impl Bundle {
         };
         let hparams = match &source {
             Source::Gguf(g) => HParams::from_gguf(g)?,
-            Source::Safetensors { config, .. } => HParams::from_hf(config)?,
+            // A value out of range is the file's fault: name it.
+            Source::Safetensors { dir, config, .. } => {
+                HParams::from_hf(config).map_err(|e| match e {
+                    Error::Invalid(m) => Error::malformed(dir.join("config.json"), m),
+                    e => e,
+                })?
+            }
         };
         let (mtp, mtp_tensors) = find_mtp(path, meta.is_dir(), &source, &hparams);
         Ok(Bundle {
@@ -100,18 +106,28 @@ impl Bundle {
         self.mtp_tensors.as_ref()
     }
 
-    /// A stable fingerprint of the model as the headers describe it (metadata, config, tensor directory): two
-    /// bundles with the same fingerprint hold the same weights layout, so their cache checkpoints are
-    /// interchangeable.
+    /// A stable fingerprint of the model's weights: the headers (metadata, config, tensor directory), a sample
+    /// of every tensor's data (its first, middle and last bytes), and each file's size and modification time.
+    /// Two bundles with the same fingerprint compute the same results, so cache checkpoints of one serve the
+    /// other. The sample costs a few pages per tensor instead of a read of the weights; it catches a tensor
+    /// changed at its start, middle or end, and the modification time a change elsewhere (made in place, or by
+    /// a copy that does not keep the time).
     pub fn fingerprint(&self) -> u64 {
-        let desc = match &self.source {
+        let mut desc = Vec::new();
+        let files: Vec<&Path> = match &self.source {
             Source::Gguf(g) => {
                 let tensors: Vec<_> = g
                     .tensors
                     .iter()
                     .map(|t| (&t.name, &t.dims, t.ty.name(), &t.range))
                     .collect();
-                format!("gguf {:?} {:?} {}", g.metadata, tensors, g.file_len())
+                desc.extend(
+                    format!("gguf {:?} {:?} {}", g.metadata, tensors, g.file_len()).bytes(),
+                );
+                for t in &g.tensors {
+                    sample_tensor(g.tensor_bytes(t).as_slice(), &mut desc);
+                }
+                vec![g.path.as_path()]
             }
             Source::Safetensors {
                 config, tensors, ..
@@ -121,10 +137,25 @@ impl Bundle {
                     .iter()
                     .map(|(n, t)| (n, &t.dtype_name, &t.shape, &t.range))
                     .collect();
-                format!("safetensors {config:?} {ts:?}")
+                desc.extend(format!("safetensors {config:?} {ts:?}").bytes());
+                for t in tensors.tensors.values() {
+                    sample_tensor(tensors.bytes(t).as_slice(), &mut desc);
+                }
+                tensors.shards.iter().map(PathBuf::as_path).collect()
             }
         };
-        crate::cache::fnv1a(desc.as_bytes(), 0)
+        for f in files {
+            let meta = std::fs::metadata(f).ok();
+            let modified = meta
+                .as_ref()
+                .and_then(|m| m.modified().ok())
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_nanos());
+            let len = meta.map_or(0, |m| m.len());
+            // Not the path: a bundle moved or copied whole (keeping its times) keeps its checkpoints.
+            desc.extend(format!(" {len} {modified}").bytes());
+        }
+        crate::cache::fnv1a(&desc, 0)
     }
 
     /// The name of a tensor in this bundle's format.
@@ -203,6 +234,19 @@ impl Bundle {
             Source::Safetensors { .. } => "safetensors",
         }
     }
+}
+
+/// Append the first, middle and last bytes of a tensor's data (all of it when it is short) to `out`.
+fn sample_tensor(data: &[u8], out: &mut Vec<u8>) {
+    const SAMPLE: usize = 64;
+    if data.len() <= 3 * SAMPLE {
+        out.extend_from_slice(data);
+        return;
+    }
+    let mid = data.len() / 2 - SAMPLE / 2;
+    out.extend_from_slice(&data[..SAMPLE]);
+    out.extend_from_slice(&data[mid..mid + SAMPLE]);
+    out.extend_from_slice(&data[data.len() - SAMPLE..]);
 }
 
 /// Look for an MTP head: in the main shards first, then in a side file of a bundle folder. A side file that

@@ -4,6 +4,7 @@
 mod disk;
 mod kv;
 mod prefix;
+mod temp_file;
 mod tiers;
 
 pub use disk::{fnv1a, DiskTier};

@@ -47,7 +47,7 @@ impl Tokenizer {
                 let inner =
                     tokenizers::Tokenizer::from_bytes(serde_json::to_vec(&json).expect("json"))
                         .map_err(|e| Error::Tokenizer(format!("{}: {e}", g.path.display())))?;
-                let id = |k: &str| g.get(k).and_then(|v| v.as_u64()).map(|v| v as u32);
+                let id = |k: &str| g.get(k).and_then(|v| v.as_u64());
                 let template = g
                     .get("tokenizer.chat_template")
                     .and_then(|v| v.as_str())
@@ -56,13 +56,14 @@ impl Tokenizer {
                     .get("tokenizer.ggml.add_bos_token")
                     .and_then(|v| v.as_bool())
                     .unwrap_or(false);
-                Ok(Self::assemble(
+                Self::assemble(
+                    &g.path,
                     inner,
                     id("tokenizer.ggml.bos_token_id"),
                     id("tokenizer.ggml.eos_token_id"),
                     add_bos,
                     template,
-                ))
+                )
             }
             Source::Safetensors { dir, config, .. } => {
                 let cfg_eos = config.eos_token_id.as_ref().and_then(first_id);
@@ -72,7 +73,7 @@ impl Tokenizer {
         }
     }
 
-    fn from_dir(dir: &Path, cfg_bos: Option<u32>, cfg_eos: Option<u32>) -> Result<Self> {
+    fn from_dir(dir: &Path, cfg_bos: Option<u64>, cfg_eos: Option<u64>) -> Result<Self> {
         let tj = dir.join("tokenizer.json");
         let inner = tokenizers::Tokenizer::from_file(&tj)
             .map_err(|e| Error::Tokenizer(format!("{}: {e}", tj.display())))?;
@@ -84,12 +85,12 @@ impl Tokenizer {
         } else {
             Value::Null
         };
-        let token_id = |key: &str| -> Option<u32> {
+        let token_id = |key: &str| -> Option<u64> {
             let v = tc.get(key)?;
             let s = v
                 .as_str()
                 .or_else(|| v.get("content").and_then(|c| c.as_str()))?;
-            inner.token_to_id(s)
+            inner.token_to_id(s).map(u64::from)
         };
         let bos = token_id("bos_token").or(cfg_bos);
         let eos = token_id("eos_token").or(cfg_eos);
@@ -109,16 +110,30 @@ impl Tokenizer {
                 std::fs::read_to_string(jinja).ok()
             }
         };
-        Ok(Self::assemble(inner, bos, eos, add_bos, template))
+        Self::assemble(&dir.join("config.json"), inner, bos, eos, add_bos, template)
     }
 
+    /// The tokenizer, once its BOS and EOS ids (as `origin` gives them) are checked to be tokens of it: an id
+    /// past the vocabulary would index past the embedding table, or never stop a generation.
     fn assemble(
+        origin: &Path,
         inner: tokenizers::Tokenizer,
-        bos: Option<u32>,
-        eos: Option<u32>,
+        bos: Option<u64>,
+        eos: Option<u64>,
         add_bos: bool,
         chat_template: Option<String>,
-    ) -> Self {
+    ) -> Result<Self> {
+        let vocab = inner.get_vocab_size(true);
+        let checked = |what: &str, id: Option<u64>| -> Result<Option<u32>> {
+            match id {
+                Some(id) if id >= vocab as u64 => Err(Error::malformed(
+                    origin,
+                    format!("{what} id {id} is outside the vocabulary ({vocab} tokens)"),
+                )),
+                id => Ok(id.map(|i| i as u32)),
+            }
+        };
+        let (bos, eos) = (checked("BOS", bos)?, checked("EOS", eos)?);
         let mut stop_tokens: Vec<u32> = eos.into_iter().collect();
         for s in END_OF_TURN {
             if let Some(id) = inner.token_to_id(s) {
@@ -138,7 +153,7 @@ impl Tokenizer {
             .filter(|t| t.special && !t.content.is_empty())
             .map(|t| t.content.clone())
             .collect();
-        Tokenizer {
+        Ok(Tokenizer {
             inner,
             literal,
             special_texts,
@@ -147,7 +162,7 @@ impl Tokenizer {
             add_bos: add_bos && bos.is_some(),
             stop_tokens,
             chat_template,
-        }
+        })
     }
 
     /// Encode text; special-token strings in it (e.g. from a rendered chat template) become their tokens.
@@ -281,9 +296,9 @@ fn byte_level_byte(c: char) -> Option<u8> {
         .map(|b| b as u8)
 }
 
-fn first_id(v: &Value) -> Option<u32> {
+fn first_id(v: &Value) -> Option<u64> {
     match v {
-        Value::Number(n) => n.as_u64().map(|x| x as u32),
+        Value::Number(n) => n.as_u64(),
         Value::Array(a) => a.first().and_then(first_id),
         _ => None,
     }

@@ -38,7 +38,7 @@ pub struct Engine<B: Backend> {
     proposer: Option<Box<dyn Proposer>>,
     /// Checkpoints of earlier prompts, in RAM and on disk (both off until set).
     prefix: PrefixTiers,
-    /// Identifies the model's layout in the disk tier.
+    /// Identifies the model's weights in the disk tier ([`Bundle::fingerprint`]).
     fingerprint: u64,
     /// Caches of ended sessions, handed to new ones ([`Engine::end_session`]).
     spare: Vec<KvCache<B>>,
@@ -93,13 +93,15 @@ impl<B: Backend> Engine<B> {
         self.prefix.set_ram_budget(bytes);
     }
 
-    /// Persist prefix-cache checkpoints under `root` (a folder per model fingerprint), up to `quota` bytes.
+    /// Persist prefix-cache checkpoints under `root` (a folder per model fingerprint and backend numerics, so a
+    /// checkpoint is only restored by the same weights computing the same bits), up to `quota` bytes.
     /// Returns false (with a warning logged) when the folder cannot be used; generation is unaffected.
     pub fn set_prefix_cache_dir(&mut self, root: &Path, quota: u64) -> bool {
         let kv_dim = self.model.hp.n_kv_heads * self.model.hp.head_dim;
         let disk = DiskTier::open(
             root,
             self.fingerprint,
+            &self.model.backend().numerics(),
             self.model.hp.n_layers,
             kv_dim,
             quota,

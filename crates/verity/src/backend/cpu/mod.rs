@@ -141,6 +141,17 @@ impl Backend for CpuBackend {
         )
     }
 
+    fn numerics(&self) -> String {
+        // The f32 paths of the instruction sets reduce in different orders; the 8-bit kernels (`simd::int8_isa`)
+        // and the thread count change no bit, so they are not part of it.
+        format!(
+            "cpu {} {:?} {:?} activations",
+            std::env::consts::ARCH,
+            simd::isa(),
+            self.activations
+        )
+    }
+
     fn load_matrix(&self, m: QMatrix) -> Result<CpuMatrix> {
         Ok(CpuMatrix::new(m, self.activations))
     }

@@ -193,6 +193,8 @@ pub struct CudaBackend {
     stream: Arc<CudaStream>,
     k: Kernels,
     name: String,
+    /// [`Backend::numerics`]: the architecture, the kernels' source, compiler and options, and the int8 route.
+    numerics: String,
     /// `None`: every forward launches its kernels one by one (`VERITY_CUDA_GRAPHS=0`, and the tests' reference).
     graphs: Option<GraphStore>,
     /// Dynamic shared memory the projection kernels may stage their rows of x in.
@@ -375,6 +377,14 @@ fn env_count(var: &str, range: std::ops::RangeInclusive<usize>) -> Option<usize>
     range.contains(&n).then_some(n)
 }
 
+/// NVRTC's version, as `nvrtc MAJOR.MINOR`.
+fn nvrtc_version() -> String {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: NVRTC is loaded (checked before any backend is made) and writes two ints.
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    format!("nvrtc {major}.{minor}")
+}
+
 /// The kernels compiled for `arch` with `options` and loaded: the PTX comes from verity's cache folder when an
 /// earlier run compiled the same source the same way (`ptx_cache`), else from NVRTC. A cached PTX the driver
 /// refuses (a driver older than the one that ran before, say) is compiled afresh and replaced.
@@ -384,10 +394,7 @@ fn load_kernels(
     options: Vec<String>,
 ) -> Result<Arc<CudaModule>> {
     let err = |what: &str, e: &dyn std::fmt::Display| Error::Invalid(format!("CUDA {what}: {e}"));
-    let (mut major, mut minor) = (0, 0);
-    // SAFETY: NVRTC is loaded (checked by the caller) and writes two ints.
-    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
-    let nvrtc = format!("nvrtc {major}.{minor}");
+    let nvrtc = nvrtc_version();
     let joined = options.join(" ");
     let key = ptx_cache::key(&[SOURCE, arch, &joined, &nvrtc, env!("CARGO_PKG_VERSION")]);
     let compile = || {
@@ -490,6 +497,18 @@ impl CudaBackend {
         options.push(format!("-DQM_WARPS={wide_warps}"));
         options.push(format!("-DNQ_WARPS={}", narrow_warps[0]));
         options.push(format!("-DNQ_WARPS_ROWS={}", narrow_warps[1]));
+        // The warp counts change no bit (`rowexact` under each); other options may (a knockout, a constant).
+        let bit_options: Vec<&str> = options
+            .iter()
+            .map(String::as_str)
+            .filter(|o| !o.starts_with("-DQM_WARPS=") && !o.starts_with("-DNQ_WARPS"))
+            .collect();
+        let kernels_numerics = format!(
+            "{arch} {} kernels {:016x} options [{}]",
+            nvrtc_version(),
+            ptx_cache::key(&[SOURCE]),
+            bit_options.join(" ")
+        );
         let module = load_kernels(&ctx, arch, options)?;
         let f = |n: &str| module.load_function(n).map_err(|e| err(n, &e));
         let k = Kernels {
@@ -550,6 +569,11 @@ impl CudaBackend {
             stream,
             k,
             name,
+            // Graphs, PDL, the fusions, the attention split and the row groups change no bit (module doc).
+            numerics: format!(
+                "cuda {kernels_numerics} int8 {}",
+                if int8_tiles { "MMA" } else { "off" }
+            ),
             graphs: graphs.then(|| GraphStore(Mutex::new(Recorded::new(MAX_GRAPHS)))),
             matmul_shared,
             int8_tiles,
@@ -886,6 +910,10 @@ impl Backend for CudaBackend {
 
     fn name(&self) -> String {
         self.name.clone()
+    }
+
+    fn numerics(&self) -> String {
+        self.numerics.clone()
     }
 
     fn load_matrix(&self, m: QMatrix) -> Result<CudaMatrix> {
