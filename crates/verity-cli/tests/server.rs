@@ -766,7 +766,8 @@ fn openai_python_client_suite_passes() {
         );
         return;
     }
-    let srv = Server::start(&[]);
+    // With a key, so that the official client's own authentication is exercised too.
+    let srv = Server::start(&["--api-key", "verity-test"]);
     let out = Command::new("python3")
         .args([
             script,
@@ -774,6 +775,8 @@ fn openai_python_client_suite_passes() {
             &format!("http://{}", srv.addr),
             "--model",
             "smollm2-135m",
+            "--api-key",
+            "verity-test",
         ])
         .output()
         .unwrap();
