@@ -260,7 +260,7 @@ fn a_disconnected_stream_is_cancelled_and_a_full_queue_answers_503() {
         4000,
         r#","stream":true,"speculation":"off""#,
     );
-    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
     let mut buf = [0u8; 2048];
     let n = s.read(&mut buf).unwrap();
     assert!(String::from_utf8_lossy(&buf[..n]).contains("200"));
@@ -407,7 +407,7 @@ fn generation_outlasting_every_timeout_is_not_cut() {
     assert!(v["usage"]["completion_tokens"].as_u64().unwrap() > 0);
     let (st, stream) = a.join().unwrap();
     assert_eq!(st, 200);
-    assert!(stream.trim_end().ends_with("data: [DONE]"), "{stream}");
+    assert!(stream.contains("data: [DONE]"), "{stream}");
     assert!(
         waited > Duration::from_millis(900),
         "generation was too fast ({waited:?}) to outlast the timeouts; ask for more tokens"

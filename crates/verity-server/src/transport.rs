@@ -11,6 +11,9 @@
 //! - Every error response has a JSON body. hyper answers requests it cannot parse (400, 414, 431) by itself,
 //!   with an empty body and no Content-Type; the app never sends an error without a Content-Type, so such a
 //!   head, written while no request is busy, is hyper's, and is replaced on its way out ([`hyper_error_status`]).
+//! - A connection closes lingering: its write side first, then what the client still sends is read and
+//!   dropped (for [`LINGER`] at most), so that an early answer (a 413 to a body still arriving) is not destroyed
+//!   by the reset that closing on unread data would send.
 //! - At most `max_connections` connections are served; one more is answered 503 and closed by a task of its
 //!   own, so the accept loop never waits on a client.
 
@@ -42,6 +45,9 @@ use crate::limits::{Limits, MAX_HEAD, MAX_HEADERS};
 const MAX_REFUSALS: usize = 64;
 /// How long a refusal waits for its 503 to be sent and the client's request to be drained.
 const REFUSAL_GRACE: Duration = Duration::from_secs(1);
+/// How long a closing connection keeps reading what the client still sends, and how much it reads at most.
+const LINGER: Duration = Duration::from_secs(2);
+const LINGER_BYTES: usize = 4 * crate::MAX_BODY;
 
 /// Accept connections until `shutdown` resolves, then let the connections in progress finish.
 pub(crate) async fn run(
@@ -382,6 +388,9 @@ struct GuardedIo<T> {
     sent: usize,
     /// After a timeout the reader sees the end of the stream.
     read_closed: bool,
+    /// Closing: the write side is shut and input is drained until this deadline.
+    linger: Option<Instant>,
+    lingered: usize,
 }
 
 impl<T: AsyncRead + AsyncWrite + Unpin> GuardedIo<T> {
@@ -396,7 +405,25 @@ impl<T: AsyncRead + AsyncWrite + Unpin> GuardedIo<T> {
             outbox: Vec::new(),
             sent: 0,
             read_closed: false,
+            linger: None,
+            lingered: 0,
         }
+    }
+
+    /// Read and drop input until the client closes, [`LINGER`] passes or [`LINGER_BYTES`] came.
+    fn poll_linger(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let mut scratch = [0u8; 8192];
+        while self.lingered < LINGER_BYTES {
+            let mut buf = ReadBuf::new(&mut scratch);
+            match Pin::new(&mut self.inner).poll_read(cx, &mut buf) {
+                Poll::Ready(Ok(())) if !buf.filled().is_empty() => {
+                    self.lingered += buf.filled().len()
+                }
+                Poll::Ready(_) => return Poll::Ready(()),
+                Poll::Pending => return self.read_clock.as_mut().poll(cx),
+            }
+        }
+        Poll::Ready(())
     }
 
     /// A write found the socket full: pending until the stall clock runs out, then an error.
@@ -513,8 +540,14 @@ impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for GuardedIo<T> {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        ready!(this.poll_outbox(cx))?;
-        Pin::new(&mut this.inner).poll_shutdown(cx)
+        if this.linger.is_none() {
+            ready!(this.poll_outbox(cx))?;
+            ready!(Pin::new(&mut this.inner).poll_shutdown(cx))?;
+            let deadline = Instant::now() + LINGER;
+            this.linger = Some(deadline);
+            this.read_clock.as_mut().reset(deadline);
+        }
+        this.poll_linger(cx).map(Ok)
     }
 }
 
@@ -592,16 +625,37 @@ mod tests {
         let conn = Arc::new(ConnState::new(limits(1000)));
         let mut io = GuardedIo::new(server, conn, Duration::from_secs(5));
         let head = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\n\r\n";
+        let peer = tokio::spawn(async move {
+            let mut answer = String::new();
+            client.read_to_string(&mut answer).await.unwrap();
+            answer
+        });
         io.write_all(head).await.unwrap();
         io.shutdown().await.unwrap();
-        drop(io);
-        let mut answer = String::new();
-        client.read_to_string(&mut answer).await.unwrap();
+        let answer = peer.await.unwrap();
         let (head, body) = answer.split_once("\r\n\r\n").unwrap();
         assert!(head.starts_with("HTTP/1.1 431 "), "{answer}");
         assert!(head.contains("content-type: application/json"), "{answer}");
         let v: serde_json::Value = serde_json::from_str(body).unwrap();
         assert_eq!(v["error"]["type"], "invalid_request_error");
+    }
+
+    #[tokio::test]
+    async fn closing_drains_what_the_client_still_sends_until_it_closes() {
+        let (mut client, server) = duplex(1 << 20);
+        let conn = Arc::new(ConnState::new(limits(1000)));
+        let mut io = GuardedIo::new(server, conn, Duration::from_secs(5));
+        client.write_all(&[b'x'; 100_000]).await.unwrap();
+        let peer = tokio::spawn(async move {
+            // The client sees the end of the answer, then hangs up.
+            let mut rest = Vec::new();
+            client.read_to_end(&mut rest).await.unwrap();
+        });
+        let t = std::time::Instant::now();
+        io.shutdown().await.unwrap();
+        assert!(t.elapsed() < LINGER / 2, "{:?}", t.elapsed());
+        assert_eq!(io.lingered, 100_000);
+        peer.await.unwrap();
     }
 
     #[tokio::test]
