@@ -63,6 +63,9 @@ pub struct Args {
     max_connections: usize,
 }
 
+/// More connections than any file-descriptor limit allows.
+const MAX_CONNECTIONS: usize = 1 << 20;
+
 impl Args {
     fn limits(&self) -> Result<Limits> {
         let seconds = |v: f64, flag: &str| {
@@ -72,8 +75,8 @@ impl Args {
                 bail!("--{flag} must be a number of seconds in (0, 86400], not {v}")
             }
         };
-        if self.max_connections == 0 {
-            bail!("--max-connections must be at least 1");
+        if !(1..=MAX_CONNECTIONS).contains(&self.max_connections) {
+            bail!("--max-connections must be in [1, {MAX_CONNECTIONS}]");
         }
         Ok(Limits {
             header_timeout: seconds(self.header_timeout_s, "header-timeout-s")?,
@@ -89,10 +92,11 @@ impl Args {
             .to_socket_addrs()
             .with_context(|| format!("resolving --host {}", self.host))?
             .collect();
-        let api_key = self
-            .api_key
-            .clone()
-            .or_else(|| std::env::var("VERITY_API_KEY").ok());
+        let api_key = self.api_key.clone().or_else(|| {
+            std::env::var("VERITY_API_KEY")
+                .ok()
+                .filter(|k| !k.is_empty())
+        });
         let access = AccessConfig {
             api_key,
             allowed_hosts: self.allowed_hosts.clone(),

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::header::CONTENT_LENGTH;
-use axum::http::StatusCode;
+use axum::http::header::{CONNECTION, CONTENT_LENGTH};
+use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -76,30 +76,40 @@ pub(crate) async fn bounded_request(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > MAX_BODY as u64) {
-        return too_large().into_response();
+        return closing(too_large());
     }
     let (parts, body) = req.into_parts();
     let read = tokio::time::timeout(limits.body_timeout, Limited::new(body, MAX_BODY).collect());
     let body = match read.await {
         Ok(Ok(collected)) => collected.to_bytes(),
-        Ok(Err(e)) if e.is::<LengthLimitError>() => return too_large().into_response(),
+        Ok(Err(e)) if e.is::<LengthLimitError>() => return closing(too_large()),
         Ok(Err(e)) => {
-            return ApiError::invalid(format!("cannot read the request body: {e}"), None)
-                .into_response()
+            return closing(ApiError::invalid(
+                format!("cannot read the request body: {e}"),
+                None,
+            ))
         }
         Err(_) => {
-            return ApiError::new(
+            return closing(ApiError::new(
                 StatusCode::REQUEST_TIMEOUT,
                 "request_timeout",
                 format!(
                     "the request body did not arrive within {} s",
                     limits.body_timeout.as_secs_f32()
                 ),
-            )
-            .into_response()
+            ))
         }
     };
     next.run(Request::from_parts(parts, Body::from(body))).await
+}
+
+/// An answer after which the connection closes: the rest of the body is not read, so the stream cannot carry
+/// another request.
+fn closing(err: ApiError) -> Response {
+    let mut r = err.into_response();
+    r.headers_mut()
+        .insert(CONNECTION, HeaderValue::from_static("close"));
+    r
 }
 
 fn too_large() -> ApiError {
