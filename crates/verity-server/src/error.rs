@@ -1,6 +1,6 @@
 //! API errors, rendered as OpenAI-style bodies: `{"error": {"message", "type", "param", "code"}}`.
 //!
-//! Every error the server answers has such a body, protocol-level ones included (see [`crate::transport`]):
+//! Every error the server answers has such a body, protocol-level ones included (see the `transport` module):
 //! clients parse errors one way.
 
 use axum::http::{HeaderValue, StatusCode};

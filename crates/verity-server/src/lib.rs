@@ -4,7 +4,7 @@
 //! `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text), `POST /v1/cache/reset`.
 //! Requests are validated in [`api`] and run one at a time by the engine thread in [`worker`]; a full queue
 //! answers 503, a disconnected client cancels its generation. Before a request reaches its handler, [`access`]
-//! checks who sends it and [`limits`] reads its body within a deadline; [`transport`] runs the connections
+//! checks who sends it and [`limits`] reads its body within a deadline; `transport` runs the connections
 //! (timeouts, a connection cap, and JSON bodies for hyper's own protocol errors).
 
 pub mod access;

@@ -1,7 +1,7 @@
 //! How long and how large a request may be, and the middleware that bounds what reaches the handlers.
 //!
 //! Timeouts bound what a client sends and how long a connection may sit unused; none of them bounds the time a
-//! generation takes. The connection-level clocks live in [`crate::transport`]; this module bounds a request once
+//! generation takes. The connection-level clocks live in the `transport` module; this module bounds a request once
 //! its head is read: the URI's length, and the body, which is read whole within [`Limits::body_timeout`] before
 //! any handler runs.
 
