@@ -1,9 +1,13 @@
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
+use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use verity::backend::Backend;
 use verity::speculative::SpecMode;
 use verity_registry as registry;
+use verity_server::access::{Access, AccessConfig, Exposure};
+use verity_server::limits::Limits;
 
 use crate::device::{with_backend, Device, WithBackend};
 
@@ -12,6 +16,7 @@ pub struct Args {
     /// A bundle path or a known model name.
     #[arg(long, default_value = registry::DEFAULT_MODEL)]
     model: String,
+    /// The address to listen on. Anything but loopback needs --api-key (or --allow-no-api-key).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     /// 0 picks a free port (the address is printed).
@@ -29,20 +34,116 @@ pub struct Args {
     /// Speculative decoding: auto, off, copy, draft-model=PATH (requests may still ask for "off").
     #[arg(long, default_value = "auto")]
     speculation: SpecMode,
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health (default: $VERITY_API_KEY).
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Listen on a non-loopback address without an API key (anyone who reaches it can use the server).
+    #[arg(long)]
+    allow_no_api_key: bool,
+    /// A Host name to answer besides localhost, 127.0.0.1 and [::1] (repeatable); requests naming other hosts
+    /// are refused (421), which stops DNS rebinding.
+    #[arg(long = "allowed-host", value_name = "HOST")]
+    allowed_hosts: Vec<String>,
+    /// A web origin (scheme://host[:port]) whose pages may call the server, or * for any (repeatable).
+    /// Requests from other origins are refused (403).
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    cors_origins: Vec<String>,
+    /// Seconds a request's head may take from its first byte (and a new connection to its first byte).
+    #[arg(long, default_value_t = Limits::default().header_timeout.as_secs_f64())]
+    header_timeout_s: f64,
+    /// Seconds a request's body may take after its head.
+    #[arg(long, default_value_t = Limits::default().body_timeout.as_secs_f64())]
+    body_timeout_s: f64,
+    /// Seconds a kept-alive connection may wait for its next request, and a response may make no progress to a
+    /// client that does not read. Generation time is never limited.
+    #[arg(long, default_value_t = Limits::default().idle_timeout.as_secs_f64())]
+    idle_timeout_s: f64,
+    /// Connections served at once; more are answered 503.
+    #[arg(long, default_value_t = Limits::default().max_connections)]
+    max_connections: usize,
+}
+
+/// More connections than any file-descriptor limit allows.
+const MAX_CONNECTIONS: usize = 1 << 20;
+
+impl Args {
+    fn limits(&self) -> Result<Limits> {
+        let seconds = |v: f64, flag: &str| {
+            if v.is_finite() && v > 0.0 && v <= 86_400.0 {
+                Ok(Duration::from_secs_f64(v))
+            } else {
+                bail!("--{flag} must be a number of seconds in (0, 86400], not {v}")
+            }
+        };
+        if !(1..=MAX_CONNECTIONS).contains(&self.max_connections) {
+            bail!("--max-connections must be in [1, {MAX_CONNECTIONS}]");
+        }
+        Ok(Limits {
+            header_timeout: seconds(self.header_timeout_s, "header-timeout-s")?,
+            body_timeout: seconds(self.body_timeout_s, "body-timeout-s")?,
+            idle_timeout: seconds(self.idle_timeout_s, "idle-timeout-s")?,
+            max_connections: self.max_connections,
+        })
+    }
+
+    /// The addresses to bind and who may use them, checked before the model loads.
+    fn access(&self) -> Result<(Vec<SocketAddr>, Access)> {
+        let addrs: Vec<SocketAddr> = (self.host.as_str(), self.port)
+            .to_socket_addrs()
+            .with_context(|| format!("resolving --host {}", self.host))?
+            .collect();
+        let api_key = self.api_key.clone().or_else(|| {
+            std::env::var("VERITY_API_KEY")
+                .ok()
+                .filter(|k| !k.is_empty())
+        });
+        let access = AccessConfig {
+            api_key,
+            allowed_hosts: self.allowed_hosts.clone(),
+            cors_origins: self.cors_origins.clone(),
+            allow_no_api_key: self.allow_no_api_key,
+        }
+        .resolve(&addrs)?;
+        if access.exposure() == (Exposure::Network { keyed: false }) {
+            eprintln!(
+                "warning: listening on {} without an API key: anyone who can reach it can run generations and reset the cache",
+                self.host
+            );
+        }
+        Ok((addrs, access))
+    }
 }
 
 pub fn main(a: Args, device: Device, threads: usize) -> Result<()> {
-    with_backend(device, threads, a)
+    // Refuse a bad bind or limit before loading anything.
+    let limits = a.limits()?;
+    let (addrs, access) = a.access()?;
+    let checked = Checked {
+        args: a,
+        limits,
+        addrs,
+        access,
+    };
+    with_backend(device, threads, checked)
 }
 
-impl WithBackend for Args {
+/// The arguments with the server settings already validated.
+struct Checked {
+    args: Args,
+    limits: Limits,
+    addrs: Vec<SocketAddr>,
+    access: Access,
+}
+
+impl WithBackend for Checked {
     type Out = ();
     fn run<B: Backend>(self, backend: Arc<B>, _: Device) -> Result<()> {
         serve(self, backend)
     }
 }
 
-fn serve<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
+fn serve<B: Backend>(c: Checked, backend: Arc<B>) -> Result<()> {
+    let a = &c.args;
     let mut engine = crate::load::engine_on(&a.model, backend, &a.speculation)?;
     engine.set_prefix_cache_budget(a.prefix_cache_mb << 20);
     if a.prefix_cache_disk_mb > 0 {
@@ -61,9 +162,6 @@ fn serve<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    rt.block_on(verity_server::serve(
-        router,
-        &format!("{}:{}", a.host, a.port),
-    ))
-    .with_context(|| format!("serving on {}:{}", a.host, a.port))
+    rt.block_on(verity_server::serve(router, &c.addrs, c.limits, c.access))
+        .with_context(|| format!("serving on {}:{}", a.host, a.port))
 }

@@ -16,6 +16,11 @@ impl Server {
     /// keeps a disk tier of the prefix cache: another server's stored checkpoints of the shared system prompt
     /// would otherwise show up as cached tokens right after a reset.
     fn start(extra: &[&str]) -> Server {
+        Self::start_with_env(extra, &[])
+    }
+
+    /// A server with `env` set; the caller's own `VERITY_API_KEY` never leaks in.
+    fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_verity"))
             .args([
                 "--threads",
@@ -27,6 +32,8 @@ impl Server {
                 "0",
             ])
             .args(extra)
+            .env_remove("VERITY_API_KEY")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -53,25 +60,129 @@ impl Drop for Server {
 
 /// One HTTP/1.1 request; returns (status, body).
 fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    let r = request(
+        addr,
+        method,
+        path,
+        &[("Host", addr), ("Content-Type", "application/json")],
+        body,
+    );
+    (r.status, r.body)
+}
+
+struct Reply {
+    status: u16,
+    /// The status line and headers, header names lower-cased.
+    head: String,
+    body: String,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.head.lines().find_map(|l| {
+            let (n, v) = l.split_once(':')?;
+            (n == name).then(|| v.trim())
+        })
+    }
+}
+
+/// One HTTP/1.1 request with exactly these headers (plus Content-Length and Connection: close).
+fn request(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Reply {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let mut head = format!("{method} {path} HTTP/1.1\r\n");
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "{head}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )
     .unwrap();
     let mut resp = String::new();
     s.read_to_string(&mut resp).unwrap();
-    let status = resp.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let body = resp
-        .split_once("\r\n\r\n")
-        .map(|x| x.1.to_string())
-        .unwrap_or_default();
-    (status, body)
+    parse_reply(&resp)
 }
 
-fn chat_body(content: &str, max_tokens: usize, extra: &str) -> String {
+fn parse_reply(resp: &str) -> Reply {
+    let status = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP response: {resp:?}"));
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((resp, ""));
+    let head = head
+        .lines()
+        .map(|l| match l.split_once(':') {
+            Some((n, v)) => format!("{}:{v}", n.to_ascii_lowercase()),
+            None => l.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    Reply {
+        status,
+        head,
+        body: body.to_string(),
+    }
+}
+
+/// Assert an OpenAI-style error body: `{"error": {"message": "...", "type": "...", ...}}`; returns `error`.
+fn openai_error(r: &Reply, status: u16) -> serde_json::Value {
+    assert_eq!(r.status, status, "{}\n{}", r.head, r.body);
+    let v: serde_json::Value = serde_json::from_str(&r.body)
+        .unwrap_or_else(|_| panic!("not JSON: {}\n{}", r.head, r.body));
+    let e = &v["error"];
+    assert!(
+        e["message"].as_str().is_some_and(|m| !m.is_empty()) && e["type"].is_string(),
+        "{}",
+        r.body
+    );
+    e.clone()
+}
+
+/// Send raw bytes, then read until the server closes the connection or `patience` runs out. Returns what came
+/// back and how long after the send the connection ended (`None`: it was still open).
+fn exchange(addr: &str, bytes: &[u8], patience: Duration) -> (String, Option<Duration>) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.write_all(bytes).unwrap();
+    let t = Instant::now();
+    read_until_closed(&mut s, t, patience)
+}
+
+fn read_until_closed(
+    s: &mut TcpStream,
+    t: Instant,
+    patience: Duration,
+) -> (String, Option<Duration>) {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 8192];
+    loop {
+        let left = patience.saturating_sub(t.elapsed());
+        if left.is_zero() {
+            return (String::from_utf8_lossy(&got).into_owned(), None);
+        }
+        s.set_read_timeout(Some(left)).unwrap();
+        match s.read(&mut buf) {
+            Ok(0) => {
+                return (
+                    String::from_utf8_lossy(&got).into_owned(),
+                    Some(t.elapsed()),
+                )
+            }
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                return (
+                    String::from_utf8_lossy(&got).into_owned(),
+                    Some(t.elapsed()),
+                )
+            }
+            Err(_) => return (String::from_utf8_lossy(&got).into_owned(), None),
+        }
+    }
+}
+
+fn chat_body(content: &str, max_tokens: i64, extra: &str) -> String {
     format!(
         r#"{{"messages":[{{"role":"user","content":{content:?}}}],"max_tokens":{max_tokens},"temperature":0{extra}}}"#
     )
@@ -112,6 +223,17 @@ fn serves_chat_and_rejects_bad_input_with_openai_errors() {
         (&chat_body("hi", 0, ""), 400),
         (&chat_body("hi", 1_000_000_000, ""), 400),
         (&chat_body("hi", 8, r#","model":"nope""#), 404),
+        (&chat_body("hi", 8, r#","top_logprobs":2"#), 400),
+        (
+            &chat_body("hi", 8, r#","logprobs":true,"top_logprobs":21"#),
+            400,
+        ),
+        (
+            &chat_body("hi", 8, r#","stream_options":{"include_usage":true}"#),
+            400,
+        ),
+        (&chat_body("hi", 8, r#","presence_penalty":1"#), 400),
+        (&chat_body("hi", -3, ""), 400),
     ] {
         let (st, resp) = http(&srv.addr, "POST", "/v1/chat/completions", body);
         assert_eq!(st, want, "{body} → {resp}");
@@ -138,7 +260,7 @@ fn a_disconnected_stream_is_cancelled_and_a_full_queue_answers_503() {
         4000,
         r#","stream":true,"speculation":"off""#,
     );
-    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
     let mut buf = [0u8; 2048];
     let n = s.read(&mut buf).unwrap();
     assert!(String::from_utf8_lossy(&buf[..n]).contains("200"));
@@ -185,6 +307,443 @@ fn a_disconnected_stream_is_cancelled_and_a_full_queue_answers_503() {
     assert_eq!(b.join().unwrap(), 200);
 }
 
+#[test]
+fn silent_dribbling_and_idle_clients_are_timed_out() {
+    let srv = Server::start(&[
+        "--header-timeout-s",
+        "1",
+        "--body-timeout-s",
+        "1",
+        "--idle-timeout-s",
+        "1",
+    ]);
+    let prompt = Duration::from_secs(5);
+    // A connection that never sends a byte is closed without an answer.
+    let (got, closed) = exchange(&srv.addr, b"", prompt);
+    let closed = closed.expect("a silent connection stayed open");
+    assert!(
+        got.is_empty() && closed >= Duration::from_millis(800),
+        "{got:?} after {closed:?}"
+    );
+
+    // A head that never ends is answered 408, however steadily it dribbles in.
+    let mut s = TcpStream::connect(&srv.addr).unwrap();
+    s.write_all(b"GET /health HTTP/1.1\r\nX-Slow: ").unwrap();
+    let t = Instant::now();
+    let dribbler = std::thread::spawn({
+        let mut s = s.try_clone().unwrap();
+        move || {
+            while t.elapsed() < Duration::from_secs(10) && s.write_all(b"a").is_ok() {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    });
+    let (got, closed) = read_until_closed(&mut s, t, prompt);
+    let closed = closed.expect("a dribbled head kept its connection open");
+    openai_error(&parse_reply(&got), 408);
+    assert!(closed < Duration::from_secs(3), "closed after {closed:?}");
+    drop(s);
+    dribbler.join().unwrap();
+
+    // A body that never arrives is answered 408.
+    let (got, closed) = exchange(
+        &srv.addr,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"messages\":",
+        prompt,
+    );
+    assert_eq!(
+        openai_error(&parse_reply(&got), 408)["type"],
+        "request_timeout"
+    );
+    assert!(closed.is_some(), "the connection stayed open after the 408");
+
+    // A kept-alive connection is closed after the idle timeout.
+    let mut s = TcpStream::connect(&srv.addr).unwrap();
+    s.write_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        .unwrap();
+    let mut buf = [0u8; 1024];
+    let n = s.read(&mut buf).unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).ends_with("{\"status\":\"ok\"}"));
+    let (_, closed) = read_until_closed(&mut s, Instant::now(), prompt);
+    let closed = closed.expect("an idle connection stayed open");
+    assert!(
+        closed >= Duration::from_millis(700),
+        "closed after {closed:?}"
+    );
+}
+
+#[test]
+fn generation_outlasting_every_timeout_is_not_cut() {
+    let srv = Server::start(&[
+        "--header-timeout-s",
+        "0.3",
+        "--body-timeout-s",
+        "0.3",
+        "--idle-timeout-s",
+        "0.3",
+    ]);
+    // A stream and, queued behind it, a plain answer: the second connection sends and receives nothing while
+    // both generate, far longer than any timeout.
+    let streamed = chat_body(
+        "Write a long story about the sea.",
+        128,
+        r#","stream":true,"speculation":"off""#,
+    );
+    let plain = chat_body(
+        "Write a long story about a mountain.",
+        128,
+        r#","speculation":"off""#,
+    );
+    let t = Instant::now();
+    let a = std::thread::spawn({
+        let addr = srv.addr.clone();
+        move || http(&addr, "POST", "/v1/chat/completions", &streamed)
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let (st, body) = http(&srv.addr, "POST", "/v1/chat/completions", &plain);
+    let waited = t.elapsed();
+    assert_eq!(st, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() > 0);
+    let (st, stream) = a.join().unwrap();
+    assert_eq!(st, 200);
+    assert!(stream.contains("data: [DONE]"), "{stream}");
+    assert!(
+        waited > Duration::from_millis(900),
+        "generation was too fast ({waited:?}) to outlast the timeouts; ask for more tokens"
+    );
+}
+
+#[test]
+fn connections_over_the_cap_are_refused_at_once() {
+    let srv = Server::start(&["--max-connections", "2"]);
+    let hold = |addr: &str| {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            .unwrap();
+        let mut buf = [0u8; 1024];
+        assert!(s.read(&mut buf).unwrap() > 0);
+        s
+    };
+    let first = hold(&srv.addr);
+    let _second = hold(&srv.addr);
+    for _ in 0..3 {
+        let (got, closed) = exchange(
+            &srv.addr,
+            b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n",
+            Duration::from_secs(5),
+        );
+        let closed = closed.expect("a connection over the cap was kept waiting");
+        assert!(closed < Duration::from_secs(2), "refused after {closed:?}");
+        assert_eq!(
+            openai_error(&parse_reply(&got), 503)["type"],
+            "server_overloaded"
+        );
+    }
+    // A freed slot serves again.
+    drop(first);
+    let t = Instant::now();
+    loop {
+        let (got, _) = exchange(
+            &srv.addr,
+            b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+            Duration::from_secs(5),
+        );
+        if parse_reply(&got).status == 200 {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "no slot came free");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn protocol_errors_come_back_as_openai_json() {
+    let srv = Server::start(&[]);
+    let long_uri = format!(
+        "GET /health?{} HTTP/1.1\r\nHost: localhost\r\n\r\n",
+        "a".repeat(10_000)
+    );
+    let big_header = format!(
+        "GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: {}\r\n\r\n",
+        "a".repeat(70_000)
+    );
+    let many_headers = format!(
+        "GET /health HTTP/1.1\r\nHost: localhost\r\n{}\r\n",
+        (0..120)
+            .map(|i| format!("X-{i}: 1\r\n"))
+            .collect::<String>()
+    );
+    let post = "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n";
+    for (request, status) in [
+        (long_uri, 414),
+        (big_header, 431),
+        (many_headers, 431),
+        ("GARBAGE\r\n\r\n".to_string(), 400),
+        ("GET / HTTP/9.9\r\n\r\n".to_string(), 400),
+        (format!("{post}Content-Length: ten\r\n\r\n"), 400),
+        (
+            format!("{post}Content-Length: 5\r\nContent-Length: 6\r\n\r\nhello!"),
+            400,
+        ),
+        (format!("{post}Transfer-Encoding: gzip\r\n\r\n"), 400),
+        (
+            format!("{post}Transfer-Encoding: chunked\r\n\r\nzz\r\n"),
+            400,
+        ),
+    ] {
+        let (got, _) = exchange(&srv.addr, request.as_bytes(), Duration::from_secs(10));
+        let reply = parse_reply(&got);
+        openai_error(&reply, status);
+        assert_eq!(
+            reply.header("content-type"),
+            Some("application/json"),
+            "{}",
+            reply.head
+        );
+    }
+    assert_eq!(http(&srv.addr, "GET", "/health", "").0, 200);
+}
+
+#[test]
+fn an_api_key_guards_everything_but_health() {
+    let srv = Server::start(&["--api-key", "sekret"]);
+    let host = ("Host", "localhost");
+    let get = |path: &str, auth: Option<&str>| {
+        let mut headers = vec![host];
+        headers.extend(auth.map(|a| ("Authorization", a)));
+        request(&srv.addr, "GET", path, &headers, "")
+    };
+    assert_eq!(get("/health", None).status, 200);
+    for (path, auth) in [
+        ("/v1/models", None),
+        ("/v1/models", Some("Bearer wrong")),
+        ("/v1/models", Some("Bearer sekre")),
+        ("/v1/models", Some("Basic sekret")),
+        ("/metrics", None),
+        ("/nowhere", None),
+    ] {
+        let r = get(path, auth);
+        assert_eq!(openai_error(&r, 401)["code"], "invalid_api_key", "{path}");
+        assert_eq!(r.header("www-authenticate"), Some("Bearer"));
+    }
+    assert_eq!(get("/v1/models", Some("Bearer sekret")).status, 200);
+    assert_eq!(get("/metrics", Some("bearer sekret")).status, 200);
+    let r = request(
+        &srv.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[host, ("Content-Type", "application/json")],
+        &chat_body("hi", 2, ""),
+    );
+    openai_error(&r, 401);
+
+    // The key may come from the environment instead.
+    let srv = Server::start_with_env(&[], &[("VERITY_API_KEY", "from-env")]);
+    let get = |auth: &[(&str, &str)]| {
+        let mut headers = vec![host];
+        headers.extend_from_slice(auth);
+        request(&srv.addr, "GET", "/v1/models", &headers, "").status
+    };
+    assert_eq!(get(&[]), 401);
+    assert_eq!(get(&[("Authorization", "Bearer from-env")]), 200);
+}
+
+/// Run `verity serve` with `args` and wait for it to exit (killing it after `patience`); (exit success, stderr).
+fn serve_exit(args: &[&str], patience: Duration) -> Option<(bool, String)> {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_verity"))
+        .arg("serve")
+        .args(args)
+        .env_remove("VERITY_API_KEY")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while t.elapsed() < patience {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .unwrap();
+            return Some((status.success(), err));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
+#[test]
+fn a_network_bind_without_a_key_is_refused_unless_waived() {
+    for host in ["0.0.0.0", "::"] {
+        let (ok, err) = serve_exit(&["--host", host, "--port", "0"], Duration::from_secs(30))
+            .expect("verity serve listened on the network without an API key");
+        assert!(!ok && err.contains("--api-key"), "{err}");
+    }
+    let (ok, err) = serve_exit(
+        &["--port", "0", "--cors-origin", "localhost:3000"],
+        Duration::from_secs(30),
+    )
+    .expect("a bad --cors-origin was accepted");
+    assert!(!ok && err.contains("--cors-origin"), "{err}");
+
+    // Waived: it serves, with a warning.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_verity"))
+        .args([
+            "--threads",
+            "2",
+            "serve",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "0",
+        ])
+        .args(["--prefix-cache-disk-mb", "0", "--allow-no-api-key"])
+        .env_remove("VERITY_API_KEY")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(line.starts_with("listening on http://0.0.0.0:"), "{line}");
+    assert!(
+        err.contains("warning") && err.contains("without an API key"),
+        "{err}"
+    );
+}
+
+#[test]
+fn web_pages_cannot_drive_the_server_uninvited() {
+    let srv = Server::start(&[
+        "--cors-origin",
+        "http://localhost:3000",
+        "--allowed-host",
+        "verity.lan",
+    ]);
+    let addr = srv.addr.as_str();
+    let json = ("Content-Type", "application/json");
+    // A page's "simple" POST (text/plain, or no type at all) never reaches a handler.
+    for ty in [
+        Some("text/plain"),
+        Some("application/x-www-form-urlencoded"),
+        None,
+    ] {
+        let mut headers = vec![("Host", addr)];
+        headers.extend(ty.map(|t| ("Content-Type", t)));
+        let r = request(addr, "POST", "/v1/cache/reset", &headers, "{}");
+        openai_error(&r, 415);
+    }
+    let r = request(
+        addr,
+        "POST",
+        "/v1/cache/reset",
+        &[
+            ("Host", addr),
+            ("Content-Type", "application/json; charset=utf-8"),
+        ],
+        "{}",
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    // DNS rebinding: the page's own name arrives as the Host.
+    for (host, status) in [
+        ("evil.example", 421),
+        ("evil.example:8080", 421),
+        ("localhost", 200),
+        ("localhost:9", 200),
+        ("[::1]:8080", 200),
+        ("127.0.0.1", 200),
+        ("verity.lan:8080", 200),
+    ] {
+        let r = request(addr, "GET", "/v1/models", &[("Host", host)], "");
+        if status == 200 {
+            assert_eq!(r.status, 200, "{host}: {}", r.body);
+        } else {
+            openai_error(&r, status);
+        }
+    }
+
+    // Cross-origin: refused unless allowed; allowed ones get CORS headers and preflight answers.
+    let r = request(
+        addr,
+        "GET",
+        "/health",
+        &[("Host", addr), ("Origin", "http://evil.example")],
+        "",
+    );
+    openai_error(&r, 403);
+    let r = request(
+        addr,
+        "POST",
+        "/v1/cache/reset",
+        &[("Host", addr), ("Origin", "null"), json],
+        "{}",
+    );
+    openai_error(&r, 403);
+    let r = request(
+        addr,
+        "GET",
+        "/v1/models",
+        &[("Host", addr), ("Origin", "http://localhost:3000")],
+        "",
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.header("access-control-allow-origin"),
+        Some("http://localhost:3000")
+    );
+    let preflight = |origin: &str| {
+        request(
+            addr,
+            "OPTIONS",
+            "/v1/chat/completions",
+            &[
+                ("Host", addr),
+                ("Origin", origin),
+                ("Access-Control-Request-Method", "POST"),
+                (
+                    "Access-Control-Request-Headers",
+                    "authorization, content-type",
+                ),
+            ],
+            "",
+        )
+    };
+    let r = preflight("http://localhost:3000");
+    assert_eq!(r.status, 204, "{}", r.head);
+    assert_eq!(
+        r.header("access-control-allow-origin"),
+        Some("http://localhost:3000")
+    );
+    assert!(r
+        .header("access-control-allow-methods")
+        .is_some_and(|m| m.contains("POST")));
+    assert_eq!(
+        r.header("access-control-allow-headers"),
+        Some("authorization, content-type")
+    );
+    openai_error(&preflight("http://evil.example"), 403);
+    // Clients that are not browsers send no Origin and are unaffected.
+    assert_eq!(http(addr, "GET", "/v1/models", "").0, 200);
+}
+
 /// The official `openai` client suite (skipped, loudly, when Python lacks the package; CI installs it).
 #[test]
 fn openai_python_client_suite_passes() {
@@ -207,7 +766,8 @@ fn openai_python_client_suite_passes() {
         );
         return;
     }
-    let srv = Server::start(&[]);
+    // With a key, so that the official client's own authentication is exercised too.
+    let srv = Server::start(&["--api-key", "verity-test"]);
     let out = Command::new("python3")
         .args([
             script,
@@ -215,6 +775,8 @@ fn openai_python_client_suite_passes() {
             &format!("http://{}", srv.addr),
             "--model",
             "smollm2-135m",
+            "--api-key",
+            "verity-test",
         ])
         .output()
         .unwrap();

@@ -73,6 +73,13 @@ pub struct Common {
     pub chat_template_kwargs: Option<Value>,
     /// `none`/`minimal` turn reasoning off (`enable_thinking = false`), other efforts on.
     pub reasoning_effort: Option<String>,
+    // OpenAI fields verity does not implement: accepted only at their neutral values, so that a request
+    // asking for them is refused rather than silently answered without them.
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub logit_bias: Option<Value>,
+    pub functions: Option<Value>,
+    pub function_call: Option<Value>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -85,8 +92,21 @@ pub struct ChatRequest {
 #[derive(Debug, Clone, Deserialize)]
 pub struct CompletionRequest {
     pub prompt: Value,
+    // Not implemented; accepted only at their neutral values.
+    pub echo: Option<bool>,
+    pub best_of: Option<i64>,
+    pub suffix: Option<String>,
     #[serde(flatten)]
     pub common: Common,
+}
+
+/// Which API a request came through: the two differ in how they ask for log-probabilities.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Endpoint {
+    /// `logprobs: bool` and `top_logprobs: 0..=20`.
+    Chat,
+    /// The legacy `logprobs: <count of alternatives>`.
+    Completions,
 }
 
 /// Which tool calls the answer may or must make.
@@ -201,7 +221,7 @@ pub fn parse_chat(body: &[u8]) -> Result<(Vec<Message>, Params), ApiError> {
         msg.name = m.name.clone();
         messages.push(msg);
     }
-    let params = params(&req.common)?;
+    let params = params(&req.common, Endpoint::Chat)?;
     Ok((messages, params))
 }
 
@@ -238,6 +258,18 @@ pub fn parse_completion(body: &[u8]) -> Result<(String, Params), ApiError> {
             Some("tools"),
         ));
     }
+    if req.echo == Some(true) {
+        return Err(ApiError::unsupported("echo is not supported", "echo"));
+    }
+    if req.best_of.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid(
+            "only best_of = 1 is supported",
+            Some("best_of"),
+        ));
+    }
+    if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::unsupported("suffix is not supported", "suffix"));
+    }
     let prompt = match &req.prompt {
         Value::String(s) if !s.is_empty() => s.clone(),
         Value::Array(a) if a.len() == 1 && a[0].as_str().is_some_and(|s| !s.is_empty()) => {
@@ -250,12 +282,120 @@ pub fn parse_completion(body: &[u8]) -> Result<(String, Params), ApiError> {
             ))
         }
     };
-    Ok((prompt, params(&req.common)?))
+    Ok((prompt, params(&req.common, Endpoint::Completions)?))
 }
 
-fn params(c: &Common) -> Result<Params, ApiError> {
+/// Refuse the OpenAI fields verity does not implement when they ask for something.
+fn refuse_unimplemented(c: &Common) -> Result<(), ApiError> {
+    for (value, param) in [
+        (c.presence_penalty, "presence_penalty"),
+        (c.frequency_penalty, "frequency_penalty"),
+    ] {
+        if value.is_some_and(|v| v != 0.0) {
+            return Err(ApiError::unsupported(
+                format!("{param} is not supported (repetition_penalty is)"),
+                param,
+            ));
+        }
+    }
+    let asks = |v: &Option<Value>| match v {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(m)) => !m.is_empty(),
+        Some(Value::Array(a)) => !a.is_empty(),
+        Some(_) => true,
+    };
+    if asks(&c.logit_bias) {
+        return Err(ApiError::unsupported(
+            "logit_bias is not supported",
+            "logit_bias",
+        ));
+    }
+    if asks(&c.functions) || asks(&c.function_call) {
+        return Err(ApiError::unsupported(
+            "functions and function_call are superseded: use tools and tool_choice",
+            "functions",
+        ));
+    }
+    Ok(())
+}
+
+/// The number of alternatives to report per token (`None`: no log-probabilities), as each endpoint asks.
+fn logprobs(c: &Common, endpoint: Endpoint) -> Result<Option<usize>, ApiError> {
+    let in_range = |n: i64, param: &'static str| {
+        if (0..=20).contains(&n) {
+            Ok(n as usize)
+        } else {
+            Err(ApiError::invalid(
+                format!("{param} must be in [0, 20]"),
+                Some(param),
+            ))
+        }
+    };
+    match endpoint {
+        Endpoint::Chat => {
+            let on = match &c.logprobs {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        "logprobs must be a boolean (top_logprobs sets the alternatives)",
+                        Some("logprobs"),
+                    ))
+                }
+            };
+            match (on, c.top_logprobs) {
+                (false, None) => Ok(None),
+                (false, Some(_)) => Err(ApiError::invalid(
+                    "top_logprobs needs logprobs: true",
+                    Some("top_logprobs"),
+                )),
+                (true, top) => in_range(top.unwrap_or(0), "top_logprobs").map(Some),
+            }
+        }
+        Endpoint::Completions => {
+            if c.top_logprobs.is_some() {
+                return Err(ApiError::invalid(
+                    "top_logprobs belongs to chat completions; here logprobs takes the number of alternatives",
+                    Some("top_logprobs"),
+                ));
+            }
+            match &c.logprobs {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::Number(n)) => match n.as_i64() {
+                    Some(n) => in_range(n, "logprobs").map(Some),
+                    None => Err(ApiError::invalid(
+                        "logprobs must be in [0, 20]",
+                        Some("logprobs"),
+                    )),
+                },
+                Some(_) => Err(ApiError::invalid(
+                    "logprobs must be the number of alternatives per token, in [0, 20]",
+                    Some("logprobs"),
+                )),
+            }
+        }
+    }
+}
+
+fn params(c: &Common, endpoint: Endpoint) -> Result<Params, ApiError> {
     if c.n.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid("only n = 1 is supported", Some("n")));
+    }
+    refuse_unimplemented(c)?;
+    if let (Some(a), Some(b)) = (c.max_completion_tokens, c.max_tokens) {
+        if a != b {
+            return Err(ApiError::invalid(
+                format!("max_completion_tokens ({a}) and max_tokens ({b}) disagree; send one"),
+                Some("max_tokens"),
+            ));
+        }
+    }
+    let stream = c.stream.unwrap_or(false);
+    if c.stream_options.is_some() && !stream {
+        return Err(ApiError::invalid(
+            "stream_options needs stream: true",
+            Some("stream_options"),
+        ));
     }
     let max = match (c.max_completion_tokens, c.max_tokens) {
         (Some(v), _) | (None, Some(v)) => {
@@ -318,28 +458,7 @@ fn params(c: &Common) -> Result<Params, ApiError> {
             Some("stop"),
         ));
     }
-    let logprobs = match &c.logprobs {
-        None | Some(Value::Null) | Some(Value::Bool(false)) => None,
-        Some(Value::Bool(true)) => Some(c.top_logprobs.unwrap_or(0)),
-        // The legacy completions API takes an integer.
-        Some(Value::Number(n)) => Some(n.as_i64().unwrap_or(-1)),
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "logprobs must be a boolean",
-                Some("logprobs"),
-            ))
-        }
-    };
-    let logprobs = match logprobs {
-        None => None,
-        Some(n) if (0..=20).contains(&n) => Some(n as usize),
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "top_logprobs must be in [0, 20]",
-                Some("top_logprobs"),
-            ))
-        }
-    };
+    let logprobs = logprobs(c, endpoint)?;
     let response_format = match &c.response_format {
         None | Some(Value::Null) => ResponseFormat::Text,
         Some(rf) => match rf.get("type").and_then(|t| t.as_str()) {
@@ -421,7 +540,7 @@ fn params(c: &Common) -> Result<Params, ApiError> {
             seed: c.seed.unwrap_or(0),
         },
         stop,
-        stream: c.stream.unwrap_or(false),
+        stream,
         include_usage: c
             .stream_options
             .as_ref()
@@ -523,4 +642,101 @@ pub fn check_model(c_model: Option<&str>, served: &str) -> Result<(), ApiError> 
 pub fn model_field(body: &[u8]) -> Option<String> {
     let v: Value = serde_json::from_slice(body).ok()?;
     v.get("model")?.as_str().map(String::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(extra: &str) -> Result<Params, ApiError> {
+        let body = format!(r#"{{"messages":[{{"role":"user","content":"hi"}}]{extra}}}"#);
+        parse_chat(body.as_bytes()).map(|(_, p)| p)
+    }
+
+    fn completion(extra: &str) -> Result<Params, ApiError> {
+        let body = format!(r#"{{"prompt":"hi"{extra}}}"#);
+        parse_completion(body.as_bytes()).map(|(_, p)| p)
+    }
+
+    fn refused(r: Result<Params, ApiError>) -> Option<&'static str> {
+        r.err().map(|e| e.param.unwrap_or("-"))
+    }
+
+    #[test]
+    fn top_logprobs_needs_logprobs_and_a_count_in_range() {
+        assert_eq!(
+            chat(r#","logprobs":true,"top_logprobs":3"#)
+                .unwrap()
+                .logprobs,
+            Some(3)
+        );
+        assert_eq!(chat(r#","logprobs":true"#).unwrap().logprobs, Some(0));
+        assert_eq!(chat(r#","logprobs":false"#).unwrap().logprobs, None);
+        assert_eq!(refused(chat(r#","top_logprobs":3"#)), Some("top_logprobs"));
+        assert_eq!(
+            refused(chat(r#","logprobs":false,"top_logprobs":0"#)),
+            Some("top_logprobs")
+        );
+        assert_eq!(
+            refused(chat(r#","logprobs":true,"top_logprobs":21"#)),
+            Some("top_logprobs")
+        );
+        assert_eq!(
+            refused(chat(r#","logprobs":true,"top_logprobs":-1"#)),
+            Some("top_logprobs")
+        );
+        assert_eq!(refused(chat(r#","logprobs":5"#)), Some("logprobs"));
+    }
+
+    #[test]
+    fn legacy_completions_take_a_count_of_logprobs() {
+        assert_eq!(completion(r#","logprobs":2"#).unwrap().logprobs, Some(2));
+        assert_eq!(refused(completion(r#","logprobs":21"#)), Some("logprobs"));
+        assert_eq!(refused(completion(r#","logprobs":true"#)), Some("logprobs"));
+        assert_eq!(
+            refused(completion(r#","logprobs":1,"top_logprobs":1"#)),
+            Some("top_logprobs")
+        );
+    }
+
+    #[test]
+    fn fields_that_would_be_silently_ignored_are_refused() {
+        for (extra, param) in [
+            (r#","n":2"#, "n"),
+            (r#","n":0"#, "n"),
+            (r#","max_tokens":-5"#, "max_tokens"),
+            (
+                r#","max_tokens":8,"max_completion_tokens":16"#,
+                "max_tokens",
+            ),
+            (
+                r#","stream_options":{"include_usage":true}"#,
+                "stream_options",
+            ),
+            (r#","presence_penalty":0.5"#, "presence_penalty"),
+            (r#","frequency_penalty":-1"#, "frequency_penalty"),
+            (r#","logit_bias":{"50256":-100}"#, "logit_bias"),
+            (r#","functions":[{"name":"f"}]"#, "functions"),
+        ] {
+            assert_eq!(refused(chat(extra)), Some(param), "{extra}");
+        }
+        for (extra, param) in [
+            (r#","echo":true"#, "echo"),
+            (r#","best_of":3"#, "best_of"),
+            (r#","suffix":"end""#, "suffix"),
+        ] {
+            assert_eq!(refused(completion(extra)), Some(param), "{extra}");
+        }
+    }
+
+    #[test]
+    fn neutral_values_of_unimplemented_fields_pass() {
+        let p = chat(
+            r#","presence_penalty":0,"frequency_penalty":0.0,"logit_bias":{},"functions":null,"max_tokens":8,"max_completion_tokens":8,"stream":true,"stream_options":{"include_usage":true}"#,
+        )
+        .unwrap();
+        assert_eq!(p.max_tokens, Some(8));
+        assert!(p.stream && p.include_usage);
+        completion(r#","echo":false,"best_of":1,"suffix":"""#).unwrap();
+    }
 }

@@ -1,6 +1,9 @@
 //! API errors, rendered as OpenAI-style bodies: `{"error": {"message", "type", "param", "code"}}`.
+//!
+//! Every error the server answers has such a body, protocol-level ones included (see the `transport` module):
+//! clients parse errors one way.
 
-use axum::http::StatusCode;
+use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
@@ -11,65 +14,73 @@ pub struct ApiError {
     pub kind: &'static str,
     pub message: String,
     pub param: Option<&'static str>,
+    /// OpenAI's machine-readable `code` (e.g. `invalid_api_key`), where one applies.
+    pub code: Option<&'static str>,
 }
 
 impl ApiError {
+    pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            kind,
+            message: message.into(),
+            param: None,
+            code: None,
+        }
+    }
+
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+
     pub fn invalid(message: impl Into<String>, param: Option<&'static str>) -> Self {
         ApiError {
-            status: StatusCode::BAD_REQUEST,
-            kind: "invalid_request_error",
-            message: message.into(),
             param,
+            ..Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
         }
     }
 
     pub fn unsupported(message: impl Into<String>, param: &'static str) -> Self {
         ApiError {
-            status: StatusCode::BAD_REQUEST,
-            kind: "unsupported_feature",
-            message: message.into(),
             param: Some(param),
+            ..Self::new(StatusCode::BAD_REQUEST, "unsupported_feature", message)
         }
     }
 
     pub fn not_found(message: impl Into<String>) -> Self {
         ApiError {
-            status: StatusCode::NOT_FOUND,
-            kind: "model_not_found",
-            message: message.into(),
             param: Some("model"),
+            ..Self::new(StatusCode::NOT_FOUND, "model_not_found", message)
         }
     }
 
     pub fn overloaded() -> Self {
-        ApiError {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            kind: "server_overloaded",
-            message: "the request queue is full; retry shortly".into(),
-            param: None,
-        }
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_overloaded",
+            "the request queue is full; retry shortly",
+        )
     }
 
     pub fn internal(message: impl Into<String>) -> Self {
-        ApiError {
-            status: StatusCode::INTERNAL_SERVER_ERROR,
-            kind: "internal_error",
-            message: message.into(),
-            param: None,
-        }
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", message)
     }
 
     pub fn body(&self) -> serde_json::Value {
-        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": null}})
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut r = (self.status, axum::Json(self.body())).into_response();
+        let headers = r.headers_mut();
         if self.status == StatusCode::SERVICE_UNAVAILABLE {
-            r.headers_mut()
-                .insert("retry-after", axum::http::HeaderValue::from_static("1"));
+            headers.insert("retry-after", HeaderValue::from_static("1"));
+        }
+        if self.status == StatusCode::UNAUTHORIZED {
+            headers.insert("www-authenticate", HeaderValue::from_static("Bearer"));
         }
         r
     }

@@ -3,15 +3,21 @@
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (both streaming over SSE or not),
 //! `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text), `POST /v1/cache/reset`.
 //! Requests are validated in [`api`] and run one at a time by the engine thread in [`worker`]; a full queue
-//! answers 503, a disconnected client cancels its generation.
+//! answers 503, a disconnected client cancels its generation. Before a request reaches its handler, [`access`]
+//! checks who sends it and [`limits`] reads its body within a deadline; `transport` runs the connections
+//! (timeouts, a connection cap, and JSON bodies for hyper's own protocol errors).
 
+pub mod access;
 pub mod api;
 pub mod error;
 pub mod grammar;
+pub mod limits;
 pub mod metrics;
+mod transport;
 pub mod worker;
 
 use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -20,6 +26,7 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::StatusCode;
+use axum::middleware;
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -30,8 +37,10 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use verity::backend::Backend;
 use verity::engine::{Engine, GenerationStats};
 
+use access::Access;
 use api::Params;
 use error::ApiError;
+use limits::Limits;
 use metrics::Metrics;
 use worker::{Event, Input, Job, TokenLogprob, Worker};
 
@@ -62,34 +71,43 @@ pub fn router<B: Backend>(engine: Engine<B>, model_id: &str, queue: usize) -> Ro
         .route("/v1/completions", post(completions))
         .route("/v1/cache/reset", post(reset_cache))
         .fallback(|| async {
-            ApiError {
-                status: StatusCode::NOT_FOUND,
-                kind: "not_found",
-                message: "no such endpoint".into(),
-                param: None,
-            }
+            ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
         })
         .method_not_allowed_fallback(|| async {
-            ApiError {
-                status: StatusCode::METHOD_NOT_ALLOWED,
-                kind: "invalid_request_error",
-                message: "method not allowed".into(),
-                param: None,
-            }
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "invalid_request_error",
+                "method not allowed",
+            )
         })
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(state)
 }
 
-/// Serve until Ctrl-C. Prints the bound address (useful with port 0) on stdout.
-pub async fn serve(router: Router, addr: &str) -> std::io::Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
+/// Serve `router` on `addrs` (the first that binds) until Ctrl-C, then let the requests in progress finish.
+/// Prints the bound address (useful with port 0) on stdout.
+pub async fn serve(
+    router: Router,
+    addrs: &[SocketAddr],
+    limits: Limits,
+    access: Access,
+) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addrs).await?;
     println!("listening on http://{}", listener.local_addr()?);
-    axum::serve(listener, router)
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
-        .await
+    // The last layer added runs first: access is checked before the body is read.
+    let app = router
+        .layer(middleware::from_fn_with_state(
+            limits,
+            limits::bounded_request,
+        ))
+        .layer(middleware::from_fn_with_state(
+            Arc::new(access),
+            access::enforce,
+        ));
+    transport::run(listener, app, limits, async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
+    .await
 }
 
 fn now() -> u64 {
@@ -117,15 +135,17 @@ async fn reset_cache(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiE
 }
 
 fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
-    body.map_err(|e| ApiError {
-        status: if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+    body.map_err(|e| {
+        let status = if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
             StatusCode::PAYLOAD_TOO_LARGE
         } else {
             StatusCode::BAD_REQUEST
-        },
-        kind: "invalid_request_error",
-        message: format!("cannot read the body: {e}"),
-        param: None,
+        };
+        ApiError::new(
+            status,
+            "invalid_request_error",
+            format!("cannot read the body: {e}"),
+        )
     })
 }
 

@@ -4,7 +4,7 @@
 Usage (normally launched by a Rust integration test against a live server):
 
     python3 crates/verity-cli/tests/python/test_server.py \
-        --base-url http://127.0.0.1:PORT --model smollm2-135m [unittest args, e.g. -k stream]
+        --base-url http://127.0.0.1:PORT --model smollm2-135m [--api-key KEY] [unittest args, e.g. -k stream]
 
 The server is driven with the official `openai` Python client and with raw
 HTTP (`http.client`, stdlib); nothing else outside the stdlib is required.
@@ -41,8 +41,11 @@ Covered (the contract of `verity serve`):
   * Bad input (raw HTTP): 4xx with an OpenAI-style error body for malformed
     JSON, wrong shapes/types/ranges, unknown model, n=3, bad stop and
     response_format, malformed tools / tool_choice / json_schema / template
-    kwargs, wrong method (405), a 10 MB body (413/400); the server stays
-    healthy after each.
+    kwargs, top_logprobs without logprobs or out of range, wrong method (405),
+    a 10 MB body (413/400); the server stays healthy after each.
+  * Access: with --api-key, the client with a wrong key gets AuthenticationError
+    (401); a text/plain POST is refused (415), a foreign Origin (403) and a
+    foreign Host (421), each with an OpenAI-style error body.
 Not covered here: queue-full behaviour (tested from Rust).
 """
 
@@ -77,6 +80,7 @@ class Config:
     host = "127.0.0.1"
     port = 8080
     model = "smollm2-135m"
+    api_key = None  # the server's --api-key, sent by every request when set
     request_timeout = 60.0
 
 
@@ -114,6 +118,10 @@ class HttpResult:
         return "HttpResult(status=%d, body=%r)" % (self.status, snippet)
 
 
+def auth_headers():
+    return {"Authorization": "Bearer %s" % CFG.api_key} if CFG.api_key else {}
+
+
 def _headers_of(resp):
     return {k.lower(): v for k, v in resp.getheaders()}
 
@@ -125,6 +133,7 @@ def http_request(method, path, body=None, headers=None, timeout=None):
         hdrs = {"Accept": "application/json"}
         if body is not None:
             hdrs["Content-Type"] = "application/json"
+        hdrs.update(auth_headers())
         hdrs.update(headers or {})
         conn.request(method, path, body=body, headers=hdrs)
         resp = conn.getresponse()
@@ -171,7 +180,8 @@ def stream_raw(path, payload, timeout=None):
     conn = http.client.HTTPConnection(CFG.host, CFG.port, timeout=timeout or CFG.request_timeout)
     try:
         conn.request("POST", path, body=json.dumps(payload).encode("utf-8"),
-                     headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+                     headers=dict(auth_headers(), **{"Content-Type": "application/json",
+                                                     "Accept": "text/event-stream"}))
         resp = conn.getresponse()
         headers = _headers_of(resp)
         if resp.status != 200:
@@ -201,9 +211,10 @@ def send_oversized(path, body, timeout=30.0):
     sock = socket.create_connection((CFG.host, CFG.port), timeout=timeout)
     received = b""
     try:
-        head = ("POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+        auth = "".join("%s: %s\r\n" % kv for kv in auth_headers().items())
+        head = ("POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n%s"
                 "Content-Length: %d\r\nConnection: close\r\n\r\n"
-                % (path, CFG.host, CFG.port, len(body))).encode("ascii")
+                % (path, CFG.host, CFG.port, auth, len(body))).encode("ascii")
         sock.sendall(head)
         view = memoryview(body)
         offset = 0
@@ -260,7 +271,7 @@ _client = None
 def client():
     global _client
     if _client is None:
-        _client = openai.OpenAI(base_url=CFG.base_url + "/v1", api_key="verity-test",
+        _client = openai.OpenAI(base_url=CFG.base_url + "/v1", api_key=CFG.api_key or "unused",
                                 max_retries=0, timeout=CFG.request_timeout)
     return _client
 
@@ -881,7 +892,7 @@ class TestRobustness(ServerTestCase):
                                  "Count from 1 to 1000, separated by commas."}]}
         conn = http.client.HTTPConnection(CFG.host, CFG.port, timeout=30)
         conn.request("POST", "/v1/chat/completions", body=json.dumps(payload).encode("utf-8"),
-                     headers={"Content-Type": "application/json"})
+                     headers=dict(auth_headers(), **{"Content-Type": "application/json"}))
         sock = conn.sock  # keep it: getresponse() may detach it from conn
         resp = conn.getresponse()
         self.assertEqual(resp.status, 200)
@@ -992,6 +1003,10 @@ BAD_INPUT_CASES = [
      lambda: _chat_body(chat_template_kwargs=[1]), (400,)),
     ("reasoning_effort_unknown", "POST", "/v1/chat/completions",
      lambda: _chat_body(reasoning_effort="extreme"), (400,)),
+    ("top_logprobs_without_logprobs", "POST", "/v1/chat/completions",
+     lambda: _chat_body(top_logprobs=2), (400,)),
+    ("top_logprobs_out_of_range", "POST", "/v1/chat/completions",
+     lambda: _chat_body(logprobs=True, top_logprobs=21), (400,)),
     ("get_on_chat_completions", "GET", "/v1/chat/completions", lambda: None, (405,)),
     ("body_10mb", "POST", "/v1/chat/completions",
      lambda: _chat_body(messages=[{"role": "user", "content": "a" * (10 * 1024 * 1024)}]), (400, 413)),
@@ -1025,6 +1040,36 @@ def _install_bad_input_tests():
 
 
 _install_bad_input_tests()
+
+
+# --------------------------------------------------------------------------
+# Access: API key, Content-Type, Origin, Host
+# --------------------------------------------------------------------------
+
+class TestAccess(ServerTestCase):
+
+    def test_wrong_api_key_is_refused(self):
+        if not CFG.api_key:
+            self.skipTest("the server runs without --api-key")
+        wrong = openai.OpenAI(base_url=CFG.base_url + "/v1", api_key=CFG.api_key + "-wrong",
+                              max_retries=0, timeout=CFG.request_timeout)
+        with self.assertRaises(openai.AuthenticationError) as caught:
+            wrong.models.list()
+        self.assertEqual(error_of(caught.exception).get("code"), "invalid_api_key")
+
+    def test_text_plain_post_is_refused(self):
+        body = json.dumps(_chat_body()).encode("utf-8")
+        res = http_request("POST", "/v1/chat/completions", body, headers={"Content-Type": "text/plain"})
+        self.assert_error_response(res, (415,))
+        self.assert_healthy()
+
+    def test_foreign_origin_is_refused(self):
+        res = http_request("GET", "/v1/models", headers={"Origin": "http://evil.example"})
+        self.assert_error_response(res, (403,))
+
+    def test_foreign_host_is_refused(self):
+        res = http_request("GET", "/v1/models", headers={"Host": "evil.example"})
+        self.assert_error_response(res, (421,))
 
 
 # --------------------------------------------------------------------------
@@ -1062,6 +1107,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8080 (no /v1)")
     parser.add_argument("--model", default="smollm2-135m", help="served model id")
+    parser.add_argument("--api-key", default=None, help="the server's --api-key, if any")
     parser.add_argument("--wait", type=float, default=60.0, help="seconds to wait for /health first")
     parser.add_argument("--deadline", type=float, default=360.0, help="abort the whole run after this")
     parser.add_argument("--timeout", type=float, default=60.0, help="per-request timeout (s)")
@@ -1077,6 +1123,7 @@ def main():
     CFG.host = url.hostname
     CFG.port = url.port or 80
     CFG.model = args.model
+    CFG.api_key = args.api_key
     CFG.request_timeout = args.timeout
     # Never route the loopback test traffic through a proxy from the environment.
     no_proxy = ",".join(filter(None, [os.environ.get("NO_PROXY", ""), CFG.host, "localhost", "127.0.0.1"]))
