@@ -152,7 +152,7 @@ fn bad_input_exits_nonzero_with_the_file_and_problem_named() {
 }
 
 #[test]
-fn bench_speed_writes_the_documented_records() {
+fn bench_speed_writes_the_documented_records_and_its_plot() {
     let dir = std::env::temp_dir().join(format!("verity-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let prompts = dir.join("prompts.jsonl");
@@ -181,8 +181,12 @@ fn bench_speed_writes_the_documented_records() {
         "2",
         "--json",
         json.to_str().unwrap(),
+        "--plot",
+        dir.join("plots").to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
+    let (w, h) = png_size(&dir.join("plots/speed.png"));
+    assert!(w > 0 && h > 0, "{w}×{h}");
     let records: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(
@@ -234,4 +238,101 @@ fn inspect_names_mlx_quantization_per_tensor_kind() {
         !s.contains(".scales"),
         "scales are part of the quantized weight: {s}"
     );
+}
+
+/// The width and height in a PNG's IHDR chunk (the first chunk, right after the signature).
+fn png_size(path: &Path) -> (u32, u32) {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert_eq!(
+        &bytes[..8],
+        b"\x89PNG\r\n\x1a\n",
+        "{} is not a PNG",
+        path.display()
+    );
+    assert_eq!(&bytes[12..16], b"IHDR");
+    let be = |at: usize| u32::from_be_bytes(bytes[at..at + 4].try_into().unwrap());
+    (be(16), be(20))
+}
+
+#[test]
+fn bench_plot_redraws_saved_records_as_png() {
+    let dir = std::env::temp_dir().join(format!("verity-plot-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let record = |route: &str, category: &str, tok_s: f64| {
+        serde_json::json!({
+            "prompt_id": format!("{category}-1"), "category": category, "turn": 1, "route": route,
+            "repeat": 0, "prompt_tokens": 20, "restored_tokens": 0, "completion_tokens": 64,
+            "ttft_s": 0.01, "decode_tok_s": tok_s, "cycles": 64, "accepted_per_cycle": 1.0,
+            "draft_s": 0.0, "verify_s": 0.3, "other_s": 0.0, "text": "…"
+        })
+    };
+    let speed = dir.join("speed-records.json");
+    let records = serde_json::json!([
+        record("ar", "prose", 100.0),
+        record("mtp", "prose", 130.0),
+        record("ar", "code", 90.0),
+        record("mtp", "code", 150.0),
+    ]);
+    std::fs::write(&speed, records.to_string()).unwrap();
+    // Runs merged under keys, as bench/results/rowcost/ keeps them.
+    let rowcost = dir.join("rowcost-runs.json");
+    let run = |ms: [f64; 3]| {
+        let widths: Vec<_> = [1, 4, 16]
+            .into_iter()
+            .zip(ms)
+            .map(|(w, m)| serde_json::json!({"w": w, "median_ms": m, "ratio_to_w1": m / ms[0]}))
+            .collect();
+        serde_json::json!({"widths": widths, "floor": null})
+    };
+    let runs = serde_json::json!({"run1": run([5.0, 7.0, 15.0]), "run2": run([6.0, 7.5, 16.0])});
+    std::fs::write(&rowcost, runs.to_string()).unwrap();
+    let plots = dir.join("plots/nested");
+    for (json, name) in [(&speed, None), (&rowcost, Some("rowcost-cpu"))] {
+        let mut args = vec![
+            "bench",
+            "plot",
+            "--json",
+            json.to_str().unwrap(),
+            "--plot",
+            plots.to_str().unwrap(),
+        ];
+        args.extend(name.iter().flat_map(|n| ["--name", n]));
+        let out = verity(&args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let png = plots.join(format!("{}.png", name.unwrap_or("speed")));
+        assert_eq!(text(&out.stdout).trim(), png.to_str().unwrap());
+        let (w, h) = png_size(&png);
+        assert!(w > 0 && h > 0, "{w}×{h}");
+    }
+}
+
+#[test]
+fn bench_plot_into_an_unusable_folder_names_the_folder() {
+    let dir = std::env::temp_dir().join(format!("verity-plot-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("rowcost.json");
+    std::fs::write(
+        &json,
+        r#"{"widths": [{"w": 1, "median_ms": 5.0, "ratio_to_w1": 1.0}], "floor": null}"#,
+    )
+    .unwrap();
+    // Below a regular file: no folder can be made there, not even by root (which ignores permissions).
+    let blocker = dir.join("a-file");
+    std::fs::write(&blocker, b"").unwrap();
+    let plots = blocker.join("plots");
+    let out = verity(&[
+        "bench",
+        "plot",
+        "--json",
+        json.to_str().unwrap(),
+        "--plot",
+        plots.to_str().unwrap(),
+    ]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("cannot create the plot folder") && err.contains(plots.to_str().unwrap()),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
 }

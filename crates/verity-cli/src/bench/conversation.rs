@@ -12,7 +12,7 @@ use verity::engine::GenerateRequest;
 
 use super::prompts;
 use super::speed::{route_mode, run_prompt, write_json, Turns};
-use super::summary::median;
+use super::summary::{median, Record};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -29,9 +29,18 @@ pub struct Args {
     repeat: usize,
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Draw turn-2 time to first token per arm as DIR/conversation.png (the folder is created).
+    #[arg(long, value_name = "DIR")]
+    plot: Option<PathBuf>,
 }
 
 pub fn main(a: Args, threads: usize) -> Result<()> {
+    // The folder first, so that an unusable one fails before the measurement.
+    let plot = a
+        .plot
+        .as_deref()
+        .map(|dir| super::plot::png_path(dir, "conversation"))
+        .transpose()?;
     let prompts: Vec<_> = prompts::load(&a.prompts)?
         .into_iter()
         .filter(|p| !p.turns.is_empty())
@@ -43,7 +52,7 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
     let target = crate::load::resolve(&a.model)?;
     let target = target.to_str().context("model path is not UTF-8")?;
     let mode = route_mode(&a.route, target)?;
-    let mut arms = Vec::new();
+    let mut engines = Vec::new();
     // off: nothing to restore; on: the RAM tier; disk: the disk tier alone (a restarted server).
     let disk_root =
         std::env::temp_dir().join(format!("verity-bench-prefix-{}", std::process::id()));
@@ -57,13 +66,13 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
         if disk && !e.set_prefix_cache_dir(&disk_root, 1 << 32) {
             bail!("cannot use {} for the disk arm", disk_root.display());
         }
-        arms.push((label, e));
+        engines.push((label, e));
     }
     let req = GenerateRequest::greedy(a.max_tokens);
     let mut records = Vec::new();
     for repeat in 0..a.repeat {
         for p in &prompts {
-            for (label, engine) in arms.iter_mut() {
+            for (label, engine) in engines.iter_mut() {
                 engine.clear_prefix_cache();
                 for mut r in run_prompt(engine, p, &a.route, repeat, &req, Turns::FreshSessions)? {
                     r.cache = Some(label.to_string());
@@ -73,30 +82,62 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
         }
     }
     write_json(a.json.as_deref(), &records)?;
+    let _ = std::fs::remove_dir_all(&disk_root);
     println!(
         "{:<6} {:>5} {:>10} {:>10} {:>10} {:>9} {:>10}",
         "cache", "runs", "ttft2 s", "restored", "tok/s", "tok/cyc", "store ms"
     );
-    let _ = std::fs::remove_dir_all(&disk_root);
-    for label in ["off", "on", "disk"] {
-        let t2: Vec<_> = records
-            .iter()
-            .filter(|r| r.turn == 2 && r.cache.as_deref() == Some(label))
-            .collect();
-        let t1: Vec<_> = records
-            .iter()
-            .filter(|r| r.turn == 1 && r.cache.as_deref() == Some(label))
-            .collect();
+    for arm in arms(&records) {
         println!(
             "{:<6} {:>5} {:>10.3} {:>10.0} {:>10.1} {:>9.2} {:>10.2}",
-            label,
-            t2.len(),
-            median(t2.iter().map(|r| r.ttft_s).collect()),
-            median(t2.iter().map(|r| r.restored_tokens as f64).collect()),
-            median(t2.iter().map(|r| r.decode_tok_s).collect()),
-            median(t2.iter().map(|r| r.accepted_per_cycle).collect()),
-            median(t1.iter().map(|r| r.store_s * 1e3).collect()),
+            arm.cache,
+            arm.runs,
+            arm.ttft2_s,
+            arm.restored_tokens,
+            arm.decode_tok_s,
+            arm.accepted_per_cycle,
+            arm.store_ms,
         );
     }
+    if let Some(path) = &plot {
+        super::plot::conversation(&records, &format!("route {}", a.route), path)?;
+        eprintln!("plot: {}", path.display());
+    }
     Ok(())
+}
+
+/// One prefix-cache arm, medians over its turn-2 runs (store time over turn 1, where the checkpoint is stored).
+pub struct Arm {
+    pub cache: &'static str,
+    pub runs: usize,
+    pub ttft2_s: f64,
+    pub restored_tokens: f64,
+    pub decode_tok_s: f64,
+    pub accepted_per_cycle: f64,
+    pub store_ms: f64,
+}
+
+/// The arms `off`, `on` and `disk`, in that order (an arm without records has `runs` 0 and NaN medians).
+pub fn arms(records: &[Record]) -> Vec<Arm> {
+    ["off", "on", "disk"]
+        .into_iter()
+        .map(|cache| {
+            let of_turn = |turn: usize| -> Vec<&Record> {
+                records
+                    .iter()
+                    .filter(|r| r.turn == turn && r.cache.as_deref() == Some(cache))
+                    .collect()
+            };
+            let (t1, t2) = (of_turn(1), of_turn(2));
+            Arm {
+                cache,
+                runs: t2.len(),
+                ttft2_s: median(t2.iter().map(|r| r.ttft_s).collect()),
+                restored_tokens: median(t2.iter().map(|r| r.restored_tokens as f64).collect()),
+                decode_tok_s: median(t2.iter().map(|r| r.decode_tok_s).collect()),
+                accepted_per_cycle: median(t2.iter().map(|r| r.accepted_per_cycle).collect()),
+                store_ms: median(t1.iter().map(|r| r.store_s * 1e3).collect()),
+            }
+        })
+        .collect()
 }

@@ -1,6 +1,8 @@
-//! `verity bench`: measurements written as JSON records, summarized as medians per route and category.
+//! `verity bench`: measurements written as JSON records, summarized as medians per route and category, and
+//! drawn as PNG plots on request.
 
 mod conversation;
+mod plot;
 mod prompts;
 mod rowcost;
 mod rowexact;
@@ -21,6 +23,8 @@ pub enum Command {
     Rowcost(rowcost::Args),
     /// Teacher-forced comparison of verify rows with AR steps (bitwise).
     Rowexact(rowexact::Args),
+    /// Redraw the PNG plots of saved `--json` records (speed, conversation or rowcost).
+    Plot(plot::Args),
 }
 
 pub fn main(c: Command, device: Device, threads: usize) -> Result<()> {
@@ -32,5 +36,6 @@ pub fn main(c: Command, device: Device, threads: usize) -> Result<()> {
         }
         Command::Rowcost(a) => rowcost::main(a, device, threads),
         Command::Rowexact(a) => rowexact::main(a, device, threads),
+        Command::Plot(a) => plot::main(a),
     }
 }

@@ -6,10 +6,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 
 use crate::device::{with_backend, Device, WithBackend};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use verity::backend::Backend;
 use verity::bundle::Bundle;
 use verity::model::{Batch, LogitRows, Model};
@@ -33,6 +33,9 @@ pub struct Args {
     logits: Returns,
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Draw ms and ms(W)/ms(1) by width as DIR/rowcost.png (the folder is created).
+    #[arg(long, value_name = "DIR")]
+    plot: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -76,11 +79,12 @@ fn read_bandwidth(threads: usize) -> f64 {
     (len * 8) as f64 / best / 1e9
 }
 
-#[derive(Serialize)]
-struct Cost {
-    w: usize,
-    median_ms: f64,
-    ratio_to_w1: f64,
+/// One width's figures, as `--json` writes them under `widths`.
+#[derive(Serialize, Deserialize)]
+pub struct Cost {
+    pub w: usize,
+    pub median_ms: f64,
+    pub ratio_to_w1: f64,
 }
 
 pub fn main(a: Args, device: Device, threads: usize) -> Result<()> {
@@ -100,6 +104,12 @@ impl WithBackend for RowCost {
 }
 
 fn run<B: Backend>(a: Args, backend: Arc<B>, device: Device, threads: usize) -> Result<()> {
+    // The folder first, so that an unusable one fails before the measurement.
+    let plot = a
+        .plot
+        .as_deref()
+        .map(|dir| super::plot::png_path(dir, "rowcost"))
+        .transpose()?;
     let path = crate::load::resolve(&a.model)?;
     let mut model = Model::load(&Bundle::open(&path)?, backend)?;
     let widths: Vec<usize> = a
@@ -173,7 +183,13 @@ fn run<B: Backend>(a: Args, backend: Arc<B>, device: Device, threads: usize) -> 
         std::fs::write(
             p,
             serde_json::to_string_pretty(&serde_json::json!({"widths": costs, "floor": floor}))?,
-        )?;
+        )
+        .with_context(|| format!("writing {}", p.display()))?;
+    }
+    if let Some(path) = &plot {
+        let label = format!("context {}", a.context);
+        super::plot::rowcost(&[(label, costs)], &super::plot::model_title(&a.model), path)?;
+        eprintln!("plot: {}", path.display());
     }
     Ok(())
 }

@@ -44,6 +44,9 @@ pub struct Args {
     /// Write the records here as a JSON list ("-" = stdout).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Draw the summary as DIR/speed.png (the folder is created).
+    #[arg(long, value_name = "DIR")]
+    plot: Option<PathBuf>,
 }
 
 pub fn main(a: Args, device: Device, threads: usize) -> Result<()> {
@@ -58,6 +61,12 @@ impl WithBackend for Args {
 }
 
 fn run<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
+    // The folder first, so that an unusable one fails before the measurement.
+    let plot = a
+        .plot
+        .as_deref()
+        .map(|dir| super::plot::png_path(dir, "speed"))
+        .transpose()?;
     let routes: Vec<String> = a
         .routes
         .split(',')
@@ -104,6 +113,10 @@ fn run<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
     }
     write_json(a.json.as_deref(), &records)?;
     summary::print(&records);
+    if let Some(path) = &plot {
+        super::plot::speed(&records, &super::plot::model_title(&a.model), path)?;
+        eprintln!("plot: {}", path.display());
+    }
     Ok(())
 }
 

@@ -26,7 +26,8 @@ pub struct Record {
     /// `verity bench conversation` only: the prefix-cache arm (`on`/`off`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache: Option<String>,
-    /// Seconds spent storing the prefix-cache checkpoint (during prefill).
+    /// Seconds spent storing the prefix-cache checkpoint (during prefill); 0 in records older than the field.
+    #[serde(default)]
     pub store_s: f64,
 }
 
@@ -43,9 +44,21 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// Print route × category: median decode tok/s, median ratio to `ar` (per prompt, turn and repeat), median
-/// accepted tokens per cycle, median time to first token.
-pub fn print(records: &[Record]) {
+/// One line of the summary: a route on a category (or on `all`), medians over its runs.
+pub struct Row {
+    pub route: String,
+    pub category: String,
+    pub runs: usize,
+    pub decode_tok_s: f64,
+    /// Median of per-run ratios to the `ar` run of the same prompt, turn and repeat; `None` without `ar` runs.
+    pub vs_ar: Option<f64>,
+    pub accepted_per_cycle: f64,
+    pub ttft_s: f64,
+}
+
+/// Route × category (sorted, `all` included): median decode tok/s, median ratio to `ar` (per prompt, turn and
+/// repeat), median accepted tokens per cycle, median time to first token.
+pub fn rows(records: &[Record]) -> Vec<Row> {
     let mut groups: BTreeMap<(String, String), Vec<&Record>> = BTreeMap::new();
     for r in records {
         groups
@@ -62,31 +75,45 @@ pub fn print(records: &[Record]) {
         .filter(|r| r.route == "ar")
         .map(|r| ((r.prompt_id.clone(), r.turn, r.repeat), r.decode_tok_s))
         .collect();
+    groups
+        .into_iter()
+        .map(|((route, category), rs)| {
+            let ratios: Vec<f64> = rs
+                .iter()
+                .filter_map(|r| {
+                    ar.get(&(r.prompt_id.clone(), r.turn, r.repeat))
+                        .map(|a| r.decode_tok_s / a)
+                })
+                .collect();
+            Row {
+                route,
+                category,
+                runs: rs.len(),
+                decode_tok_s: median(rs.iter().map(|r| r.decode_tok_s).collect()),
+                vs_ar: (!ratios.is_empty()).then(|| median(ratios)),
+                accepted_per_cycle: median(rs.iter().map(|r| r.accepted_per_cycle).collect()),
+                ttft_s: median(rs.iter().map(|r| r.ttft_s).collect()),
+            }
+        })
+        .collect()
+}
+
+/// Print [`rows`] as a table.
+pub fn print(records: &[Record]) {
     println!(
         "{:<12} {:<12} {:>5} {:>10} {:>8} {:>9} {:>9}",
         "route", "category", "runs", "tok/s", "vs ar", "acc/cyc", "ttft s"
     );
-    for ((route, cat), rs) in &groups {
-        let ratios: Vec<f64> = rs
-            .iter()
-            .filter_map(|r| {
-                ar.get(&(r.prompt_id.clone(), r.turn, r.repeat))
-                    .map(|a| r.decode_tok_s / a)
-            })
-            .collect();
+    for row in rows(records) {
         println!(
             "{:<12} {:<12} {:>5} {:>10.1} {:>8} {:>9.2} {:>9.3}",
-            route,
-            cat,
-            rs.len(),
-            median(rs.iter().map(|r| r.decode_tok_s).collect()),
-            if ratios.is_empty() {
-                "-".to_string()
-            } else {
-                format!("{:.2}x", median(ratios))
-            },
-            median(rs.iter().map(|r| r.accepted_per_cycle).collect()),
-            median(rs.iter().map(|r| r.ttft_s).collect()),
+            row.route,
+            row.category,
+            row.runs,
+            row.decode_tok_s,
+            row.vs_ar.map_or("-".to_string(), |r| format!("{r:.2}x")),
+            row.accepted_per_cycle,
+            row.ttft_s,
         );
     }
 }
