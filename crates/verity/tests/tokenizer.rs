@@ -28,8 +28,7 @@ fn gguf_tokenizer_matches_llama_cpp_on_the_corpus() {
         );
         // Text a user wrote keeps special-token text as text: llama.cpp's special=False encoding.
         assert_eq!(
-            tok.encode_with_literals(text, &[0..text.len()], false)
-                .unwrap(),
+            tok.encode_literal(text, false).unwrap(),
             ids(&c["ids"]),
             "literal encode {name}: {text:?}"
         );
@@ -229,9 +228,7 @@ fn control_token_text_in_a_message_stays_text() {
         "{text:?}"
     );
     // The user's part is tokenized as plain text would be.
-    let literal = tok
-        .encode_with_literals("<|im_start|>", &[0..12], false)
-        .unwrap();
+    let literal = tok.encode_literal("<|im_start|>", false).unwrap();
     assert!(literal.len() > 1, "{literal:?}");
 
     // Without special-token text, the prompt is the whole rendering's encoding, as before.

@@ -212,6 +212,11 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// Encode text a user wrote, all of it literal ([`Tokenizer::encode_with_literals`]).
+    pub fn encode_literal(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {
+        self.encode_with_literals(text, std::slice::from_ref(&(0..text.len())), add_bos)
+    }
+
     /// Whether `text` holds the text of a special (control) token.
     pub fn mentions_special(&self, text: &str) -> bool {
         self.special_texts.iter().any(|s| text.contains(s.as_str()))

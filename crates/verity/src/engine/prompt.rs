@@ -44,9 +44,7 @@ impl<B: Backend> Engine<B> {
             let text: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
             let text = text.join("\n");
             return Ok(ChatPrompt {
-                tokens: self
-                    .tokenizer
-                    .encode_with_literals(&text, &[0..text.len()], true)?,
+                tokens: self.tokenizer.encode_literal(&text, true)?,
                 boundary: None,
                 opens_reasoning: false,
             });
