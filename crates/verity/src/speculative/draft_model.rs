@@ -5,7 +5,7 @@
 //! catches up with the context in one batched forward; after verification it is truncated to the kept path, so
 //! a rejected draft never leaves state behind. With sampling, the draft at position `p` is the drafter's sample
 //! from its own processed distribution `q` (its own settings may differ from the target's) with the request's
-//! keyed uniform of `p`, the one the target's sample there uses (see [`super::verify`]).
+//! seed, so it runs the keyed race the target's sample at `p` runs (see [`super::verify`]).
 
 use super::proposer::{Draft, Proposer};
 use crate::backend::Backend;
@@ -29,7 +29,7 @@ pub struct DraftModel<B: Backend> {
 impl<B: Backend> DraftModel<B> {
     /// `fixed`: drafting settings that differ from the requests' (e.g. a hotter drafter); `None` drafts with
     /// each request's own sampling settings. The seed is always the request's, so that drafts and the target's
-    /// samples share each position's uniform.
+    /// samples share each position's keyed race.
     pub fn new(model: Model<B>, target_vocab: usize, fixed: Option<SamplerConfig>) -> Result<Self> {
         let sampling = fixed.unwrap_or_default();
         if model.hp.vocab > target_vocab {

@@ -18,8 +18,8 @@
 //!   can condition; without the hidden state of the position before `pending` the head proposes nothing.
 //! - [`Proposer::catch_up`] runs the catch-up alone, for a cycle another proposer drafts (the route composes the
 //!   head with copying: [`super::copy_first::CopyFirst`]), so the head's cache stays aligned.
-//! - With sampling, the draft at position `p` is drawn from the head's processed distribution `q` with the
-//!   request's keyed uniform of `p`, the one the target's sample there uses (see [`super::verify`]).
+//! - With sampling, the draft at position `p` is the head's sample from its processed distribution `q`
+//!   with the request's seed: the keyed race the target's sample at `p` runs (see [`super::verify`]).
 //! - Greedy drafts run as one chain on the backend ([`MtpHead::draft_greedy`]): each recursive step's token is
 //!   the step before's argmax, picked where it lies, so the host queues the catch-up and every step at once and
 //!   waits once — the same tokens as stepping through the host.
@@ -95,7 +95,7 @@ impl<B: Backend> MtpProposer<B> {
     /// Pick the token at position `history.len()` from a head step's output (over the draft vocabulary). Greedy
     /// drafts are the head's argmax (no penalty: a draft's quality, not the output, depends on it), which the
     /// step returns alone ([`MtpProposer::greedy`]); sampled ones are the head's sample with the request's
-    /// keyed uniform of that position, tokens outside the draft vocabulary at probability 0.
+    /// seed at that position, tokens outside the draft vocabulary at probability 0.
     fn choose(&self, out: &HeadOutput, history: &[u32]) -> u32 {
         if let Some(t) = out.greedy {
             return self.head.token(t as usize);

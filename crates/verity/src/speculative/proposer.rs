@@ -20,9 +20,9 @@ pub trait Proposer: Send {
     fn name(&self) -> &'static str;
 
     /// A new request starts: forget per-request adaptation. `sampling` is the request's sampling. A proposer
-    /// that samples draws the draft at position `p` with the request's keyed uniform of `p`
-    /// ([`crate::sample::Sampler::sample`] with the request's seed), which makes it agree with the target as
-    /// often as the two distributions allow (see [`super::verify`]).
+    /// that samples draws the draft at position `p` with [`crate::sample::Sampler::sample`] and the request's
+    /// seed: the keyed race the target's sample at `p` runs, which makes the two agree as often as their
+    /// distributions allow (see [`super::verify`]).
     fn reset(&mut self, _sampling: &SamplerConfig) {}
 
     /// The largest width this proposer would offer now (its own adaptive cap), at most `k`.

@@ -2,18 +2,20 @@
 //! token follows them.
 //!
 //! One rule for greedy and sampled decoding: at each draft position the verifier computes the token the AR
-//! sampler would emit there ([`Sampler::sample`]: the argmax after the penalty, or the draw from the processed
-//! distribution with the uniform keyed by the request's seed and the token's absolute position). It keeps the
-//! longest prefix of drafts equal to those tokens; the next token is the target's token at the first mismatch,
-//! or the bonus after a fully accepted draft.
+//! sampler would emit there ([`Sampler::sample`]: the argmax after the penalty, or the winner of the exponential
+//! race over the processed distribution keyed by the request's seed and the token's absolute position). It keeps
+//! the longest prefix of drafts equal to those tokens; the next token is the target's token at the first
+//! mismatch, or the bonus after a fully accepted draft.
 //!
 //! Why this is lossless: by induction over positions, the kept context before each position is AR's, so the
-//! target's distribution there is AR's, and the draw with that position's uniform is AR's token. Every route
-//! therefore emits AR's tokens, byte for byte, for a given seed — whatever the drafter, its widths or the
-//! controller's state — and so AR's distribution. A drafter only decides how many of those tokens one forward
-//! confirms. Drafters that sample draw each draft with the same keyed uniform from their own distribution `q`
-//! ordered like the target's (probability descending, ties by id), which couples the two draws: where `q ≈ p`
-//! the draft lands on the target's token.
+//! target's distribution there is AR's, and the race keyed by that position is AR's draw. Every route therefore
+//! emits AR's tokens, byte for byte, for a given seed — whatever the drafter, its widths or the controller's
+//! state — and so AR's distribution. A drafter only decides how many of those tokens one forward confirms.
+//! Drafters that sample run the same keyed race over their own distribution `q` ([`crate::sample`]), which
+//! couples the two draws: the draft is the target's token whenever both races have the same winner, at least
+//! `(1 − TV(p, q)) / (1 + TV(p, q))` of the time, and without the two distributions having to rank their
+//! tokens alike. (Rejection sampling, `min(1, p/q)`, keeps a draft `1 − TV` of the time, a little more, but
+//! draws its corrections from a stream that shifts with every draft, so a route's output depends on its widths.)
 
 use crate::sample::{Sampler, SamplerConfig};
 
