@@ -106,6 +106,18 @@ fn sampling_is_fixed_by_the_seed() {
     let a = answer(&mut e, q, &req(7));
     let b = answer(&mut e, q, &req(7));
     assert_eq!(a, b, "same seed, same output");
+    answer(&mut e, "Name three colors.", &req(3));
+    assert_eq!(
+        answer(&mut e, q, &req(7)),
+        a,
+        "another request in between changes nothing"
+    );
+    let mut speculative = Engine::load(&smollm2(), backend(), &SpecMode::Auto).unwrap();
+    assert_eq!(
+        answer(&mut speculative, q, &req(7)),
+        a,
+        "a speculative route, the same output"
+    );
     let others: Vec<_> = (8..12).map(|s| answer(&mut e, q, &req(s)).0).collect();
     assert!(
         others.iter().any(|o| *o != a.0),

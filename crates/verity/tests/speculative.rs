@@ -1,5 +1,5 @@
-//! Speculative decoding is lossless: greedy output and caches equal AR's on every route and under adversarial
-//! proposers; sampled output has the AR sampler's distribution.
+//! Speculative decoding is lossless: greedy and seeded sampled output and caches equal AR's on every route and
+//! under adversarial proposers; sampled AR output has the processed distribution, so every route's has too.
 
 mod common;
 
@@ -74,7 +74,7 @@ impl Proposer for Scripted {
                 .map(|(i, &t)| if i < n { t } else { wrong(t) })
                 .collect(),
         };
-        Ok(Draft::deterministic(tokens))
+        Ok(Draft::new(tokens))
     }
     fn observe(&mut self, _drafted: usize, _accepted: usize) {}
 }
@@ -235,6 +235,115 @@ fn adversarial_proposers_never_change_smollm2_greedy_output_or_cache() {
     }
 }
 
+fn sampled(max_tokens: usize, temperature: f32, seed: u64) -> GenerateRequest {
+    GenerateRequest {
+        sampling: SamplerConfig {
+            temperature,
+            top_p: 0.9,
+            seed,
+            ..SamplerConfig::default()
+        },
+        ..no_eos(max_tokens)
+    }
+}
+
+/// The sampled twin of greedy exactness: with a seed, every route emits sampled AR's tokens and cache, byte for
+/// byte — on its first request, and again after another request has changed its proposer's and controller's
+/// state (other contexts, other widths).
+#[test]
+fn every_route_reproduces_sampled_ar_output_for_a_seed_on_smollm2() {
+    let path = smollm2();
+    let be = backend();
+    let mut ar = Engine::load(&path, be.clone(), &SpecMode::Off).unwrap();
+    let hot_drafter = {
+        let mut e = Engine::load(&path, be.clone(), &SpecMode::Off).unwrap();
+        let hot = SamplerConfig {
+            temperature: 1.7,
+            ..SamplerConfig::default()
+        };
+        let m = Model::load(&Bundle::open(&path).unwrap(), be.clone()).unwrap();
+        let vocab = e.model.hp.vocab;
+        e.set_proposer(Some(Box::new(
+            DraftModel::new(m, vocab, Some(hot)).unwrap(),
+        )));
+        e
+    };
+    let mut routes = [
+        (
+            "copy",
+            Engine::load(&path, be.clone(), &SpecMode::Copy).unwrap(),
+        ),
+        (
+            "draft-model (self)",
+            Engine::load(&path, be.clone(), &SpecMode::DraftModel(Some(path.clone()))).unwrap(),
+        ),
+        ("draft-model (self, hotter q)", hot_drafter),
+        (
+            "mtp (trained head)",
+            Engine::load(&smollm2_mtp(), be.clone(), &SpecMode::Mtp).unwrap(),
+        ),
+    ];
+    let all = prompts(&ar);
+    let (edit, story) = (&all[2].1, &all[0].1);
+    for (temperature, seed) in [(0.8, 1), (0.8, 42), (1.2, 7), (1.2, 2024)] {
+        let req = sampled(32, temperature, seed);
+        let base = run(&mut ar, edit, &req, None);
+        for (name, e) in routes.iter_mut() {
+            let label = format!("{name}, T {temperature}, seed {seed}");
+            let first = run(e, edit, &req, None);
+            assert_same(&base, &first, &label);
+            run(e, story, &sampled(8, 1.0, seed + 1), None);
+            let again = run(e, edit, &req, None);
+            assert_same(&base, &again, &format!("{label}, after another request"));
+            if name.ends_with("(self)") {
+                assert_eq!(
+                    first.stats.accepted, first.stats.drafted,
+                    "{label}: a model sampling for itself with the same uniforms is always right"
+                );
+            }
+        }
+    }
+}
+
+/// Sampled: random widths and tokens, an oracle of sampled AR's output, or one right for a while → AR's tokens and
+/// cache. The oracle is always kept: a draft is kept exactly when it is the target's draw at its position.
+#[test]
+fn adversarial_proposers_never_change_smollm2_sampled_output_or_cache() {
+    let path = smollm2();
+    let mut e = Engine::load(&path, backend(), &SpecMode::Off).unwrap();
+    let vocab = e.model.hp.vocab;
+    let prompt = e
+        .chat_prompt(&[Message::new("user", "Explain what a prime number is.")])
+        .unwrap();
+    for (temperature, seed) in [(0.8, 3), (1.2, 99)] {
+        let req = sampled(48, temperature, seed);
+        e.set_proposer(None);
+        let base = run(&mut e, &prompt, &req, None);
+        let oracle: Vec<u32> = prompt.iter().chain(&base.tokens).copied().collect();
+        for kind in [
+            Adversary::AlwaysRight,
+            Adversary::RightThenWrong(3),
+            Adversary::Random(seed),
+            Adversary::Random(seed + 1),
+        ] {
+            e.set_proposer(Some(scripted(kind.clone(), &oracle, vocab)));
+            let r = run(&mut e, &prompt, &req, None);
+            assert_same(
+                &base,
+                &r,
+                &format!("{kind:?}, T {temperature}, seed {seed}"),
+            );
+            if let Adversary::AlwaysRight = kind {
+                assert_eq!(
+                    r.stats.accepted, r.stats.drafted,
+                    "the oracle is always kept"
+                );
+                assert!(r.stats.cycles < 48 / 2, "{} cycles", r.stats.cycles);
+            }
+        }
+    }
+}
+
 /// One tiny engine per test thread: loading is cheap, and proptest runs cases sequentially.
 fn tiny() -> Engine<CpuBackend> {
     Engine::load(
@@ -270,6 +379,45 @@ proptest! {
             e.set_proposer(None);
             let base = run(e, &prompt, &req, stop_after);
             let full = run(e, &prompt, &no_eos(48), None);
+            let oracle: Vec<u32> = prompt.iter().chain(&full.tokens).copied().collect();
+            e.set_proposer(Some(scripted(kind.clone(), &oracle, vocab)));
+            let r = run(e, &prompt, &req, stop_after);
+            assert_same(&base, &r, &format!("{kind:?}"));
+        });
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, failure_persistence: None, .. ProptestConfig::default() })]
+
+    /// Sampled, on a small random model: any proposer, any seed and settings, any stopping point → the tokens and
+    /// the cache equal sampled AR's.
+    #[test]
+    fn sampled_output_and_cache_equal_ar_under_any_proposer(
+        prompt in proptest::collection::vec(3u32..320, 1..24),
+        kind in prop_oneof![
+            any::<u64>().prop_map(Adversary::Random),
+            Just(Adversary::AlwaysRight),
+            Just(Adversary::AlwaysWrong),
+            (0usize..8).prop_map(Adversary::RightThenWrong),
+        ],
+        seed in any::<u64>(),
+        temperature in prop_oneof![Just(0.8f32), Just(1.2), Just(3.0)],
+        top_p in prop_oneof![Just(1.0f32), Just(0.9)],
+        repetition_penalty in prop_oneof![Just(1.0f32), Just(1.3)],
+        stop_after in proptest::option::of(1usize..40),
+        max_tokens in 1usize..40,
+    ) {
+        thread_local!(static ENGINE: Mutex<Option<Engine<CpuBackend>>> = const { Mutex::new(None) });
+        ENGINE.with(|cell| {
+            let mut guard = cell.lock().unwrap();
+            let e = guard.get_or_insert_with(tiny);
+            let vocab = e.model.hp.vocab;
+            let sampling = SamplerConfig { temperature, top_p, repetition_penalty, seed, ..SamplerConfig::default() };
+            let req = GenerateRequest { sampling, ..no_eos(max_tokens) };
+            e.set_proposer(None);
+            let base = run(e, &prompt, &req, stop_after);
+            let full = run(e, &prompt, &GenerateRequest { sampling, ..no_eos(48) }, None);
             let oracle: Vec<u32> = prompt.iter().chain(&full.tokens).copied().collect();
             e.set_proposer(Some(scripted(kind.clone(), &oracle, vocab)));
             let r = run(e, &prompt, &req, stop_after);
@@ -343,12 +491,13 @@ fn chi_critical(df: usize) -> f64 {
 }
 
 /// Sampled speculation must give the AR sampler's distribution. For the first two completion tokens of a small
-/// model (temperature 1, top-k 6: 36 cells), 3,000 seeded runs per route are tested against the exact joint
-/// distribution with a χ² test at significance 1e-3. The same test with the drafter's distribution used as if it
+/// model (temperature 1, top-k 6: 36 cells), 3,000 seeded AR runs are tested against the exact joint
+/// distribution with a χ² test at significance 1e-3, and every route must emit AR's tokens for each seed (so
+/// the same χ²), whatever its drafter's distribution. The same test with the drafter's distribution used as if it
 /// were the target's (a biased "route") fails by a wide margin, which shows the test has the power to see a
-/// wrong verifier: with 3,000 samples a shift of total variation ~0.05 gives χ² far above the critical value.
+/// wrong sampler: with 3,000 samples a shift of total variation ~0.05 gives χ² far above the critical value.
 #[test]
-fn sampled_routes_match_the_ar_distribution_of_the_first_tokens() {
+fn sampled_routes_emit_ar_tokens_for_each_seed_and_match_the_ar_distribution() {
     let target_dir = hf_bundle("llama-f32");
     let draft_dir = hf_bundle("llama-bf16"); // same tokenizer, different weights: q differs from p
     let cfg = SamplerConfig {
@@ -404,8 +553,10 @@ fn sampled_routes_match_the_ar_distribution_of_the_first_tokens() {
             Some(draft_model(&target_dir, Some(SamplerConfig::greedy()))),
         ),
     ];
+    let mut ar_samples = Vec::new();
     for (name, proposer) in routes {
         target.set_proposer(proposer);
+        let (mut drafted, mut accepted) = (0, 0);
         let samples: Vec<(u32, u32)> = (0..3000u64)
             .map(|seed| {
                 let req = GenerateRequest {
@@ -419,19 +570,29 @@ fn sampled_routes_match_the_ar_distribution_of_the_first_tokens() {
                     store_prefix: None,
                 };
                 let r = run(&mut target, &prompt, &req, None);
+                drafted += r.stats.drafted;
+                accepted += r.stats.accepted;
                 (r.tokens[0], r.tokens[1])
             })
             .collect();
-        let (chi, df) = chi_square(&exact, &samples);
-        eprintln!(
-            "{name}: χ² = {chi:.1} on {df} df (critical {:.1})",
-            chi_critical(df)
-        );
-        assert!(
-            chi < chi_critical(df),
-            "{name}: χ² = {chi:.1} ≥ {:.1}",
-            chi_critical(df)
-        );
+        if name == "ar" {
+            let (chi, df) = chi_square(&exact, &samples);
+            eprintln!(
+                "ar: χ² = {chi:.1} on {df} df (critical {:.1})",
+                chi_critical(df)
+            );
+            assert!(
+                chi < chi_critical(df),
+                "ar: χ² = {chi:.1} ≥ {:.1}",
+                chi_critical(df)
+            );
+            ar_samples = samples;
+        } else {
+            eprintln!("{name}: {accepted} of {drafted} drafts kept");
+            assert!(drafted > 0, "{name}: drafted nothing");
+            let differ = (0..3000).filter(|&i| samples[i] != ar_samples[i]).count();
+            assert_eq!(differ, 0, "{name}: {differ} of 3000 seeds differ from AR");
+        }
     }
     // Power check: samples from the drafter's own distribution (what a verifier that always accepted would emit).
     let mut drafter = Engine::load(&draft_dir, be, &SpecMode::Off).unwrap();

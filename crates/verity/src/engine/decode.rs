@@ -4,7 +4,8 @@
 //! yet in the cache; `d1..dk` a proposer's drafts), lets the verifier keep a prefix of the drafts and choose the
 //! next token, truncates the cache to the kept path and tells the proposer. Plain AR decoding is the same cycle
 //! with `k = 0`, so the AR route and the speculative routes share every numeric step, and row-exactness of the
-//! forward makes their greedy output identical.
+//! forward makes their output identical: greedy, and sampled too, since each position's draw is keyed by the
+//! seed and the position (see [`crate::speculative::verify`]).
 
 use std::time::Instant;
 
@@ -30,7 +31,7 @@ impl<B: Backend> Engine<B> {
             return Err(Error::Invalid("empty prompt".into()));
         }
         let start = Instant::now();
-        let mut verifier = Verifier::new(req.sampling)?;
+        let verifier = Verifier::new(req.sampling)?;
         if prompt.len() > sess.cache.max_capacity() {
             return Err(Error::Invalid(format!(
                 "the prompt ({} tokens) exceeds the context length ({})",
@@ -53,7 +54,7 @@ impl<B: Backend> Engine<B> {
                     sess,
                     prompt,
                     req,
-                    &mut verifier,
+                    &verifier,
                     proposer.as_deref_mut(),
                     start,
                     &mut on_token,
@@ -83,7 +84,7 @@ impl<B: Backend> Engine<B> {
         sess: &mut Session<B>,
         prompt: &[u32],
         req: &GenerateRequest,
-        verifier: &mut Verifier,
+        verifier: &Verifier,
         mut proposer: Option<&mut (dyn Proposer + 'static)>,
         start: Instant,
         on_token: &mut impl FnMut(&Tokenizer, &Emitted) -> bool,
@@ -120,7 +121,6 @@ impl<B: Backend> Engine<B> {
                     if k > 0 {
                         let mut d = p.propose(&context, k)?;
                         d.tokens.truncate(k);
-                        d.q.truncate(k);
                         d
                     } else {
                         Draft::default()
@@ -152,7 +152,7 @@ impl<B: Backend> Engine<B> {
             let t2 = Instant::now();
             let verdict = match wants {
                 LogitRows::Greedy => verifier.verify_greedy(&out.greedy, &draft.tokens),
-                _ => verifier.verify(&out.logits, vocab, &context, &draft.tokens, &draft.q),
+                _ => verifier.verify(&out.logits, vocab, &context, &draft.tokens),
             };
             // Commit the kept path: pending + accepted drafts; roll back the rest everywhere.
             sess.cache.truncate(n + 1 + verdict.accepted);

@@ -1,17 +1,46 @@
 //! Turning logits into tokens: greedy, or seeded sampling with repetition penalty, temperature, top-k, top-p and
-//! min-p. [`Sampler::distribution`] exposes the processed distribution so a speculative verifier can run
-//! rejection sampling against exactly what the AR sampler would draw from.
+//! min-p.
+//!
+//! Invariants:
+//! - **A draw is keyed by its position.** The token at absolute position `p` of a sequence (prompt included) is
+//!   the winner of an exponential race (the Gumbel-max trick): each token `t` the processed distribution keeps
+//!   gets an arrival time `E_t / w_t`, with `w_t` its weight and `E_t ~ Exp(1)` read from a counter-based stream
+//!   keyed by `(seed, p, t)` ([`KeyedRace`]), and the earliest arrival wins — with probability exactly
+//!   `w_t / Σ w`. The draw does not depend on how many draws came before, so any route that samples position `p`
+//!   from the same distribution gets the same token: sampled speculation reproduces sampled AR (see
+//!   [`crate::speculative::verify`]). A drafter racing its own distribution `q` on the same `E` agrees with the
+//!   target whenever the two races have the same winner, at least `(1 − TV) / (1 + TV)` of the time
+//!   and never needing the two distributions to rank their tokens alike.
+//! - **The processed distribution is never degenerate.** The sampler works in f64 with the logits shifted by
+//!   their maximum before dividing by the temperature, so no setting and no finite logit overflows;
+//!   [`Sampler::distribution`] is never empty, never holds NaN, and never lists a token of probability 0 (a logit
+//!   of −∞, a token cut by top-k/top-p/min-p), and [`Sampler::sample`] returns only tokens it lists. A NaN logit
+//!   counts as −∞.
+//! - Temperatures below [`GREEDY_BELOW`] are greedy; the repetition penalty acts within
+//!   [`REPETITION_PENALTY_RANGE`].
 
 pub mod constraint;
 
-use rand::{Rng, SeedableRng};
+use std::ops::RangeInclusive;
+
+use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::error::{Error, Result};
 
+/// Temperatures below this sample greedily. Near zero, softmax(x/T) is one-hot on the argmax to far beyond f32
+/// precision (a logit gap of 0.01 at T = 1e-4 is e^-100), so greedy is the same distribution without dividing
+/// by a vanishing number.
+pub const GREEDY_BELOW: f32 = 1e-4;
+
+/// The repetition penalties the sampler applies; a setting outside is clamped to the nearest end. Logits of real
+/// models span tens of units, so a factor of 100 either way already decides whether a seen token can win; more
+/// would only push logits towards ±∞.
+pub const REPETITION_PENALTY_RANGE: RangeInclusive<f32> = 0.01..=100.0;
+
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplerConfig {
-    /// 0 = greedy.
+    /// Below [`GREEDY_BELOW`] (e.g. 0) = greedy.
     pub temperature: f32,
     /// 0 = off.
     pub top_k: usize,
@@ -19,7 +48,8 @@ pub struct SamplerConfig {
     pub top_p: f32,
     /// 0 = off.
     pub min_p: f32,
-    /// 1 = off. Applied to tokens already in the context, as in llama.cpp / transformers.
+    /// 1 = off. Applied to tokens already in the context, as in llama.cpp / transformers; clamped to
+    /// [`REPETITION_PENALTY_RANGE`].
     pub repetition_penalty: f32,
     pub seed: u64,
 }
@@ -54,13 +84,19 @@ impl SamplerConfig {
             return bad("min_p must be in [0, 1)");
         }
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
-            return bad("repetition_penalty must be > 0");
+            return bad("repetition_penalty must be a finite number > 0");
         }
         Ok(())
     }
 
     pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0
+        self.temperature < GREEDY_BELOW
+    }
+
+    /// The penalty the sampler applies: the setting clamped to [`REPETITION_PENALTY_RANGE`].
+    fn penalty(&self) -> f64 {
+        let (lo, hi) = REPETITION_PENALTY_RANGE.into_inner();
+        self.repetition_penalty.clamp(lo, hi) as f64
     }
 }
 
@@ -75,118 +111,202 @@ pub fn argmax(v: &[f32]) -> u32 {
     best as u32
 }
 
-/// Draw from a normalized distribution with a uniform `u ∈ [0, 1)`: the first token whose cumulative
-/// probability exceeds `u` (the last one if rounding leaves the sum short of `u`).
-pub fn draw(dist: &[(u32, f32)], u: f32) -> u32 {
-    let mut acc = 0f32;
-    for &(tok, p) in dist {
-        acc += p;
-        if u < acc {
-            return tok;
-        }
+/// A token whose log-weight is below this relative to the top's can never win a race: an arrival time `E / w`
+/// has `E` within `[5.6e-17, 37.5]` (53-bit uniforms kept off 0 and 1), so the top token (`w = 1`) arrives by
+/// 37.5 and a token with `w < e^-42` after 5.6e-17 · e^42 ≈ 97. Skipping such tokens changes no draw.
+const UNREACHABLE_LOG_WEIGHT: f64 = -42.0;
+
+/// The exponential variates that decide the draw at one position: `E_t = −ln(1 − u_t)` for token `t`, with `u_t`
+/// the 53-bit uniform at word `2t` of ChaCha8 stream `position` keyed by the seed — a pure function of
+/// `(seed, position, t)`, independent across positions and tokens.
+struct KeyedRace {
+    rng: ChaCha8Rng,
+    /// The token whose variate the stream yields next.
+    next: u64,
+}
+
+impl KeyedRace {
+    fn new(seed: u64, position: usize) -> Self {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        rng.set_stream(position as u64);
+        rng.set_word_pos(0);
+        KeyedRace { rng, next: 0 }
     }
-    dist.last().expect("non-empty distribution").0
+
+    /// `E_t`. Asked in increasing token order, the stream is read straight through (a dense vocabulary costs one
+    /// pass); a token behind or far ahead seeks.
+    fn exponential(&mut self, token: u32) -> f64 {
+        let t = token as u64;
+        if t < self.next || t > self.next + 32 {
+            self.rng.set_word_pos(2 * t as u128);
+        } else {
+            for _ in self.next..t {
+                self.rng.next_u64();
+            }
+        }
+        self.next = t + 1;
+        let u = ((self.rng.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+        -(-u).ln_1p()
+    }
 }
 
 pub struct Sampler {
     cfg: SamplerConfig,
-    rng: ChaCha8Rng,
 }
 
 impl Sampler {
     pub fn new(cfg: SamplerConfig) -> Result<Self> {
         cfg.validate()?;
-        Ok(Sampler {
-            cfg,
-            rng: ChaCha8Rng::seed_from_u64(cfg.seed),
-        })
+        Ok(Sampler { cfg })
     }
 
     pub fn config(&self) -> &SamplerConfig {
         &self.cfg
     }
 
-    /// Apply the repetition penalty in place (positive logits divided, negative multiplied).
-    fn penalize(&self, logits: &mut [f32], history: &[u32]) {
-        let p = self.cfg.repetition_penalty;
-        if p == 1.0 {
-            return;
-        }
-        let mut seen = std::collections::HashSet::new();
-        for &t in history {
-            if seen.insert(t) {
-                if let Some(l) = logits.get_mut(t as usize) {
-                    *l = if *l > 0.0 { *l / p } else { *l * p };
+    /// The logits in f64 (NaN as −∞) after the repetition penalty: positive logits of seen tokens divided by it,
+    /// negative ones multiplied. In f64 even the largest f32 logit over the smallest penalty stays finite.
+    fn penalized(&self, logits: &[f32], history: &[u32]) -> Vec<f64> {
+        let mut l: Vec<f64> = logits
+            .iter()
+            .map(|&x| {
+                if x.is_nan() {
+                    f64::NEG_INFINITY
+                } else {
+                    x as f64
+                }
+            })
+            .collect();
+        let p = self.cfg.penalty();
+        if p != 1.0 {
+            let mut seen = std::collections::HashSet::new();
+            for &t in history {
+                if seen.insert(t) {
+                    if let Some(x) = l.get_mut(t as usize) {
+                        *x = if *x > 0.0 { *x / p } else { *x * p };
+                    }
                 }
             }
         }
+        l
     }
 
-    /// The processed distribution for non-greedy sampling: `(token, probability)` sorted by probability
-    /// (descending, ties by token id), normalized, after penalty, temperature, top-k, top-p and min-p.
-    pub fn distribution(&self, logits: &[f32], history: &[u32]) -> Vec<(u32, f32)> {
-        let mut l = logits.to_vec();
-        self.penalize(&mut l, history);
-        let t = self.cfg.temperature.max(f32::MIN_POSITIVE);
-        let mut cand: Vec<(u32, f32)> = l
+    /// The greedy choice after the penalty: the largest penalized logit, the lowest index among ties (token 0
+    /// when none is above −∞).
+    fn greedy(&self, logits: &[f32], history: &[u32]) -> u32 {
+        if self.cfg.penalty() == 1.0 {
+            return argmax(logits);
+        }
+        let l = self.penalized(logits, history);
+        let mut best = 0;
+        for (i, &x) in l.iter().enumerate() {
+            if x > l[best] {
+                best = i;
+            }
+        }
+        best as u32
+    }
+
+    /// The tokens the processed distribution keeps, in token id order, with their log-weights
+    /// `z = (l − max) / T` (the top at 0; f64, so nothing overflows): all tokens of finite logit without top-k,
+    /// top-p and min-p; else the top-k by weight (ties by id), then the shortest prefix holding `top_p` of their
+    /// mass, then those with weight ≥ `min_p` × the top's. Greedy settings, or every logit −∞ (or NaN), keep the
+    /// greedy token alone.
+    fn support(&self, logits: &[f32], history: &[u32]) -> Vec<(u32, f64)> {
+        let l = self.penalized(logits, history);
+        let max = l.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        if self.cfg.is_greedy() || max == f64::NEG_INFINITY {
+            return vec![(self.greedy(logits, history), 0.0)];
+        }
+        let t = self.cfg.temperature as f64;
+        // Logits at +∞ (only from a broken model) share the mass equally, the limit of large finite ones.
+        let mut cand: Vec<(u32, f64)> = l
             .iter()
             .enumerate()
-            .map(|(i, &x)| (i as u32, x / t))
+            .filter_map(|(i, &x)| {
+                let z = if max == f64::INFINITY {
+                    if x == max {
+                        0.0
+                    } else {
+                        f64::NEG_INFINITY
+                    }
+                } else {
+                    (x - max) / t
+                };
+                (z > f64::NEG_INFINITY).then_some((i as u32, z))
+            })
             .collect();
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if self.cfg.top_k > 0 && self.cfg.top_k < cand.len() {
-            cand.truncate(self.cfg.top_k);
+        let cfg = &self.cfg;
+        if cfg.top_k == 0 && cfg.top_p >= 1.0 && cfg.min_p == 0.0 {
+            return cand;
         }
-        let max = cand[0].1;
-        let mut sum = 0f64;
-        for c in cand.iter_mut() {
-            c.1 = (c.1 - max).exp();
-            sum += c.1 as f64;
+        cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if cfg.top_k > 0 && cfg.top_k < cand.len() {
+            cand.truncate(cfg.top_k);
         }
-        for c in cand.iter_mut() {
-            c.1 = (c.1 as f64 / sum) as f32;
-        }
-        if self.cfg.top_p < 1.0 {
-            let mut acc = 0f32;
-            let mut keep = cand.len();
-            for (i, c) in cand.iter().enumerate() {
-                acc += c.1;
-                if acc >= self.cfg.top_p {
-                    keep = i + 1;
-                    break;
-                }
-            }
+        if cfg.top_p < 1.0 {
+            let total: f64 = cand.iter().map(|c| c.1.exp()).sum();
+            let target = cfg.top_p as f64 * total;
+            let mut acc = 0f64;
+            let keep = cand
+                .iter()
+                .position(|c| {
+                    acc += c.1.exp();
+                    acc >= target
+                })
+                .map_or(cand.len(), |i| i + 1);
             cand.truncate(keep);
         }
-        if self.cfg.min_p > 0.0 {
-            let floor = cand[0].1 * self.cfg.min_p;
+        if cfg.min_p > 0.0 {
+            // The top weighs e^0 = 1.
+            let floor = (cfg.min_p as f64).ln();
             cand.retain(|c| c.1 >= floor);
         }
-        let total: f64 = cand.iter().map(|c| c.1 as f64).sum();
-        for c in cand.iter_mut() {
-            c.1 = (c.1 as f64 / total) as f32;
-        }
+        cand.sort_unstable_by_key(|c| c.0);
         cand
     }
 
-    /// Draw the next token.
-    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+    /// The processed distribution: `(token, probability)` sorted by probability (descending, ties by token id),
+    /// normalized, after penalty, temperature, top-k, top-p and min-p; only tokens of probability > 0. Greedy
+    /// settings, or every logit −∞ (or NaN), give the greedy token all the mass.
+    pub fn distribution(&self, logits: &[f32], history: &[u32]) -> Vec<(u32, f32)> {
+        let support = self.support(logits, history);
+        let total: f64 = support.iter().map(|c| c.1.exp()).sum();
+        // The top weighs 1 and the total at most the vocabulary, so the top survives the narrowing to f32.
+        let mut d: Vec<(u32, f32)> = support
+            .iter()
+            .map(|&(tok, z)| (tok, (z.exp() / total) as f32))
+            .filter(|c| c.1 > 0.0)
+            .collect();
+        d.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        d
+    }
+
+    /// The token at absolute position `history.len()` (`history`: every token before it, prompt included): the
+    /// greedy choice, or the winner of the race keyed by the seed and that position over
+    /// [`Sampler::distribution`]'s tokens (the lowest id among equal arrival times).
+    pub fn sample(&self, logits: &[f32], history: &[u32]) -> u32 {
         if self.cfg.is_greedy() {
-            if self.cfg.repetition_penalty == 1.0 {
-                return argmax(logits);
-            }
-            let mut l = logits.to_vec();
-            self.penalize(&mut l, history);
-            return argmax(&l);
+            return self.greedy(logits, history);
         }
-        let dist = self.distribution(logits, history);
-        draw(&dist, self.rng.random())
+        let mut race = KeyedRace::new(self.cfg.seed, history.len());
+        let mut first = (f64::INFINITY, 0);
+        for (tok, z) in self.support(logits, history) {
+            if z >= UNREACHABLE_LOG_WEIGHT {
+                let arrival = race.exponential(tok) / z.exp();
+                if arrival < first.0 {
+                    first = (arrival, tok);
+                }
+            }
+        }
+        first.1
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     fn sampler(f: impl FnOnce(&mut SamplerConfig)) -> Sampler {
         let mut cfg = SamplerConfig {
@@ -202,13 +322,13 @@ mod tests {
     #[test]
     fn greedy_takes_the_lowest_index_among_ties() {
         assert_eq!(argmax(&LOGITS), 1);
-        let mut s = Sampler::new(SamplerConfig::greedy()).unwrap();
+        let s = Sampler::new(SamplerConfig::greedy()).unwrap();
         assert_eq!(s.sample(&LOGITS, &[]), 1);
     }
 
     #[test]
     fn repetition_penalty_demotes_seen_tokens() {
-        let mut s = Sampler::new(SamplerConfig {
+        let s = Sampler::new(SamplerConfig {
             repetition_penalty: 2.0,
             ..SamplerConfig::greedy()
         })
@@ -220,6 +340,23 @@ mod tests {
             d[0].0, 1,
             "a negative logit is multiplied, so the seen token drops"
         );
+    }
+
+    #[test]
+    fn a_repetition_penalty_outside_its_range_acts_as_the_nearest_end() {
+        let (lo, hi) = REPETITION_PENALTY_RANGE.into_inner();
+        for (given, acts_as) in [(1e-45, lo), (1e30, hi), (f32::MAX, hi)] {
+            let logits = [2.0, 1.5, -0.5, 0.25];
+            let history = [0, 2];
+            let got = sampler(|c| c.repetition_penalty = given).distribution(&logits, &history);
+            let want = sampler(|c| c.repetition_penalty = acts_as).distribution(&logits, &history);
+            assert_eq!(got, want, "penalty {given}");
+        }
+        // Even at the smallest penalty the largest logits stay finite and ordered: a seen token with the top
+        // logit takes the mass; it does not tie with every other seen token at +∞.
+        let s = sampler(|c| c.repetition_penalty = 1e-45);
+        let d = s.distribution(&[f32::MAX, 3e38, -3e38, 1.0], &[0, 1, 2]);
+        assert_eq!(d, vec![(0, 1.0)]);
     }
 
     #[test]
@@ -251,31 +388,116 @@ mod tests {
     }
 
     #[test]
-    fn draws_follow_the_processed_distribution_and_the_seed() {
-        let mut s = sampler(|c| c.seed = 42);
-        let dist = s.distribution(&LOGITS, &[]);
-        let n = 20_000;
-        let mut counts = [0usize; 6];
-        for _ in 0..n {
-            counts[s.sample(&LOGITS, &[]) as usize] += 1;
+    fn a_temperature_below_the_threshold_is_greedy_and_one_just_above_is_finite() {
+        let extreme = [3e38, -3e38, 3e38 - 1e32, 0.0, -1.0];
+        for t in [0.0, 1e-45, 1e-38, 1e-10, GREEDY_BELOW * 0.99] {
+            let s = sampler(|c| c.temperature = t);
+            assert!(s.config().is_greedy(), "{t}");
+            for pos in 0..8 {
+                assert_eq!(s.sample(&extreme, &vec![4; pos]), 0, "{t}");
+            }
         }
-        for (tok, p) in dist {
-            let f = counts[tok as usize] as f32 / n as f32;
-            // 5 standard deviations of a binomial proportion.
-            let sd = (p * (1.0 - p) / n as f32).sqrt();
-            assert!(
-                (f - p).abs() <= 5.0 * sd + 1e-4,
-                "token {tok}: frequency {f} vs p {p}"
+        // Just above the threshold, (x − max) / T of logits ±3e38 apart stays finite: the top token takes all
+        // the mass, no NaN, no random token.
+        let s = sampler(|c| c.temperature = GREEDY_BELOW);
+        assert!(!s.config().is_greedy());
+        assert_eq!(s.distribution(&extreme, &[]), vec![(0, 1.0)]);
+        assert!((0..8).all(|pos| s.sample(&extreme, &vec![4; pos]) == 0));
+        let d = s.distribution(&[1.0, 1.0, 0.0], &[]);
+        assert_eq!(d, vec![(0, 0.5), (1, 0.5)], "ties share the mass");
+    }
+
+    #[test]
+    fn masked_tokens_are_never_in_the_distribution_and_all_masked_falls_back_to_greedy() {
+        let ninf = f32::NEG_INFINITY;
+        let d =
+            sampler(|c| c.temperature = 1e6).distribution(&[ninf, 0.0, ninf, f32::NAN, 1.0], &[]);
+        assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![4, 1]);
+        assert_eq!(
+            sampler(|_| ()).distribution(&[ninf; 3], &[]),
+            vec![(0, 1.0)]
+        );
+    }
+
+    #[test]
+    fn the_race_variates_depend_on_seed_position_and_token_only() {
+        let straight: Vec<f64> = {
+            let mut r = KeyedRace::new(42, 9);
+            (0..200).map(|t| r.exponential(t)).collect()
+        };
+        // Asked backwards, with gaps, and with long jumps: the same variates.
+        let mut r = KeyedRace::new(42, 9);
+        for t in (0..200).rev().chain([3, 5, 40, 41, 150, 7]) {
+            assert_eq!(r.exponential(t), straight[t as usize], "token {t}");
+        }
+        assert!(straight.iter().all(|e| (5e-17..38.0).contains(e)));
+        let mean = straight.iter().sum::<f64>() / 200.0;
+        assert!((0.75..1.25).contains(&mean), "Exp(1) has mean 1: {mean}");
+        assert_ne!(KeyedRace::new(43, 9).exponential(0), straight[0]);
+        assert_ne!(KeyedRace::new(42, 10).exponential(0), straight[0]);
+        // A sample at position p does not depend on what was sampled before, only on p.
+        let s = sampler(|c| c.seed = 42);
+        let forward: Vec<u32> = (0..64).map(|p| s.sample(&LOGITS, &vec![5; p])).collect();
+        let backward: Vec<u32> = (0..64)
+            .rev()
+            .map(|p| s.sample(&LOGITS, &vec![5; p]))
+            .collect();
+        assert_eq!(forward, backward.into_iter().rev().collect::<Vec<_>>());
+        let other: Vec<u32> = (0..64)
+            .map(|p| sampler(|c| c.seed = 43).sample(&LOGITS, &vec![5; p]))
+            .collect();
+        assert_ne!(forward, other, "another seed, other draws");
+    }
+
+    /// The largest deviation, in standard deviations of a binomial proportion, of a token's frequency among
+    /// `samples` from `reference`'s probability for it.
+    fn worst_deviation(samples: &[u32], reference: &[(u32, f32)]) -> f32 {
+        let n = samples.len() as f32;
+        reference
+            .iter()
+            .map(|&(tok, p)| {
+                let f = samples.iter().filter(|&&t| t == tok).count() as f32 / n;
+                (f - p).abs() / (p * (1.0 - p) / n).sqrt()
+            })
+            .fold(0.0, f32::max)
+    }
+
+    #[test]
+    fn draws_follow_the_processed_distribution_over_positions_and_over_seeds() {
+        for f in [
+            (|c: &mut SamplerConfig| c.top_k = 5) as fn(&mut SamplerConfig),
+            |c| c.top_p = 0.9,
+            |c| c.temperature = 0.7,
+        ] {
+            let s = sampler(f);
+            let dist = s.distribution(&LOGITS, &[]);
+            let n = 20_000;
+            let history = vec![0; n];
+            let over_positions: Vec<u32> =
+                (0..n).map(|p| s.sample(&LOGITS, &history[..p])).collect();
+            let over_seeds: Vec<u32> = (0..n as u64)
+                .map(|seed| {
+                    sampler(|c| {
+                        f(c);
+                        c.seed = seed
+                    })
+                    .sample(&LOGITS, &[0; 7])
+                })
+                .collect();
+            let (a, b) = (
+                worst_deviation(&over_positions, &dist),
+                worst_deviation(&over_seeds, &dist),
             );
+            assert!(a < 5.0 && b < 5.0, "{dist:?}: {a} / {b} sd");
+            // The power to see a wrong sampler: against a distribution 0.05 off, the same draws are 10+ sd away.
+            let skewed: Vec<(u32, f32)> = dist
+                .iter()
+                .enumerate()
+                .map(|(i, &(t, p))| (t, p + [0.05, -0.05].get(i).unwrap_or(&0.0)))
+                .collect();
+            let off = worst_deviation(&over_positions, &skewed);
+            assert!(off > 10.0, "a skew of 0.05 must be seen ({off} sd)");
         }
-        let mut s9 = sampler(|c| c.seed = 9);
-        let b: Vec<u32> = (0..50).map(|_| s9.sample(&LOGITS, &[])).collect();
-        let mut s10 = sampler(|c| c.seed = 10);
-        let other: Vec<u32> = (0..50).map(|_| s10.sample(&LOGITS, &[])).collect();
-        assert_ne!(b, other, "another seed gives another sequence");
-        let mut s9b = sampler(|c| c.seed = 9);
-        let c: Vec<u32> = (0..50).map(|_| s9b.sample(&LOGITS, &[])).collect();
-        assert_eq!(b, c);
     }
 
     #[test]
@@ -298,11 +520,107 @@ mod tests {
                 ..Default::default()
             },
             SamplerConfig {
+                repetition_penalty: f32::INFINITY,
+                ..Default::default()
+            },
+            SamplerConfig {
                 temperature: f32::NAN,
                 ..Default::default()
             },
         ] {
             assert!(Sampler::new(cfg).is_err(), "{cfg:?}");
+        }
+    }
+
+    /// Logits with extremes, ties and masked tokens; at least one token is unmasked.
+    fn extreme_logits() -> impl Strategy<Value = Vec<f32>> {
+        let value = prop_oneof![
+            Just(3e38f32),
+            Just(-3e38f32),
+            Just(f32::MAX),
+            Just(0.0f32),
+            Just(1.0f32),
+            Just(f32::NEG_INFINITY),
+            Just(f32::MIN_POSITIVE),
+            -50f32..50.0,
+            -3e38f32..3e38,
+        ];
+        proptest::collection::vec(value, 1..40).prop_filter("one unmasked token", |l| {
+            l.iter().any(|x| *x > f32::NEG_INFINITY)
+        })
+    }
+
+    fn extreme_config() -> impl Strategy<Value = SamplerConfig> {
+        let temperature = prop_oneof![
+            Just(0.0f32),
+            Just(1e-38f32),
+            Just(GREEDY_BELOW),
+            Just(1e6f32),
+            Just(f32::MAX),
+            (-40f32..7.0).prop_map(|e| 10f32.powf(e)),
+        ];
+        let top_p = prop_oneof![
+            Just(1.0f32),
+            Just(1e-30f32),
+            Just(f32::MIN_POSITIVE),
+            0.0f32..=1.0
+        ]
+        .prop_filter("top_p in (0, 1]", |p| *p > 0.0);
+        let min_p = prop_oneof![Just(0.0f32), Just(0.999_999f32), 0.0f32..1.0];
+        let penalty = prop_oneof![
+            Just(1.0f32),
+            Just(1e-45f32),
+            Just(1e30f32),
+            (-45f32..30.0).prop_map(|e| 10f32.powf(e)),
+        ]
+        .prop_filter("penalty > 0", |p| *p > 0.0 && p.is_finite());
+        (temperature, 0usize..45, top_p, min_p, penalty, any::<u64>()).prop_map(
+            |(temperature, top_k, top_p, min_p, repetition_penalty, seed)| SamplerConfig {
+                temperature,
+                top_k,
+                top_p,
+                min_p,
+                repetition_penalty,
+                seed,
+            },
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2000, failure_persistence: None, .. ProptestConfig::default() })]
+
+        /// Whatever the settings and logits: a normalized, sorted distribution of distinct tokens, none masked,
+        /// none beyond top-k, no NaN; and every sample is a token of that distribution (greedy: an unmasked one).
+        #[test]
+        fn extreme_settings_never_give_a_degenerate_distribution_or_a_zero_probability_token(
+            cfg in extreme_config(),
+            logits in extreme_logits(),
+            history in proptest::collection::vec(0u32..45, 0..12),
+        ) {
+            let s = Sampler::new(cfg).unwrap();
+            let d = s.distribution(&logits, &history);
+            prop_assert!(!d.is_empty());
+            prop_assert!(d.iter().all(|&(_, p)| p.is_finite() && p > 0.0), "{:?}", d);
+            let total: f64 = d.iter().map(|&(_, p)| p as f64).sum();
+            prop_assert!((total - 1.0).abs() < 1e-5, "sum {}", total);
+            prop_assert!(d.windows(2).all(|w| w[0].1 >= w[1].1), "sorted: {:?}", d);
+            let tokens: std::collections::HashSet<u32> = d.iter().map(|x| x.0).collect();
+            prop_assert_eq!(tokens.len(), d.len());
+            prop_assert!(d.iter().all(|&(t, _)| logits[t as usize] > f32::NEG_INFINITY), "masked token in {:?}", d);
+            if cfg.top_k > 0 {
+                prop_assert!(d.len() <= cfg.top_k);
+            }
+            for pos in [0, 1, history.len(), history.len() + 3] {
+                let mut h = history.clone();
+                h.resize(pos, 0);
+                let t = s.sample(&logits, &h);
+                prop_assert!(logits[t as usize] > f32::NEG_INFINITY, "sampled a masked token {}", t);
+                if h == history && !cfg.is_greedy() {
+                    prop_assert!(tokens.contains(&t), "sampled {} outside {:?}", t, d);
+                }
+            }
+            let far = KeyedRace::new(cfg.seed, 1 << 40).exponential(0);
+            prop_assert!(far.is_finite() && far > 0.0);
         }
     }
 }

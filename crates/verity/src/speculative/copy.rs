@@ -113,7 +113,7 @@ impl Proposer for SuffixCopy {
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft> {
         Ok(self
             .lookup(context, k)
-            .map(|(_, tokens)| Draft::deterministic(tokens))
+            .map(|(_, tokens)| Draft::new(tokens))
             .unwrap_or_default())
     }
 

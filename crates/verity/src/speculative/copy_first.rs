@@ -46,7 +46,7 @@ impl Proposer for CopyFirst {
             Some((m, tokens)) if m == MAX_MATCH && tokens.len() >= 2 => {
                 self.inner.catch_up(context)?;
                 self.copied = true;
-                Ok(Draft::deterministic(tokens))
+                Ok(Draft::new(tokens))
             }
             _ => self.inner.propose(context, k),
         }

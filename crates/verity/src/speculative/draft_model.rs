@@ -3,21 +3,16 @@
 //!
 //! Invariants: the draft cache holds exactly the K/V of `cached` (a prefix of the context). Before drafting it
 //! catches up with the context in one batched forward; after verification it is truncated to the kept path, so
-//! a rejected draft never leaves state behind. With sampling, the drafter samples from its own processed
-//! distribution `q` (its own settings may differ from the target's) and reports `q` to the verifier.
-
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+//! a rejected draft never leaves state behind. With sampling, the draft at position `p` is the drafter's sample
+//! from its own processed distribution `q` (its own settings may differ from the target's) with the request's
+//! seed, so it runs the keyed race the target's sample at `p` runs (see [`super::verify`]).
 
 use super::proposer::{Draft, Proposer};
 use crate::backend::Backend;
 use crate::cache::KvCache;
 use crate::error::{Error, Result};
 use crate::model::{Batch, LogitRows, Model};
-use crate::sample::{argmax, draw, Sampler, SamplerConfig};
-
-/// Derives the drafter's random stream from the request seed, distinct from the verifier's.
-const DRAFT_SEED: u64 = 0xd4af_7000_0000_0001;
+use crate::sample::{argmax, Sampler, SamplerConfig};
 
 pub struct DraftModel<B: Backend> {
     model: Model<B>,
@@ -27,14 +22,14 @@ pub struct DraftModel<B: Backend> {
     /// Context length when the last draft was made (to roll back to on observe).
     base: usize,
     sampler: Sampler,
-    rng: ChaCha8Rng,
-    /// Fixed drafting settings; `None` = follow each request's sampling.
+    /// Fixed drafting settings (their seed aside); `None` = follow each request's sampling.
     fixed: Option<SamplerConfig>,
 }
 
 impl<B: Backend> DraftModel<B> {
     /// `fixed`: drafting settings that differ from the requests' (e.g. a hotter drafter); `None` drafts with
-    /// each request's own sampling settings.
+    /// each request's own sampling settings. The seed is always the request's, so that drafts and the target's
+    /// samples share each position's keyed race.
     pub fn new(model: Model<B>, target_vocab: usize, fixed: Option<SamplerConfig>) -> Result<Self> {
         let sampling = fixed.unwrap_or_default();
         if model.hp.vocab > target_vocab {
@@ -50,13 +45,8 @@ impl<B: Backend> DraftModel<B> {
             cached: Vec::new(),
             base: 0,
             sampler: Sampler::new(sampling)?,
-            rng: ChaCha8Rng::seed_from_u64(sampling.seed ^ DRAFT_SEED),
             fixed,
         })
-    }
-
-    fn draw(&mut self, dist: &[(u32, f32)]) -> u32 {
-        draw(dist, self.rng.random())
     }
 }
 
@@ -66,9 +56,11 @@ impl<B: Backend> Proposer for DraftModel<B> {
     }
 
     fn reset(&mut self, sampling: &SamplerConfig) {
-        let cfg = self.fixed.unwrap_or(*sampling);
+        let cfg = SamplerConfig {
+            seed: sampling.seed,
+            ..self.fixed.unwrap_or(*sampling)
+        };
         self.sampler = Sampler::new(cfg).expect("validated by the request");
-        self.rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ DRAFT_SEED);
     }
 
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft> {
@@ -101,14 +93,13 @@ impl<B: Backend> Proposer for DraftModel<B> {
         let mut draft = Draft::default();
         let mut history = context.to_vec();
         for i in 0..k {
-            let (tok, q) = if self.sampler.config().is_greedy() {
-                (argmax(&logits), None)
+            // Greedy drafts take the plain argmax (no penalty: a draft's quality, not the output, depends on it).
+            let tok = if self.sampler.config().is_greedy() {
+                argmax(&logits)
             } else {
-                let q = self.sampler.distribution(&logits, &history);
-                (self.draw(&q), Some(q))
+                self.sampler.sample(&logits, &history)
             };
             draft.tokens.push(tok);
-            draft.q.push(q);
             history.push(tok);
             if i + 1 < k {
                 let pos = self.cached.len();

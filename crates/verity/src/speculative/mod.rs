@@ -4,8 +4,11 @@
 //! - **Greedy is exact.** The verify forward is row-exact (each row's logits are bitwise the 1-row AR step's),
 //!   the verifier takes the target's own choice at every position, and the cache keeps only the verified path;
 //!   so the emitted tokens and the cache contents equal those of AR decoding, byte for byte.
-//! - **Sampling is lossless.** Drafts are accepted by rejection sampling against the processed target
-//!   distribution (see [`verify`]), so every emitted token has the AR sampler's distribution.
+//! - **Sampling is lossless, and a seed fixes the output.** The token at each position is drawn with random
+//!   numbers keyed by the request's seed and that absolute position, not by how many draws came before; the
+//!   verifier keeps a draft exactly when it is the target's draw there (see [`verify`]). So every route emits, token for
+//!   token, what sampled AR emits with the same seed — whatever the proposer drafted, how wide, or what the
+//!   controller learned before — the sampled twin of "greedy is exact".
 //! - **Commit or roll back everything.** After each cycle the target cache and every proposer's state are
 //!   truncated to the kept path; nothing of a rejected draft survives.
 //!

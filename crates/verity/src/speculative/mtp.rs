@@ -18,25 +18,21 @@
 //!   can condition; without the hidden state of the position before `pending` the head proposes nothing.
 //! - [`Proposer::catch_up`] runs the catch-up alone, for a cycle another proposer drafts (the route composes the
 //!   head with copying: [`super::copy_first::CopyFirst`]), so the head's cache stays aligned.
-//! - With sampling, drafts are drawn from the head's processed distribution `q`, reported to the verifier.
+//! - With sampling, the draft at position `p` is the head's sample from its processed distribution `q`
+//!   with the request's seed: the keyed race the target's sample at `p` runs (see [`super::verify`]).
 //! - Greedy drafts run as one chain on the backend ([`MtpHead::draft_greedy`]): each recursive step's token is
 //!   the step before's argmax, picked where it lies, so the host queues the catch-up and every step at once and
 //!   waits once — the same tokens as stepping through the host.
-
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 
 use super::proposer::{Draft, Proposer};
 use crate::backend::Backend;
 use crate::cache::KvCache;
 use crate::error::Result;
 use crate::model::{HeadInput, HeadOutput, MtpHead};
-use crate::sample::{draw, Sampler, SamplerConfig};
+use crate::sample::{Sampler, SamplerConfig};
 
 /// The deepest recursion offered to the controller.
 pub const MAX_DEPTH: usize = 8;
-/// Derives the head's random stream from the request seed, distinct from the verifier's.
-const MTP_SEED: u64 = 0x3a7b_9000_0000_0002;
 
 pub struct MtpProposer<B: Backend> {
     head: MtpHead<B>,
@@ -52,7 +48,6 @@ pub struct MtpProposer<B: Backend> {
     hid_start: usize,
     hid: Vec<f32>,
     sampler: Sampler,
-    rng: ChaCha8Rng,
     /// Greedy drafts as one chain on the backend ([`MtpHead::draft_greedy`]); `VERITY_MTP_CHAIN=0`: step by
     /// step, each token through the host (side-by-side measurements).
     chain: bool,
@@ -61,7 +56,6 @@ pub struct MtpProposer<B: Backend> {
 impl<B: Backend> MtpProposer<B> {
     pub fn new(head: MtpHead<B>, vocab: usize, context_len: usize) -> Result<Self> {
         let cache = head.new_cache(context_len);
-        let sampling = SamplerConfig::greedy();
         Ok(MtpProposer {
             head,
             cache,
@@ -71,8 +65,7 @@ impl<B: Backend> MtpProposer<B> {
             committed: 0,
             hid_start: 0,
             hid: Vec::new(),
-            sampler: Sampler::new(sampling)?,
-            rng: ChaCha8Rng::seed_from_u64(sampling.seed ^ MTP_SEED),
+            sampler: Sampler::new(SamplerConfig::greedy())?,
             chain: !matches!(std::env::var("VERITY_MTP_CHAIN").as_deref(), Ok("0")),
         })
     }
@@ -99,19 +92,19 @@ impl<B: Backend> MtpProposer<B> {
         self.committed = agree;
     }
 
-    /// Pick a token from a head step's output (over the draft vocabulary) and its draft distribution. Greedy
+    /// Pick the token at position `history.len()` from a head step's output (over the draft vocabulary). Greedy
     /// drafts are the head's argmax (no penalty: a draft's quality, not the output, depends on it), which the
-    /// step returns alone ([`MtpProposer::greedy`]).
-    fn choose(&mut self, out: &HeadOutput, history: &[u32]) -> (u32, Option<Vec<(u32, f32)>>) {
+    /// step returns alone ([`MtpProposer::greedy`]); sampled ones are the head's sample with the request's
+    /// seed at that position, tokens outside the draft vocabulary at probability 0.
+    fn choose(&self, out: &HeadOutput, history: &[u32]) -> u32 {
         if let Some(t) = out.greedy {
-            return (self.head.token(t as usize), None);
+            return self.head.token(t as usize);
         }
         let mut full = vec![f32::NEG_INFINITY; self.vocab];
         for (i, &l) in out.logits.iter().enumerate() {
             full[self.head.token(i) as usize] = l;
         }
-        let q = self.sampler.distribution(&full, history);
-        (draw(&q, self.rng.random()), Some(q))
+        self.sampler.sample(&full, history)
     }
 
     /// Align the head with `context` and find the positions its catch-up covers, `next..=n` (`n`: the position
@@ -171,7 +164,6 @@ impl<B: Backend> Proposer for MtpProposer<B> {
 
     fn reset(&mut self, sampling: &SamplerConfig) {
         self.sampler = Sampler::new(*sampling).expect("validated by the request");
-        self.rng = ChaCha8Rng::seed_from_u64(sampling.seed ^ MTP_SEED);
         // The head's cache is kept: the next propose rolls it back to the prefix the new context shares (a
         // follow-up turn continues where the last one ended instead of recomputing the conversation).
         self.hid.clear();
@@ -219,15 +211,14 @@ impl<B: Backend> Proposer for MtpProposer<B> {
             self.cached.extend_from_slice(&context[next..=n]);
             self.committed = before + caught;
             self.hid.clear();
-            return Ok(Draft::deterministic(tokens));
+            return Ok(Draft::new(tokens));
         }
         let mut out = self.run_catch_up(context, next, n)?;
         let mut draft = Draft::default();
         let mut history = context.to_vec();
         for i in 0..k.min(MAX_DEPTH) {
-            let (tok, q) = self.choose(&out, &history);
+            let tok = self.choose(&out, &history);
             draft.tokens.push(tok);
-            draft.q.push(q);
             history.push(tok);
             if i + 1 < k.min(MAX_DEPTH) {
                 if self.cache.len() + 1 > self.cache.max_capacity() {

@@ -1,30 +1,28 @@
 //! What a proposer is: something that guesses the next tokens cheaply. The decode loop knows nothing of how a
 //! proposer works; it asks for up to `k` tokens and reports what the verifier kept.
 
-use super::verify::DraftDist;
 use crate::error::Result;
 use crate::sample::SamplerConfig;
 
-/// Up to `k` proposed tokens, with the proposer's distribution for each (for sampled verification).
+/// Up to `k` proposed tokens.
 #[derive(Debug, Clone, Default)]
 pub struct Draft {
     pub tokens: Vec<u32>,
-    /// One entry per token; `None` entries mean a deterministic (one-hot) proposal.
-    pub q: Vec<DraftDist>,
 }
 
 impl Draft {
-    pub fn deterministic(tokens: Vec<u32>) -> Self {
-        let q = vec![None; tokens.len()];
-        Draft { tokens, q }
+    pub fn new(tokens: Vec<u32>) -> Self {
+        Draft { tokens }
     }
 }
 
 pub trait Proposer: Send {
     fn name(&self) -> &'static str;
 
-    /// A new request starts: forget per-request adaptation. `sampling` is the request's sampling, which a
-    /// proposer that samples may follow.
+    /// A new request starts: forget per-request adaptation. `sampling` is the request's sampling. A proposer
+    /// that samples draws the draft at position `p` with [`crate::sample::Sampler::sample`] and the request's
+    /// seed: the keyed race the target's sample at `p` runs, which makes the two agree as often as their
+    /// distributions allow (see [`super::verify`]).
     fn reset(&mut self, _sampling: &SamplerConfig) {}
 
     /// The largest width this proposer would offer now (its own adaptive cap), at most `k`.

@@ -1,23 +1,23 @@
 //! The verifier: given the target's logits for every draft position, decide how many drafts to keep and which
 //! token follows them.
 //!
-//! Greedy (temperature 0): keep the longest prefix where each draft equals the target's argmax (after the same
-//! repetition penalty AR applies); the next token is the target's choice at the first mismatch, or the bonus
-//! after a fully accepted draft. This makes greedy speculative output identical to AR output.
+//! One rule for greedy and sampled decoding: at each draft position the verifier computes the token the AR
+//! sampler would emit there ([`Sampler::sample`]: the argmax after the penalty, or the winner of the exponential
+//! race over the processed distribution keyed by the request's seed and the token's absolute position). It keeps
+//! the longest prefix of drafts equal to those tokens; the next token is the target's token at the first
+//! mismatch, or the bonus after a fully accepted draft.
 //!
-//! Sampled: standard speculative rejection sampling (Leviathan et al.; Chen et al.). Draft `x` with proposer
-//! probability `q(x)` is kept with probability `min(1, p(x)/q(x))`, where `p` is the target's *processed*
-//! distribution — exactly what the AR sampler draws from ([`Sampler::distribution`]). On rejection the next token
-//! is drawn from `normalize(max(0, p − q))`; after a fully accepted draft the bonus is drawn from `p`. Each
-//! emitted token is then distributed exactly as AR sampling would produce it.
+//! Why this is lossless: by induction over positions, the kept context before each position is AR's, so the
+//! target's distribution there is AR's, and the race keyed by that position is AR's draw. Every route therefore
+//! emits AR's tokens, byte for byte, for a given seed — whatever the drafter, its widths or the controller's
+//! state — and so AR's distribution. A drafter only decides how many of those tokens one forward confirms.
+//! Drafters that sample run the same keyed race over their own distribution `q` ([`crate::sample`]), which
+//! couples the two draws: the draft is the target's token whenever both races have the same winner, at least
+//! `(1 − TV(p, q)) / (1 + TV(p, q))` of the time, and without the two distributions having to rank their
+//! tokens alike. (Rejection sampling, `min(1, p/q)`, keeps a draft `1 − TV` of the time, a little more, but
+//! draws its corrections from a stream that shifts with every draft, so a route's output depends on its widths.)
 
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
-
-use crate::sample::{draw, Sampler, SamplerConfig};
-
-/// A proposer's distribution for one drafted token: `None` for a deterministic proposer (one-hot on the token).
-pub type DraftDist = Option<Vec<(u32, f32)>>;
+use crate::sample::{Sampler, SamplerConfig};
 
 /// The verifier's decision for one cycle.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,70 +30,36 @@ pub struct Verdict {
 
 pub struct Verifier {
     sampler: Sampler,
-    rng: ChaCha8Rng,
 }
 
 impl Verifier {
     pub fn new(cfg: SamplerConfig) -> crate::Result<Self> {
         Ok(Verifier {
             sampler: Sampler::new(cfg)?,
-            // A stream distinct from the AR sampler's, derived from the same seed: reproducible per route.
-            rng: ChaCha8Rng::seed_from_u64(cfg.seed ^ 0x5eed_5eed_5eed_5eed),
         })
     }
 
     /// `logits`: `drafts.len() + 1` rows of `vocab` values; row `i` predicts the token after
-    /// `history + drafts[..i]`. `q[i]` is the proposer's distribution for `drafts[i]`.
-    pub fn verify(
-        &mut self,
-        logits: &[f32],
-        vocab: usize,
-        history: &[u32],
-        drafts: &[u32],
-        q: &[DraftDist],
-    ) -> Verdict {
+    /// `history + drafts[..i]` (`history`: every token before the first draft, prompt included, so that its
+    /// length is the first draft's position).
+    pub fn verify(&self, logits: &[f32], vocab: usize, history: &[u32], drafts: &[u32]) -> Verdict {
         assert_eq!(logits.len(), (drafts.len() + 1) * vocab);
         let mut ctx = history.to_vec();
-        let greedy = self.sampler.config().is_greedy();
         for (i, &d) in drafts.iter().enumerate() {
-            let row = &logits[i * vocab..(i + 1) * vocab];
-            if greedy {
-                let t = self.sampler.sample(row, &ctx);
-                if t != d {
-                    return Verdict {
-                        accepted: i,
-                        next: t,
-                    };
-                }
-            } else {
-                let p = self.sampler.distribution(row, &ctx);
-                let px = prob(&p, d);
-                let qx = q
-                    .get(i)
-                    .and_then(|q| q.as_ref())
-                    .map_or(1.0, |q| prob(q, d));
-                let u: f32 = self.rng.random();
-                // accept with probability min(1, p/q); qx > 0 always holds for a token the proposer drew
-                if qx <= 0.0 || u * qx >= px {
-                    let residual = residual(&p, q.get(i).and_then(|q| q.as_ref()), d);
-                    return Verdict {
-                        accepted: i,
-                        next: self.draw(&residual),
-                    };
-                }
+            let t = self
+                .sampler
+                .sample(&logits[i * vocab..(i + 1) * vocab], &ctx);
+            if t != d {
+                return Verdict {
+                    accepted: i,
+                    next: t,
+                };
             }
             ctx.push(d);
         }
-        let last = &logits[drafts.len() * vocab..];
-        let next = if greedy {
-            self.sampler.sample(last, &ctx)
-        } else {
-            let p = self.sampler.distribution(last, &ctx);
-            self.draw(&p)
-        };
         Verdict {
             accepted: drafts.len(),
-            next,
+            next: self.sampler.sample(&logits[drafts.len() * vocab..], &ctx),
         }
     }
 
@@ -120,38 +86,6 @@ impl Verifier {
             next: greedy[accepted],
         }
     }
-
-    fn draw(&mut self, dist: &[(u32, f32)]) -> u32 {
-        draw(dist, self.rng.random())
-    }
-}
-
-fn prob(dist: &[(u32, f32)], t: u32) -> f32 {
-    dist.iter().find(|x| x.0 == t).map_or(0.0, |x| x.1)
-}
-
-/// `normalize(max(0, p − q))`; for a one-hot `q` on `rejected`, that is `p` without `rejected`.
-fn residual(p: &[(u32, f32)], q: Option<&Vec<(u32, f32)>>, rejected: u32) -> Vec<(u32, f32)> {
-    let mut r: Vec<(u32, f32)> = p
-        .iter()
-        .map(|&(t, pt)| {
-            let qt = match q {
-                Some(q) => prob(q, t),
-                None => (t == rejected) as u32 as f32,
-            };
-            (t, (pt - qt).max(0.0))
-        })
-        .filter(|x| x.1 > 0.0)
-        .collect();
-    let total: f32 = r.iter().map(|x| x.1).sum();
-    if total <= 0.0 {
-        // p ≤ q everywhere can only happen through rounding when p == q; then p itself is the residual's limit.
-        return p.to_vec();
-    }
-    for x in r.iter_mut() {
-        x.1 /= total;
-    }
-    r
 }
 
 #[cfg(test)]
@@ -168,10 +102,44 @@ mod tests {
         ) {
             // Few distinct values over a small vocabulary: ties are common, and the lowest index must win them.
             let (vocab, logits) = (12, logits.iter().map(|&v| v as f32).collect::<Vec<_>>());
-            let mut v = Verifier::new(SamplerConfig::greedy()).unwrap();
+            let v = Verifier::new(SamplerConfig::greedy()).unwrap();
             let greedy: Vec<u32> = logits.chunks(vocab).map(argmax).collect();
-            let want = v.verify(&logits, vocab, &[1, 2], &drafts, &[None, None, None, None]);
+            let want = v.verify(&logits, vocab, &[1, 2], &drafts);
             prop_assert_eq!(v.verify_greedy(&greedy, &drafts), want);
+        }
+    }
+
+    proptest! {
+        /// Sampled: the verdict keeps exactly the drafts that equal the tokens AR samples at their positions and
+        /// continues with AR's token, so the emitted tokens are AR's whatever was drafted.
+        #[test]
+        fn sampled_verify_emits_the_tokens_ar_samples_at_those_positions(
+            logits in proptest::collection::vec(-3f32..3.0, 5 * 12),
+            history in proptest::collection::vec(0u32..12, 1..30),
+            wrong_at in proptest::collection::vec(any::<bool>(), 4),
+            seed in any::<u64>(),
+            temperature in prop_oneof![Just(0.8f32), Just(1.2), Just(5.0)],
+            top_p in prop_oneof![Just(1.0f32), Just(0.9)],
+        ) {
+            let vocab = 12;
+            let cfg = SamplerConfig { temperature, top_p, repetition_penalty: 1.1, seed, ..SamplerConfig::default() };
+            let ar = Sampler::new(cfg).unwrap();
+            let mut ctx = history.clone();
+            let mut ar_tokens = Vec::new();
+            for row in logits.chunks(vocab) {
+                let t = ar.sample(row, &ctx);
+                ar_tokens.push(t);
+                ctx.push(t);
+            }
+            let drafts: Vec<u32> = ar_tokens[..4]
+                .iter()
+                .zip(&wrong_at)
+                .map(|(&t, &wrong)| if wrong { (t + 1) % vocab as u32 } else { t })
+                .collect();
+            let v = Verifier::new(cfg).unwrap().verify(&logits, vocab, &history, &drafts);
+            prop_assert_eq!(v.accepted, wrong_at.iter().position(|&w| w).unwrap_or(4));
+            prop_assert_eq!(v.next, ar_tokens[v.accepted]);
+            prop_assert_eq!(&drafts[..v.accepted], &ar_tokens[..v.accepted]);
         }
     }
 
