@@ -15,17 +15,24 @@ use verity::storage::Bytes;
 const GGML_QUANTS: &[(&str, GgmlType)] = &[
     ("Q4_0", GgmlType::Q4_0),
     ("Q4_1", GgmlType::Q4_1),
+    ("Q5_0", GgmlType::Q5_0),
+    ("Q5_1", GgmlType::Q5_1),
     ("Q8_0", GgmlType::Q8_0),
     ("Q4_K", GgmlType::Q4K),
     ("Q5_K", GgmlType::Q5K),
     ("Q6_K", GgmlType::Q6K),
 ];
 
+/// A format's fixture blocks and the `gguf` package's decoding of them.
 fn fixture_blocks(name: &str) -> (Vec<u8>, Vec<f32>) {
     let dir = fixtures().join("quant");
+    let decoded = json(&dir.join("decoded.json"));
+    let values = decoded[name]
+        .as_array()
+        .unwrap_or_else(|| panic!("no {name}"));
     (
         std::fs::read(dir.join(format!("{name}.bin"))).unwrap(),
-        read_f32(&dir.join(format!("{name}.f32"))),
+        values.iter().map(|v| v.as_f64().unwrap() as f32).collect(),
     )
 }
 

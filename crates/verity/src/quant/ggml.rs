@@ -14,6 +14,8 @@ pub enum GgmlType {
     BF16,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q8_0,
     Q4K,
     Q5K,
@@ -30,6 +32,8 @@ impl GgmlType {
             1 => GgmlType::F16,
             2 => GgmlType::Q4_0,
             3 => GgmlType::Q4_1,
+            6 => GgmlType::Q5_0,
+            7 => GgmlType::Q5_1,
             8 => GgmlType::Q8_0,
             12 => GgmlType::Q4K,
             13 => GgmlType::Q5K,
@@ -42,8 +46,6 @@ impl GgmlType {
     /// The name of a GGUF `ggml_type` id, for error messages about types verity does not support.
     pub fn gguf_id_name(id: u32) -> &'static str {
         match id {
-            6 => "Q5_0",
-            7 => "Q5_1",
             9 => "Q8_1",
             10 => "Q2_K",
             11 => "Q3_K",
@@ -66,6 +68,8 @@ impl GgmlType {
             GgmlType::BF16 => "BF16",
             GgmlType::Q4_0 => "Q4_0",
             GgmlType::Q4_1 => "Q4_1",
+            GgmlType::Q5_0 => "Q5_0",
+            GgmlType::Q5_1 => "Q5_1",
             GgmlType::Q8_0 => "Q8_0",
             GgmlType::Q4K => "Q4_K",
             GgmlType::Q5K => "Q5_K",
@@ -88,6 +92,8 @@ impl GgmlType {
             GgmlType::F16 | GgmlType::BF16 => 64,
             GgmlType::Q4_0 => 18,
             GgmlType::Q4_1 => 20,
+            GgmlType::Q5_0 => 22,
+            GgmlType::Q5_1 => 24,
             GgmlType::Q8_0 => 34,
             GgmlType::Q4K => 144,
             GgmlType::Q5K => 176,
@@ -148,6 +154,8 @@ impl GgmlType {
         match self {
             GgmlType::Q4_0 => decode_q4_0(blk, out),
             GgmlType::Q4_1 => decode_q4_1(blk, out),
+            GgmlType::Q5_0 => decode_q5(blk, false, out),
+            GgmlType::Q5_1 => decode_q5(blk, true, out),
             GgmlType::Q8_0 => decode_q8_0(blk, out),
             GgmlType::Q4K => decode_q4_k(blk, out),
             GgmlType::Q5K => decode_q5_k(blk, out),
@@ -180,6 +188,26 @@ fn decode_q4_1(blk: &[u8], out: &mut [f32]) {
     for j in 0..16 {
         out[j] = (qs[j] & 0x0f) as f32 * d + m;
         out[j + 16] = (qs[j] >> 4) as f32 * d + m;
+    }
+}
+
+/// Q5_0 (`d`, 32 high bits, 16 bytes of low nibbles: `(q − 16)·d`) and Q5_1 (`d`, `m`, high bits, nibbles:
+/// `q·d + m`), in ggml's arithmetic: value `j` is nibble `j` (low nibbles first) with bit `j` of the high bits
+/// as its fifth bit.
+#[inline(always)]
+fn decode_q5(blk: &[u8], q5_1: bool, out: &mut [f32]) {
+    let d = f16_at(blk, 0);
+    let (offset, m, qh_at) = if q5_1 {
+        (0, f16_at(blk, 2), 4)
+    } else {
+        (16, 0.0, 2)
+    };
+    let qh = u32::from_le_bytes([blk[qh_at], blk[qh_at + 1], blk[qh_at + 2], blk[qh_at + 3]]);
+    let qs = &blk[qh_at + 4..qh_at + 20];
+    let value = |q: u32| (q as i32 - offset) as f32 * d + m;
+    for j in 0..16 {
+        out[j] = value((qs[j] & 0x0f) as u32 | ((qh >> j) & 1) << 4);
+        out[j + 16] = value((qs[j] >> 4) as u32 | ((qh >> (j + 16)) & 1) << 4);
     }
 }
 
