@@ -188,6 +188,19 @@ fn cuda_k_quant_projections_match_the_cpu_backend() {
     }
 }
 
+/// The 5-bit legacy blocks (Q5_0, Q5_1) decode on the GPU as on the CPU and run the f32-activation kernel.
+#[test]
+fn cuda_q5_projections_match_the_cpu_backend() {
+    let (gpu, cpu) = (gpu(), f32_backend());
+    let mut seed = 13u64;
+    for (ty, name) in [(GgmlType::Q5_0, "Q5_0"), (GgmlType::Q5_1, "Q5_1")] {
+        for (n, k) in [(40, 512), (37, 96)] {
+            let m = fixture_matrix(ty, name, n, k, &mut seed);
+            assert_projection_matches_the_cpu(&gpu, &cpu, &m, name, seed);
+        }
+    }
+}
+
 /// MLX affine matrices (4 and 8 bits, groups of 32 to 128, every scale dtype), re-laid into blocks at upload,
 /// decode bitwise as the CPU does and run the f32-activation kernel.
 #[test]

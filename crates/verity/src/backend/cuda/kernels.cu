@@ -29,6 +29,9 @@ typedef unsigned int u32;
 // MLX affine, re-laid at upload into 32-value blocks [scale f32][bias f32][quants] (`affine.rs`).
 #define T_AFF4 12
 #define T_AFF8 13
+// GGML 5-bit blocks (decoded on the float path; no tiled form).
+#define T_Q5_0 14
+#define T_Q5_1 15
 
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -105,6 +108,8 @@ __host__ __device__ constexpr int block_bytes(int ty) {
          : ty == T_F16 || ty == T_BF16 ? 64
          : ty == T_Q4_0 ? 18
          : ty == T_Q4_1 ? 20
+         : ty == T_Q5_0 ? 22
+         : ty == T_Q5_1 ? 24
          : ty == T_AFF4 ? 24
          : ty == T_AFF8 ? 40
          : 34;
@@ -149,8 +154,8 @@ __device__ __forceinline__ void k4_scale_min(int j, const u8* q, int* sc, int* m
 }
 
 // Decode the 32 values of block b of output column `col` into v[32] (the host decoders' arithmetic), with the
-// widest loads the block's alignment allows (rows start at multiples of the row size; Q4_1 blocks are 4-byte
-// aligned, Q4_0 and Q8_0 2-byte aligned). K-quant block b is sub-block b % 8 of super-block b / 8.
+// widest loads the block's alignment allows (rows start at multiples of the row size; Q4_1 and Q5_1 blocks are
+// 4-byte aligned, Q4_0, Q5_0 and Q8_0 2-byte aligned). K-quant block b is sub-block b % 8 of super-block b / 8.
 template <int TY>
 __device__ __forceinline__ void decode(const u8* w, int col, int nb, int tiles, int b, float* v) {
     if (is_tiled(TY)) {
@@ -285,6 +290,32 @@ __device__ __forceinline__ void decode(const u8* w, int col, int nb, int tiles, 
                 v[4 * j + t + 16] = (byte >> 4) * d + m;
             }
         }
+    } else if (TY == T_Q5_0 || TY == T_Q5_1) {
+        // [d][m, Q5_1 only][32 high bits][16 bytes of low nibbles]: value i is nibble i with high bit i as its
+        // fifth bit; (q - 16) * d for Q5_0, q * d + m for Q5_1, rounded as the host decoder rounds (no FMA).
+        const u16* h = (const u16*)p;
+        float d = f16_to_f32(h[0]);
+        const int at = TY == T_Q5_1 ? 2 : 1;
+        float m = TY == T_Q5_1 ? f16_to_f32(h[1]) : 0.f;
+        u32 qh = (u32)h[at] | ((u32)h[at + 1] << 16);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            u32 q = h[at + 2 + j];
+#pragma unroll
+            for (int t = 0; t < 2; t++) {
+                int i = 2 * j + t;
+                u32 byte = (q >> (8 * t)) & 0xff;
+                int lo = (int)((byte & 15) | (((qh >> i) & 1) << 4));
+                int hi = (int)((byte >> 4) | (((qh >> (i + 16)) & 1) << 4));
+                if (TY == T_Q5_0) {
+                    v[i] = (float)(lo - 16) * d;
+                    v[i + 16] = (float)(hi - 16) * d;
+                } else {
+                    v[i] = __fadd_rn(__fmul_rn((float)lo, d), m);
+                    v[i + 16] = __fadd_rn(__fmul_rn((float)hi, d), m);
+                }
+            }
+        }
     } else {
         const u16* h = (const u16*)p;
         float d = f16_to_f32(h[0]);
@@ -305,6 +336,8 @@ __device__ __forceinline__ void decode_any(int ty, const u8* w, int col, int nb,
         case T_BF16: decode<T_BF16>(w, col, nb, tiles, b, v); break;
         case T_Q4_0: decode<T_Q4_0>(w, col, nb, tiles, b, v); break;
         case T_Q4_1: decode<T_Q4_1>(w, col, nb, tiles, b, v); break;
+        case T_Q5_0: decode<T_Q5_0>(w, col, nb, tiles, b, v); break;
+        case T_Q5_1: decode<T_Q5_1>(w, col, nb, tiles, b, v); break;
         case T_Q8_0: decode<T_Q8_0>(w, col, nb, tiles, b, v); break;
         case T_Q4_K: decode<T_Q4_K>(w, col, nb, tiles, b, v); break;
         case T_Q5_K: decode<T_Q5_K>(w, col, nb, tiles, b, v); break;
@@ -419,6 +452,8 @@ __device__ __forceinline__ void column_rows(int ty, const u8* w, int col, int ti
         case T_BF16: column<T_BF16, RN>(COLUMN_ARGS); break;
         case T_Q4_0: column<T_Q4_0, RN>(COLUMN_ARGS); break;
         case T_Q4_1: column<T_Q4_1, RN>(COLUMN_ARGS); break;
+        case T_Q5_0: column<T_Q5_0, RN>(COLUMN_ARGS); break;
+        case T_Q5_1: column<T_Q5_1, RN>(COLUMN_ARGS); break;
         case T_Q8_0: column<T_Q8_0, RN>(COLUMN_ARGS); break;
         case T_Q4_K: column<T_Q4_K, RN>(COLUMN_ARGS); break;
         case T_Q5_K: column<T_Q5_K, RN>(COLUMN_ARGS); break;

@@ -876,9 +876,9 @@ impl CudaBackend {
     }
 }
 
-/// `kernels.cu`'s tag for `ty`, in its tiled form when `tiled`; `None` for a format it has no kernel for.
-fn type_tag(ty: GgmlType, tiled: bool) -> Option<i32> {
-    Some(match (ty, tiled) {
+/// `kernels.cu`'s tag for `ty`, in its tiled form when `tiled`.
+fn type_tag(ty: GgmlType, tiled: bool) -> i32 {
+    match (ty, tiled) {
         (GgmlType::F32, _) => 0,
         (GgmlType::F16, _) => 1,
         (GgmlType::BF16, _) => 2,
@@ -891,8 +891,9 @@ fn type_tag(ty: GgmlType, tiled: bool) -> Option<i32> {
         (GgmlType::Q4_0, true) => 9,
         (GgmlType::Q4_1, true) => 10,
         (GgmlType::Q8_0, true) => 11,
-        (GgmlType::Q5_0 | GgmlType::Q5_1, _) => return None,
-    })
+        (GgmlType::Q5_0, _) => 14,
+        (GgmlType::Q5_1, _) => 15,
+    }
 }
 
 /// `kernels.cu`'s tag for an MLX affine matrix of `bits` (re-laid into `affine.rs`'s blocks).
@@ -926,14 +927,6 @@ impl Backend for CudaBackend {
                 (mlx_tag(q.bits), false, Cow::Owned(blocks))
             }
             WeightFormat::Ggml(ty) => {
-                let tiled = self.int8_tiles && tiles::tileable(ty);
-                let tag = type_tag(ty, tiled).ok_or_else(|| {
-                    Error::Unsupported(format!(
-                        "{}: GGML {} weights have no CUDA kernel yet (the CPU backend decodes them)",
-                        m.name,
-                        ty.name()
-                    ))
-                })?;
                 let block = ty.block_len().max(32);
                 if !m.cols.is_multiple_of(block) {
                     return Err(Error::Unsupported(format!(
@@ -941,12 +934,13 @@ impl Backend for CudaBackend {
                         m.name, m.cols
                     )));
                 }
+                let tiled = self.int8_tiles && tiles::tileable(ty);
                 let bytes = if tiled {
                     Cow::Owned(tiles::tile(ty, m.rows, m.cols, m.data()))
                 } else {
                     Cow::Borrowed(m.data())
                 };
-                (tag, tiled, bytes)
+                (type_tag(ty, tiled), tiled, bytes)
             }
         };
         let data = self
