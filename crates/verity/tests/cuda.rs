@@ -188,13 +188,19 @@ fn cuda_k_quant_projections_match_the_cpu_backend() {
     }
 }
 
-/// The 5-bit legacy blocks (Q5_0, Q5_1) decode on the GPU as on the CPU and run the f32-activation kernel.
+/// The 5-bit legacy blocks (Q5_0, Q5_1) and the IQ4 grid formats (IQ4_NL, IQ4_XS) decode on the GPU as on the
+/// CPU and run the f32-activation kernel.
 #[test]
-fn cuda_q5_projections_match_the_cpu_backend() {
+fn cuda_q5_and_iq4_projections_match_the_cpu_backend() {
     let (gpu, cpu) = (gpu(), f32_backend());
     let mut seed = 13u64;
-    for (ty, name) in [(GgmlType::Q5_0, "Q5_0"), (GgmlType::Q5_1, "Q5_1")] {
-        for (n, k) in [(40, 512), (37, 96)] {
+    for (ty, name) in [
+        (GgmlType::Q5_0, "Q5_0"),
+        (GgmlType::Q5_1, "Q5_1"),
+        (GgmlType::IQ4NL, "IQ4_NL"),
+        (GgmlType::IQ4XS, "IQ4_XS"),
+    ] {
+        for (n, k) in [(40, 512), (37, 256)] {
             let m = fixture_matrix(ty, name, n, k, &mut seed);
             assert_projection_matches_the_cpu(&gpu, &cpu, &m, name, seed);
         }

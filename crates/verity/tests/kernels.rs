@@ -21,6 +21,8 @@ const GGML_QUANTS: &[(&str, GgmlType)] = &[
     ("Q4_K", GgmlType::Q4K),
     ("Q5_K", GgmlType::Q5K),
     ("Q6_K", GgmlType::Q6K),
+    ("IQ4_NL", GgmlType::IQ4NL),
+    ("IQ4_XS", GgmlType::IQ4XS),
 ];
 
 /// A format's fixture blocks and the `gguf` package's decoding of them.

@@ -20,6 +20,8 @@ pub enum GgmlType {
     Q4K,
     Q5K,
     Q6K,
+    IQ4NL,
+    IQ4XS,
 }
 
 const QK_K: usize = 256;
@@ -34,6 +36,8 @@ impl GgmlType {
             3 => GgmlType::Q4_1,
             6 => GgmlType::Q5_0,
             7 => GgmlType::Q5_1,
+            20 => GgmlType::IQ4NL,
+            23 => GgmlType::IQ4XS,
             8 => GgmlType::Q8_0,
             12 => GgmlType::Q4K,
             13 => GgmlType::Q5K,
@@ -50,7 +54,7 @@ impl GgmlType {
             10 => "Q2_K",
             11 => "Q3_K",
             15 => "Q8_K",
-            16..=23 => "IQ*",
+            16..=19 | 21 | 22 => "IQ*",
             24 => "I8",
             25 => "I16",
             26 => "I32",
@@ -74,13 +78,15 @@ impl GgmlType {
             GgmlType::Q4K => "Q4_K",
             GgmlType::Q5K => "Q5_K",
             GgmlType::Q6K => "Q6_K",
+            GgmlType::IQ4NL => "IQ4_NL",
+            GgmlType::IQ4XS => "IQ4_XS",
         }
     }
 
     /// Elements per block.
     pub fn block_len(self) -> usize {
         match self {
-            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => QK_K,
+            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::IQ4XS => QK_K,
             _ => 32,
         }
     }
@@ -98,6 +104,8 @@ impl GgmlType {
             GgmlType::Q4K => 144,
             GgmlType::Q5K => 176,
             GgmlType::Q6K => 210,
+            GgmlType::IQ4NL => 18,
+            GgmlType::IQ4XS => 136,
         }
     }
 
@@ -160,6 +168,8 @@ impl GgmlType {
             GgmlType::Q4K => decode_q4_k(blk, out),
             GgmlType::Q5K => decode_q5_k(blk, out),
             GgmlType::Q6K => decode_q6_k(blk, out),
+            GgmlType::IQ4NL => decode_iq4(&blk[2..18], f16_at(blk, 0), out),
+            GgmlType::IQ4XS => decode_iq4_xs(blk, out),
             _ => unreachable!("float types handled above"),
         }
     }
@@ -216,6 +226,38 @@ fn decode_q8_0(blk: &[u8], out: &mut [f32]) {
     let d = f16_at(blk, 0);
     for (o, &q) in out.iter_mut().zip(&blk[2..34]) {
         *o = q as i8 as f32 * d;
+    }
+}
+
+/// The non-linear 4-bit grid of IQ4_NL and IQ4_XS (ggml `kvalues_iq4nl`).
+const IQ4_GRID: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// 32 values on the IQ4 grid scaled by `d`: nibbles of `qs` (16 bytes), low nibbles first.
+#[inline(always)]
+fn decode_iq4(qs: &[u8], d: f32, out: &mut [f32]) {
+    for j in 0..16 {
+        out[j] = d * IQ4_GRID[(qs[j] & 0x0f) as usize] as f32;
+        out[j + 16] = d * IQ4_GRID[(qs[j] >> 4) as usize] as f32;
+    }
+}
+
+/// IQ4_XS: `d`, the high 2 bits of eight 6-bit sub-block scales, their low 4 bits, then eight IQ4 sub-blocks;
+/// sub-block `j` is scaled by `d · (scale_j − 32)`.
+#[inline(always)]
+fn decode_iq4_xs(blk: &[u8], out: &mut [f32]) {
+    let d = f16_at(blk, 0);
+    let scales_h = u16::from_le_bytes([blk[2], blk[3]]);
+    for j in 0..8 {
+        let lo = (blk[4 + j / 2] >> (4 * (j % 2))) & 0x0f;
+        let hi = ((scales_h >> (2 * j)) & 3) as u8;
+        let dl = d * ((lo | hi << 4) as i32 - 32) as f32;
+        decode_iq4(
+            &blk[8 + 16 * j..24 + 16 * j],
+            dl,
+            &mut out[32 * j..32 * j + 32],
+        );
     }
 }
 

@@ -32,6 +32,13 @@ typedef unsigned int u32;
 // GGML 5-bit blocks (decoded on the float path; no tiled form).
 #define T_Q5_0 14
 #define T_Q5_1 15
+// The non-linear 4-bit grid formats: IQ4_NL (32-value blocks), IQ4_XS (256-value super-blocks).
+#define T_IQ4_NL 16
+#define T_IQ4_XS 17
+
+// IQ4_NL's and IQ4_XS's 16 levels (ggml `kvalues_iq4nl`).
+__device__ __constant__ signed char IQ4_GRID[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                    1,    13,   25,  38,  53,  69,  89,  113};
 
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -110,16 +117,30 @@ __host__ __device__ constexpr int block_bytes(int ty) {
          : ty == T_Q4_1 ? 20
          : ty == T_Q5_0 ? 22
          : ty == T_Q5_1 ? 24
+         : ty == T_IQ4_NL ? 18
          : ty == T_AFF4 ? 24
          : ty == T_AFF8 ? 40
          : 34;
 }
 
 __host__ __device__ constexpr int super_bytes(int ty) {
-    return ty == T_Q4_K ? 144 : ty == T_Q5_K ? 176 : 210;
+    return ty == T_Q4_K ? 144 : ty == T_Q5_K ? 176 : ty == T_IQ4_XS ? 136 : 210;
 }
 
-__host__ __device__ constexpr bool is_k_quant(int ty) { return ty == T_Q4_K || ty == T_Q5_K || ty == T_Q6_K; }
+// The 256-value super-block formats (a block b is sub-block b % 8 of super-block b / 8).
+__host__ __device__ constexpr bool is_k_quant(int ty) {
+    return ty == T_Q4_K || ty == T_Q5_K || ty == T_Q6_K || ty == T_IQ4_XS;
+}
+
+// 32 values on the IQ4 grid scaled by d from 16 bytes of nibbles (low nibbles first), as the host decodes them.
+__device__ __forceinline__ void decode_iq4(const u8* qs, float d, float* v) {
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        u32 byte = qs[j];
+        v[j] = d * (float)IQ4_GRID[byte & 15];
+        v[j + 16] = d * (float)IQ4_GRID[byte >> 4];
+    }
+}
 __host__ __device__ constexpr bool is_tiled(int ty) { return ty == T_TQ4_0 || ty == T_TQ4_1 || ty == T_TQ8_0; }
 
 // Tiled layout of an n × k matrix of Q4_0, Q4_1 or Q8_0 (nb = k / 32 blocks per row, `tiles` = ceil(n / 16)):
@@ -193,6 +214,13 @@ __device__ __forceinline__ void decode(const u8* w, int col, int nb, int tiles, 
     if (is_k_quant(TY)) {
         const u8* p = w + ((size_t)col * (nb / 8) + b / 8) * super_bytes(TY);
         int j = b & 7;
+        if (TY == T_IQ4_XS) {
+            // [d][2 high bits of 8 scales][4 low bits of 8 scales][8 × 16 bytes of nibbles]
+            u32 sh = *(const u16*)(p + 2);
+            int ls = ((p[4 + (j >> 1)] >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4);
+            decode_iq4(p + 8 + 16 * j, f16_to_f32(*(const u16*)p) * (float)(ls - 32), v);
+            return;
+        }
         if (TY == T_Q6_K) {
             const u8* ql = p + (j >> 2) * 64;
             const u8* qh = p + 128 + (j >> 2) * 32;
@@ -290,6 +318,8 @@ __device__ __forceinline__ void decode(const u8* w, int col, int nb, int tiles, 
                 v[4 * j + t + 16] = (byte >> 4) * d + m;
             }
         }
+    } else if (TY == T_IQ4_NL) {
+        decode_iq4(p + 2, f16_to_f32(*(const u16*)p), v);
     } else if (TY == T_Q5_0 || TY == T_Q5_1) {
         // [d][m, Q5_1 only][32 high bits][16 bytes of low nibbles]: value i is nibble i with high bit i as its
         // fifth bit; (q - 16) * d for Q5_0, q * d + m for Q5_1, rounded as the host decoder rounds (no FMA).
@@ -338,6 +368,8 @@ __device__ __forceinline__ void decode_any(int ty, const u8* w, int col, int nb,
         case T_Q4_1: decode<T_Q4_1>(w, col, nb, tiles, b, v); break;
         case T_Q5_0: decode<T_Q5_0>(w, col, nb, tiles, b, v); break;
         case T_Q5_1: decode<T_Q5_1>(w, col, nb, tiles, b, v); break;
+        case T_IQ4_NL: decode<T_IQ4_NL>(w, col, nb, tiles, b, v); break;
+        case T_IQ4_XS: decode<T_IQ4_XS>(w, col, nb, tiles, b, v); break;
         case T_Q8_0: decode<T_Q8_0>(w, col, nb, tiles, b, v); break;
         case T_Q4_K: decode<T_Q4_K>(w, col, nb, tiles, b, v); break;
         case T_Q5_K: decode<T_Q5_K>(w, col, nb, tiles, b, v); break;
@@ -454,6 +486,8 @@ __device__ __forceinline__ void column_rows(int ty, const u8* w, int col, int ti
         case T_Q4_1: column<T_Q4_1, RN>(COLUMN_ARGS); break;
         case T_Q5_0: column<T_Q5_0, RN>(COLUMN_ARGS); break;
         case T_Q5_1: column<T_Q5_1, RN>(COLUMN_ARGS); break;
+        case T_IQ4_NL: column<T_IQ4_NL, RN>(COLUMN_ARGS); break;
+        case T_IQ4_XS: column<T_IQ4_XS, RN>(COLUMN_ARGS); break;
         case T_Q8_0: column<T_Q8_0, RN>(COLUMN_ARGS); break;
         case T_Q4_K: column<T_Q4_K, RN>(COLUMN_ARGS); break;
         case T_Q5_K: column<T_Q5_K, RN>(COLUMN_ARGS); break;

@@ -893,6 +893,8 @@ fn type_tag(ty: GgmlType, tiled: bool) -> i32 {
         (GgmlType::Q8_0, true) => 11,
         (GgmlType::Q5_0, _) => 14,
         (GgmlType::Q5_1, _) => 15,
+        (GgmlType::IQ4NL, _) => 16,
+        (GgmlType::IQ4XS, _) => 17,
     }
 }
 
