@@ -4,7 +4,7 @@
 use serde::Deserialize;
 use serde_json::Value;
 use verity::chat::Message;
-use verity::sample::SamplerConfig;
+use verity::sample::{SamplerConfig, REPETITION_PENALTY_RANGE};
 
 use crate::error::ApiError;
 
@@ -441,9 +441,15 @@ fn params(c: &Common, endpoint: Endpoint) -> Result<Params, ApiError> {
         return Err(ApiError::invalid("min_p must be in [0, 1)", Some("min_p")));
     }
     let repetition_penalty = c.repetition_penalty.unwrap_or(1.0);
-    if !(repetition_penalty > 0.0 && repetition_penalty <= 10.0) {
+    // The sampler acts within its range only; a value it would clamp is refused here rather than changed.
+    let penalties = REPETITION_PENALTY_RANGE;
+    if !penalties.contains(&repetition_penalty) {
         return Err(ApiError::invalid(
-            "repetition_penalty must be in (0, 10]",
+            format!(
+                "repetition_penalty must be in [{}, {}]",
+                penalties.start(),
+                penalties.end()
+            ),
             Some("repetition_penalty"),
         ));
     }
@@ -686,6 +692,18 @@ mod tests {
             Some("top_logprobs")
         );
         assert_eq!(refused(chat(r#","logprobs":5"#)), Some("logprobs"));
+    }
+
+    #[test]
+    fn a_repetition_penalty_the_sampler_would_clamp_is_refused() {
+        for ok in ["0.01", "1.3", "100"] {
+            let extra = format!(r#","repetition_penalty":{ok}"#);
+            assert!(chat(&extra).is_ok(), "{ok}");
+        }
+        for bad in ["0", "1e-45", "0.009", "100.5", "-1"] {
+            let extra = format!(r#","repetition_penalty":{bad}"#);
+            assert_eq!(refused(chat(&extra)), Some("repetition_penalty"), "{bad}");
+        }
     }
 
     #[test]
