@@ -14,7 +14,13 @@ pub struct Args {
 pub fn main(a: Args) -> Result<()> {
     if a.list {
         for m in registry::KNOWN_MODELS {
-            println!("{:<16} {}  (PyPI {})", m.name, m.description, m.package);
+            let packages: Vec<&str> = m.parts.iter().map(|p| p.package).collect();
+            println!(
+                "{:<16} {}  (PyPI {})",
+                m.name,
+                m.description,
+                packages.join(", ")
+            );
         }
         return Ok(());
     }
