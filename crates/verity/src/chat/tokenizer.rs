@@ -4,6 +4,7 @@
 use std::ops::Range;
 use std::path::Path;
 
+use aho_corasick::AhoCorasick;
 use serde_json::Value;
 
 use super::gguf_vocab;
@@ -27,8 +28,9 @@ pub struct Tokenizer {
     /// The same tokenizer reading special-token text as plain text: for what users wrote, where only the chat
     /// template's own markers may be control tokens.
     literal: tokenizers::Tokenizer,
-    /// The text of every special (control) token.
-    special_texts: Vec<String>,
+    /// Finds the text of any special (control) token in one pass, however many the vocabulary has (thousands in
+    /// some: reserved and unused tokens).
+    special_texts: AhoCorasick,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
     /// Prepend BOS when encoding a prompt.
@@ -147,12 +149,14 @@ impl Tokenizer {
         }
         let mut literal = inner.clone();
         literal.set_encode_special_tokens(true);
-        let special_texts = inner
+        let specials: Vec<String> = inner
             .get_added_tokens_decoder()
             .values()
             .filter(|t| t.special && !t.content.is_empty())
             .map(|t| t.content.clone())
             .collect();
+        let special_texts = AhoCorasick::new(&specials)
+            .map_err(|e| Error::Tokenizer(format!("special tokens: {e}")))?;
         Ok(Tokenizer {
             inner,
             literal,
@@ -219,7 +223,7 @@ impl Tokenizer {
 
     /// Whether `text` holds the text of a special (control) token.
     pub fn mentions_special(&self, text: &str) -> bool {
-        self.special_texts.iter().any(|s| text.contains(s.as_str()))
+        self.special_texts.is_match(text)
     }
 
     /// Decode ids to text, dropping special tokens.
