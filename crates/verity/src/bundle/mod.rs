@@ -155,7 +155,7 @@ impl Bundle {
             // Not the path: a bundle moved or copied whole (keeping its times) keeps its checkpoints.
             desc.extend(format!(" {len} {modified}").bytes());
         }
-        crate::cache::fnv1a(&desc, 0)
+        xxhash_rust::xxh3::xxh3_64(&desc)
     }
 
     /// The name of a tensor in this bundle's format.

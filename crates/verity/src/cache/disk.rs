@@ -43,16 +43,6 @@ const CHECKSUM: usize = 16;
 /// Headers larger than this are not ours (a million token ids is ~8 MB of JSON).
 const MAX_HEADER: u32 = 16 << 20;
 
-/// FNV-1a, 64 bit: a stable hash for short descriptions (std's hasher is not stable across releases).
-pub fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
-    let mut h = seed ^ 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
-}
-
 #[derive(Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Header {

@@ -7,7 +7,7 @@ mod prefix;
 mod temp_file;
 mod tiers;
 
-pub use disk::{fnv1a, DiskTier};
+pub use disk::DiskTier;
 pub use kv::{CacheShape, KvCache, KvCheckpoint};
 pub use prefix::PrefixCache;
 pub use tiers::PrefixTiers;

@@ -14,37 +14,32 @@
 //!   (~4 MB for `kernels.cu`), so after a new one is written the least recently used past that many go (a
 //!   file's use refreshes its modification time).
 //!
-//! The key and the checksum are 64-bit FNV-1a, written here: they only need to tell inputs and files apart,
-//! not resist an adversary, and no hashing crate is among verity's dependencies.
+//! The key and the checksum are 64-bit XXH3 (the hash the prefix cache's files use): they only need to tell
+//! inputs and files apart, not resist an adversary.
 
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
+use xxhash_rust::xxh3::xxh3_64;
+
 const MAGIC: &str = "verity-ptx";
 /// PTX files kept in the cache folder.
 pub const KEEP: usize = 8;
 
-/// 64-bit FNV-1a over `parts`, each followed by a separator byte (so ("ab", "c") and ("a", "bc") differ).
+/// The hash of `parts`, each followed by a separator byte (so ("ab", "c") and ("a", "bc") differ; 0xff never
+/// occurs in UTF-8).
 pub fn key(parts: &[&str]) -> u64 {
-    let mut h = fnv(0xcbf2_9ce4_8422_2325, &[]);
+    let mut bytes = Vec::new();
     for p in parts {
-        h = fnv(h, p.as_bytes());
-        h = fnv(h, &[0xff]);
+        bytes.extend_from_slice(p.as_bytes());
+        bytes.push(0xff);
     }
-    h
-}
-
-fn fnv(mut h: u64, bytes: &[u8]) -> u64 {
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
+    xxh3_64(&bytes)
 }
 
 fn checksum(ptx: &str) -> u64 {
-    fnv(0xcbf2_9ce4_8422_2325, ptx.as_bytes())
+    xxh3_64(ptx.as_bytes())
 }
 
 /// The file of `key` in `dir`.
