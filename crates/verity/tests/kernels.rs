@@ -110,7 +110,7 @@ fn random_matrices(rng: &mut ChaCha8Rng) -> Vec<QMatrix> {
     out
 }
 
-/// `m · x` on `be`, the matrix loaded as a model's would be (the 8-bit path repacks Q4_0/Q4_1/Q8_0).
+/// `m · x` on `be`, the matrix loaded as a model's would be (the 8-bit path repacks the GGML block formats).
 fn run(be: &CpuBackend, m: &QMatrix, x: &[f32], rows: usize) -> Vec<f32> {
     let mut out = be.buffer(rows * m.rows);
     let w = be.load_matrix(m.clone()).unwrap();

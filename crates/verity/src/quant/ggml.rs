@@ -175,6 +175,123 @@ impl GgmlType {
     }
 }
 
+/// A 32-value sub-block of a stored block in integer form: value `e` is `d[e / 16] · (q[e] − offset) + m`,
+/// where `d` and `m` are exact products of the stored scales (an f16 times an integer of at most 8 bits fits
+/// f32's significand), so a kernel may form them in any order. The 8-bit integer kernels read every format
+/// through this view; `decode_block` is its f32 rendering.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct IntBlock {
+    /// Unsigned values (Q8_0's signed bytes are stored plus 128).
+    pub q: [u8; 32],
+    /// What `q` is offset by: 8 (Q4_0), 16 (Q5_0), 32 (Q6_K), 128 (Q8_0), else 0.
+    pub offset: i32,
+    /// The scale of values 0..16 and of values 16..32 (different only for Q6_K, whose sub-blocks are 16 long).
+    pub d: [f32; 2],
+    /// The additive term: Q4_1/Q5_1's `m`, the K-quants' `−dmin·min`, else 0.
+    pub m: f32,
+}
+
+impl GgmlType {
+    /// Sub-blocks of 32 values per block, for the types [`GgmlType::int_block`] reads.
+    pub fn has_int_blocks(self) -> bool {
+        matches!(
+            self,
+            GgmlType::Q4_0
+                | GgmlType::Q4_1
+                | GgmlType::Q5_0
+                | GgmlType::Q5_1
+                | GgmlType::Q8_0
+                | GgmlType::Q4K
+                | GgmlType::Q5K
+                | GgmlType::Q6K
+        )
+    }
+
+    /// Sub-block `sub` (values `32·sub..32·sub+32`) of the stored block `blk`, in integer form.
+    pub fn int_block(self, blk: &[u8], sub: usize) -> IntBlock {
+        let mut q = [0u8; 32];
+        let nibbles = |qs: &[u8], q: &mut [u8; 32]| {
+            for j in 0..16 {
+                q[j] = qs[j] & 0x0f;
+                q[j + 16] = qs[j] >> 4;
+            }
+        };
+        let legacy = |d: f32, offset: i32, m: f32, q: [u8; 32]| IntBlock {
+            q,
+            offset,
+            d: [d; 2],
+            m,
+        };
+        match self {
+            GgmlType::Q4_0 => {
+                nibbles(&blk[2..18], &mut q);
+                legacy(f16_at(blk, 0), 8, 0.0, q)
+            }
+            GgmlType::Q4_1 => {
+                nibbles(&blk[4..20], &mut q);
+                legacy(f16_at(blk, 0), 0, f16_at(blk, 2), q)
+            }
+            GgmlType::Q5_0 | GgmlType::Q5_1 => {
+                let q5_1 = self == GgmlType::Q5_1;
+                let at = if q5_1 { 4 } else { 2 };
+                let qh = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
+                nibbles(&blk[at + 4..at + 20], &mut q);
+                for (e, v) in q.iter_mut().enumerate() {
+                    *v |= (((qh >> e) & 1) << 4) as u8;
+                }
+                let (offset, m) = if q5_1 { (0, f16_at(blk, 2)) } else { (16, 0.0) };
+                legacy(f16_at(blk, 0), offset, m, q)
+            }
+            GgmlType::Q8_0 => {
+                for (v, &b) in q.iter_mut().zip(&blk[2..34]) {
+                    *v = (b as i8 as i32 + 128) as u8;
+                }
+                legacy(f16_at(blk, 0), 128, 0.0, q)
+            }
+            GgmlType::Q4K | GgmlType::Q5K => {
+                let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+                let (sc, mn) = scale_min_k4(sub, &blk[4..16]);
+                let qs_at = if self == GgmlType::Q5K { 48 } else { 16 };
+                let qs = &blk[qs_at + (sub / 2) * 32..][..32];
+                for (l, v) in q.iter_mut().enumerate() {
+                    *v = if sub.is_multiple_of(2) {
+                        qs[l] & 0x0f
+                    } else {
+                        qs[l] >> 4
+                    };
+                    if self == GgmlType::Q5K {
+                        *v |= ((blk[16 + l] >> sub) & 1) << 4;
+                    }
+                }
+                IntBlock {
+                    q,
+                    offset: 0,
+                    d: [d * sc as f32; 2],
+                    m: -(dmin * mn as f32),
+                }
+            }
+            GgmlType::Q6K => {
+                let (n, k) = (sub / 4, sub % 4);
+                let ql = &blk[n * 64 + 32 * (k % 2)..][..32];
+                let qh = &blk[128 + n * 32..][..32];
+                for (l, v) in q.iter_mut().enumerate() {
+                    let low = if k < 2 { ql[l] & 0x0f } else { ql[l] >> 4 };
+                    *v = low | ((qh[l] >> (2 * k)) & 3) << 4;
+                }
+                let d = f16_at(blk, 208);
+                let sc = |h: usize| blk[192 + n * 8 + 2 * k + h] as i8 as f32;
+                IntBlock {
+                    q,
+                    offset: 32,
+                    d: [d * sc(0), d * sc(1)],
+                    m: 0.0,
+                }
+            }
+            _ => unreachable!("{} has no integer sub-blocks", self.name()),
+        }
+    }
+}
+
 #[inline(always)]
 fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
@@ -263,13 +380,13 @@ fn decode_iq4_xs(blk: &[u8], out: &mut [f32]) {
 
 /// The 6-bit scale and min of sub-block `j` of a Q4_K/Q5_K block (ggml `get_scale_min_k4`).
 #[inline(always)]
-fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
-        ((q[j] & 63) as f32, (q[j + 4] & 63) as f32)
+        (q[j] & 63, q[j + 4] & 63)
     } else {
         let d = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
         let m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-        (d as f32, m as f32)
+        (d, m)
     }
 }
 
@@ -282,8 +399,8 @@ fn decode_q4_k(blk: &[u8], out: &mut [f32]) {
     for j in 0..4 {
         let (sc1, m1) = scale_min_k4(2 * j, scales);
         let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
-        let (d1, m1) = (d * sc1, dmin * m1);
-        let (d2, m2) = (d * sc2, dmin * m2);
+        let (d1, m1) = (d * sc1 as f32, dmin * m1 as f32);
+        let (d2, m2) = (d * sc2 as f32, dmin * m2 as f32);
         let q = &qs[j * 32..j * 32 + 32];
         let o = &mut out[j * 64..j * 64 + 64];
         for l in 0..32 {
@@ -303,8 +420,8 @@ fn decode_q5_k(blk: &[u8], out: &mut [f32]) {
     for j in 0..4 {
         let (sc1, m1) = scale_min_k4(2 * j, scales);
         let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
-        let (d1, m1) = (d * sc1, dmin * m1);
-        let (d2, m2) = (d * sc2, dmin * m2);
+        let (d1, m1) = (d * sc1 as f32, dmin * m1 as f32);
+        let (d2, m2) = (d * sc2 as f32, dmin * m2 as f32);
         let (u1, u2) = (1u8 << (2 * j), 2u8 << (2 * j));
         let q = &qs[j * 32..j * 32 + 32];
         let o = &mut out[j * 64..j * 64 + 64];
@@ -339,5 +456,65 @@ fn decode_q6_k(blk: &[u8], out: &mut [f32]) {
             o[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
             o[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A block of random bytes whose f16 scales are finite.
+    fn random_block(ty: GgmlType, seed: &mut u64) -> Vec<u8> {
+        let mut next = || {
+            *seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (*seed >> 33) as u32
+        };
+        let mut blk: Vec<u8> = (0..ty.block_bytes()).map(|_| next() as u8).collect();
+        let mut put =
+            |at: usize, v: f32| blk[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+        let scale = (next() % 2000) as f32 * 1e-4 - 0.1;
+        let min = (next() % 2000) as f32 * 1e-4 - 0.1;
+        match ty {
+            GgmlType::Q6K => put(208, scale),
+            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => put(0, scale),
+            _ => {
+                put(0, scale);
+                put(2, min);
+            }
+        }
+        blk
+    }
+
+    /// The integer view and the f32 decoding agree on every value of every format it reads.
+    #[test]
+    fn int_blocks_are_the_decoded_values() {
+        let mut seed = 7u64;
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::Q8_0,
+            GgmlType::Q4K,
+            GgmlType::Q5K,
+            GgmlType::Q6K,
+        ] {
+            assert!(ty.has_int_blocks());
+            for _ in 0..50 {
+                let blk = random_block(ty, &mut seed);
+                let mut want = vec![0f32; ty.block_len()];
+                ty.decode_block(&blk, 0, &mut want);
+                for sub in 0..ty.block_len() / 32 {
+                    let ib = ty.int_block(&blk, sub);
+                    for e in 0..32 {
+                        let got = ib.d[e / 16] * (ib.q[e] as i32 - ib.offset) as f32 + ib.m;
+                        assert_eq!(got, want[sub * 32 + e], "{ty:?} sub {sub} value {e}");
+                    }
+                }
+            }
+        }
+        assert!(!GgmlType::IQ4XS.has_int_blocks());
     }
 }

@@ -5,10 +5,10 @@
 //! weight row once and apply it to every activation row, so a W-row product reads each weight once, and each row's
 //! result is computed by the same sequence of operations whatever W is (the row-exact contract).
 
-mod ggml;
+pub(crate) mod ggml;
 mod mlx;
 
-pub use ggml::GgmlType;
+pub use ggml::{GgmlType, IntBlock};
 pub use mlx::{MlxAffine, MlxScaleType};
 
 use crate::error::{Error, Result};

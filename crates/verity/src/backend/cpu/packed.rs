@@ -1,24 +1,36 @@
-//! The weight layout and kernels of the 8-bit-activation product for Q4_0, Q4_1 and Q8_0, repacked once at load.
+//! The weight layout and kernels of the 8-bit-activation product, repacked once at load, for the GGML block
+//! formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K (what a `_K_M` file holds).
 //!
-//! Why repack: in the stored GGML layout each output column's 32-value block is contiguous, so a dot product
-//! ends in a horizontal reduction per (row, column), and that per-row work made a W-row verify cost nearly W
-//! one-row steps. Here [`GROUP`] = 16 output columns are interleaved four bytes at a time, so one 512-bit
-//! register holds the same four inputs of 16 columns: one `vpdpbusd` (AVX2: `vpmaddubsw` + `vpmaddwd` per 8
-//! columns) against four broadcast activation bytes advances all 16 columns, each lane is one column, and no
-//! horizontal reduction remains. A group's weight block is decoded once and applied to every activation row.
-//! llama.cpp repacks Q4_0 similarly for some CPUs; no crate offers such kernels for these formats, hence by hand.
+//! Why repack: in the stored GGML layout each output column's block is contiguous, so a dot product ends in a
+//! horizontal reduction per (row, column), and that per-row work made a W-row verify cost nearly W one-row
+//! steps. Here [`GROUP`] = 16 output columns are interleaved four bytes at a time, so one 512-bit register holds
+//! the same four inputs of 16 columns: one `vpdpbusd` (AVX2: `vpmaddubsw` + `vpmaddwd` per 8 columns) against
+//! four broadcast activation bytes advances all 16 columns, each lane is one column, and no horizontal
+//! reduction remains. A group's weight block is decoded once and applied to every activation row. llama.cpp
+//! repacks Q4_0 similarly for some CPUs; no crate offers such kernels for these formats, hence by hand.
+//!
+//! Every format is read through its integer view ([`IntBlock`]): 32-value sub-blocks of unsigned values with an
+//! integer offset, one or two exact f32 scales and an additive term. The K-quants' super-block scales stay
+//! compact here (f16 `d`/`dmin` per super-block, 6- or 8-bit sub-block scales), and the kernels form a
+//! sub-block's exact scale `d·sc` as they go, so the repacked matrix is as small as the stored one (+3 %).
 //!
 //! Layout of a group of 16 columns (a matrix whose column count is not a multiple of 16 is padded with zero
-//! columns whose scales are 0): the quants of all its blocks, block after block, then the f16 scales `d` (16
-//! per block), then, for Q4_1, the f16 offsets `m` (16 per block), the whole padded to 64 bytes. A block's
-//! quants: Q4_x: 4 chunks of 64 bytes, chunk `j` holding for columns 0..16 in order the column's stored bytes
-//! `4j..4j+4` (low nibbles: values `4j..4j+4`, high nibbles: values `16+4j..16+4j+4`); Q8_0: 8 chunks of 64
-//! bytes, chunk `c` holding each column's values `4c..4c+4`.
+//! columns whose scales are 0): the quants of all its 32-value blocks, block after block, then the scales, the
+//! whole padded to 64 bytes. A block's quants: 4 chunks of 64 bytes, chunk `j` holding for columns 0..16 in
+//! order four bytes whose low nibbles are the column's values `4j..4j+4` and high nibbles its values
+//! `16+4j..16+4j+4`; then the high bits of the 5- and 6-bit formats in planes of 64 bytes with the same byte
+//! order, byte `i` of a plane holding bit 4 of byte `i` of all 8 nibble chunks (5-bit: one plane, chunk `c` at
+//! bit `c`) or bits 4-5 of byte `i` of four chunks (6-bit: plane `p` for chunks `4p..4p+4`, chunk `c` at bits
+//! `2(c−4p)..`). Q8_0: 8 chunks of 64 signed bytes, chunk `c` holding each column's values `4c..4c+4`. Scales:
+//! Q4_0/Q5_0/Q8_0 the f16 `d` of every block (16 per block); Q4_1/Q5_1 those, then the f16 `m`; Q4_K/Q5_K per
+//! super-block the f16 `d` and `dmin` (16 each), then per block the 6-bit scales and mins (16 bytes each); Q6_K
+//! per super-block the f16 `d`, then per block the signed 8-bit scales of its two 16-value halves.
 //!
 //! Arithmetic, the contract every instruction set meets bitwise (so results depend neither on how many rows
 //! share a call, nor on the thread count, nor on the SIMD width): per output column and activation row,
-//! `acc = 0; per block: i = Σ w·x` (an exact integer; Q4_0 weights are `q - 8`), `acc = fma(d·x.d, i, acc)`,
-//! and for Q4_1 `acc = fma(m, x.s, acc)` (`x.s = x.d·Σx`).
+//! `acc = 0`; per block `i = Σ q·x − offset·Σx` (an exact integer), `acc = fma(d·x.d, i, acc)`, then for the
+//! formats with an additive term `acc = fma(m, x.s, acc)` (`x.s = x.d·Σx`). Q6_K sums each 16-value half
+//! separately (`x.sum_lo` gives the first half's `Σx`) and takes its two `fma`s, first half first.
 
 use super::q8::Q8Block;
 use super::simd::Int8Isa;
@@ -34,6 +46,132 @@ pub const ROWS: usize = 8;
 const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;
 const Q8_0: u8 = 2;
+const Q5_0: u8 = 3;
+const Q5_1: u8 = 4;
+const Q4K: u8 = 5;
+const Q5K: u8 = 6;
+const Q6K: u8 = 7;
+
+/// Blocks of 32 values per K-quant super-block.
+const SUPER: usize = 8;
+
+fn fmt_of(ty: GgmlType) -> Option<u8> {
+    Some(match ty {
+        GgmlType::Q4_0 => Q4_0,
+        GgmlType::Q4_1 => Q4_1,
+        GgmlType::Q8_0 => Q8_0,
+        GgmlType::Q5_0 => Q5_0,
+        GgmlType::Q5_1 => Q5_1,
+        GgmlType::Q4K => Q4K,
+        GgmlType::Q5K => Q5K,
+        GgmlType::Q6K => Q6K,
+        _ => return None,
+    })
+}
+
+/// High-bit planes per block.
+const fn planes(f: u8) -> usize {
+    match f {
+        Q5_0 | Q5_1 | Q5K => 1,
+        Q6K => 2,
+        _ => 0,
+    }
+}
+
+/// Bytes of one block's quants for a group.
+const fn quant_bytes(f: u8) -> usize {
+    if f == Q8_0 {
+        32 * GROUP
+    } else {
+        (16 + 4 * planes(f)) * GROUP
+    }
+}
+
+/// What the stored values are offset by, as the kernels see them (Q8_0 is read signed, so 0 here; the VNNI
+/// kernel feeds it as unsigned bytes with its own correction).
+const fn offset(f: u8) -> i32 {
+    match f {
+        Q4_0 => 8,
+        Q5_0 => 16,
+        Q6K => 32,
+        _ => 0,
+    }
+}
+
+/// Whether the format has an additive term (`m`, or the K-quants' `−dmin·min`).
+const fn has_min(f: u8) -> bool {
+    matches!(f, Q4_1 | Q5_1 | Q4K | Q5K)
+}
+
+/// Bytes of scales per K-quant super-block: `d` and `dmin` (f16), then 8 × (16 scales, 16 mins); Q6_K: `d`,
+/// then 8 × 2 × 16 signed scales.
+const K_SUPER_BYTES: usize = 4 * GROUP + SUPER * 2 * GROUP;
+const Q6K_SUPER_BYTES: usize = 2 * GROUP + SUPER * 2 * GROUP;
+
+/// Bytes of a group's scales for `nb` blocks.
+fn scale_bytes(f: u8, nb: usize) -> usize {
+    match f {
+        Q4K | Q5K => nb / SUPER * K_SUPER_BYTES,
+        Q6K => nb / SUPER * Q6K_SUPER_BYTES,
+        _ if has_min(f) => nb * 4 * GROUP,
+        _ => nb * 2 * GROUP,
+    }
+}
+
+/// Where block `b`'s scale data lies in a group of `nb` blocks: the 16 f16 `d` (per block, or per super-block
+/// for the K-quants), the 16 f16 of the additive term (`m`, or `dmin`), and for the K-quants the 16 sub-block
+/// scales (Q6_K: of the first half; the second half's follow) and the 16 mins.
+#[derive(Clone, Copy)]
+struct ScaleAt {
+    d: usize,
+    m: usize,
+    sc: usize,
+    mins: usize,
+}
+
+#[inline(always)]
+fn scale_at(f: u8, nb: usize, b: usize) -> ScaleAt {
+    let base = nb * quant_bytes(f);
+    let (s, j) = (b / SUPER, b % SUPER);
+    match f {
+        Q4K | Q5K => {
+            let sup = base + s * K_SUPER_BYTES;
+            let sc = sup + 4 * GROUP + j * 2 * GROUP;
+            ScaleAt {
+                d: sup,
+                m: sup + 2 * GROUP,
+                sc,
+                mins: sc + GROUP,
+            }
+        }
+        Q6K => {
+            let sup = base + s * Q6K_SUPER_BYTES;
+            ScaleAt {
+                d: sup,
+                m: 0,
+                sc: sup + 2 * GROUP + j * 2 * GROUP,
+                mins: 0,
+            }
+        }
+        _ => ScaleAt {
+            d: base + b * 2 * GROUP,
+            m: base + (nb + b) * 2 * GROUP,
+            sc: 0,
+            mins: 0,
+        },
+    }
+}
+
+/// The values of nibble chunk `c` (0..8) at lane byte `e` (0..4): chunks 0..4 hold values `4c+e` (low
+/// nibbles), chunks 4..8 values `16+4(c−4)+e` (high nibbles); Q8_0's chunk `c` holds values `4c+e`.
+#[inline(always)]
+const fn value_of(c: usize, e: usize) -> usize {
+    if c < 4 {
+        4 * c + e
+    } else {
+        16 + 4 * (c - 4) + e
+    }
+}
 
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
@@ -53,45 +191,33 @@ pub struct Packed {
 impl Packed {
     /// The interleaved copy of `m`, or `None` for a format these kernels do not run.
     pub fn new(m: &QMatrix) -> Option<Packed> {
-        let (fmt, ty) = match m.format {
-            WeightFormat::Ggml(ty @ GgmlType::Q4_0) => (Q4_0, ty),
-            WeightFormat::Ggml(ty @ GgmlType::Q4_1) => (Q4_1, ty),
-            WeightFormat::Ggml(ty @ GgmlType::Q8_0) => (Q8_0, ty),
-            _ => return None,
+        let WeightFormat::Ggml(ty) = m.format else {
+            return None;
         };
+        let fmt = fmt_of(ty)?;
         let (n, k) = (m.rows, m.cols);
         let blocks = k / 32;
-        let bb = ty.block_bytes();
-        let qs_bytes = quant_bytes(fmt);
-        let scale_sets = if fmt == Q4_1 { 2 } else { 1 };
-        let group_bytes = blocks * (qs_bytes + scale_sets * 2 * GROUP);
-        let group_lines = group_bytes.div_ceil(64);
+        let (bb, subs) = (ty.block_bytes(), ty.block_len() / 32);
+        let qb = quant_bytes(fmt);
+        let group_lines = (blocks * qb + scale_bytes(fmt, blocks)).div_ceil(64);
         let groups = n.div_ceil(GROUP);
         let mut data = vec![Line([0; 64]); groups * group_lines];
         let src = m.data();
         for g in 0..groups {
             // SAFETY: `Line` is 64 plain bytes; the slice covers exactly this group's lines.
-            let dst: &mut [u8] = unsafe {
+            let grp: &mut [u8] = unsafe {
                 std::slice::from_raw_parts_mut(
                     data[g * group_lines..].as_mut_ptr() as *mut u8,
                     group_lines * 64,
                 )
             };
-            let (qs, scales) = dst.split_at_mut(blocks * qs_bytes);
             for t in 0..GROUP.min(n - g * GROUP) {
                 let col = g * GROUP + t;
                 for b in 0..blocks {
-                    let blk = &src[(col * blocks + b) * bb..][..bb];
-                    let q = &mut qs[b * qs_bytes..][..qs_bytes];
-                    let stored = &blk[if fmt == Q4_1 { 4 } else { 2 }..];
-                    for c in 0..qs_bytes / 64 {
-                        q[c * 64 + t * 4..][..4].copy_from_slice(&stored[c * 4..][..4]);
-                    }
-                    scales[(b * GROUP + t) * 2..][..2].copy_from_slice(&blk[..2]);
-                    if fmt == Q4_1 {
-                        let at = (blocks * GROUP + b * GROUP + t) * 2;
-                        scales[at..at + 2].copy_from_slice(&blk[2..4]);
-                    }
+                    let blk = &src[(col * blocks / subs + b / subs) * bb..][..bb];
+                    let q = ty.int_block(blk, b % subs).q;
+                    pack_quants(fmt, &q, &mut grp[b * qb..][..qb], t);
+                    pack_scales(fmt, blk, grp, blocks, b, t);
                 }
             }
         }
@@ -118,31 +244,93 @@ impl Packed {
         // SAFETY: the group's bytes, as laid out by `new`.
         let grp: &[u8] =
             unsafe { std::slice::from_raw_parts(lines.as_ptr() as *const u8, lines.len() * 64) };
-        match (self.fmt, isa) {
+        match isa {
             #[cfg(target_arch = "x86_64")]
-            (Q4_0, Int8Isa::Avx512Vnni) => {
-                by_rows!(x86::vnni::<Q4_0, _>(grp, self.blocks, xs, out))
-            }
+            Int8Isa::Avx512Vnni => by_format!(self.fmt, x86::vnni(grp, self.blocks, xs, out)),
             #[cfg(target_arch = "x86_64")]
-            (Q4_1, Int8Isa::Avx512Vnni) => {
-                by_rows!(x86::vnni::<Q4_1, _>(grp, self.blocks, xs, out))
-            }
-            #[cfg(target_arch = "x86_64")]
-            (Q8_0, Int8Isa::Avx512Vnni) => {
-                by_rows!(x86::vnni::<Q8_0, _>(grp, self.blocks, xs, out))
-            }
-            #[cfg(target_arch = "x86_64")]
-            (Q4_0, Int8Isa::Avx2) => by_rows!(x86::avx2::<Q4_0, _>(grp, self.blocks, xs, out)),
-            #[cfg(target_arch = "x86_64")]
-            (Q4_1, Int8Isa::Avx2) => by_rows!(x86::avx2::<Q4_1, _>(grp, self.blocks, xs, out)),
-            #[cfg(target_arch = "x86_64")]
-            (Q8_0, Int8Isa::Avx2) => by_rows!(x86::avx2::<Q8_0, _>(grp, self.blocks, xs, out)),
-            (fmt, _) => portable(fmt, grp, self.blocks, xs, out),
+            Int8Isa::Avx2 => by_format!(self.fmt, x86::avx2(grp, self.blocks, xs, out)),
+            _ => portable(self.fmt, grp, self.blocks, xs, out),
         }
     }
 }
 
-/// Calls a kernel monomorphised for the number of rows (the accumulators live in registers).
+/// Writes column `t`'s values `q` of one block into the block's quants `dst`.
+fn pack_quants(fmt: u8, q: &[u8; 32], dst: &mut [u8], t: usize) {
+    if fmt == Q8_0 {
+        for c in 0..8 {
+            for e in 0..4 {
+                // Stored signed: the integer view's `q` is the signed byte plus 128.
+                dst[c * 64 + t * 4 + e] = q[4 * c + e] ^ 0x80;
+            }
+        }
+        return;
+    }
+    for j in 0..4 {
+        for e in 0..4 {
+            dst[j * 64 + t * 4 + e] = (q[4 * j + e] & 0x0f) | (q[16 + 4 * j + e] & 0x0f) << 4;
+        }
+    }
+    for c in 0..8 {
+        for e in 0..4 {
+            let high = q[value_of(c, e)] >> 4;
+            match planes(fmt) {
+                1 => dst[256 + t * 4 + e] |= (high & 1) << c,
+                2 => dst[256 + (c / 4) * 64 + t * 4 + e] |= (high & 3) << (2 * (c % 4)),
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Writes column `t`'s scales of block `b` (from its stored block `blk`) into the group `grp` of `nb` blocks.
+fn pack_scales(fmt: u8, blk: &[u8], grp: &mut [u8], nb: usize, b: usize, t: usize) {
+    let at = scale_at(fmt, nb, b);
+    let j = b % SUPER;
+    match fmt {
+        Q4K | Q5K => {
+            if j == 0 {
+                grp[at.d + 2 * t..][..2].copy_from_slice(&blk[0..2]);
+                grp[at.m + 2 * t..][..2].copy_from_slice(&blk[2..4]);
+            }
+            let (sc, mn) = crate::quant::ggml::scale_min_k4(j, &blk[4..16]);
+            grp[at.sc + t] = sc;
+            grp[at.mins + t] = mn;
+        }
+        Q6K => {
+            if j == 0 {
+                grp[at.d + 2 * t..][..2].copy_from_slice(&blk[208..210]);
+            }
+            let (n, k) = (j / 4, j % 4);
+            grp[at.sc + t] = blk[192 + n * 8 + 2 * k];
+            grp[at.sc + GROUP + t] = blk[192 + n * 8 + 2 * k + 1];
+        }
+        _ => {
+            grp[at.d + 2 * t..][..2].copy_from_slice(&blk[0..2]);
+            if has_min(fmt) {
+                grp[at.m + 2 * t..][..2].copy_from_slice(&blk[2..4]);
+            }
+        }
+    }
+}
+
+/// Calls a kernel monomorphised for the format and the number of rows (the accumulators live in registers).
+macro_rules! by_format {
+    ($fmt:expr, $path:ident :: $kernel:ident ($grp:expr, $nb:expr, $xs:expr, $out:expr)) => {
+        match $fmt {
+            Q4_0 => by_rows!($path::$kernel::<Q4_0, _>($grp, $nb, $xs, $out)),
+            Q4_1 => by_rows!($path::$kernel::<Q4_1, _>($grp, $nb, $xs, $out)),
+            Q8_0 => by_rows!($path::$kernel::<Q8_0, _>($grp, $nb, $xs, $out)),
+            Q5_0 => by_rows!($path::$kernel::<Q5_0, _>($grp, $nb, $xs, $out)),
+            Q5_1 => by_rows!($path::$kernel::<Q5_1, _>($grp, $nb, $xs, $out)),
+            Q4K => by_rows!($path::$kernel::<Q4K, _>($grp, $nb, $xs, $out)),
+            Q5K => by_rows!($path::$kernel::<Q5K, _>($grp, $nb, $xs, $out)),
+            _ => by_rows!($path::$kernel::<Q6K, _>($grp, $nb, $xs, $out)),
+        }
+    };
+}
+use by_format;
+
+/// Calls a kernel monomorphised for the number of rows.
 macro_rules! by_rows {
     ($path:ident :: $kernel:ident :: <$fmt:ident, _>($grp:expr, $nb:expr, $xs:expr, $out:expr)) => {{
         let xs = $xs;
@@ -180,22 +368,11 @@ macro_rules! by_rows {
 }
 use by_rows;
 
-/// Bytes of one block's quants for a group.
-fn quant_bytes(fmt: u8) -> usize {
-    if fmt == Q8_0 {
-        32 * GROUP
-    } else {
-        16 * GROUP
-    }
-}
-
-/// The scale (`set` 0) or Q4_1 offset (`set` 1) of column `t` in block `b`.
-fn scale(grp: &[u8], fmt: u8, nb: usize, set: usize, b: usize, t: usize) -> f32 {
-    let at = nb * quant_bytes(fmt) + ((set * nb + b) * GROUP + t) * 2;
+fn f16_at(grp: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([grp[at], grp[at + 1]]).to_f32()
 }
 
-/// The contract's arithmetic, written out value by value.
+/// The contract's arithmetic, written out value by value from the packed layout.
 fn portable(fmt: u8, grp: &[u8], nb: usize, xs: &[&[Q8Block]], out: &mut [[f32; GROUP]; ROWS]) {
     let qb = quant_bytes(fmt);
     for t in 0..GROUP {
@@ -203,24 +380,51 @@ fn portable(fmt: u8, grp: &[u8], nb: usize, xs: &[&[Q8Block]], out: &mut [[f32; 
             let mut acc = 0f32;
             for (b, xb) in x[..nb].iter().enumerate() {
                 let q = &grp[b * qb..][..qb];
-                let mut i = 0i32;
-                for (e, &xq) in xb.qs.iter().enumerate() {
-                    let w = if fmt == Q8_0 {
-                        q[(e / 4) * 64 + t * 4 + e % 4] as i8 as i32
-                    } else {
-                        let byte = q[((e % 16) / 4) * 64 + t * 4 + e % 4];
-                        let v = if e < 16 { byte & 0x0f } else { byte >> 4 } as i32;
-                        if fmt == Q4_0 {
-                            v - 8
+                let at = scale_at(fmt, nb, b);
+                let mut value = [0i32; 32];
+                for c in 0..8 {
+                    for e in 0..4 {
+                        let v = value_of(c, e);
+                        value[v] = if fmt == Q8_0 {
+                            q[c * 64 + t * 4 + e] as i8 as i32
                         } else {
-                            v
-                        }
-                    };
-                    i += w * xq as i32;
+                            let byte = q[(c % 4) * 64 + t * 4 + e];
+                            let low = if c < 4 { byte & 0x0f } else { byte >> 4 };
+                            let high = match planes(fmt) {
+                                1 => (q[256 + t * 4 + e] >> c) & 1,
+                                2 => (q[256 + (c / 4) * 64 + t * 4 + e] >> (2 * (c % 4))) & 3,
+                                _ => 0,
+                            };
+                            (low | high << 4) as i32
+                        };
+                    }
                 }
-                acc = (scale(grp, fmt, nb, 0, b, t) * xb.d).mul_add(i as f32, acc);
-                if fmt == Q4_1 {
-                    acc = scale(grp, fmt, nb, 1, b, t).mul_add(xb.s, acc);
+                let dot = |range: std::ops::Range<usize>, sum: i32| {
+                    let i: i32 = range.map(|e| value[e] * xb.qs[e] as i32).sum();
+                    i - offset(fmt) * sum
+                };
+                match fmt {
+                    Q6K => {
+                        let d = f16_at(grp, at.d + 2 * t);
+                        for (h, sum) in [(0, xb.sum_lo), (1, xb.sum - xb.sum_lo)] {
+                            let sc = grp[at.sc + h * GROUP + t] as i8 as f32;
+                            let i = dot(16 * h..16 * h + 16, sum);
+                            acc = (d * sc * xb.d).mul_add(i as f32, acc);
+                        }
+                    }
+                    Q4K | Q5K => {
+                        let d = f16_at(grp, at.d + 2 * t) * grp[at.sc + t] as f32;
+                        let m = -(f16_at(grp, at.m + 2 * t) * grp[at.mins + t] as f32);
+                        acc = (d * xb.d).mul_add(dot(0..32, xb.sum) as f32, acc);
+                        acc = m.mul_add(xb.s, acc);
+                    }
+                    _ => {
+                        let d = f16_at(grp, at.d + 2 * t);
+                        acc = (d * xb.d).mul_add(dot(0..32, xb.sum) as f32, acc);
+                        if has_min(fmt) {
+                            acc = f16_at(grp, at.m + 2 * t).mul_add(xb.s, acc);
+                        }
+                    }
                 }
             }
             out[r][t] = acc;
@@ -232,18 +436,10 @@ fn portable(fmt: u8, grp: &[u8], nb: usize, xs: &[&[Q8Block]], out: &mut [[f32; 
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{quant_bytes, Q8Block, GROUP, Q4_0, Q4_1, Q8_0, ROWS};
-
-    /// The integer sums' starting value: the exact correction of the weights' offset (Q4_0 stores `q` for
-    /// `q - 8`; the VNNI path feeds Q8_0 weights as `w + 128`).
-    #[inline(always)]
-    fn int_start(fmt: u8, x: &Q8Block, q8_bias: i32) -> i32 {
-        match fmt {
-            Q4_0 => -8 * x.sum,
-            Q8_0 => -q8_bias * x.sum,
-            _ => 0,
-        }
-    }
+    use super::{
+        has_min, offset, planes, quant_bytes, scale_at, Q8Block, GROUP, Q4K, Q5K, Q6K, Q8_0,
+    };
+    use super::{ROWS, SUPER};
 
     /// While block `b` of a group is computed, the `b`-th share of the next group's lines is fetched into L1:
     /// the hardware prefetchers alone left the kernel waiting on weight loads. (Past the last group this reads
@@ -263,6 +459,50 @@ mod x86 {
         (x.qs.as_ptr().add(4 * c) as *const i32).read_unaligned()
     }
 
+    /// The integer sums' starting values for the block's two 16-value halves (only Q6_K sums them apart; the
+    /// other formats start the whole sum at `first`). The VNNI kernel feeds Q8_0 weights as `w + 128`.
+    #[inline(always)]
+    fn int_starts(f: u8, x: &Q8Block, q8_bias: i32) -> (i32, i32) {
+        match f {
+            Q6K => (-32 * x.sum_lo, -32 * (x.sum - x.sum_lo)),
+            Q8_0 => (-q8_bias * x.sum, 0),
+            _ => (-offset(f) * x.sum, 0),
+        }
+    }
+
+    /// `h` shifted left by `n` bits per 16-bit lane (right for negative `n`).
+    #[inline(always)]
+    unsafe fn shift512(h: __m512i, n: i32) -> __m512i {
+        if n >= 0 {
+            _mm512_sll_epi16(h, _mm_cvtsi32_si128(n))
+        } else {
+            _mm512_srl_epi16(h, _mm_cvtsi32_si128(-n))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn shift256(h: __m256i, n: i32) -> __m256i {
+        if n >= 0 {
+            _mm256_sll_epi16(h, _mm_cvtsi32_si128(n))
+        } else {
+            _mm256_srl_epi16(h, _mm_cvtsi32_si128(-n))
+        }
+    }
+
+    /// `−v`, exactly (sign flip, so that `−(+0)` is `−0` as in the scalar contract).
+    #[inline(always)]
+    unsafe fn neg512(v: __m512) -> __m512 {
+        _mm512_castsi512_ps(_mm512_xor_si512(
+            _mm512_castps_si512(v),
+            _mm512_set1_epi32(i32::MIN),
+        ))
+    }
+
+    #[inline(always)]
+    unsafe fn neg256(v: __m256) -> __m256 {
+        _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(i32::MIN)))
+    }
+
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub unsafe fn vnni<const F: u8, const R: usize>(
         grp: &[u8],
@@ -272,11 +512,23 @@ mod x86 {
     ) {
         let qb = quant_bytes(F);
         let p = grp.as_ptr();
-        let scales = p.add(nb * qb) as *const __m256i;
-        let offsets = p.add(nb * qb + nb * 2 * GROUP) as *const __m256i;
         let low = _mm512_set1_epi8(0x0f);
         let flip = _mm512_set1_epi8(-128);
+        let (bit4, bits45) = (_mm512_set1_epi8(0x10), _mm512_set1_epi8(0x30));
+        let f16x16 = |at: usize| _mm512_cvtph_ps(_mm256_loadu_si256(p.add(at) as *const __m256i));
+        let u8x16 = |at: usize| {
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                p.add(at) as *const __m128i
+            )))
+        };
+        let i8x16 = |at: usize| {
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                p.add(at) as *const __m128i
+            )))
+        };
         let mut acc = [_mm512_setzero_ps(); R];
+        let mut d_super = _mm512_setzero_ps();
+        let mut m_super = _mm512_setzero_ps();
         for b in 0..nb {
             prefetch_next_group(grp, nb, b);
             let q = p.add(b * qb) as *const __m512i;
@@ -291,34 +543,70 @@ mod x86 {
                     w[j] = _mm512_and_si512(raw, low);
                     w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
                 }
+                if planes(F) == 1 {
+                    let h = _mm512_load_si512(q.add(4));
+                    for (c, wc) in w.iter_mut().enumerate() {
+                        let hb = _mm512_and_si512(shift512(h, 4 - c as i32), bit4);
+                        *wc = _mm512_or_si512(*wc, hb);
+                    }
+                } else if planes(F) == 2 {
+                    for (c, wc) in w.iter_mut().enumerate() {
+                        let h = _mm512_load_si512(q.add(4 + c / 4));
+                        let hb = _mm512_and_si512(shift512(h, 4 - 2 * (c % 4) as i32), bits45);
+                        *wc = _mm512_or_si512(*wc, hb);
+                    }
+                }
             }
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(scales.add(b)));
-            let m = if F == Q4_1 {
-                _mm512_cvtph_ps(_mm256_loadu_si256(offsets.add(b)))
-            } else {
-                _mm512_setzero_ps()
+            let at = scale_at(F, nb, b);
+            if (F == Q4K || F == Q5K || F == Q6K) && b % SUPER == 0 {
+                d_super = f16x16(at.d);
+                if F != Q6K {
+                    m_super = f16x16(at.m);
+                }
+            }
+            // The block's scales (the second is Q6_K's second half, or the additive term).
+            let (d, m) = match F {
+                Q4K | Q5K => (
+                    _mm512_mul_ps(d_super, u8x16(at.sc)),
+                    neg512(_mm512_mul_ps(m_super, u8x16(at.mins))),
+                ),
+                Q6K => (
+                    _mm512_mul_ps(d_super, i8x16(at.sc)),
+                    _mm512_mul_ps(d_super, i8x16(at.sc + GROUP)),
+                ),
+                _ if has_min(F) => (f16x16(at.d), f16x16(at.m)),
+                _ => (f16x16(at.d), _mm512_setzero_ps()),
             };
             for r in 0..R {
                 let x = xs[r].get_unchecked(b);
+                let (s0, s1) = int_starts(F, x, 128);
+                let (mut i0, mut i1) = (_mm512_set1_epi32(s0), _mm512_set1_epi32(s1));
+                let xd = _mm512_set1_ps(x.d);
+                if F == Q6K {
+                    for c in 0..4 {
+                        i0 = _mm512_dpbusd_epi32(i0, w[c], _mm512_set1_epi32(x4(x, c)));
+                        i1 = _mm512_dpbusd_epi32(i1, w[c + 4], _mm512_set1_epi32(x4(x, c + 4)));
+                    }
+                    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, xd), _mm512_cvtepi32_ps(i0), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(m, xd), _mm512_cvtepi32_ps(i1), acc[r]);
+                    continue;
+                }
                 // With four or more rows their chains overlap; fewer rows split each chain in two (integer
                 // sums: the grouping cannot change a bit).
-                let mut i0 = _mm512_set1_epi32(int_start(F, x, 128));
                 let i = if R >= 4 {
                     for (c, &wc) in w.iter().enumerate() {
                         i0 = _mm512_dpbusd_epi32(i0, wc, _mm512_set1_epi32(x4(x, c)));
                     }
                     i0
                 } else {
-                    let mut i1 = _mm512_setzero_si512();
                     for c in (0..8).step_by(2) {
                         i0 = _mm512_dpbusd_epi32(i0, w[c], _mm512_set1_epi32(x4(x, c)));
                         i1 = _mm512_dpbusd_epi32(i1, w[c + 1], _mm512_set1_epi32(x4(x, c + 1)));
                     }
                     _mm512_add_epi32(i0, i1)
                 };
-                let i = _mm512_cvtepi32_ps(i);
-                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.d)), i, acc[r]);
-                if F == Q4_1 {
+                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, xd), _mm512_cvtepi32_ps(i), acc[r]);
+                if has_min(F) {
                     acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s), acc[r]);
                 }
             }
@@ -340,10 +628,23 @@ mod x86 {
         let p = grp.as_ptr();
         let low = _mm256_set1_epi8(0x0f);
         let ones = _mm256_set1_epi16(1);
+        let (bit4, bits45) = (_mm256_set1_epi8(0x10), _mm256_set1_epi8(0x30));
         for h in 0..2 {
-            let scales = p.add(nb * qb + 16 * h) as *const __m128i;
-            let offsets = p.add(nb * qb + nb * 2 * GROUP + 16 * h) as *const __m128i;
+            let f16x8 =
+                |at: usize| _mm256_cvtph_ps(_mm_loadu_si128(p.add(at + 16 * h) as *const __m128i));
+            let u8x8 = |at: usize| {
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                    p.add(at + 8 * h) as *const __m128i
+                )))
+            };
+            let i8x8 = |at: usize| {
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                    p.add(at + 8 * h) as *const __m128i
+                )))
+            };
             let mut acc = [_mm256_setzero_ps(); R];
+            let mut d_super = _mm256_setzero_ps();
+            let mut m_super = _mm256_setzero_ps();
             for b in 0..nb {
                 if h == 0 {
                     prefetch_next_group(grp, nb, b);
@@ -361,16 +662,43 @@ mod x86 {
                         w[j] = _mm256_and_si256(raw, low);
                         w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
                     }
+                    if planes(F) == 1 {
+                        let hp = chunk(4);
+                        for (c, wc) in w.iter_mut().enumerate() {
+                            let hb = _mm256_and_si256(shift256(hp, 4 - c as i32), bit4);
+                            *wc = _mm256_or_si256(*wc, hb);
+                        }
+                    } else if planes(F) == 2 {
+                        for (c, wc) in w.iter_mut().enumerate() {
+                            let hp = chunk(4 + c / 4);
+                            let hb = _mm256_and_si256(shift256(hp, 4 - 2 * (c % 4) as i32), bits45);
+                            *wc = _mm256_or_si256(*wc, hb);
+                        }
+                    }
                 }
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(scales.add(2 * b)));
-                let m = if F == Q4_1 {
-                    _mm256_cvtph_ps(_mm_loadu_si128(offsets.add(2 * b)))
-                } else {
-                    _mm256_setzero_ps()
+                let at = scale_at(F, nb, b);
+                if (F == Q4K || F == Q5K || F == Q6K) && b % SUPER == 0 {
+                    d_super = f16x8(at.d);
+                    if F != Q6K {
+                        m_super = f16x8(at.m);
+                    }
+                }
+                let (d, m) = match F {
+                    Q4K | Q5K => (
+                        _mm256_mul_ps(d_super, u8x8(at.sc)),
+                        neg256(_mm256_mul_ps(m_super, u8x8(at.mins))),
+                    ),
+                    Q6K => (
+                        _mm256_mul_ps(d_super, i8x8(at.sc)),
+                        _mm256_mul_ps(d_super, i8x8(at.sc + GROUP)),
+                    ),
+                    _ if has_min(F) => (f16x8(at.d), f16x8(at.m)),
+                    _ => (f16x8(at.d), _mm256_setzero_ps()),
                 };
                 for r in 0..R {
                     let x = xs[r].get_unchecked(b);
-                    let mut i = _mm256_set1_epi32(int_start(F, x, 0));
+                    let (s0, s1) = int_starts(F, x, 0);
+                    let mut i = [_mm256_set1_epi32(s0), _mm256_set1_epi32(s1)];
                     for (c, &wc) in w.iter().enumerate() {
                         let xv = _mm256_set1_epi32(x4(x, c));
                         // Q8_0: |w| · (x with w's sign), the usual way to feed signed weights to vpmaddubsw.
@@ -379,11 +707,16 @@ mod x86 {
                         } else {
                             _mm256_maddubs_epi16(wc, xv)
                         };
-                        i = _mm256_add_epi32(i, _mm256_madd_epi16(pairs, ones));
+                        let half = if F == Q6K { c / 4 } else { 0 };
+                        i[half] = _mm256_add_epi32(i[half], _mm256_madd_epi16(pairs, ones));
                     }
-                    let i = _mm256_cvtepi32_ps(i);
-                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d)), i, acc[r]);
-                    if F == Q4_1 {
+                    let xd = _mm256_set1_ps(x.d);
+                    acc[r] =
+                        _mm256_fmadd_ps(_mm256_mul_ps(d, xd), _mm256_cvtepi32_ps(i[0]), acc[r]);
+                    if F == Q6K {
+                        acc[r] =
+                            _mm256_fmadd_ps(_mm256_mul_ps(m, xd), _mm256_cvtepi32_ps(i[1]), acc[r]);
+                    } else if has_min(F) {
                         acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s), acc[r]);
                     }
                 }
@@ -408,16 +741,24 @@ mod tests {
         (*seed >> 33) as u32
     }
 
-    /// A random matrix of `n` columns and `nb` blocks with small, sign-mixed scales.
+    /// A random matrix of `n` columns and `nb` 32-value blocks with small, sign-mixed, finite scales.
     fn matrix(ty: GgmlType, n: usize, nb: usize, seed: &mut u64) -> QMatrix {
         let bb = ty.block_bytes();
-        let mut w: Vec<u8> = (0..n * nb * bb).map(|_| lcg(seed) as u8).collect();
+        let blocks = n * nb * 32 / ty.block_len();
+        let mut w: Vec<u8> = (0..blocks * bb).map(|_| lcg(seed) as u8).collect();
         for blk in w.chunks_exact_mut(bb) {
-            let d = f16::from_f32((lcg(seed) % 1000) as f32 * 1e-4 - 0.05);
-            blk[..2].copy_from_slice(&d.to_le_bytes());
-            if ty == GgmlType::Q4_1 {
-                let m = f16::from_f32((lcg(seed) % 1000) as f32 * 1e-3 - 0.5);
-                blk[2..4].copy_from_slice(&m.to_le_bytes());
+            let mut put = |at: usize, v: f32| {
+                blk[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes())
+            };
+            let d = (lcg(seed) % 1000) as f32 * 1e-4 - 0.05;
+            let m = (lcg(seed) % 1000) as f32 * 1e-3 - 0.5;
+            match ty {
+                GgmlType::Q6K => put(208, d),
+                GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => {
+                    put(0, d);
+                    put(2, m);
+                }
+                _ => put(0, d),
             }
         }
         QMatrix::ggml("w", ty, n, nb * 32, Bytes::owned(w)).unwrap()
@@ -456,32 +797,33 @@ mod tests {
         v
     }
 
-    /// The stored layout's value of column `col`, element `e`, for an independent reading of the formats.
+    /// The contract's arithmetic for column `col`, read from the stored blocks through their integer view.
     fn stored_dot(m: &QMatrix, col: usize, x: &[Q8Block]) -> f32 {
         let WeightFormat::Ggml(ty) = m.format else {
             unreachable!()
         };
-        let bb = ty.block_bytes();
+        let (bb, subs) = (ty.block_bytes(), ty.block_len() / 32);
         let nb = m.cols / 32;
-        let h = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
+        let additive = matches!(
+            ty,
+            GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K
+        );
         let mut acc = 0f32;
         for (b, xb) in x[..nb].iter().enumerate() {
-            let blk = &m.data()[(col * nb + b) * bb..][..bb];
-            let mut i = 0i32;
-            for (e, &xq) in xb.qs.iter().enumerate() {
-                let w = match ty {
-                    GgmlType::Q8_0 => blk[2 + e] as i8 as i32,
-                    _ => {
-                        let at = if ty == GgmlType::Q4_1 { 4 } else { 2 } + e % 16;
-                        let v = if e < 16 { blk[at] & 15 } else { blk[at] >> 4 } as i32;
-                        v - if ty == GgmlType::Q4_0 { 8 } else { 0 }
-                    }
-                };
-                i += w * xq as i32;
-            }
-            acc = (h(blk, 0) * xb.d).mul_add(i as f32, acc);
-            if ty == GgmlType::Q4_1 {
-                acc = h(blk, 2).mul_add(xb.s, acc);
+            let blk = &m.data()[(col * nb / subs + b / subs) * bb..][..bb];
+            let ib = ty.int_block(blk, b % subs);
+            let dot = |r: std::ops::Range<usize>, sum: i32| -> f32 {
+                let i: i32 = r.map(|e| ib.q[e] as i32 * xb.qs[e] as i32).sum();
+                (i - ib.offset * sum) as f32
+            };
+            if ty == GgmlType::Q6K {
+                acc = (ib.d[0] * xb.d).mul_add(dot(0..16, xb.sum_lo), acc);
+                acc = (ib.d[1] * xb.d).mul_add(dot(16..32, xb.sum - xb.sum_lo), acc);
+            } else {
+                acc = (ib.d[0] * xb.d).mul_add(dot(0..32, xb.sum), acc);
+                if additive {
+                    acc = ib.m.mul_add(xb.s, acc);
+                }
             }
         }
         acc
@@ -492,8 +834,17 @@ mod tests {
     #[test]
     fn every_kernel_is_bitwise_the_contract_on_ragged_shapes() {
         let mut seed = 0x5eed_u64;
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
-            let (n, nb) = (37, 5);
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q8_0,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::Q4K,
+            GgmlType::Q5K,
+            GgmlType::Q6K,
+        ] {
+            let (n, nb) = (37, if ty.block_len() == 32 { 5 } else { 16 });
             let m = matrix(ty, n, nb, &mut seed);
             let p = Packed::new(&m).unwrap();
             assert_eq!(p.groups(), 3);
@@ -524,6 +875,8 @@ mod tests {
     #[test]
     fn other_formats_are_not_packed() {
         let m = QMatrix::ggml("f", GgmlType::F32, 2, 32, Bytes::owned(vec![0; 256])).unwrap();
+        assert!(Packed::new(&m).is_none());
+        let m = QMatrix::ggml("i", GgmlType::IQ4NL, 2, 32, Bytes::owned(vec![0; 36])).unwrap();
         assert!(Packed::new(&m).is_none());
     }
 }

@@ -11,8 +11,10 @@ pub struct Q8Block {
     pub d: f32,
     /// `d · Σ qs` (for the offset term of Q4_1).
     pub s: f32,
-    /// `Σ qs` (for the exact integer offset of Q4_0 and of Q8_0 weights fed as unsigned bytes).
+    /// `Σ qs` (for the exact integer offset of Q4_0, Q5_0 and of Q8_0 weights fed as unsigned bytes).
     pub sum: i32,
+    /// `Σ qs[..16]` (Q6_K's sub-blocks are 16 values long, each with its own offset correction).
+    pub sum_lo: i32,
     pub qs: [i8; 32],
 }
 
@@ -20,6 +22,7 @@ pub const ZERO_BLOCK: Q8Block = Q8Block {
     d: 0.0,
     s: 0.0,
     sum: 0,
+    sum_lo: 0,
     qs: [0; 32],
 };
 
@@ -70,9 +73,14 @@ unsafe fn quantize_row_avx2(x: &[f32], out: &mut [Q8Block]) {
         let s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
         let s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0b01_00_11_10));
         let sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0b10_11_00_01)));
+        let l = _mm256_add_epi32(q[0], q[1]);
+        let l4 = _mm_add_epi32(_mm256_castsi256_si128(l), _mm256_extracti128_si256(l, 1));
+        let l2 = _mm_add_epi32(l4, _mm_shuffle_epi32(l4, 0b01_00_11_10));
+        let sum_lo = _mm_cvtsi128_si32(_mm_add_epi32(l2, _mm_shuffle_epi32(l2, 0b10_11_00_01)));
         o.d = d;
         o.s = d * sum as f32;
         o.sum = sum;
+        o.sum_lo = sum_lo;
     }
 }
 
@@ -96,6 +104,7 @@ fn quantize_blocks(x: &[f32], out: &mut [Q8Block]) {
         o.d = d;
         o.s = d * sum as f32;
         o.sum = sum;
+        o.sum_lo = o.qs[..16].iter().map(|&q| q as i32).sum();
     }
 }
 
@@ -139,8 +148,8 @@ mod tests {
         for (p, q) in a.iter().zip(&b) {
             assert_eq!(p.qs, q.qs);
             assert_eq!(
-                (p.d.to_bits(), p.s.to_bits(), p.sum),
-                (q.d.to_bits(), q.s.to_bits(), q.sum)
+                (p.d.to_bits(), p.s.to_bits(), p.sum, p.sum_lo),
+                (q.d.to_bits(), q.s.to_bits(), q.sum, q.sum_lo)
             );
         }
     }
@@ -170,6 +179,10 @@ mod tests {
             let sum: i32 = blk.qs.iter().map(|&v| v as i32).sum();
             assert_eq!(blk.s, blk.d * sum as f32);
             assert_eq!(blk.sum, sum);
+            assert_eq!(
+                blk.sum_lo,
+                blk.qs[..16].iter().map(|&v| v as i32).sum::<i32>()
+            );
         }
     }
 }

@@ -1,5 +1,6 @@
-//! Activation-quantized matmul for the GGML legacy formats (Q4_0, Q4_1, Q8_0), the way llama.cpp runs them:
-//! each activation row is quantized to 8 bits per 32-value block (scale `d`, `Σq` and `s = d·Σq`), each
+//! Activation-quantized matmul for the GGML block formats (see [`super::packed`]), as llama.cpp runs them: each
+//! activation row is quantized to 8 bits per 32-value block (scale `d`, `Σq` and `s = d·Σq`; llama.cpp's
+//! K-quant path uses 256-value blocks, here every format shares the finer ones), each
 //! block's dot product is an exact integer sum, and the weights are in the interleaved layout of
 //! [`super::packed`], whose module doc states the arithmetic. A row's operations never depend on how many
 //! rows share a call or on the thread count, so a W-row verify is row-exact.
