@@ -470,6 +470,17 @@ mod x86 {
         }
     }
 
+    /// Chunks whose `vpmaddubsw` pair sums (at most 2·max|w|·127 each) add up exactly in 16 bits: 8 for 4-bit
+    /// weights (8·3,810), 4 for 5-bit (4·7,874), 2 for 6-bit (2·16,002), 1 for Q8_0's signed bytes.
+    const fn i16_span(f: u8) -> usize {
+        match f {
+            Q8_0 => 1,
+            Q6K => 2,
+            _ if planes(f) == 1 => 4,
+            _ => 8,
+        }
+    }
+
     /// `h` shifted left by `n` bits per 16-bit lane (right for negative `n`).
     #[inline(always)]
     unsafe fn shift512(h: __m512i, n: i32) -> __m512i {
@@ -501,6 +512,97 @@ mod x86 {
     #[inline(always)]
     unsafe fn neg256(v: __m256) -> __m256 {
         _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(i32::MIN)))
+    }
+
+    /// `$body` once per row `r` in `0..rows`, `r` a literal in each copy: the rows' accumulators then stay in
+    /// registers (LLVM does not fully unroll a loop over a body this long, and an array indexed by a loop
+    /// variable lives on the stack, which made every row's chain wait on store forwarding).
+    macro_rules! each_row {
+        ($rows:expr, |$r:ident| $body:block) => {
+            each_row!(@ $rows, $r, $body, 0 1 2 3 4 5 6 7)
+        };
+        (@ $rows:expr, $r:ident, $body:block, $($i:literal)*) => {
+            $(if $i < $rows {
+                let $r: usize = $i;
+                $body
+            })*
+        };
+    }
+
+    /// A block's exact integer sums for one row, VNNI: the whole block's (`.0`), or Q6_K's two halves.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    #[inline]
+    unsafe fn row_dots_vnni<const F: u8, const R: usize>(
+        w: &[__m512i; 8],
+        x: &Q8Block,
+    ) -> (__m512i, __m512i) {
+        let (s0, s1) = int_starts(F, x, 128);
+        let (mut i0, mut i1) = (_mm512_set1_epi32(s0), _mm512_set1_epi32(s1));
+        let dp = |i, c: usize| _mm512_dpbusd_epi32(i, w[c], _mm512_set1_epi32(x4(x, c)));
+        if F == Q6K {
+            for c in 0..4 {
+                i0 = dp(i0, c);
+                i1 = dp(i1, c + 4);
+            }
+            return (i0, i1);
+        }
+        if R >= 4 {
+            // Four or more rows' chains overlap one another.
+            for c in 0..8 {
+                i0 = dp(i0, c);
+            }
+            (i0, i1)
+        } else {
+            // Fewer rows split each chain in two (integer sums: the grouping cannot change a bit).
+            for c in (0..8).step_by(2) {
+                i0 = dp(i0, c);
+                i1 = dp(i1, c + 1);
+            }
+            (_mm512_add_epi32(i0, i1), _mm512_setzero_si512())
+        }
+    }
+
+    /// The same on AVX2. Pair sums of [`i16_span`] chunks add up in 16 bits before one widening `vpmaddwd`
+    /// (exact: the span keeps them below 2^15), which halves the instructions per row.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn row_dots_avx2<const F: u8>(w: &[__m256i; 8], x: &Q8Block) -> (__m256i, __m256i) {
+        let ones = _mm256_set1_epi16(1);
+        let pairs = |c: usize| {
+            let (wc, xv) = (w[c], _mm256_set1_epi32(x4(x, c)));
+            // Q8_0: |w| · (x with w's sign), the usual way to feed signed weights to vpmaddubsw.
+            if F == Q8_0 {
+                _mm256_maddubs_epi16(_mm256_sign_epi8(wc, wc), _mm256_sign_epi8(xv, wc))
+            } else {
+                _mm256_maddubs_epi16(wc, xv)
+            }
+        };
+        let sum = |c0: usize, n: usize| {
+            let mut s16 = pairs(c0);
+            for c in c0 + 1..c0 + n {
+                s16 = _mm256_add_epi16(s16, pairs(c));
+            }
+            _mm256_madd_epi16(s16, ones)
+        };
+        let (s0, s1) = int_starts(F, x, 0);
+        let (i0, i1) = (_mm256_set1_epi32(s0), _mm256_set1_epi32(s1));
+        let add = |a, b| _mm256_add_epi32(a, b);
+        match i16_span(F) {
+            8 => (add(i0, sum(0, 8)), i1),
+            4 => (add(i0, add(sum(0, 4), sum(4, 4))), i1),
+            // Q6_K, whose halves are summed apart.
+            2 => (
+                add(i0, add(sum(0, 2), sum(2, 2))),
+                add(i1, add(sum(4, 2), sum(6, 2))),
+            ),
+            _ => {
+                let mut i = i0;
+                for c in 0..8 {
+                    i = add(i, sum(c, 1));
+                }
+                (i, i1)
+            }
+        }
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
@@ -577,39 +679,17 @@ mod x86 {
                 _ if has_min(F) => (f16x16(at.d), f16x16(at.m)),
                 _ => (f16x16(at.d), _mm512_setzero_ps()),
             };
-            for r in 0..R {
+            each_row!(R, |r| {
                 let x = xs[r].get_unchecked(b);
-                let (s0, s1) = int_starts(F, x, 128);
-                let (mut i0, mut i1) = (_mm512_set1_epi32(s0), _mm512_set1_epi32(s1));
+                let (i0, i1) = row_dots_vnni::<F, R>(&w, x);
                 let xd = _mm512_set1_ps(x.d);
+                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, xd), _mm512_cvtepi32_ps(i0), acc[r]);
                 if F == Q6K {
-                    for c in 0..4 {
-                        i0 = _mm512_dpbusd_epi32(i0, w[c], _mm512_set1_epi32(x4(x, c)));
-                        i1 = _mm512_dpbusd_epi32(i1, w[c + 4], _mm512_set1_epi32(x4(x, c + 4)));
-                    }
-                    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, xd), _mm512_cvtepi32_ps(i0), acc[r]);
                     acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(m, xd), _mm512_cvtepi32_ps(i1), acc[r]);
-                    continue;
-                }
-                // With four or more rows their chains overlap; fewer rows split each chain in two (integer
-                // sums: the grouping cannot change a bit).
-                let i = if R >= 4 {
-                    for (c, &wc) in w.iter().enumerate() {
-                        i0 = _mm512_dpbusd_epi32(i0, wc, _mm512_set1_epi32(x4(x, c)));
-                    }
-                    i0
-                } else {
-                    for c in (0..8).step_by(2) {
-                        i0 = _mm512_dpbusd_epi32(i0, w[c], _mm512_set1_epi32(x4(x, c)));
-                        i1 = _mm512_dpbusd_epi32(i1, w[c + 1], _mm512_set1_epi32(x4(x, c + 1)));
-                    }
-                    _mm512_add_epi32(i0, i1)
-                };
-                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, xd), _mm512_cvtepi32_ps(i), acc[r]);
-                if has_min(F) {
+                } else if has_min(F) {
                     acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s), acc[r]);
                 }
-            }
+            });
         }
         for r in 0..R {
             _mm512_storeu_ps(out[r].as_mut_ptr(), acc[r]);
@@ -627,7 +707,6 @@ mod x86 {
         let qb = quant_bytes(F);
         let p = grp.as_ptr();
         let low = _mm256_set1_epi8(0x0f);
-        let ones = _mm256_set1_epi16(1);
         let (bit4, bits45) = (_mm256_set1_epi8(0x10), _mm256_set1_epi8(0x30));
         for h in 0..2 {
             let f16x8 =
@@ -695,31 +774,18 @@ mod x86 {
                     _ if has_min(F) => (f16x8(at.d), f16x8(at.m)),
                     _ => (f16x8(at.d), _mm256_setzero_ps()),
                 };
-                for r in 0..R {
+                each_row!(R, |r| {
                     let x = xs[r].get_unchecked(b);
-                    let (s0, s1) = int_starts(F, x, 0);
-                    let mut i = [_mm256_set1_epi32(s0), _mm256_set1_epi32(s1)];
-                    for (c, &wc) in w.iter().enumerate() {
-                        let xv = _mm256_set1_epi32(x4(x, c));
-                        // Q8_0: |w| · (x with w's sign), the usual way to feed signed weights to vpmaddubsw.
-                        let pairs = if F == Q8_0 {
-                            _mm256_maddubs_epi16(_mm256_sign_epi8(wc, wc), _mm256_sign_epi8(xv, wc))
-                        } else {
-                            _mm256_maddubs_epi16(wc, xv)
-                        };
-                        let half = if F == Q6K { c / 4 } else { 0 };
-                        i[half] = _mm256_add_epi32(i[half], _mm256_madd_epi16(pairs, ones));
-                    }
+                    let (i0, i1) = row_dots_avx2::<F>(&w, x);
                     let xd = _mm256_set1_ps(x.d);
-                    acc[r] =
-                        _mm256_fmadd_ps(_mm256_mul_ps(d, xd), _mm256_cvtepi32_ps(i[0]), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, xd), _mm256_cvtepi32_ps(i0), acc[r]);
                     if F == Q6K {
                         acc[r] =
-                            _mm256_fmadd_ps(_mm256_mul_ps(m, xd), _mm256_cvtepi32_ps(i[1]), acc[r]);
+                            _mm256_fmadd_ps(_mm256_mul_ps(m, xd), _mm256_cvtepi32_ps(i1), acc[r]);
                     } else if has_min(F) {
                         acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s), acc[r]);
                     }
-                }
+                });
             }
             for r in 0..R {
                 _mm256_storeu_ps(out[r].as_mut_ptr().add(8 * h), acc[r]);
