@@ -4,6 +4,7 @@
 
 use half::{bf16, f16};
 
+use super::IntBlock;
 use crate::error::{Error, Result};
 
 /// The dtype of MLX scales and biases.
@@ -94,6 +95,37 @@ impl MlxAffine {
             ));
         }
         Ok(())
+    }
+
+    /// The 32-value block `b` of row `row` in integer form (`q` unsigned, offset 0, the group's scale and
+    /// bias): what the 8-bit integer kernels read; `decode_block` is its f32 rendering.
+    pub(crate) fn int_block(
+        &self,
+        parts: (&[u8], &[u8], &[u8]),
+        cols: usize,
+        row: usize,
+        b: usize,
+    ) -> IntBlock {
+        let (data, scales, biases) = parts;
+        let gi = row * (cols / self.group) + b * 32 / self.group;
+        let bits = self.bits as usize;
+        let start = (row * cols + b * 32) * bits / 8;
+        let bytes = &data[start..start + 32 * bits / 8];
+        let mut q = [0u8; 32];
+        if bits == 8 {
+            q.copy_from_slice(bytes);
+        } else {
+            for (j, &byte) in bytes.iter().enumerate() {
+                q[2 * j] = byte & 0x0f;
+                q[2 * j + 1] = byte >> 4;
+            }
+        }
+        IntBlock {
+            q,
+            offset: 0,
+            d: [self.scale_type.read(scales, gi); 2],
+            m: self.scale_type.read(biases, gi),
+        }
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -33,7 +33,6 @@ impl std::fmt::Display for WeightFormat {
 }
 
 /// An MLX affine matrix's parameters and parts, as stored.
-#[cfg(feature = "cuda")]
 pub(crate) struct MlxParts<'a> {
     pub q: MlxAffine,
     pub words: &'a [u8],
@@ -134,7 +133,6 @@ impl QMatrix {
     }
 
     /// MLX affine only: the parameters and the three parts (for a backend that re-lays them).
-    #[cfg(feature = "cuda")]
     pub(crate) fn mlx_parts(&self) -> Option<MlxParts<'_>> {
         match (self.format, &self.scales, &self.biases) {
             (WeightFormat::Mlx(q), Some(s), Some(b)) => Some(MlxParts {

@@ -1,5 +1,6 @@
 //! The weight layout and kernels of the 8-bit-activation product, repacked once at load, for the GGML block
-//! formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K (what a `_K_M` file holds).
+//! formats Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K (what a `_K_M` file holds), and for
+//! MLX affine 4- and 8-bit with f16 or bf16 scales.
 //!
 //! Why repack: in the stored GGML layout each output column's block is contiguous, so a dot product ends in a
 //! horizontal reduction per (row, column), and that per-row work made a W-row verify cost nearly W one-row
@@ -24,7 +25,9 @@
 //! `2(c−4p)..`). Q8_0: 8 chunks of 64 signed bytes, chunk `c` holding each column's values `4c..4c+4`. Scales:
 //! Q4_0/Q5_0/Q8_0 the f16 `d` of every block (16 per block); Q4_1/Q5_1 those, then the f16 `m`; Q4_K/Q5_K per
 //! super-block the f16 `d` and `dmin` (16 each), then per block the 6-bit scales and mins (16 bytes each); Q6_K
-//! per super-block the f16 `d`, then per block the signed 8-bit scales of its two 16-value halves.
+//! per super-block the f16 `d`, then per block the signed 8-bit scales of its two 16-value halves; MLX the
+//! stored 16-bit scales of every scale group, then its biases (the additive term). MLX 8-bit is stored as
+//! Q8_0 is, each value less 128 (its integer offset is −128).
 //!
 //! Arithmetic, the contract every instruction set meets bitwise (so results depend neither on how many rows
 //! share a call, nor on the thread count, nor on the SIMD width): per output column and activation row,
@@ -34,7 +37,7 @@
 
 use super::q8::Q8Block;
 use super::simd::Int8Isa;
-use crate::quant::{GgmlType, QMatrix, WeightFormat};
+use crate::quant::{GgmlType, MlxScaleType, QMatrix, WeightFormat};
 use half::f16;
 
 /// Output columns interleaved in one group.
@@ -51,6 +54,9 @@ const Q5_1: u8 = 4;
 const Q4K: u8 = 5;
 const Q5K: u8 = 6;
 const Q6K: u8 = 7;
+/// MLX affine 4- and 8-bit (`scale·q + bias` per group of 32, 64 or 128 values, f16 or bf16 scales).
+const MLX4: u8 = 8;
+const MLX8: u8 = 9;
 
 /// Blocks of 32 values per K-quant super-block.
 const SUPER: usize = 8;
@@ -69,6 +75,20 @@ fn fmt_of(ty: GgmlType) -> Option<u8> {
     })
 }
 
+/// How a group's blocks share their scales: `nb` blocks of 32 values; MLX scale groups of `2^shift` blocks
+/// whose 16-bit scales are bf16 (else f16).
+#[derive(Clone, Copy, Debug)]
+struct Lay {
+    nb: usize,
+    shift: u32,
+    bf16: bool,
+}
+
+/// Whether the format's quants are whole (signed) bytes.
+const fn bytes(f: u8) -> bool {
+    matches!(f, Q8_0 | MLX8)
+}
+
 /// High-bit planes per block.
 const fn planes(f: u8) -> usize {
     match f {
@@ -80,27 +100,28 @@ const fn planes(f: u8) -> usize {
 
 /// Bytes of one block's quants for a group.
 const fn quant_bytes(f: u8) -> usize {
-    if f == Q8_0 {
+    if bytes(f) {
         32 * GROUP
     } else {
         (16 + 4 * planes(f)) * GROUP
     }
 }
 
-/// What the stored values are offset by, as the kernels see them (Q8_0 is read signed, so 0 here; the VNNI
-/// kernel feeds it as unsigned bytes with its own correction).
+/// What the stored values are offset by, as the kernels see them: the byte formats are stored signed (Q8_0 as
+/// it is, MLX8 as `q − 128`), and the VNNI kernel feeds them as unsigned bytes (`+128`) with its own correction.
 const fn offset(f: u8) -> i32 {
     match f {
         Q4_0 => 8,
         Q5_0 => 16,
         Q6K => 32,
+        MLX8 => -128,
         _ => 0,
     }
 }
 
 /// Whether the format has an additive term (`m`, or the K-quants' `−dmin·min`).
 const fn has_min(f: u8) -> bool {
-    matches!(f, Q4_1 | Q5_1 | Q4K | Q5K)
+    matches!(f, Q4_1 | Q5_1 | Q4K | Q5K | MLX4 | MLX8)
 }
 
 /// Bytes of scales per K-quant super-block: `d` and `dmin` (f16), then 8 × (16 scales, 16 mins); Q6_K: `d`,
@@ -108,19 +129,21 @@ const fn has_min(f: u8) -> bool {
 const K_SUPER_BYTES: usize = 4 * GROUP + SUPER * 2 * GROUP;
 const Q6K_SUPER_BYTES: usize = 2 * GROUP + SUPER * 2 * GROUP;
 
-/// Bytes of a group's scales for `nb` blocks.
-fn scale_bytes(f: u8, nb: usize) -> usize {
+/// Bytes of a group's scales.
+fn scale_bytes(f: u8, lay: Lay) -> usize {
+    let nb = lay.nb;
     match f {
         Q4K | Q5K => nb / SUPER * K_SUPER_BYTES,
         Q6K => nb / SUPER * Q6K_SUPER_BYTES,
+        MLX4 | MLX8 => (nb >> lay.shift) * 4 * GROUP,
         _ if has_min(f) => nb * 4 * GROUP,
         _ => nb * 2 * GROUP,
     }
 }
 
-/// Where block `b`'s scale data lies in a group of `nb` blocks: the 16 f16 `d` (per block, or per super-block
-/// for the K-quants), the 16 f16 of the additive term (`m`, or `dmin`), and for the K-quants the 16 sub-block
-/// scales (Q6_K: of the first half; the second half's follow) and the 16 mins.
+/// Where block `b`'s scale data lies in a group: the 16 16-bit `d` (per block, per super-block for the
+/// K-quants, per scale group for MLX), the 16 of the additive term (`m`, `dmin` or the MLX bias), and for the
+/// K-quants the 16 sub-block scales (Q6_K: of the first half; the second half's follow) and the 16 mins.
 #[derive(Clone, Copy)]
 struct ScaleAt {
     d: usize,
@@ -130,7 +153,8 @@ struct ScaleAt {
 }
 
 #[inline(always)]
-fn scale_at(f: u8, nb: usize, b: usize) -> ScaleAt {
+fn scale_at(f: u8, lay: Lay, b: usize) -> ScaleAt {
+    let nb = lay.nb;
     let base = nb * quant_bytes(f);
     let (s, j) = (b / SUPER, b % SUPER);
     match f {
@@ -153,12 +177,15 @@ fn scale_at(f: u8, nb: usize, b: usize) -> ScaleAt {
                 mins: 0,
             }
         }
-        _ => ScaleAt {
-            d: base + b * 2 * GROUP,
-            m: base + (nb + b) * 2 * GROUP,
-            sc: 0,
-            mins: 0,
-        },
+        _ => {
+            let (g, groups) = (b >> lay.shift, nb >> lay.shift);
+            ScaleAt {
+                d: base + g * 2 * GROUP,
+                m: base + (groups + g) * 2 * GROUP,
+                sc: 0,
+                mins: 0,
+            }
+        }
     }
 }
 
@@ -183,7 +210,7 @@ pub struct Packed {
     /// Output columns (the stored matrix's rows) and inputs.
     pub n: usize,
     pub k: usize,
-    blocks: usize,
+    lay: Lay,
     group_lines: usize,
     data: Vec<Line>,
 }
@@ -191,41 +218,58 @@ pub struct Packed {
 impl Packed {
     /// The interleaved copy of `m`, or `None` for a format these kernels do not run.
     pub fn new(m: &QMatrix) -> Option<Packed> {
-        let WeightFormat::Ggml(ty) = m.format else {
-            return None;
-        };
-        let fmt = fmt_of(ty)?;
         let (n, k) = (m.rows, m.cols);
         let blocks = k / 32;
-        let (bb, subs) = (ty.block_bytes(), ty.block_len() / 32);
+        let (fmt, lay) = match m.format {
+            WeightFormat::Ggml(ty) => (
+                fmt_of(ty)?,
+                Lay {
+                    nb: blocks,
+                    shift: 0,
+                    bf16: false,
+                },
+            ),
+            WeightFormat::Mlx(q) if q.scale_type != MlxScaleType::F32 => (
+                if q.bits == 4 { MLX4 } else { MLX8 },
+                Lay {
+                    nb: blocks,
+                    shift: (q.group / 32).trailing_zeros(),
+                    bf16: q.scale_type == MlxScaleType::BF16,
+                },
+            ),
+            WeightFormat::Mlx(_) => return None,
+        };
         let qb = quant_bytes(fmt);
-        let group_lines = (blocks * qb + scale_bytes(fmt, blocks)).div_ceil(64);
+        let group_lines = (blocks * qb + scale_bytes(fmt, lay)).div_ceil(64);
         let groups = n.div_ceil(GROUP);
         let mut data = vec![Line([0; 64]); groups * group_lines];
-        let src = m.data();
-        for g in 0..groups {
+        let pack_group = |g: usize, lines: &mut [Line]| {
             // SAFETY: `Line` is 64 plain bytes; the slice covers exactly this group's lines.
             let grp: &mut [u8] = unsafe {
-                std::slice::from_raw_parts_mut(
-                    data[g * group_lines..].as_mut_ptr() as *mut u8,
-                    group_lines * 64,
-                )
+                std::slice::from_raw_parts_mut(lines.as_mut_ptr() as *mut u8, lines.len() * 64)
             };
             for t in 0..GROUP.min(n - g * GROUP) {
-                let col = g * GROUP + t;
-                for b in 0..blocks {
-                    let blk = &src[(col * blocks / subs + b / subs) * bb..][..bb];
-                    let q = ty.int_block(blk, b % subs).q;
-                    pack_quants(fmt, &q, &mut grp[b * qb..][..qb], t);
-                    pack_scales(fmt, blk, grp, blocks, b, t);
-                }
+                pack_column(m, fmt, lay, g * GROUP + t, grp, t);
             }
-        }
+        };
+        // Repacking reads every value: the machine's cores share the groups (an 8B model holds billions).
+        let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
+        let per = groups.div_ceil(threads).max(1);
+        std::thread::scope(|s| {
+            for (i, chunk) in data.chunks_mut((per * group_lines).max(1)).enumerate() {
+                let pack_group = &pack_group;
+                s.spawn(move || {
+                    for (j, lines) in chunk.chunks_mut(group_lines.max(1)).enumerate() {
+                        pack_group(i * per + j, lines);
+                    }
+                });
+            }
+        });
         Some(Packed {
             fmt,
             n,
             k,
-            blocks,
+            lay,
             group_lines,
             data,
         })
@@ -239,27 +283,57 @@ impl Packed {
     /// `q8::quantize_row`: `out[r][t]` is column `16g+t` of row `r` (0 for padding columns).
     pub fn group(&self, isa: Int8Isa, g: usize, xs: &[&[Q8Block]], out: &mut [[f32; GROUP]; ROWS]) {
         assert!(g < self.groups() && xs.len() <= ROWS);
-        assert!(xs.iter().all(|x| x.len() >= self.blocks));
+        assert!(xs.iter().all(|x| x.len() >= self.lay.nb));
         let lines = &self.data[g * self.group_lines..(g + 1) * self.group_lines];
         // SAFETY: the group's bytes, as laid out by `new`.
         let grp: &[u8] =
             unsafe { std::slice::from_raw_parts(lines.as_ptr() as *const u8, lines.len() * 64) };
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Int8Isa::Avx512Vnni => by_format!(self.fmt, x86::vnni(grp, self.blocks, xs, out)),
+            Int8Isa::Avx512Vnni => by_format!(self.fmt, x86::vnni(grp, self.lay, xs, out)),
             #[cfg(target_arch = "x86_64")]
-            Int8Isa::Avx2 => by_format!(self.fmt, x86::avx2(grp, self.blocks, xs, out)),
-            _ => portable(self.fmt, grp, self.blocks, xs, out),
+            Int8Isa::Avx2 => by_format!(self.fmt, x86::avx2(grp, self.lay, xs, out)),
+            _ => portable(self.fmt, grp, self.lay, xs, out),
+        }
+    }
+}
+
+/// Writes matrix column `col` (the stored matrix's row) into slot `t` of its group `grp`.
+fn pack_column(m: &QMatrix, fmt: u8, lay: Lay, col: usize, grp: &mut [u8], t: usize) {
+    let qb = quant_bytes(fmt);
+    match m.format {
+        WeightFormat::Ggml(ty) => {
+            let (bb, subs) = (ty.block_bytes(), ty.block_len() / 32);
+            for b in 0..lay.nb {
+                let blk = &m.data()[(col * lay.nb / subs + b / subs) * bb..][..bb];
+                let q = ty.int_block(blk, b % subs).q;
+                pack_quants(fmt, &q, &mut grp[b * qb..][..qb], t);
+                pack_scales(fmt, blk, grp, lay, b, t);
+            }
+        }
+        WeightFormat::Mlx(_) => {
+            let parts = m.mlx_parts().expect("an MLX matrix has scales and biases");
+            let q = parts.q;
+            let size = q.scale_type.size();
+            for b in 0..lay.nb {
+                let ib = q.int_block((parts.words, parts.scales, parts.biases), m.cols, col, b);
+                pack_quants(fmt, &ib.q, &mut grp[b * qb..][..qb], t);
+                // The stored 16-bit scale and bias, as they are.
+                let gi = col * (m.cols / q.group) + b * 32 / q.group;
+                let at = scale_at(fmt, lay, b);
+                grp[at.d + 2 * t..][..2].copy_from_slice(&parts.scales[gi * size..][..2]);
+                grp[at.m + 2 * t..][..2].copy_from_slice(&parts.biases[gi * size..][..2]);
+            }
         }
     }
 }
 
 /// Writes column `t`'s values `q` of one block into the block's quants `dst`.
 fn pack_quants(fmt: u8, q: &[u8; 32], dst: &mut [u8], t: usize) {
-    if fmt == Q8_0 {
+    if bytes(fmt) {
         for c in 0..8 {
             for e in 0..4 {
-                // Stored signed: the integer view's `q` is the signed byte plus 128.
+                // Stored signed: Q8_0's integer view is the signed byte plus 128, MLX8's is `q` (offset −128).
                 dst[c * 64 + t * 4 + e] = q[4 * c + e] ^ 0x80;
             }
         }
@@ -282,9 +356,9 @@ fn pack_quants(fmt: u8, q: &[u8; 32], dst: &mut [u8], t: usize) {
     }
 }
 
-/// Writes column `t`'s scales of block `b` (from its stored block `blk`) into the group `grp` of `nb` blocks.
-fn pack_scales(fmt: u8, blk: &[u8], grp: &mut [u8], nb: usize, b: usize, t: usize) {
-    let at = scale_at(fmt, nb, b);
+/// Writes column `t`'s scales of block `b` (from its stored GGML block `blk`) into the group `grp`.
+fn pack_scales(fmt: u8, blk: &[u8], grp: &mut [u8], lay: Lay, b: usize, t: usize) {
+    let at = scale_at(fmt, lay, b);
     let j = b % SUPER;
     match fmt {
         Q4K | Q5K => {
@@ -324,7 +398,9 @@ macro_rules! by_format {
             Q5_1 => by_rows!($path::$kernel::<Q5_1, _>($grp, $nb, $xs, $out)),
             Q4K => by_rows!($path::$kernel::<Q4K, _>($grp, $nb, $xs, $out)),
             Q5K => by_rows!($path::$kernel::<Q5K, _>($grp, $nb, $xs, $out)),
-            _ => by_rows!($path::$kernel::<Q6K, _>($grp, $nb, $xs, $out)),
+            Q6K => by_rows!($path::$kernel::<Q6K, _>($grp, $nb, $xs, $out)),
+            MLX4 => by_rows!($path::$kernel::<MLX4, _>($grp, $nb, $xs, $out)),
+            _ => by_rows!($path::$kernel::<MLX8, _>($grp, $nb, $xs, $out)),
         }
     };
 }
@@ -334,8 +410,8 @@ use by_format;
 macro_rules! by_rows {
     ($path:ident :: $kernel:ident :: <$fmt:ident, _>($grp:expr, $nb:expr, $xs:expr, $out:expr)) => {{
         let xs = $xs;
-        // SAFETY: the instruction set was detected at run time (`simd::int8_isa`); the group holds `$nb` blocks
-        // in the layout of `Packed::new` and every row has at least `$nb` blocks (asserted by the caller).
+        // SAFETY: the instruction set was detected at run time (`simd::int8_isa`); the group holds `$nb.nb`
+        // blocks in the layout of `Packed::new` and every row has at least as many (asserted by the caller).
         unsafe {
             match xs.len() {
                 1 => $path::$kernel::<$fmt, 1>($grp, $nb, [xs[0]], $out),
@@ -372,20 +448,29 @@ fn f16_at(grp: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([grp[at], grp[at + 1]]).to_f32()
 }
 
+/// A 16-bit scale: bf16 where `bf16` (MLX bundles of bf16 models), else f16.
+fn half_at(grp: &[u8], at: usize, bf16: bool) -> f32 {
+    if bf16 {
+        half::bf16::from_le_bytes([grp[at], grp[at + 1]]).to_f32()
+    } else {
+        f16_at(grp, at)
+    }
+}
+
 /// The contract's arithmetic, written out value by value from the packed layout.
-fn portable(fmt: u8, grp: &[u8], nb: usize, xs: &[&[Q8Block]], out: &mut [[f32; GROUP]; ROWS]) {
-    let qb = quant_bytes(fmt);
+fn portable(fmt: u8, grp: &[u8], lay: Lay, xs: &[&[Q8Block]], out: &mut [[f32; GROUP]; ROWS]) {
+    let (qb, nb) = (quant_bytes(fmt), lay.nb);
     for t in 0..GROUP {
         for (r, x) in xs.iter().enumerate() {
             let mut acc = 0f32;
             for (b, xb) in x[..nb].iter().enumerate() {
                 let q = &grp[b * qb..][..qb];
-                let at = scale_at(fmt, nb, b);
+                let at = scale_at(fmt, lay, b);
                 let mut value = [0i32; 32];
                 for c in 0..8 {
                     for e in 0..4 {
                         let v = value_of(c, e);
-                        value[v] = if fmt == Q8_0 {
+                        value[v] = if bytes(fmt) {
                             q[c * 64 + t * 4 + e] as i8 as i32
                         } else {
                             let byte = q[(c % 4) * 64 + t * 4 + e];
@@ -419,10 +504,10 @@ fn portable(fmt: u8, grp: &[u8], nb: usize, xs: &[&[Q8Block]], out: &mut [[f32; 
                         acc = m.mul_add(xb.s, acc);
                     }
                     _ => {
-                        let d = f16_at(grp, at.d + 2 * t);
+                        let d = half_at(grp, at.d + 2 * t, lay.bf16);
                         acc = (d * xb.d).mul_add(dot(0..32, xb.sum) as f32, acc);
                         if has_min(fmt) {
-                            acc = f16_at(grp, at.m + 2 * t).mul_add(xb.s, acc);
+                            acc = half_at(grp, at.m + 2 * t, lay.bf16).mul_add(xb.s, acc);
                         }
                     }
                 }
@@ -437,7 +522,8 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{
-        has_min, offset, planes, quant_bytes, scale_at, Q8Block, GROUP, Q4K, Q5K, Q6K, Q8_0,
+        bytes, has_min, offset, planes, quant_bytes, scale_at, Lay, Q8Block, GROUP, MLX4, MLX8,
+        Q4K, Q5K, Q6K,
     };
     use super::{ROWS, SUPER};
 
@@ -460,12 +546,12 @@ mod x86 {
     }
 
     /// The integer sums' starting values for the block's two 16-value halves (only Q6_K sums them apart; the
-    /// other formats start the whole sum at `first`). The VNNI kernel feeds Q8_0 weights as `w + 128`.
+    /// other formats start the whole sum at `.0`). The VNNI kernel feeds the byte formats as `w + 128`.
     #[inline(always)]
-    fn int_starts(f: u8, x: &Q8Block, q8_bias: i32) -> (i32, i32) {
+    fn int_starts(f: u8, x: &Q8Block, vnni: bool) -> (i32, i32) {
         match f {
             Q6K => (-32 * x.sum_lo, -32 * (x.sum - x.sum_lo)),
-            Q8_0 => (-q8_bias * x.sum, 0),
+            _ if bytes(f) && vnni => (-(offset(f) + 128) * x.sum, 0),
             _ => (-offset(f) * x.sum, 0),
         }
     }
@@ -474,7 +560,7 @@ mod x86 {
     /// weights (8·3,810), 4 for 5-bit (4·7,874), 2 for 6-bit (2·16,002), 1 for Q8_0's signed bytes.
     const fn i16_span(f: u8) -> usize {
         match f {
-            Q8_0 => 1,
+            _ if bytes(f) => 1,
             Q6K => 2,
             _ if planes(f) == 1 => 4,
             _ => 8,
@@ -536,7 +622,7 @@ mod x86 {
         w: &[__m512i; 8],
         x: &Q8Block,
     ) -> (__m512i, __m512i) {
-        let (s0, s1) = int_starts(F, x, 128);
+        let (s0, s1) = int_starts(F, x, true);
         let (mut i0, mut i1) = (_mm512_set1_epi32(s0), _mm512_set1_epi32(s1));
         let dp = |i, c: usize| _mm512_dpbusd_epi32(i, w[c], _mm512_set1_epi32(x4(x, c)));
         if F == Q6K {
@@ -570,8 +656,8 @@ mod x86 {
         let ones = _mm256_set1_epi16(1);
         let pairs = |c: usize| {
             let (wc, xv) = (w[c], _mm256_set1_epi32(x4(x, c)));
-            // Q8_0: |w| · (x with w's sign), the usual way to feed signed weights to vpmaddubsw.
-            if F == Q8_0 {
+            // Signed bytes: |w| · (x with w's sign), the usual way to feed them to vpmaddubsw.
+            if bytes(F) {
                 _mm256_maddubs_epi16(_mm256_sign_epi8(wc, wc), _mm256_sign_epi8(xv, wc))
             } else {
                 _mm256_maddubs_epi16(wc, xv)
@@ -584,7 +670,7 @@ mod x86 {
             }
             _mm256_madd_epi16(s16, ones)
         };
-        let (s0, s1) = int_starts(F, x, 0);
+        let (s0, s1) = int_starts(F, x, false);
         let (i0, i1) = (_mm256_set1_epi32(s0), _mm256_set1_epi32(s1));
         let add = |a, b| _mm256_add_epi32(a, b);
         match i16_span(F) {
@@ -608,7 +694,7 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub unsafe fn vnni<const F: u8, const R: usize>(
         grp: &[u8],
-        nb: usize,
+        lay: Lay,
         xs: [&[Q8Block]; R],
         out: &mut [[f32; GROUP]; ROWS],
     ) {
@@ -617,7 +703,17 @@ mod x86 {
         let low = _mm512_set1_epi8(0x0f);
         let flip = _mm512_set1_epi8(-128);
         let (bit4, bits45) = (_mm512_set1_epi8(0x10), _mm512_set1_epi8(0x30));
+        let nb = lay.nb;
         let f16x16 = |at: usize| _mm512_cvtph_ps(_mm256_loadu_si256(p.add(at) as *const __m256i));
+        // MLX's 16-bit scales: bf16 is the top half of an f32.
+        let half16 = |at: usize| {
+            let raw = _mm256_loadu_si256(p.add(at) as *const __m256i);
+            if lay.bf16 {
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))
+            } else {
+                _mm512_cvtph_ps(raw)
+            }
+        };
         let u8x16 = |at: usize| {
             _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
                 p.add(at) as *const __m128i
@@ -635,7 +731,7 @@ mod x86 {
             prefetch_next_group(grp, nb, b);
             let q = p.add(b * qb) as *const __m512i;
             let mut w = [_mm512_setzero_si512(); 8];
-            if F == Q8_0 {
+            if bytes(F) {
                 for (c, wc) in w.iter_mut().enumerate() {
                     *wc = _mm512_xor_si512(_mm512_load_si512(q.add(c)), flip);
                 }
@@ -659,7 +755,7 @@ mod x86 {
                     }
                 }
             }
-            let at = scale_at(F, nb, b);
+            let at = scale_at(F, lay, b);
             if (F == Q4K || F == Q5K || F == Q6K) && b % SUPER == 0 {
                 d_super = f16x16(at.d);
                 if F != Q6K {
@@ -676,6 +772,7 @@ mod x86 {
                     _mm512_mul_ps(d_super, i8x16(at.sc)),
                     _mm512_mul_ps(d_super, i8x16(at.sc + GROUP)),
                 ),
+                MLX4 | MLX8 => (half16(at.d), half16(at.m)),
                 _ if has_min(F) => (f16x16(at.d), f16x16(at.m)),
                 _ => (f16x16(at.d), _mm512_setzero_ps()),
             };
@@ -700,17 +797,25 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn avx2<const F: u8, const R: usize>(
         grp: &[u8],
-        nb: usize,
+        lay: Lay,
         xs: [&[Q8Block]; R],
         out: &mut [[f32; GROUP]; ROWS],
     ) {
-        let qb = quant_bytes(F);
+        let (qb, nb) = (quant_bytes(F), lay.nb);
         let p = grp.as_ptr();
         let low = _mm256_set1_epi8(0x0f);
         let (bit4, bits45) = (_mm256_set1_epi8(0x10), _mm256_set1_epi8(0x30));
         for h in 0..2 {
             let f16x8 =
                 |at: usize| _mm256_cvtph_ps(_mm_loadu_si128(p.add(at + 16 * h) as *const __m128i));
+            let half8 = |at: usize| {
+                let raw = _mm_loadu_si128(p.add(at + 16 * h) as *const __m128i);
+                if lay.bf16 {
+                    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))
+                } else {
+                    _mm256_cvtph_ps(raw)
+                }
+            };
             let u8x8 = |at: usize| {
                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
                     p.add(at + 8 * h) as *const __m128i
@@ -731,7 +836,7 @@ mod x86 {
                 let q = p.add(b * qb + 32 * h);
                 let chunk = |c: usize| _mm256_loadu_si256(q.add(64 * c) as *const __m256i);
                 let mut w = [_mm256_setzero_si256(); 8];
-                if F == Q8_0 {
+                if bytes(F) {
                     for (c, wc) in w.iter_mut().enumerate() {
                         *wc = chunk(c);
                     }
@@ -755,7 +860,7 @@ mod x86 {
                         }
                     }
                 }
-                let at = scale_at(F, nb, b);
+                let at = scale_at(F, lay, b);
                 if (F == Q4K || F == Q5K || F == Q6K) && b % SUPER == 0 {
                     d_super = f16x8(at.d);
                     if F != Q6K {
@@ -771,6 +876,7 @@ mod x86 {
                         _mm256_mul_ps(d_super, i8x8(at.sc)),
                         _mm256_mul_ps(d_super, i8x8(at.sc + GROUP)),
                     ),
+                    MLX4 | MLX8 => (half8(at.d), half8(at.m)),
                     _ if has_min(F) => (f16x8(at.d), f16x8(at.m)),
                     _ => (f16x8(at.d), _mm256_setzero_ps()),
                 };
@@ -830,6 +936,40 @@ mod tests {
         QMatrix::ggml("w", ty, n, nb * 32, Bytes::owned(w)).unwrap()
     }
 
+    /// A random MLX affine matrix of `n` columns and `nb` 32-value blocks, with finite 16-bit scales and biases.
+    fn mlx_matrix(
+        bits: u32,
+        group: usize,
+        st: MlxScaleType,
+        n: usize,
+        nb: usize,
+        seed: &mut u64,
+    ) -> QMatrix {
+        let q = crate::quant::MlxAffine::new(bits, group, st).unwrap();
+        let k = nb * 32;
+        let words: Vec<u8> = (0..n * k * bits as usize / 8)
+            .map(|_| lcg(seed) as u8)
+            .collect();
+        let mut halves = |scale: f32, shift: f32| -> Vec<u8> {
+            (0..n * k / group)
+                .flat_map(|_| {
+                    let v = (lcg(seed) % 1000) as f32 * scale - shift;
+                    match st {
+                        MlxScaleType::BF16 => half::bf16::from_f32(v).to_le_bytes(),
+                        _ => f16::from_f32(v).to_le_bytes(),
+                    }
+                })
+                .collect()
+        };
+        let (scales, biases) = (halves(1e-4, 0.05), halves(1e-3, 0.5));
+        let (w, s, b) = (
+            Bytes::owned(words),
+            Bytes::owned(scales),
+            Bytes::owned(biases),
+        );
+        QMatrix::mlx("mlx", q, n, k, w, s, b).unwrap()
+    }
+
     fn activations(rows: usize, nb: usize, seed: &mut u64) -> Vec<Vec<Q8Block>> {
         (0..rows)
             .map(|_| {
@@ -865,24 +1005,35 @@ mod tests {
 
     /// The contract's arithmetic for column `col`, read from the stored blocks through their integer view.
     fn stored_dot(m: &QMatrix, col: usize, x: &[Q8Block]) -> f32 {
-        let WeightFormat::Ggml(ty) = m.format else {
-            unreachable!()
-        };
-        let (bb, subs) = (ty.block_bytes(), ty.block_len() / 32);
         let nb = m.cols / 32;
-        let additive = matches!(
-            ty,
-            GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K
-        );
+        let (ty, additive) = match m.format {
+            WeightFormat::Ggml(ty) => (
+                Some(ty),
+                matches!(
+                    ty,
+                    GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K
+                ),
+            ),
+            WeightFormat::Mlx(_) => (None, true),
+        };
         let mut acc = 0f32;
         for (b, xb) in x[..nb].iter().enumerate() {
-            let blk = &m.data()[(col * nb / subs + b / subs) * bb..][..bb];
-            let ib = ty.int_block(blk, b % subs);
+            let ib = match ty {
+                Some(ty) => {
+                    let (bb, subs) = (ty.block_bytes(), ty.block_len() / 32);
+                    let blk = &m.data()[(col * nb / subs + b / subs) * bb..][..bb];
+                    ty.int_block(blk, b % subs)
+                }
+                None => {
+                    let p = m.mlx_parts().unwrap();
+                    p.q.int_block((p.words, p.scales, p.biases), m.cols, col, b)
+                }
+            };
             let dot = |r: std::ops::Range<usize>, sum: i32| -> f32 {
                 let i: i32 = r.map(|e| ib.q[e] as i32 * xb.qs[e] as i32).sum();
                 (i - ib.offset * sum) as f32
             };
-            if ty == GgmlType::Q6K {
+            if ty == Some(GgmlType::Q6K) {
                 acc = (ib.d[0] * xb.d).mul_add(dot(0..16, xb.sum_lo), acc);
                 acc = (ib.d[1] * xb.d).mul_add(dot(16..32, xb.sum - xb.sum_lo), acc);
             } else {
@@ -900,6 +1051,7 @@ mod tests {
     #[test]
     fn every_kernel_is_bitwise_the_contract_on_ragged_shapes() {
         let mut seed = 0x5eed_u64;
+        let mut mats = Vec::new();
         for ty in [
             GgmlType::Q4_0,
             GgmlType::Q4_1,
@@ -910,9 +1062,20 @@ mod tests {
             GgmlType::Q5K,
             GgmlType::Q6K,
         ] {
-            let (n, nb) = (37, if ty.block_len() == 32 { 5 } else { 16 });
-            let m = matrix(ty, n, nb, &mut seed);
-            let p = Packed::new(&m).unwrap();
+            let nb = if ty.block_len() == 32 { 5 } else { 16 };
+            mats.push(matrix(ty, 37, nb, &mut seed));
+        }
+        for (bits, group, st) in [
+            (4, 32, MlxScaleType::F16),
+            (4, 64, MlxScaleType::BF16),
+            (8, 128, MlxScaleType::F16),
+            (8, 64, MlxScaleType::BF16),
+        ] {
+            mats.push(mlx_matrix(bits, group, st, 37, 8, &mut seed));
+        }
+        for m in &mats {
+            let (n, nb) = (m.rows, m.cols / 32);
+            let p = Packed::new(m).unwrap();
             assert_eq!(p.groups(), 3);
             let xs = activations(ROWS, nb, &mut seed);
             for isa in isas() {
@@ -924,11 +1087,12 @@ mod tests {
                         for (r, x) in refs.iter().enumerate() {
                             for (t, got) in out[r].iter().enumerate() {
                                 let col = g * GROUP + t;
-                                let want = if col < n { stored_dot(&m, col, x) } else { 0.0 };
+                                let want = if col < n { stored_dot(m, col, x) } else { 0.0 };
                                 assert_eq!(
                                     got.to_bits(),
                                     want.to_bits(),
-                                    "{ty:?} {isa:?} rows {rows} row {r} col {col}: {got} vs {want}"
+                                    "{} {isa:?} rows {rows} row {r} col {col}: {got} vs {want}",
+                                    m.format
                                 );
                             }
                         }
@@ -944,5 +1108,17 @@ mod tests {
         assert!(Packed::new(&m).is_none());
         let m = QMatrix::ggml("i", GgmlType::IQ4NL, 2, 32, Bytes::owned(vec![0; 36])).unwrap();
         assert!(Packed::new(&m).is_none());
+        let q = crate::quant::MlxAffine::new(4, 32, MlxScaleType::F32).unwrap();
+        let m = QMatrix::mlx(
+            "m",
+            q,
+            2,
+            32,
+            Bytes::owned(vec![0; 32]),
+            Bytes::owned(vec![0; 8]),
+            Bytes::owned(vec![0; 8]),
+        )
+        .unwrap();
+        assert!(Packed::new(&m).is_none(), "f32 MLX scales run the f32 path");
     }
 }
