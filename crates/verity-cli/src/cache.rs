@@ -31,11 +31,13 @@ pub fn main(c: Command, threads: usize) -> Result<()> {
     if !engine.set_prefix_cache_dir(&root, u64::MAX) {
         anyhow::bail!("cannot use the prefix cache folder {}", root.display());
     }
-    let disk = engine.prefix_disk().context("disk tier")?;
-    let entries = disk.list();
+    let (dir, entries) = {
+        let disk = engine.prefix_disk().context("disk tier")?;
+        (disk.dir().to_path_buf(), disk.list())
+    };
     match c {
         Command::Ls(_) => {
-            println!("{}", disk.dir().display());
+            println!("{}", dir.display());
             for (tokens, bytes, path) in &entries {
                 println!(
                     "{tokens:>8} tokens {:>10.1} MB  {}",

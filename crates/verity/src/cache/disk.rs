@@ -525,15 +525,7 @@ mod tests {
     }
 
     fn checkpoint(len: usize, seed: f32) -> KvCheckpoint {
-        let layer = |l: usize| -> Vec<f32> {
-            (0..len * KV_DIM)
-                .map(|i| seed + (l * 100 + i) as f32 * 0.25)
-                .collect()
-        };
-        let layers = (0..LAYERS)
-            .map(|l| (layer(2 * l), layer(2 * l + 1)))
-            .collect();
-        KvCheckpoint::from_parts(len, KV_DIM, layers)
+        KvCheckpoint::synthetic(len, KV_DIM, LAYERS, seed)
     }
 
     fn open(root: &Path) -> DiskTier {

@@ -187,4 +187,18 @@ impl KvCheckpoint {
             .map(|(k, v)| (k.len() + v.len()) * 4)
             .sum()
     }
+
+    /// Tests: `layers` layers of `len` slots whose values start at `seed` (seeds tell checkpoints apart).
+    #[cfg(test)]
+    pub(crate) fn synthetic(len: usize, kv_dim: usize, layers: usize, seed: f32) -> Self {
+        let layer = |l: usize| -> Vec<f32> {
+            (0..len * kv_dim)
+                .map(|i| seed + (l * 100 + i) as f32 * 0.25)
+                .collect()
+        };
+        let layers = (0..layers)
+            .map(|l| (layer(2 * l), layer(2 * l + 1)))
+            .collect();
+        KvCheckpoint::from_parts(len, kv_dim, layers)
+    }
 }

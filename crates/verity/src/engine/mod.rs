@@ -111,8 +111,8 @@ impl<B: Backend> Engine<B> {
         usable
     }
 
-    /// The disk tier, if one is set.
-    pub fn prefix_disk(&self) -> Option<&DiskTier> {
+    /// The disk tier, if one is set, once every checkpoint handed to it has been written.
+    pub fn prefix_disk(&self) -> Option<std::sync::MutexGuard<'_, DiskTier>> {
         self.prefix.disk()
     }
 
