@@ -181,9 +181,9 @@ impl GgmlType {
 /// through this view; `decode_block` is its f32 rendering.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct IntBlock {
-    /// Unsigned values (Q8_0's signed bytes are stored plus 128).
+    /// Unsigned values (Q8_0's signed bytes and the IQ4 grid's values are stored plus 128).
     pub q: [u8; 32],
-    /// What `q` is offset by: 8 (Q4_0), 16 (Q5_0), 32 (Q6_K), 128 (Q8_0), else 0.
+    /// What `q` is offset by: 8 (Q4_0), 16 (Q5_0), 32 (Q6_K), 128 (Q8_0, IQ4_NL, IQ4_XS), else 0.
     pub offset: i32,
     /// The scale of values 0..16 and of values 16..32 (different only for Q6_K, whose sub-blocks are 16 long).
     pub d: [f32; 2],
@@ -204,6 +204,8 @@ impl GgmlType {
                 | GgmlType::Q4K
                 | GgmlType::Q5K
                 | GgmlType::Q6K
+                | GgmlType::IQ4NL
+                | GgmlType::IQ4XS
         )
     }
 
@@ -287,6 +289,21 @@ impl GgmlType {
                     m: 0.0,
                 }
             }
+            GgmlType::IQ4NL | GgmlType::IQ4XS => {
+                let (qs, d) = if self == GgmlType::IQ4NL {
+                    (&blk[2..18], f16_at(blk, 0))
+                } else {
+                    (
+                        &blk[8 + 16 * sub..24 + 16 * sub],
+                        f16_at(blk, 0) * iq4_xs_scale(blk, sub) as f32,
+                    )
+                };
+                nibbles(qs, &mut q);
+                for v in q.iter_mut() {
+                    *v = (IQ4_GRID[*v as usize] as i32 + 128) as u8;
+                }
+                legacy(d, 128, 0.0, q)
+            }
             _ => unreachable!("{} has no integer sub-blocks", self.name()),
         }
     }
@@ -347,7 +364,7 @@ fn decode_q8_0(blk: &[u8], out: &mut [f32]) {
 }
 
 /// The non-linear 4-bit grid of IQ4_NL and IQ4_XS (ggml `kvalues_iq4nl`).
-const IQ4_GRID: [i8; 16] = [
+pub(crate) const IQ4_GRID: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 
@@ -360,16 +377,22 @@ fn decode_iq4(qs: &[u8], d: f32, out: &mut [f32]) {
     }
 }
 
+/// Sub-block `j`'s signed 6-bit scale of an IQ4_XS block (`scale_j − 32`).
+#[inline(always)]
+pub(crate) fn iq4_xs_scale(blk: &[u8], j: usize) -> i32 {
+    let scales_h = u16::from_le_bytes([blk[2], blk[3]]);
+    let lo = (blk[4 + j / 2] >> (4 * (j % 2))) & 0x0f;
+    let hi = ((scales_h >> (2 * j)) & 3) as u8;
+    (lo | hi << 4) as i32 - 32
+}
+
 /// IQ4_XS: `d`, the high 2 bits of eight 6-bit sub-block scales, their low 4 bits, then eight IQ4 sub-blocks;
 /// sub-block `j` is scaled by `d · (scale_j − 32)`.
 #[inline(always)]
 fn decode_iq4_xs(blk: &[u8], out: &mut [f32]) {
     let d = f16_at(blk, 0);
-    let scales_h = u16::from_le_bytes([blk[2], blk[3]]);
     for j in 0..8 {
-        let lo = (blk[4 + j / 2] >> (4 * (j % 2))) & 0x0f;
-        let hi = ((scales_h >> (2 * j)) & 3) as u8;
-        let dl = d * ((lo | hi << 4) as i32 - 32) as f32;
+        let dl = d * iq4_xs_scale(blk, j) as f32;
         decode_iq4(
             &blk[8 + 16 * j..24 + 16 * j],
             dl,
@@ -500,6 +523,8 @@ mod tests {
             GgmlType::Q4K,
             GgmlType::Q5K,
             GgmlType::Q6K,
+            GgmlType::IQ4NL,
+            GgmlType::IQ4XS,
         ] {
             assert!(ty.has_int_blocks());
             for _ in 0..50 {
@@ -515,6 +540,6 @@ mod tests {
                 }
             }
         }
-        assert!(!GgmlType::IQ4XS.has_int_blocks());
+        assert!(!GgmlType::BF16.has_int_blocks());
     }
 }

@@ -1,7 +1,8 @@
 //! Quantized matrix × activation-rows product on the CPU.
 //!
 //! With 8-bit activations the GGML block formats (legacy and K-quants) run the integer kernels of
-//! [`super::qmatmul`]; everything else (F16/BF16/F32, IQ4, MLX affine) runs here with f32 activations. Row-exact by construction: weight row `n` is decoded once per call, and
+//! [`super::qmatmul`], as do MLX affine and the IQ4 grid formats; float weights (F16/BF16/F32) and MLX with f32
+//! scales run here with f32 activations. Row-exact by construction: weight row `n` is decoded once per call, and
 //! output `(r, n)` is the dot product of that decoded row with activation row `r`, computed by the instruction
 //! set's single dot routine (fixed lanes, fixed final reduction). The number of rows only changes how many rows
 //! share one decoded weight row, never the operations on a row. Work is split across threads by output columns,
@@ -18,8 +19,8 @@ use crate::quant::{QMatrix, RowDecoder};
 pub enum Activations {
     /// f32 activations against decoded weights: the accurate reference path.
     F32,
-    /// 8-bit activations with integer block dots for the GGML block formats Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/
-    /// Q5_K/Q6_K (llama.cpp's numerics); other formats use the f32 path.
+    /// 8-bit activations with integer block dots for the GGML block formats (Q4_0 … Q6_K, IQ4_NL, IQ4_XS) and
+    /// MLX affine (llama.cpp's numerics); float weights use the f32 path.
     Q8,
 }
 

@@ -1,6 +1,6 @@
 //! The weight layout and kernels of the 8-bit-activation product, repacked once at load, for the GGML block
 //! formats Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K (what a `_K_M` file holds), and for
-//! MLX affine 4- and 8-bit with f16 or bf16 scales.
+//! MLX affine 4- and 8-bit with f16 or bf16 scales, and the IQ4 grid formats IQ4_NL and IQ4_XS.
 //!
 //! Why repack: in the stored GGML layout each output column's block is contiguous, so a dot product ends in a
 //! horizontal reduction per (row, column), and that per-row work made a W-row verify cost nearly W one-row
@@ -27,7 +27,9 @@
 //! super-block the f16 `d` and `dmin` (16 each), then per block the 6-bit scales and mins (16 bytes each); Q6_K
 //! per super-block the f16 `d`, then per block the signed 8-bit scales of its two 16-value halves; MLX the
 //! stored 16-bit scales of every scale group, then its biases (the additive term). MLX 8-bit is stored as
-//! Q8_0 is, each value less 128 (its integer offset is −128).
+//! Q8_0 is, each value less 128 (its integer offset is −128). IQ4_NL/IQ4_XS keep their 4-bit grid indices in the
+//! nibble chunks, looked up (`vpshufb`) into the grid's signed values, which then run as Q8_0's bytes do;
+//! IQ4_NL's scales are Q4_0's, IQ4_XS's per super-block the f16 `d`, then per block the signed 6-bit scales.
 //!
 //! Arithmetic, the contract every instruction set meets bitwise (so results depend neither on how many rows
 //! share a call, nor on the thread count, nor on the SIMD width): per output column and activation row,
@@ -37,6 +39,7 @@
 
 use super::q8::Q8Block;
 use super::simd::Int8Isa;
+use crate::quant::ggml::{iq4_xs_scale, IQ4_GRID};
 use crate::quant::{GgmlType, MlxScaleType, QMatrix, WeightFormat};
 use half::f16;
 
@@ -57,6 +60,9 @@ const Q6K: u8 = 7;
 /// MLX affine 4- and 8-bit (`scale·q + bias` per group of 32, 64 or 128 values, f16 or bf16 scales).
 const MLX4: u8 = 8;
 const MLX8: u8 = 9;
+/// IQ4_NL and IQ4_XS: 4-bit indices into a signed grid (IQ4_XS with 6-bit sub-block scales).
+const IQ4NL: u8 = 10;
+const IQ4XS: u8 = 11;
 
 /// Blocks of 32 values per K-quant super-block.
 const SUPER: usize = 8;
@@ -71,6 +77,8 @@ fn fmt_of(ty: GgmlType) -> Option<u8> {
         GgmlType::Q4K => Q4K,
         GgmlType::Q5K => Q5K,
         GgmlType::Q6K => Q6K,
+        GgmlType::IQ4NL => IQ4NL,
+        GgmlType::IQ4XS => IQ4XS,
         _ => return None,
     })
 }
@@ -87,6 +95,16 @@ struct Lay {
 /// Whether the format's quants are whole (signed) bytes.
 const fn bytes(f: u8) -> bool {
     matches!(f, Q8_0 | MLX8)
+}
+
+/// Whether the format's nibbles index the IQ4 grid.
+const fn grid(f: u8) -> bool {
+    matches!(f, IQ4NL | IQ4XS)
+}
+
+/// Whether the kernels see the weights as signed bytes (the byte formats, and the IQ4 grid's values).
+const fn signed(f: u8) -> bool {
+    bytes(f) || grid(f)
 }
 
 /// High-bit planes per block.
@@ -128,6 +146,8 @@ const fn has_min(f: u8) -> bool {
 /// then 8 × 2 × 16 signed scales.
 const K_SUPER_BYTES: usize = 4 * GROUP + SUPER * 2 * GROUP;
 const Q6K_SUPER_BYTES: usize = 2 * GROUP + SUPER * 2 * GROUP;
+/// IQ4_XS: `d`, then 8 × 16 signed scales (`scale − 32`).
+const IQ4XS_SUPER_BYTES: usize = 2 * GROUP + SUPER * GROUP;
 
 /// Bytes of a group's scales.
 fn scale_bytes(f: u8, lay: Lay) -> usize {
@@ -135,6 +155,7 @@ fn scale_bytes(f: u8, lay: Lay) -> usize {
     match f {
         Q4K | Q5K => nb / SUPER * K_SUPER_BYTES,
         Q6K => nb / SUPER * Q6K_SUPER_BYTES,
+        IQ4XS => nb / SUPER * IQ4XS_SUPER_BYTES,
         MLX4 | MLX8 => (nb >> lay.shift) * 4 * GROUP,
         _ if has_min(f) => nb * 4 * GROUP,
         _ => nb * 2 * GROUP,
@@ -174,6 +195,15 @@ fn scale_at(f: u8, lay: Lay, b: usize) -> ScaleAt {
                 d: sup,
                 m: 0,
                 sc: sup + 2 * GROUP + j * 2 * GROUP,
+                mins: 0,
+            }
+        }
+        IQ4XS => {
+            let sup = base + s * IQ4XS_SUPER_BYTES;
+            ScaleAt {
+                d: sup,
+                m: 0,
+                sc: sup + 2 * GROUP + j * GROUP,
                 mins: 0,
             }
         }
@@ -306,7 +336,15 @@ fn pack_column(m: &QMatrix, fmt: u8, lay: Lay, col: usize, grp: &mut [u8], t: us
             let (bb, subs) = (ty.block_bytes(), ty.block_len() / 32);
             for b in 0..lay.nb {
                 let blk = &m.data()[(col * lay.nb / subs + b / subs) * bb..][..bb];
-                let q = ty.int_block(blk, b % subs).q;
+                let mut q = ty.int_block(blk, b % subs).q;
+                if grid(fmt) {
+                    // The kernels look the grid up: store each value's index.
+                    for v in q.iter_mut() {
+                        let value = *v as i32 - 128;
+                        let at = IQ4_GRID.iter().position(|&g| g as i32 == value);
+                        *v = at.expect("a value of the grid") as u8;
+                    }
+                }
                 pack_quants(fmt, &q, &mut grp[b * qb..][..qb], t);
                 pack_scales(fmt, blk, grp, lay, b, t);
             }
@@ -370,6 +408,12 @@ fn pack_scales(fmt: u8, blk: &[u8], grp: &mut [u8], lay: Lay, b: usize, t: usize
             grp[at.sc + t] = sc;
             grp[at.mins + t] = mn;
         }
+        IQ4XS => {
+            if j == 0 {
+                grp[at.d + 2 * t..][..2].copy_from_slice(&blk[0..2]);
+            }
+            grp[at.sc + t] = iq4_xs_scale(blk, j) as i8 as u8;
+        }
         Q6K => {
             if j == 0 {
                 grp[at.d + 2 * t..][..2].copy_from_slice(&blk[208..210]);
@@ -400,6 +444,8 @@ macro_rules! by_format {
             Q5K => by_rows!($path::$kernel::<Q5K, _>($grp, $nb, $xs, $out)),
             Q6K => by_rows!($path::$kernel::<Q6K, _>($grp, $nb, $xs, $out)),
             MLX4 => by_rows!($path::$kernel::<MLX4, _>($grp, $nb, $xs, $out)),
+            IQ4NL => by_rows!($path::$kernel::<IQ4NL, _>($grp, $nb, $xs, $out)),
+            IQ4XS => by_rows!($path::$kernel::<IQ4XS, _>($grp, $nb, $xs, $out)),
             _ => by_rows!($path::$kernel::<MLX8, _>($grp, $nb, $xs, $out)),
         }
     };
@@ -475,6 +521,10 @@ fn portable(fmt: u8, grp: &[u8], lay: Lay, xs: &[&[Q8Block]], out: &mut [[f32; G
                         } else {
                             let byte = q[(c % 4) * 64 + t * 4 + e];
                             let low = if c < 4 { byte & 0x0f } else { byte >> 4 };
+                            if grid(fmt) {
+                                value[v] = IQ4_GRID[low as usize] as i32;
+                                continue;
+                            }
                             let high = match planes(fmt) {
                                 1 => (q[256 + t * 4 + e] >> c) & 1,
                                 2 => (q[256 + (c / 4) * 64 + t * 4 + e] >> (2 * (c % 4))) & 3,
@@ -496,6 +546,10 @@ fn portable(fmt: u8, grp: &[u8], lay: Lay, xs: &[&[Q8Block]], out: &mut [[f32; G
                             let i = dot(16 * h..16 * h + 16, sum);
                             acc = (d * sc * xb.d).mul_add(i as f32, acc);
                         }
+                    }
+                    IQ4XS => {
+                        let d = f16_at(grp, at.d + 2 * t) * grp[at.sc + t] as i8 as f32;
+                        acc = (d * xb.d).mul_add(dot(0..32, xb.sum) as f32, acc);
                     }
                     Q4K | Q5K => {
                         let d = f16_at(grp, at.d + 2 * t) * grp[at.sc + t] as f32;
@@ -522,8 +576,8 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{
-        bytes, has_min, offset, planes, quant_bytes, scale_at, Lay, Q8Block, GROUP, MLX4, MLX8,
-        Q4K, Q5K, Q6K,
+        bytes, grid, has_min, offset, planes, quant_bytes, scale_at, signed, Lay, Q8Block, GROUP,
+        IQ4XS, IQ4_GRID, MLX4, MLX8, Q4K, Q5K, Q6K,
     };
     use super::{ROWS, SUPER};
 
@@ -551,7 +605,7 @@ mod x86 {
     fn int_starts(f: u8, x: &Q8Block, vnni: bool) -> (i32, i32) {
         match f {
             Q6K => (-32 * x.sum_lo, -32 * (x.sum - x.sum_lo)),
-            _ if bytes(f) && vnni => (-(offset(f) + 128) * x.sum, 0),
+            _ if signed(f) && vnni => (-(offset(f) + 128) * x.sum, 0),
             _ => (-offset(f) * x.sum, 0),
         }
     }
@@ -560,7 +614,7 @@ mod x86 {
     /// weights (8·3,810), 4 for 5-bit (4·7,874), 2 for 6-bit (2·16,002), 1 for Q8_0's signed bytes.
     const fn i16_span(f: u8) -> usize {
         match f {
-            _ if bytes(f) => 1,
+            _ if signed(f) => 1,
             Q6K => 2,
             _ if planes(f) == 1 => 4,
             _ => 8,
@@ -657,7 +711,7 @@ mod x86 {
         let pairs = |c: usize| {
             let (wc, xv) = (w[c], _mm256_set1_epi32(x4(x, c)));
             // Signed bytes: |w| · (x with w's sign), the usual way to feed them to vpmaddubsw.
-            if bytes(F) {
+            if signed(F) {
                 _mm256_maddubs_epi16(_mm256_sign_epi8(wc, wc), _mm256_sign_epi8(xv, wc))
             } else {
                 _mm256_maddubs_epi16(wc, xv)
@@ -703,6 +757,8 @@ mod x86 {
         let low = _mm512_set1_epi8(0x0f);
         let flip = _mm512_set1_epi8(-128);
         let (bit4, bits45) = (_mm512_set1_epi8(0x10), _mm512_set1_epi8(0x30));
+        // The IQ4 grid in every 128-bit lane, for vpshufb.
+        let grid512 = _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4_GRID.as_ptr() as *const __m128i));
         let nb = lay.nb;
         let f16x16 = |at: usize| _mm512_cvtph_ps(_mm256_loadu_si256(p.add(at) as *const __m256i));
         // MLX's 16-bit scales: bf16 is the top half of an f32.
@@ -741,6 +797,12 @@ mod x86 {
                     w[j] = _mm512_and_si512(raw, low);
                     w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
                 }
+                if grid(F) {
+                    // Grid values, fed as unsigned bytes (+128) like Q8_0's.
+                    for wc in w.iter_mut() {
+                        *wc = _mm512_xor_si512(_mm512_shuffle_epi8(grid512, *wc), flip);
+                    }
+                }
                 if planes(F) == 1 {
                     let h = _mm512_load_si512(q.add(4));
                     for (c, wc) in w.iter_mut().enumerate() {
@@ -756,7 +818,7 @@ mod x86 {
                 }
             }
             let at = scale_at(F, lay, b);
-            if (F == Q4K || F == Q5K || F == Q6K) && b % SUPER == 0 {
+            if (F == Q4K || F == Q5K || F == Q6K || F == IQ4XS) && b % SUPER == 0 {
                 d_super = f16x16(at.d);
                 if F != Q6K {
                     m_super = f16x16(at.m);
@@ -772,6 +834,7 @@ mod x86 {
                     _mm512_mul_ps(d_super, i8x16(at.sc)),
                     _mm512_mul_ps(d_super, i8x16(at.sc + GROUP)),
                 ),
+                IQ4XS => (_mm512_mul_ps(d_super, i8x16(at.sc)), _mm512_setzero_ps()),
                 MLX4 | MLX8 => (half16(at.d), half16(at.m)),
                 _ if has_min(F) => (f16x16(at.d), f16x16(at.m)),
                 _ => (f16x16(at.d), _mm512_setzero_ps()),
@@ -805,6 +868,8 @@ mod x86 {
         let p = grp.as_ptr();
         let low = _mm256_set1_epi8(0x0f);
         let (bit4, bits45) = (_mm256_set1_epi8(0x10), _mm256_set1_epi8(0x30));
+        let grid256 =
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4_GRID.as_ptr() as *const __m128i));
         for h in 0..2 {
             let f16x8 =
                 |at: usize| _mm256_cvtph_ps(_mm_loadu_si128(p.add(at + 16 * h) as *const __m128i));
@@ -846,6 +911,11 @@ mod x86 {
                         w[j] = _mm256_and_si256(raw, low);
                         w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
                     }
+                    if grid(F) {
+                        for wc in w.iter_mut() {
+                            *wc = _mm256_shuffle_epi8(grid256, *wc);
+                        }
+                    }
                     if planes(F) == 1 {
                         let hp = chunk(4);
                         for (c, wc) in w.iter_mut().enumerate() {
@@ -861,7 +931,7 @@ mod x86 {
                     }
                 }
                 let at = scale_at(F, lay, b);
-                if (F == Q4K || F == Q5K || F == Q6K) && b % SUPER == 0 {
+                if (F == Q4K || F == Q5K || F == Q6K || F == IQ4XS) && b % SUPER == 0 {
                     d_super = f16x8(at.d);
                     if F != Q6K {
                         m_super = f16x8(at.m);
@@ -876,6 +946,7 @@ mod x86 {
                         _mm256_mul_ps(d_super, i8x8(at.sc)),
                         _mm256_mul_ps(d_super, i8x8(at.sc + GROUP)),
                     ),
+                    IQ4XS => (_mm256_mul_ps(d_super, i8x8(at.sc)), _mm256_setzero_ps()),
                     MLX4 | MLX8 => (half8(at.d), half8(at.m)),
                     _ if has_min(F) => (f16x8(at.d), f16x8(at.m)),
                     _ => (f16x8(at.d), _mm256_setzero_ps()),
@@ -1061,6 +1132,8 @@ mod tests {
             GgmlType::Q4K,
             GgmlType::Q5K,
             GgmlType::Q6K,
+            GgmlType::IQ4NL,
+            GgmlType::IQ4XS,
         ] {
             let nb = if ty.block_len() == 32 { 5 } else { 16 };
             mats.push(matrix(ty, 37, nb, &mut seed));
@@ -1106,7 +1179,7 @@ mod tests {
     fn other_formats_are_not_packed() {
         let m = QMatrix::ggml("f", GgmlType::F32, 2, 32, Bytes::owned(vec![0; 256])).unwrap();
         assert!(Packed::new(&m).is_none());
-        let m = QMatrix::ggml("i", GgmlType::IQ4NL, 2, 32, Bytes::owned(vec![0; 36])).unwrap();
+        let m = QMatrix::ggml("h", GgmlType::BF16, 2, 32, Bytes::owned(vec![0; 128])).unwrap();
         assert!(Packed::new(&m).is_none());
         let q = crate::quant::MlxAffine::new(4, 32, MlxScaleType::F32).unwrap();
         let m = QMatrix::mlx(
