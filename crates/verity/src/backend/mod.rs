@@ -106,6 +106,11 @@ pub trait Backend: Send + Sync + 'static {
     fn numerics(&self) -> String;
 
     fn load_matrix(&self, m: QMatrix) -> Result<Self::Matrix>;
+    /// A matrix only ever read a row at a time (an embedding table that is not also the output layer): a
+    /// backend may keep it as stored instead of in its projection layout.
+    fn load_table(&self, m: QMatrix) -> Result<Self::Matrix> {
+        self.load_matrix(m)
+    }
     /// Bytes the matrix occupies on the device.
     fn matrix_bytes(&self, m: &Self::Matrix) -> usize;
     fn buffer(&self, len: usize) -> Self::Buffer;

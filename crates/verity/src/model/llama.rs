@@ -68,14 +68,21 @@ impl<B: Backend> Model<B> {
             },
         )?;
         let h = hp.hidden;
-        let mut weight_bytes = 0usize;
+        // Tied: the embedding table is the output layer too, so it needs the projection layout.
+        let tied = hp.tied_embeddings && !bundle.has(TensorKey::Output);
+        let table = bundle.matrix(TensorKey::TokenEmbedding, hp.vocab, h)?;
+        let embed = if tied {
+            be.load_matrix(table)?
+        } else {
+            be.load_table(table)?
+        };
+        let mut weight_bytes = be.matrix_bytes(&embed);
         let mut mat = |key: TensorKey, rows: usize, cols: usize| -> Result<B::Matrix> {
             let m = be.load_matrix(bundle.matrix(key, rows, cols)?)?;
             weight_bytes += be.matrix_bytes(&m);
             Ok(m)
         };
-        let embed = mat(TensorKey::TokenEmbedding, hp.vocab, h)?;
-        let output = if hp.tied_embeddings && !bundle.has(TensorKey::Output) {
+        let output = if tied {
             None
         } else {
             Some(mat(TensorKey::Output, hp.vocab, h)?)

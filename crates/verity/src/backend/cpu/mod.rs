@@ -156,6 +156,12 @@ impl Backend for CpuBackend {
         Ok(CpuMatrix::new(m, self.activations))
     }
 
+    /// As stored: lookups decode rows from the memory map, and no repacked copy (tens to hundreds of MB for a
+    /// large vocabulary) is made.
+    fn load_table(&self, m: QMatrix) -> Result<CpuMatrix> {
+        Ok(CpuMatrix::new(m, Activations::F32))
+    }
+
     fn matrix_bytes(&self, m: &CpuMatrix) -> usize {
         m.stored.nbytes()
     }
