@@ -820,7 +820,7 @@ mod x86 {
             let at = scale_at(F, lay, b);
             if (F == Q4K || F == Q5K || F == Q6K || F == IQ4XS) && b % SUPER == 0 {
                 d_super = f16x16(at.d);
-                if F != Q6K {
+                if F == Q4K || F == Q5K {
                     m_super = f16x16(at.m);
                 }
             }
@@ -933,7 +933,7 @@ mod x86 {
                 let at = scale_at(F, lay, b);
                 if (F == Q4K || F == Q5K || F == Q6K || F == IQ4XS) && b % SUPER == 0 {
                     d_super = f16x8(at.d);
-                    if F != Q6K {
+                    if F == Q4K || F == Q5K {
                         m_super = f16x8(at.m);
                     }
                 }
