@@ -388,7 +388,7 @@ fn the_head_cache_stays_aligned_with_the_committed_positions_under_any_accept_pa
             let n = context.len() - 1;
             let k = 1 + r.next().unwrap() % 5;
             let draft = inc.propose(&context, k).unwrap();
-            assert_eq!(draft.tokens.len(), k, "cycle {cycle}");
+            assert_eq!(draft.len(), k, "cycle {cycle}");
             drafted_total += k;
 
             let mut fresh = new_proposer(&model);
@@ -396,21 +396,21 @@ fn the_head_cache_stays_aligned_with_the_committed_positions_under_any_accept_pa
             fresh.observe_hidden(0, &target_hidden(&mut model, &context[..n]));
             let want = fresh.propose(&context, k).unwrap();
             assert_eq!(
-                draft.tokens, want.tokens,
+                draft, want,
                 "cycle {cycle}: drafts differ from a fresh head"
             );
 
             // Verify on the target, keep a random prefix, add a random bonus token.
             let mut rows = vec![context[n]];
-            rows.extend(&draft.tokens);
+            rows.extend(draft.tokens());
             let out = model
                 .forward_with_hidden(&mut cache, &Batch::causal(&rows, n), LogitRows::All)
                 .unwrap();
             let a = r.next().unwrap() % (k + 1);
             cache.truncate(n + 1 + a);
-            inc.observe(k, a);
+            inc.observe(&draft, &(0..a).collect::<Vec<_>>());
             inc.observe_hidden(n, &out.final_hidden[..(1 + a) * H]);
-            context.extend(&draft.tokens[..a]);
+            context.extend(&draft.tokens()[..a]);
             context.push((r.next().unwrap() % 320) as u32);
         }
         assert!(drafted_total > 25);

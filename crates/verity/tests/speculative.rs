@@ -29,6 +29,10 @@ enum Adversary {
     AlwaysWrong,
     /// Right for `n` tokens, then wrong.
     RightThenWrong(usize),
+    /// A tree: at each depth up to three siblings, the right token among them (not always first, sometimes
+    /// missing), decoys that sometimes have children of their own; nodes in breadth-first order, so the kept
+    /// path leaves the first-child line and its cache slots must move.
+    Tree(u64),
 }
 
 struct Scripted {
@@ -53,13 +57,48 @@ impl Proposer for Scripted {
             .copied()
             .collect();
         let wrong = |t: u32| (t + 1) % self.vocab;
+        let mut next = || {
+            self.state = self
+                .state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (self.state >> 33) as usize
+        };
+        if let Adversary::Tree(_) = self.kind {
+            let (mut tokens, mut parents) = (Vec::new(), Vec::<usize>::new());
+            let mut at = 0;
+            for &right in &truth {
+                let siblings = 1 + next() % 3;
+                let right_at = (next() % 4 != 0).then(|| next() % siblings);
+                let mut next_at = None;
+                for j in 0..siblings {
+                    if tokens.len() == k {
+                        break;
+                    }
+                    let t = if Some(j) == right_at {
+                        right
+                    } else {
+                        (right + 1 + j as u32) % self.vocab
+                    };
+                    parents.push(at);
+                    tokens.push(t);
+                    if t == right {
+                        next_at = Some(tokens.len());
+                    } else if next() % 3 == 0 && tokens.len() < k {
+                        parents.push(tokens.len());
+                        tokens.push((next() as u32) % self.vocab);
+                    }
+                }
+                match next_at {
+                    Some(row) => at = row,
+                    None => break,
+                }
+            }
+            return Draft::tree(tokens, parents);
+        }
         let tokens = match self.kind {
             Adversary::Random(_) => {
-                self.state = self
-                    .state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                let w = 1 + (self.state >> 33) as usize % k.max(1);
+                let w = 1 + next() % k.max(1);
                 (0..w)
                     .map(|i| {
                         ((self.state >> (i % 32)) as u32).wrapping_mul(2654435761) % self.vocab
@@ -73,17 +112,17 @@ impl Proposer for Scripted {
                 .enumerate()
                 .map(|(i, &t)| if i < n { t } else { wrong(t) })
                 .collect(),
+            Adversary::Tree(_) => unreachable!(),
         };
-        Ok(Draft::new(tokens))
+        Ok(Draft::chain(tokens))
     }
-    fn observe(&mut self, _drafted: usize, _accepted: usize) {}
+    fn observe(&mut self, _draft: &Draft, _kept: &[usize]) {}
 }
 
 fn scripted(kind: Adversary, oracle: &[u32], vocab: usize) -> Box<dyn Proposer> {
-    let state = if let Adversary::Random(s) = kind {
-        s
-    } else {
-        0
+    let state = match kind {
+        Adversary::Random(s) | Adversary::Tree(s) => s,
+        _ => 0,
     };
     Box::new(Scripted {
         kind,
@@ -218,6 +257,8 @@ fn adversarial_proposers_never_change_smollm2_greedy_output_or_cache() {
         Adversary::AlwaysWrong,
         Adversary::RightThenWrong(3),
         Adversary::Random(5),
+        Adversary::Tree(5),
+        Adversary::Tree(6),
     ] {
         e.set_proposer(Some(scripted(kind.clone(), &oracle, vocab)));
         let r = run(&mut e, &prompt, &req, None);
@@ -325,6 +366,7 @@ fn adversarial_proposers_never_change_smollm2_sampled_output_or_cache() {
             Adversary::RightThenWrong(3),
             Adversary::Random(seed),
             Adversary::Random(seed + 1),
+            Adversary::Tree(seed),
         ] {
             e.set_proposer(Some(scripted(kind.clone(), &oracle, vocab)));
             let r = run(&mut e, &prompt, &req, None);
@@ -366,6 +408,7 @@ proptest! {
             Just(Adversary::AlwaysRight),
             Just(Adversary::AlwaysWrong),
             (0usize..8).prop_map(Adversary::RightThenWrong),
+            any::<u64>().prop_map(Adversary::Tree),
         ],
         stop_after in proptest::option::of(1usize..40),
         max_tokens in 1usize..40,
@@ -400,6 +443,7 @@ proptest! {
             Just(Adversary::AlwaysRight),
             Just(Adversary::AlwaysWrong),
             (0usize..8).prop_map(Adversary::RightThenWrong),
+            any::<u64>().prop_map(Adversary::Tree),
         ],
         seed in any::<u64>(),
         temperature in prop_oneof![Just(0.8f32), Just(1.2), Just(3.0)],

@@ -259,4 +259,7 @@ pub trait Backend: Send + Sync + 'static {
         dst_off: usize,
         len: usize,
     );
+    /// Copy `len` values within `buf` from `src_off..` to an earlier, disjoint `dst_off..` (`dst_off + len ≤
+    /// src_off`): a draft tree's accepted path moved down over the rejected slots.
+    fn copy_down(&self, buf: &mut Self::Buffer, src_off: usize, dst_off: usize, len: usize);
 }

@@ -144,6 +144,36 @@ impl<B: Backend> KvCache<B> {
         Ok(())
     }
 
+    /// Of the slots `base..`, keep those at offsets `rows` (ascending, `rows[i] ≥ i`: a draft tree's accepted
+    /// path) moved to `base..base + rows.len()`, and drop the rest. Runs of consecutive offsets move together;
+    /// a leading run already in place (the first-child line) does not move at all.
+    pub fn keep_rows(&mut self, backend: &B, base: usize, rows: &[usize]) {
+        debug_assert!(rows.windows(2).all(|w| w[0] < w[1]));
+        debug_assert!(base + rows.last().map_or(0, |&r| r + 1) <= self.len);
+        let d = self.kv_dim;
+        let mut i = 0;
+        while i < rows.len() {
+            let mut run = 1;
+            while i + run < rows.len() && rows[i + run] == rows[i] + run {
+                run += 1;
+            }
+            let (src, dst) = (base + rows[i], base + i);
+            // Disjoint pieces: each moves at most the gap `src - dst`, in order, so none reads what one wrote.
+            let mut moved = 0;
+            while src > dst && moved < run {
+                let n = (run - moved).min(src - dst);
+                for bufs in [&mut self.k, &mut self.v] {
+                    for buf in bufs.iter_mut() {
+                        backend.copy_down(buf, (src + moved) * d, (dst + moved) * d, n * d);
+                    }
+                }
+                moved += n;
+            }
+            i += run;
+        }
+        self.len = self.len.min(base + rows.len());
+    }
+
     /// Roll back to the first `len` slots (a rejected speculative suffix, or a new conversation sharing a prefix).
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
@@ -200,5 +230,68 @@ impl KvCheckpoint {
             .map(|l| (layer(2 * l), layer(2 * l + 1)))
             .collect();
         KvCheckpoint::from_parts(len, kv_dim, layers)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+
+    #[test]
+    fn keep_rows_moves_the_kept_path_down_and_drops_the_rest() {
+        let be = CpuBackend::new(1).unwrap();
+        let shape = CacheShape {
+            n_layers: 2,
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 4,
+        };
+        // Every value says which layer, K or V, and slot it belongs to.
+        let value = |l: usize, kv: usize, slot: usize, i: usize| {
+            (l * 10_000 + kv * 1000 + slot * 10 + i) as f32
+        };
+        for kept in [
+            vec![0, 1, 2, 3],          // the first-child line: nothing moves
+            vec![0, 4, 5, 6, 7, 8, 9], // a run longer than its gap: moved in disjoint pieces
+            vec![0, 2, 5, 6, 11],
+            vec![0],
+        ] {
+            let mut cache = KvCache::new(&be, shape, 64);
+            let (base, rows) = (3, 12);
+            cache.reserve(&be, base + rows).unwrap();
+            for l in 0..2 {
+                for (kv, bufs) in [&mut cache.k, &mut cache.v].into_iter().enumerate() {
+                    for slot in 0..base + rows {
+                        for i in 0..4 {
+                            bufs[l][slot * 4 + i] = value(l, kv, slot, i);
+                        }
+                    }
+                }
+            }
+            cache.advance(base + rows);
+            cache.keep_rows(&be, base, &kept);
+            assert_eq!(cache.len(), base + kept.len());
+            let want = |slot: usize| {
+                if slot < base {
+                    slot
+                } else {
+                    base + kept[slot - base]
+                }
+            };
+            for l in 0..2 {
+                for (kv, bufs) in [&cache.k, &cache.v].into_iter().enumerate() {
+                    for slot in 0..cache.len() {
+                        for i in 0..4 {
+                            assert_eq!(
+                                bufs[l][slot * 4 + i],
+                                value(l, kv, want(slot), i),
+                                "{kept:?} slot {slot}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 }

@@ -1,8 +1,9 @@
 //! The decode cycle: propose → verify in one forward → commit the kept path → emit.
 //!
 //! A cycle runs `[pending, d1..dk]` through the target in one forward (`pending` is the last emitted token, not
-//! yet in the cache; `d1..dk` a proposer's drafts), lets the verifier keep a prefix of the drafts and choose the
-//! next token, truncates the cache to the kept path and tells the proposer. Plain AR decoding is the same cycle
+//! yet in the cache; `d1..dk` a proposer's drafts, a chain or a tree under the tree mask), lets the verifier keep
+//! a path of the drafts and choose the next token, keeps the path's cache slots (moved down over the rejected
+//! ones where the path leaves the first-child line) and tells the proposer. Plain AR decoding is the same cycle
 //! with `k = 0`, so the AR route and the speculative routes share every numeric step, and row-exactness of the
 //! forward makes their output identical: greedy, and sampled too, since each position's draw is keyed by the
 //! seed and the position (see [`crate::speculative::verify`]).
@@ -120,7 +121,7 @@ impl<B: Backend> Engine<B> {
                     let k = controller.choose(p.width(limit));
                     if k > 0 {
                         let mut d = p.propose(&context, k)?;
-                        d.tokens.truncate(k);
+                        d.truncate(k);
                         d
                     } else {
                         Draft::default()
@@ -130,10 +131,12 @@ impl<B: Backend> Engine<B> {
             };
             let t1 = Instant::now();
             let pending = *context.last().expect("non-empty context");
-            let mut rows = Vec::with_capacity(1 + draft.tokens.len());
-            rows.push(pending);
-            rows.extend_from_slice(&draft.tokens);
-            let batch = Batch::causal(&rows, n);
+            let (rows, positions, mask) = draft.rows(pending, n);
+            let batch = Batch {
+                tokens: rows,
+                positions,
+                mask,
+            };
             let wants_hidden = proposer.as_deref().is_some_and(|p| p.wants_hidden());
             let mut out = if wants_hidden {
                 self.model
@@ -151,41 +154,42 @@ impl<B: Backend> Engine<B> {
             }
             let t2 = Instant::now();
             let verdict = match wants {
-                LogitRows::Greedy => verifier.verify_greedy(&out.greedy, &draft.tokens),
-                _ => verifier.verify(&out.logits, vocab, &context, &draft.tokens),
+                LogitRows::Greedy => verifier.verify_greedy(&out.greedy, &draft),
+                _ => verifier.verify(&out.logits, vocab, &context, &draft),
             };
+            let accepted = verdict.accepted();
             // Commit the kept path: pending + accepted drafts; roll back the rest everywhere.
-            sess.cache.truncate(n + 1 + verdict.accepted);
+            let kept_rows = verdict.rows();
+            sess.cache.keep_rows(self.model.backend(), n, &kept_rows);
             sess.tokens.push(pending);
             sess.tokens
-                .extend_from_slice(&draft.tokens[..verdict.accepted]);
+                .extend(verdict.kept.iter().map(|&i| draft.tokens()[i]));
             if let Some(p) = proposer.as_deref_mut() {
-                p.observe(draft.tokens.len(), verdict.accepted);
+                p.observe(&draft, &verdict.kept);
                 if wants_hidden {
                     let h = self.model.hp.hidden;
-                    let kept = &out.final_hidden[..(1 + verdict.accepted) * h];
-                    p.observe_hidden(n, kept);
-                    sess.hidden.push(n, kept, h);
+                    let kept: Vec<f32> = kept_rows
+                        .iter()
+                        .flat_map(|&r| &out.final_hidden[r * h..(r + 1) * h])
+                        .copied()
+                        .collect();
+                    p.observe_hidden(n, &kept);
+                    sess.hidden.push(n, &kept, h);
                 }
             }
             controller.record(
-                draft.tokens.len(),
-                verdict.accepted,
-                rows.len(),
+                draft.len(),
+                accepted,
+                batch.rows(),
                 (t2 - t1).as_secs_f64(),
                 (t1 - t0).as_secs_f64(),
             );
-            stats.record_cycle(
-                draft.tokens.len(),
-                verdict.accepted,
-                t1 - t0,
-                t2 - t1,
-                t2.elapsed(),
-            );
+            stats.record_cycle(draft.len(), accepted, t1 - t0, t2 - t1, t2.elapsed());
 
-            let emitted: Vec<u32> = draft.tokens[..verdict.accepted]
+            let emitted: Vec<u32> = verdict
+                .kept
                 .iter()
-                .copied()
+                .map(|&i| draft.tokens()[i])
                 .chain([verdict.next])
                 .collect();
             for (j, &tok) in emitted.iter().enumerate() {
@@ -200,7 +204,8 @@ impl<B: Backend> Engine<B> {
                     context.push(tok);
                     stats.completion_tokens += 1;
                     let logprobs = (req.logprobs > 0 || req.want_logprob).then(|| {
-                        Logprobs::of(&out.logits[j * vocab..(j + 1) * vocab], tok, req.logprobs)
+                        let r = kept_rows[j];
+                        Logprobs::of(&out.logits[r * vocab..(r + 1) * vocab], tok, req.logprobs)
                     });
                     let grammar_done = match &req.constraint {
                         Some(c) => {

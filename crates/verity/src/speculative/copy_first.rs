@@ -1,6 +1,7 @@
 //! Copy first, then a model proposer: when the context's suffix has a full-length (`MAX_MATCH`-gram) earlier
 //! match, the suffix-copy proposer's tokens are the cycle's drafts (copying is free, and long matches run long);
-//! otherwise the inner proposer drafts. On a copied cycle the inner proposer still catches up
+//! otherwise the inner proposer drafts, and a shorter match's continuations join its drafts as branches of one
+//! tree where the width leaves room. On a copied cycle the inner proposer still catches up
 //! ([`Proposer::catch_up`]), so a stateful drafter (an MTP head's cache) stays aligned with the target.
 //! The copy proposer learns only from the cycles it drafted (its width, its silence after misses).
 
@@ -43,21 +44,29 @@ impl Proposer for CopyFirst {
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft> {
         self.copied = false;
         match self.copy.lookup(context, k) {
-            Some((m, tokens)) if m == MAX_MATCH && tokens.len() >= 2 => {
+            Some((m, draft)) if m == MAX_MATCH && draft.main_line() >= 2 => {
                 self.inner.catch_up(context)?;
                 self.copied = true;
-                Ok(Draft::new(tokens))
+                Ok(draft)
             }
-            _ => self.inner.propose(context, k),
+            shorter => {
+                let mut draft = self.inner.propose(context, k)?;
+                // A shorter match still names what followed before: its continuations join the inner drafts as
+                // branches, in the rows the inner proposer left of the budget.
+                if let Some((_, copied)) = shorter {
+                    draft.merge(&copied, k);
+                }
+                Ok(draft)
+            }
         }
     }
 
-    fn observe(&mut self, drafted: usize, accepted: usize) {
+    fn observe(&mut self, draft: &Draft, kept: &[usize]) {
         if self.copied {
-            self.copy.observe(drafted, accepted);
-            self.inner.observe(0, 0);
+            self.copy.observe(draft, kept);
+            self.inner.observe(&Draft::default(), &[]);
         } else {
-            self.inner.observe(drafted, accepted);
+            self.inner.observe(draft, kept);
         }
         self.copied = false;
     }

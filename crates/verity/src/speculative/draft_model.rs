@@ -90,7 +90,7 @@ impl<B: Backend> Proposer for DraftModel<B> {
         self.cached.extend_from_slice(&context[common..]);
         self.base = context.len();
         let mut logits = out.logits;
-        let mut draft = Draft::default();
+        let mut tokens = Vec::with_capacity(k);
         let mut history = context.to_vec();
         for i in 0..k {
             // Greedy drafts take the plain argmax (no penalty: a draft's quality, not the output, depends on it).
@@ -99,7 +99,7 @@ impl<B: Backend> Proposer for DraftModel<B> {
             } else {
                 self.sampler.sample(&logits, &history)
             };
-            draft.tokens.push(tok);
+            tokens.push(tok);
             history.push(tok);
             if i + 1 < k {
                 let pos = self.cached.len();
@@ -115,11 +115,16 @@ impl<B: Backend> Proposer for DraftModel<B> {
                 self.cached.push(tok);
             }
         }
-        Ok(draft)
+        Ok(Draft::chain(tokens))
     }
 
-    fn observe(&mut self, _drafted: usize, accepted: usize) {
-        // Keep the context plus the accepted drafts that the cache already holds.
+    fn observe(&mut self, _draft: &Draft, kept: &[usize]) {
+        // Keep the context plus the accepted drafts that the cache already holds (its drafts are one chain).
+        let accepted = kept
+            .iter()
+            .enumerate()
+            .take_while(|&(i, &d)| i == d)
+            .count();
         let keep = (self.base + accepted).min(self.cached.len());
         self.cache.truncate(keep);
         self.cached.truncate(keep);

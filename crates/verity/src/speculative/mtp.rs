@@ -211,14 +211,14 @@ impl<B: Backend> Proposer for MtpProposer<B> {
             self.cached.extend_from_slice(&context[next..=n]);
             self.committed = before + caught;
             self.hid.clear();
-            return Ok(Draft::new(tokens));
+            return Ok(Draft::chain(tokens));
         }
         let mut out = self.run_catch_up(context, next, n)?;
-        let mut draft = Draft::default();
+        let mut tokens = Vec::new();
         let mut history = context.to_vec();
         for i in 0..k.min(MAX_DEPTH) {
             let tok = self.choose(&out, &history);
-            draft.tokens.push(tok);
+            tokens.push(tok);
             history.push(tok);
             if i + 1 < k.min(MAX_DEPTH) {
                 if self.cache.len() + 1 > self.cache.max_capacity() {
@@ -230,7 +230,7 @@ impl<B: Backend> Proposer for MtpProposer<B> {
                         .draft(&mut self.cache, &[tok], n + 1 + i, HeadInput::Last, greedy)?;
             }
         }
-        Ok(draft)
+        Ok(Draft::chain(tokens))
     }
 
     fn catch_up(&mut self, context: &[u32]) -> Result<()> {
@@ -240,7 +240,7 @@ impl<B: Backend> Proposer for MtpProposer<B> {
         Ok(())
     }
 
-    fn observe(&mut self, _drafted: usize, _accepted: usize) {
+    fn observe(&mut self, _draft: &Draft, _kept: &[usize]) {
         self.cache.truncate(self.committed);
     }
 }

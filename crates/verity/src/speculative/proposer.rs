@@ -1,18 +1,173 @@
 //! What a proposer is: something that guesses the next tokens cheaply. The decode loop knows nothing of how a
-//! proposer works; it asks for up to `k` tokens and reports what the verifier kept.
+//! proposer works; it asks for up to `k` tokens and reports which of them the verifier kept.
 
-use crate::error::Result;
+use crate::backend::AttnMask;
+use crate::error::{Error, Result};
 use crate::sample::SamplerConfig;
 
-/// Up to `k` proposed tokens.
-#[derive(Debug, Clone, Default)]
+/// Up to `k` proposed tokens: a chain, or a tree of alternatives that one verify forward checks together.
+///
+/// The verify forward's rows are the pending token (row 0, the root) and then the drafts (draft `i` is row
+/// `i + 1`). Draft `i` continues the row `parents[i] ≤ i`: a chain has `parents[i] = i`. Siblings carry
+/// distinct tokens, so at most one of them can be the target's. Proposers list a node's likeliest child first
+/// and keep each first-child line contiguous, so an accepted main line needs no cache compaction.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Draft {
-    pub tokens: Vec<u32>,
+    tokens: Vec<u32>,
+    parents: Vec<usize>,
 }
 
 impl Draft {
-    pub fn new(tokens: Vec<u32>) -> Self {
-        Draft { tokens }
+    /// Drafts that follow one another.
+    pub fn chain(tokens: Vec<u32>) -> Self {
+        let parents = (0..tokens.len()).collect();
+        Draft { tokens, parents }
+    }
+
+    /// A tree: draft `i` continues row `parents[i]` (0: the pending token; `j + 1`: draft `j`, with `j < i`).
+    pub fn tree(tokens: Vec<u32>, parents: Vec<usize>) -> Result<Self> {
+        if tokens.len() != parents.len() {
+            return Err(Error::Invalid(format!(
+                "draft tree: {} tokens but {} parents",
+                tokens.len(),
+                parents.len()
+            )));
+        }
+        for (i, (&p, &t)) in parents.iter().zip(&tokens).enumerate() {
+            if p > i {
+                return Err(Error::Invalid(format!(
+                    "draft tree: node {i}'s parent row {p} does not precede it"
+                )));
+            }
+            if (0..i).any(|j| parents[j] == p && tokens[j] == t) {
+                return Err(Error::Invalid(format!(
+                    "draft tree: node {i} repeats its sibling's token {t}"
+                )));
+            }
+        }
+        Ok(Draft { tokens, parents })
+    }
+
+    /// Every draft token, in row order.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Each draft's parent row.
+    pub fn parents(&self) -> &[usize] {
+        &self.parents
+    }
+
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    pub fn is_chain(&self) -> bool {
+        self.parents.iter().enumerate().all(|(i, &p)| p == i)
+    }
+
+    /// Keep the first `k` drafts (a node's parent precedes it, so the rest is still a tree).
+    pub fn truncate(&mut self, k: usize) {
+        self.tokens.truncate(k);
+        self.parents.truncate(k);
+    }
+
+    /// Merge `tokens` in as a path from the root: it follows the drafts it shares a prefix with and hangs the
+    /// rest from where they part, new nodes appended while the draft holds fewer than `cap`.
+    pub fn insert_path(&mut self, tokens: &[u32], cap: usize) {
+        let mut row = 0;
+        for &t in tokens {
+            row = match self.child(row, t) {
+                Some(i) => i + 1,
+                None if self.len() < cap => {
+                    self.tokens.push(t);
+                    self.parents.push(row);
+                    self.len()
+                }
+                None => return,
+            };
+        }
+    }
+
+    /// Merge every root-to-leaf path of `other` in ([`Draft::insert_path`]), its main line first.
+    pub fn merge(&mut self, other: &Draft, cap: usize) {
+        for leaf in (0..other.len()).filter(|&i| !other.parents.contains(&(i + 1))) {
+            self.insert_path(&other.path(leaf), cap);
+        }
+    }
+
+    /// The tokens from the root to draft `i`, `i` included.
+    pub fn path(&self, i: usize) -> Vec<u32> {
+        let mut path = Vec::new();
+        let mut row = i + 1;
+        while row > 0 {
+            path.push(self.tokens[row - 1]);
+            row = self.parents[row - 1];
+        }
+        path.reverse();
+        path
+    }
+
+    /// The draft among row `row`'s children that carries `token`.
+    pub fn child(&self, row: usize, token: u32) -> Option<usize> {
+        (0..self.len()).find(|&i| self.parents[i] == row && self.tokens[i] == token)
+    }
+
+    /// How many drafts lie on the path from the root to draft `i`, `i` included.
+    pub fn depth(&self, i: usize) -> usize {
+        let (mut d, mut row) = (0, i + 1);
+        while row > 0 {
+            d += 1;
+            row = self.parents[row - 1];
+        }
+        d
+    }
+
+    /// The longest root-to-leaf path's length.
+    pub fn max_depth(&self) -> usize {
+        (0..self.len()).map(|i| self.depth(i)).max().unwrap_or(0)
+    }
+
+    /// The drafts on the first-child line from the root: how many are at rows `1..` in order (a chain's length).
+    pub fn main_line(&self) -> usize {
+        self.parents
+            .iter()
+            .enumerate()
+            .take_while(|&(i, &p)| p == i)
+            .count()
+    }
+
+    /// The verify forward's rows (pending, then the drafts), their positions (`base` is the pending token's; a
+    /// node sits one past its parent) and their mask (causal for a chain; each node sees its ancestors).
+    pub fn rows(&self, pending: u32, base: usize) -> (Vec<u32>, Vec<usize>, AttnMask) {
+        let mut tokens = Vec::with_capacity(self.len() + 1);
+        tokens.push(pending);
+        tokens.extend_from_slice(&self.tokens);
+        let mut positions = vec![base];
+        for &p in &self.parents {
+            positions.push(positions[p] + 1);
+        }
+        if self.is_chain() {
+            return (tokens, positions, AttnMask::Causal);
+        }
+        let rows = tokens.len();
+        let mut visible = vec![false; rows * rows];
+        for r in 0..rows {
+            visible[r * rows + r] = true;
+            if r > 0 {
+                let p = self.parents[r - 1];
+                for j in 0..rows {
+                    if visible[p * rows + j] {
+                        visible[r * rows + j] = true;
+                    }
+                }
+            }
+        }
+        (tokens, positions, AttnMask::Tree(visible))
     }
 }
 
@@ -30,13 +185,13 @@ pub trait Proposer: Send {
         k
     }
 
-    /// Propose up to `k` tokens continuing `context` (the prompt and every token generated so far, including the
-    /// one that starts the next verify batch).
+    /// Propose up to `k` tokens (tree nodes) continuing `context` (the prompt and every token generated so
+    /// far, including the one that starts the next verify batch).
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft>;
 
-    /// After verification: `drafted` tokens were offered and the first `accepted` were kept. The proposer must
-    /// forget everything past them (its caches roll back to the kept path).
-    fn observe(&mut self, drafted: usize, accepted: usize);
+    /// After verification: of `draft`, the verifier kept the drafts `kept` (a root path, in order). The
+    /// proposer must forget everything else (its caches roll back to the kept path).
+    fn observe(&mut self, draft: &Draft, kept: &[usize]);
 
     /// Bring the proposer's own state up to `context` without drafting (a cycle another proposer drafts; see
     /// [`super::copy_first::CopyFirst`]). Stateless proposers have nothing to do.
@@ -53,4 +208,75 @@ pub trait Proposer: Send {
     /// The target's final hidden states (after its output norm) of committed rows at positions `start..`,
     /// `rows × hidden`, row-major. Called after prefill chunks and after each cycle's commit.
     fn observe_hidden(&mut self, _start: usize, _hidden: &[f32]) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chain_is_a_causal_run_of_positions() {
+        let d = Draft::chain(vec![7, 8, 9]);
+        assert!(d.is_chain());
+        assert_eq!(d.main_line(), 3);
+        assert_eq!(d.max_depth(), 3);
+        let (tokens, positions, mask) = d.rows(5, 10);
+        assert_eq!(tokens, vec![5, 7, 8, 9]);
+        assert_eq!(positions, vec![10, 11, 12, 13]);
+        assert_eq!(mask, AttnMask::Causal);
+    }
+
+    #[test]
+    fn a_tree_node_sees_its_ancestors_and_sits_one_past_its_parent() {
+        // root ─ a(1) ─ b(2) ─ c(3)
+        //      └ d(4) ─ e(5)
+        //        a    └ f(6)
+        let d = Draft::tree(vec![1, 2, 3, 4, 5, 6], vec![0, 1, 2, 0, 4, 1]).unwrap();
+        assert!(!d.is_chain());
+        assert_eq!(d.main_line(), 3);
+        assert_eq!(d.max_depth(), 3);
+        assert_eq!(d.child(0, 4), Some(3));
+        assert_eq!(d.child(1, 6), Some(5));
+        assert_eq!(d.child(1, 4), None);
+        let (_, positions, mask) = d.rows(0, 100);
+        assert_eq!(positions, vec![100, 101, 102, 103, 101, 102, 102]);
+        let sees = |i, j| mask.sees(7, i, j);
+        assert!(sees(6, 0) && sees(6, 1) && sees(6, 6));
+        assert!(!sees(6, 2) && !sees(6, 4) && !sees(6, 5));
+        assert!(sees(5, 4) && sees(5, 0) && !sees(5, 1));
+        assert!(sees(3, 2) && sees(3, 1) && !sees(3, 4));
+    }
+
+    #[test]
+    fn inserted_paths_share_their_common_prefix() {
+        let mut d = Draft::chain(vec![1, 2, 3]);
+        d.insert_path(&[1, 2, 4, 5], 16);
+        d.insert_path(&[6], 16);
+        d.insert_path(&[1, 2, 3], 16);
+        assert_eq!(d.tokens(), &[1, 2, 3, 4, 5, 6]);
+        assert_eq!(d.parents(), &[0, 1, 2, 2, 4, 0]);
+        assert_eq!(d.path(4), vec![1, 2, 4, 5]);
+        let mut m = Draft::chain(vec![1, 2]);
+        m.merge(&d, 16);
+        assert_eq!(m, d, "merged in leaf order: the same tree");
+        // The cap stops new nodes, not the walk along shared ones.
+        d.insert_path(&[1, 7, 8], 7);
+        d.insert_path(&[9], 7);
+        assert_eq!(d.tokens(), &[1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(d.parents(), &[0, 1, 2, 2, 4, 0, 1]);
+    }
+
+    #[test]
+    fn malformed_trees_are_refused() {
+        assert!(Draft::tree(vec![1, 2], vec![0]).is_err());
+        assert!(
+            Draft::tree(vec![1, 2], vec![0, 2]).is_err(),
+            "parent after the node"
+        );
+        assert!(
+            Draft::tree(vec![1, 1], vec![0, 0]).is_err(),
+            "twin siblings"
+        );
+        assert!(Draft::tree(vec![1, 1], vec![0, 1]).is_ok());
+    }
 }

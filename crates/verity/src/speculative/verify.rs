@@ -16,16 +16,38 @@
 //! `(1 − TV(p, q)) / (1 + TV(p, q))` of the time, and without the two distributions having to rank their
 //! tokens alike. (Rejection sampling, `min(1, p/q)`, keeps a draft `1 − TV` of the time, a little more, but
 //! draws its corrections from a stream that shifts with every draft, so a route's output depends on its widths.)
+//!
+//! Draft trees need no other rule: each row predicts the token after its node's path, and the verifier walks
+//! from the root, drawing the target's token at the current row and moving to the child that carries it. The
+//! same induction holds along the walked path (siblings carry distinct tokens, so at most one child matches),
+//! so a tree is lossless for greedy and sampled decoding alike; siblings only give the one draw more chances to
+//! meet a draft. (Tree rejection schemes that resample from residual distributions, as in SpecInfer, are not
+//! needed: there is no residual to draw from.)
 
+use super::proposer::Draft;
 use crate::sample::{Sampler, SamplerConfig};
 
 /// The verifier's decision for one cycle.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Verdict {
-    /// How many drafts were kept.
-    pub accepted: usize,
+    /// The kept drafts (indices into the draft), a path from the root in order.
+    pub kept: Vec<usize>,
     /// The token that follows the kept drafts (the correction or the bonus).
     pub next: u32,
+}
+
+impl Verdict {
+    /// How many drafts were kept.
+    pub fn accepted(&self) -> usize {
+        self.kept.len()
+    }
+
+    /// The verify rows of the kept path: the pending token's (0), then each kept draft's.
+    pub fn rows(&self) -> Vec<usize> {
+        std::iter::once(0)
+            .chain(self.kept.iter().map(|&i| i + 1))
+            .collect()
+    }
 }
 
 pub struct Verifier {
@@ -39,27 +61,27 @@ impl Verifier {
         })
     }
 
-    /// `logits`: `drafts.len() + 1` rows of `vocab` values; row `i` predicts the token after
-    /// `history + drafts[..i]` (`history`: every token before the first draft, prompt included, so that its
-    /// length is the first draft's position).
-    pub fn verify(&self, logits: &[f32], vocab: usize, history: &[u32], drafts: &[u32]) -> Verdict {
-        assert_eq!(logits.len(), (drafts.len() + 1) * vocab);
+    /// `logits`: `draft.len() + 1` rows of `vocab` values, one per verify row (the pending token's, then each
+    /// draft's); a row predicts the token after its path (`history`: every token before the first draft, prompt
+    /// included, so that its length is the first draft's position). From the root, the target's token at the
+    /// current row is drawn; the child carrying it is kept and becomes the current row, until no child does.
+    pub fn verify(&self, logits: &[f32], vocab: usize, history: &[u32], draft: &Draft) -> Verdict {
+        assert_eq!(logits.len(), (draft.len() + 1) * vocab);
         let mut ctx = history.to_vec();
-        for (i, &d) in drafts.iter().enumerate() {
+        let mut kept = Vec::new();
+        let mut row = 0;
+        loop {
             let t = self
                 .sampler
-                .sample(&logits[i * vocab..(i + 1) * vocab], &ctx);
-            if t != d {
-                return Verdict {
-                    accepted: i,
-                    next: t,
-                };
+                .sample(&logits[row * vocab..(row + 1) * vocab], &ctx);
+            match draft.child(row, t) {
+                Some(i) => {
+                    kept.push(i);
+                    ctx.push(t);
+                    row = i + 1;
+                }
+                None => return Verdict { kept, next: t },
             }
-            ctx.push(d);
-        }
-        Verdict {
-            accepted: drafts.len(),
-            next: self.sampler.sample(&logits[drafts.len() * vocab..], &ctx),
         }
     }
 
@@ -71,19 +93,20 @@ impl Verifier {
         cfg.is_greedy() && cfg.repetition_penalty == 1.0
     }
 
-    /// The verdict from each row's argmax (`greedy`: `drafts.len() + 1` tokens), when
-    /// [`Verifier::argmax_decides`]: the longest prefix of drafts equal to the target's tokens, then the target's
-    /// token after it.
-    pub fn verify_greedy(&self, greedy: &[u32], drafts: &[u32]) -> Verdict {
-        assert!(self.argmax_decides() && greedy.len() == drafts.len() + 1);
-        let accepted = drafts
-            .iter()
-            .zip(greedy)
-            .take_while(|(d, g)| d == g)
-            .count();
+    /// The verdict from each row's argmax (`greedy`: `draft.len() + 1` tokens), when
+    /// [`Verifier::argmax_decides`]: the path of drafts equal to the target's tokens, then the target's token
+    /// after it.
+    pub fn verify_greedy(&self, greedy: &[u32], draft: &Draft) -> Verdict {
+        assert!(self.argmax_decides() && greedy.len() == draft.len() + 1);
+        let mut kept = Vec::new();
+        let mut row = 0;
+        while let Some(i) = draft.child(row, greedy[row]) {
+            kept.push(i);
+            row = i + 1;
+        }
         Verdict {
-            accepted,
-            next: greedy[accepted],
+            kept,
+            next: greedy[row],
         }
     }
 }
@@ -104,8 +127,65 @@ mod tests {
             let (vocab, logits) = (12, logits.iter().map(|&v| v as f32).collect::<Vec<_>>());
             let v = Verifier::new(SamplerConfig::greedy()).unwrap();
             let greedy: Vec<u32> = logits.chunks(vocab).map(argmax).collect();
+            let drafts = Draft::chain(drafts);
             let want = v.verify(&logits, vocab, &[1, 2], &drafts);
             prop_assert_eq!(v.verify_greedy(&greedy, &drafts), want);
+        }
+    }
+
+    /// A random tree of `n` nodes over a small vocabulary (siblings deduplicated by construction).
+    fn random_tree(picks: &[(usize, u32)]) -> Draft {
+        let (mut tokens, mut parents) = (Vec::new(), Vec::new());
+        for &(p, t) in picks {
+            let p = p % (tokens.len() + 1);
+            if (0..tokens.len()).all(|j| parents[j] != p || tokens[j] != t) {
+                tokens.push(t);
+                parents.push(p);
+            }
+        }
+        Draft::tree(tokens, parents).unwrap()
+    }
+
+    proptest! {
+        #[test]
+        fn tree_verdicts_follow_the_targets_draw_from_the_root(
+            logits in proptest::collection::vec(-2i8..2, 9 * 4),
+            picks in proptest::collection::vec((0usize..8, 0u32..4), 8),
+            seed in any::<u64>(),
+            greedy in any::<bool>(),
+        ) {
+            // A vocabulary of 4: children often match, and paths run deep.
+            let vocab = 4;
+            let draft = random_tree(&picks);
+            let rows = draft.len() + 1;
+            let logits: Vec<f32> = logits[..rows * vocab].iter().map(|&v| v as f32).collect();
+            let cfg = if greedy {
+                SamplerConfig::greedy()
+            } else {
+                SamplerConfig { temperature: 1.0, seed, ..SamplerConfig::default() }
+            };
+            let ar = Sampler::new(cfg).unwrap();
+            let v = Verifier::new(cfg).unwrap();
+            let history = vec![3u32, 1];
+            let verdict = v.verify(&logits, vocab, &history, &draft);
+            // Each kept draft is the target's draw at its parent's row given the kept path before it, and no child
+            // of the last kept row carries the draw that follows.
+            let (mut ctx, mut row) = (history.clone(), 0);
+            for &i in &verdict.kept {
+                prop_assert_eq!(draft.parents()[i], row);
+                let t = ar.sample(&logits[row * vocab..(row + 1) * vocab], &ctx);
+                prop_assert_eq!(draft.tokens()[i], t);
+                ctx.push(t);
+                row = i + 1;
+            }
+            let next = ar.sample(&logits[row * vocab..(row + 1) * vocab], &ctx);
+            prop_assert_eq!(verdict.next, next);
+            prop_assert_eq!(draft.child(row, next), None);
+            prop_assert_eq!(*verdict.rows().last().unwrap(), row);
+            if greedy {
+                let argmaxes: Vec<u32> = logits.chunks(vocab).map(argmax).collect();
+                prop_assert_eq!(v.verify_greedy(&argmaxes, &draft), verdict);
+            }
         }
     }
 
@@ -136,10 +216,11 @@ mod tests {
                 .zip(&wrong_at)
                 .map(|(&t, &wrong)| if wrong { (t + 1) % vocab as u32 } else { t })
                 .collect();
-            let v = Verifier::new(cfg).unwrap().verify(&logits, vocab, &history, &drafts);
-            prop_assert_eq!(v.accepted, wrong_at.iter().position(|&w| w).unwrap_or(4));
-            prop_assert_eq!(v.next, ar_tokens[v.accepted]);
-            prop_assert_eq!(&drafts[..v.accepted], &ar_tokens[..v.accepted]);
+            let v = Verifier::new(cfg).unwrap().verify(&logits, vocab, &history, &Draft::chain(drafts.clone()));
+            let accepted = v.accepted();
+            prop_assert_eq!(accepted, wrong_at.iter().position(|&w| w).unwrap_or(4));
+            prop_assert_eq!(v.next, ar_tokens[accepted]);
+            prop_assert_eq!(&drafts[..accepted], &ar_tokens[..accepted]);
         }
     }
 

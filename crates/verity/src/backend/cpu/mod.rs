@@ -348,4 +348,9 @@ impl Backend for CpuBackend {
     fn copy(&self, src: &Vec<f32>, src_off: usize, dst: &mut Vec<f32>, dst_off: usize, len: usize) {
         dst[dst_off..dst_off + len].copy_from_slice(&src[src_off..src_off + len]);
     }
+
+    fn copy_down(&self, buf: &mut Vec<f32>, src_off: usize, dst_off: usize, len: usize) {
+        assert!(dst_off + len <= src_off, "copy_down ranges overlap");
+        buf.copy_within(src_off..src_off + len, dst_off);
+    }
 }

@@ -1445,6 +1445,17 @@ impl Backend for CudaBackend {
         let mut d = dst.slice_mut(dst_off..dst_off + len);
         dev("copy", self.stream.memcpy_dtod(&s, &mut d));
     }
+
+    fn copy_down(&self, buf: &mut CudaSlice<f32>, src_off: usize, dst_off: usize, len: usize) {
+        assert!(dst_off + len <= src_off, "copy_down ranges overlap");
+        if len == 0 {
+            return;
+        }
+        let (mut lo, hi) = buf.split_at_mut(src_off);
+        let s = hi.slice(0..len);
+        let mut d = lo.slice_mut(dst_off..dst_off + len);
+        dev("copy", self.stream.memcpy_dtod(&s, &mut d));
+    }
 }
 
 impl Drop for CudaBackend {
