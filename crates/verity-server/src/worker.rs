@@ -288,6 +288,7 @@ fn run<B: Backend>(
         sampling: job.params.sampling,
         ignore_eos: false,
         speculate: job.params.speculate,
+        draft_width: None,
         want_logprob: job.params.logprobs.is_some(),
         logprobs: job.params.logprobs.unwrap_or(0),
         constraint,

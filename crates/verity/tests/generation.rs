@@ -96,11 +96,7 @@ fn sampling_is_fixed_by_the_seed() {
             seed,
         },
         ignore_eos: true,
-        speculate: true,
-        want_logprob: false,
-        logprobs: 0,
-        constraint: None,
-        store_prefix: None,
+        ..GenerateRequest::default()
     };
     let q = "Tell me a story about a dragon.";
     let a = answer(&mut e, q, &req(7));

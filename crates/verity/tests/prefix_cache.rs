@@ -10,7 +10,9 @@ use std::sync::Arc;
 use verity::backend::cpu::CpuBackend;
 use verity::chat::{Message, TemplateArgs};
 use verity::engine::{Engine, GenerateRequest, Session};
-use verity::speculative::SpecMode;
+use verity::model::MtpHead;
+use verity::speculative::mtp::MtpProposer;
+use verity::speculative::{Draft, Proposer, SpecMode};
 
 fn turn(
     e: &mut Engine<CpuBackend>,
@@ -316,4 +318,110 @@ fn checkpoints_of_other_activations_are_never_restored() {
     let folders = std::fs::read_dir(&root).unwrap().count();
     assert_eq!(folders, 2, "a folder per numerics");
     std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// Each proposal an MTP head made during a turn: the context length it drafted after and its tokens.
+type Proposals = Arc<std::sync::Mutex<Vec<(usize, Vec<u32>)>>>;
+
+/// The bundle's MTP head, its proposals logged.
+struct Logged {
+    head: Box<dyn Proposer>,
+    log: Proposals,
+}
+
+impl Proposer for Logged {
+    fn name(&self) -> &'static str {
+        "logged"
+    }
+    fn reset(&mut self, sampling: &verity::sample::SamplerConfig) {
+        self.head.reset(sampling);
+    }
+    fn propose(&mut self, context: &[u32], k: usize) -> verity::Result<Draft> {
+        let d = self.head.propose(context, k)?;
+        let mut log = self.log.lock().unwrap();
+        log.push((context.len(), d.tokens().to_vec()));
+        Ok(d)
+    }
+    fn observe(&mut self, draft: &Draft, kept: &[usize]) {
+        self.head.observe(draft, kept);
+    }
+    fn catch_up(&mut self, context: &[u32]) -> verity::Result<()> {
+        self.head.catch_up(context)
+    }
+    fn wants_hidden(&self) -> bool {
+        true
+    }
+    fn observe_hidden(&mut self, start: usize, hidden: &[f32]) {
+        self.head.observe_hidden(start, hidden);
+    }
+}
+
+/// An engine on the MTP bundle whose proposer is its head, logged.
+fn logged_mtp_engine() -> (Engine<CpuBackend>, Proposals) {
+    let path = smollm2_mtp();
+    let mut e = Engine::load(&path, backend(), &SpecMode::Off).unwrap();
+    let bundle = verity::bundle::Bundle::open(&path).unwrap();
+    let head = MtpHead::load(&bundle, &e.model).unwrap();
+    let (vocab, ctx) = (e.model.hp.vocab, e.model.hp.context_len);
+    let log = Proposals::default();
+    e.set_proposer(Some(Box::new(Logged {
+        head: Box::new(MtpProposer::new(head, vocab, ctx).unwrap()),
+        log: log.clone(),
+    })));
+    (e, log)
+}
+
+/// A turn restored from the RAM tier (another conversation took the session) or from the disk tier (a new
+/// engine) hands the MTP head the target's hidden states of the whole restored prefix, so the head drafts what
+/// it drafts in a cold run of the same turn. Without them it would condition only on the newly prefilled part.
+#[test]
+fn a_restored_turn_drafts_like_a_cold_one_on_the_mtp_route_from_ram_and_from_disk() {
+    let first = vec![Message::new("user", "Name three colors of the rainbow.")];
+    let (mut cold, cold_log) = logged_mtp_engine();
+    let mut s = cold.new_session();
+    let (a1, _, _) = turn(&mut cold, &mut s, &first);
+    let mut msgs = first.clone();
+    msgs.push(Message::new("assistant", &a1));
+    msgs.push(Message::new("user", "And three more?"));
+    let mut s = cold.new_session();
+    cold_log.lock().unwrap().clear();
+    let (cold_text, cold_restored, _) = turn(&mut cold, &mut s, &msgs);
+    assert_eq!(cold_restored, 0);
+    let cold_drafts = cold_log.lock().unwrap().clone();
+    assert!(!cold_drafts.is_empty());
+
+    for tier in ["ram", "disk"] {
+        let root = scratch(&format!("mtp-restore-{tier}"));
+        let (mut e, mut log) = logged_mtp_engine();
+        assert!(e.set_prefix_cache_dir(&root, 1 << 30));
+        let mut s = e.new_session();
+        turn(&mut e, &mut s, &first);
+        if tier == "ram" {
+            // Another conversation takes the session.
+            turn(
+                &mut e,
+                &mut s,
+                &[Message::new("user", "What is two plus two?")],
+            );
+        } else {
+            // A restart: a new engine, its RAM tier empty (dropping the old one finishes its disk stores).
+            drop(s);
+            (e, log) = logged_mtp_engine();
+            assert!(e.set_prefix_cache_dir(&root, 1 << 30));
+            s = e.new_session();
+        }
+        log.lock().unwrap().clear();
+        let (text, restored, _) = turn(&mut e, &mut s, &msgs);
+        assert!(restored > 0, "{tier}: nothing restored");
+        assert_eq!(text, cold_text, "{tier}");
+        let drafts = log.lock().unwrap().clone();
+        // The first cycle's width is the controller's prior, the same in both runs; later widths follow timings.
+        assert_eq!(
+            drafts[0], cold_drafts[0],
+            "{tier}: the head's first draft after the restore"
+        );
+        // The engine's writer finishes its stores before the folder goes.
+        drop((s, e));
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 }

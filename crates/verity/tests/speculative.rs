@@ -607,11 +607,7 @@ fn sampled_routes_emit_ar_tokens_for_each_seed_and_match_the_ar_distribution() {
                     max_tokens: 2,
                     sampling: SamplerConfig { seed, ..cfg },
                     ignore_eos: true,
-                    speculate: true,
-                    want_logprob: false,
-                    logprobs: 0,
-                    constraint: None,
-                    store_prefix: None,
+                    ..GenerateRequest::default()
                 };
                 let r = run(&mut target, &prompt, &req, None);
                 drafted += r.stats.drafted;
@@ -647,10 +643,7 @@ fn sampled_routes_emit_ar_tokens_for_each_seed_and_match_the_ar_distribution() {
                 sampling: SamplerConfig { seed, ..cfg },
                 ignore_eos: true,
                 speculate: false,
-                want_logprob: false,
-                logprobs: 0,
-                constraint: None,
-                store_prefix: None,
+                ..GenerateRequest::default()
             };
             let r = run(&mut drafter, &prompt, &req, None);
             (r.tokens[0], r.tokens[1])

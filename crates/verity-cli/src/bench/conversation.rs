@@ -1,7 +1,10 @@
 //! `verity bench conversation`: the two-turn prompts with the prefix cache off, on (RAM) and on disk only. Every turn starts from a
 //! fresh session, so turn 2 can reuse turn 1 only through the prefix cache; the arms are interleaved per
 //! prompt and repeat. Reported: turn-2 TTFT, restored tokens, decode tok/s, tokens per cycle, and the time the
-//! checkpoint store added (`store_s`).
+//! checkpoint store added (`store_s`). The disk arm forgets every conversation between the turns
+//! ([`verity::engine::Engine::forget_conversations`]): turn 2 runs as after a restart, the proposer's state
+//! included. `--width K` fixes the draft width, so tokens per cycle depend on the proposer's state alone, not on
+//! the controller's timing-driven choices: with it, a restored turn must accept exactly what the cold one does.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -27,6 +30,10 @@ pub struct Args {
     max_tokens: usize,
     #[arg(long, default_value_t = 3)]
     repeat: usize,
+    /// Draft exactly this many tokens per cycle (at most what the proposer offers) instead of the controller's
+    /// choice.
+    #[arg(long)]
+    width: Option<usize>,
     #[arg(long)]
     json: Option<PathBuf>,
     /// Draw turn-2 time to first token per arm as DIR/conversation.png (the folder is created).
@@ -68,13 +75,21 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
         }
         engines.push((label, e));
     }
-    let req = GenerateRequest::greedy(a.max_tokens);
+    let req = GenerateRequest {
+        draft_width: a.width,
+        ..GenerateRequest::greedy(a.max_tokens)
+    };
     let mut records = Vec::new();
     for repeat in 0..a.repeat {
         for p in &prompts {
             for (label, engine) in engines.iter_mut() {
                 engine.clear_prefix_cache();
-                for mut r in run_prompt(engine, p, &a.route, repeat, &req, Turns::FreshSessions)? {
+                let turns = if *label == "disk" {
+                    Turns::Restarted
+                } else {
+                    Turns::FreshSessions
+                };
+                for mut r in run_prompt(engine, p, &a.route, repeat, &req, turns)? {
                     r.cache = Some(label.to_string());
                     records.push(r);
                 }
@@ -82,6 +97,8 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
         }
     }
     write_json(a.json.as_deref(), &records)?;
+    // The engines' disk writers finish their stores before the folder goes.
+    drop(engines);
     let _ = std::fs::remove_dir_all(&disk_root);
     println!(
         "{:<6} {:>5} {:>10} {:>10} {:>10} {:>9} {:>10}",

@@ -139,6 +139,9 @@ pub enum Turns {
     OneSession,
     /// A fresh session per turn: only the prefix cache can restore anything.
     FreshSessions,
+    /// As after a restart before every turn but the first: a fresh session and every conversation forgotten
+    /// (the RAM tier, the proposer's state); only the disk tier can restore anything.
+    Restarted,
 }
 
 /// Run every turn of `p` (appending each answer) and record each turn.
@@ -154,8 +157,11 @@ pub fn run_prompt<B: Backend>(
     let mut messages: Vec<Message> = Vec::new();
     let mut out = Vec::new();
     for (ti, turn) in p.turns().into_iter().enumerate() {
-        if turns == Turns::FreshSessions && ti > 0 {
+        if turns != Turns::OneSession && ti > 0 {
             engine.end_session(sess);
+            if turns == Turns::Restarted {
+                engine.forget_conversations();
+            }
             sess = engine.new_session();
         }
         messages.extend(turn);

@@ -19,9 +19,11 @@
 //! person can write any file. It is XXH3-128, which runs at memory speed (FNV-1a, the checksum of `VRTYKV01`,
 //! took ~40 % of a store and of a restore).
 //!
-//! File layout (`VRTYKV02`): the magic, a little-endian u32 header length, a JSON header (model fingerprint,
-//! numerics, token ids, shapes), each layer's K and V as little-endian f32, then the XXH3-128 of all the bytes
-//! before it, little-endian. Written by hand because no crate stores this.
+//! File layout (`VRTYKV03`): the magic, a little-endian u32 header length, a JSON header (model fingerprint,
+//! numerics, token ids, shapes), each layer's K and V as little-endian f32, then, where the checkpoint kept
+//! them, the target's final hidden state of every position (f32, `hidden` wide: what an MTP head conditions
+//! on), then the XXH3-128 of all the bytes before it, little-endian. Written by hand because no crate stores
+//! this.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -34,7 +36,7 @@ use xxhash_rust::xxh3::{xxh3_128, xxh3_64, xxh3_64_with_seed};
 use super::temp_file::{temp_in_progress, TempFile, TEMP_PREFIX};
 use super::KvCheckpoint;
 
-const MAGIC: &[u8; 8] = b"VRTYKV02";
+const MAGIC: &[u8; 8] = b"VRTYKV03";
 const EXT: &str = "vkv";
 /// The magic and the header length.
 const PREFIX: usize = 12;
@@ -55,6 +57,8 @@ struct Header {
     tokens: Vec<u32>,
     kv_dim: usize,
     n_layers: usize,
+    /// Width of the hidden states after the K/V (the model's hidden size), 0 when there are none.
+    hidden: usize,
     data_bytes: u64,
 }
 
@@ -93,6 +97,8 @@ pub struct DiskTier {
     quota: u64,
     n_layers: usize,
     kv_dim: usize,
+    /// The model's hidden size: the only width of hidden states its checkpoints may hold.
+    hidden: usize,
     entries: Vec<Entry>,
     /// Tests: fail every store's write after this many bytes (a full disk).
     #[cfg(test)]
@@ -112,7 +118,8 @@ fn folder_name(model: u64, numerics: &str) -> String {
 
 /// Remove the checkpoints of earlier formats in every model's folder under `root`: their folders were named by
 /// an earlier fingerprint, so no tier of this version opens them, and they would hold disk outside any quota.
-/// Only files that carry an earlier `VRTYKV` magic, in folders named as tiers name them, are touched.
+/// Only files that carry an earlier `VRTYKV` magic, in folders named as tiers name them, are touched, and never
+/// a temporary file (another process may be writing it).
 fn remove_previous_formats(root: &Path) {
     let Ok(folders) = std::fs::read_dir(root) else {
         return;
@@ -128,7 +135,10 @@ fn remove_previous_formats(root: &Path) {
         let mut removed = false;
         for f in files.flatten() {
             let path = f.path();
-            if path.extension().is_none_or(|x| x != EXT) {
+            // Temporary files are a live store's until its process ends ([`DiskTier::open`] decides).
+            if path.extension().is_none_or(|x| x != EXT)
+                || f.file_name().to_string_lossy().starts_with(TEMP_PREFIX)
+            {
                 continue;
             }
             let mut magic = [0u8; 8];
@@ -168,6 +178,7 @@ impl DiskTier {
         numerics: &str,
         n_layers: usize,
         kv_dim: usize,
+        hidden: usize,
         quota: u64,
     ) -> Option<Self> {
         // verity's version too: a release may change how a kernel rounds.
@@ -188,6 +199,7 @@ impl DiskTier {
             quota,
             n_layers,
             kv_dim,
+            hidden,
             entries: Vec::new(),
             #[cfg(test)]
             fail_writes_after: None,
@@ -281,24 +293,28 @@ impl DiskTier {
         if h.model != self.model || h.numerics != self.numerics {
             return Err(Rejected::Foreign);
         }
-        let want = (h.tokens.len() as u64)
+        let n = h.tokens.len() as u64;
+        let want = n
             .checked_mul(h.kv_dim as u64)
             .and_then(|b| b.checked_mul(8))
-            .and_then(|b| b.checked_mul(h.n_layers as u64));
+            .and_then(|b| b.checked_mul(h.n_layers as u64))
+            .and_then(|b| b.checked_add(n.checked_mul(h.hidden as u64)?.checked_mul(4)?));
         let shapes_ok = h.dtype == "f32"
             && h.n_layers == self.n_layers
             && h.kv_dim == self.kv_dim
+            && (h.hidden == 0 || h.hidden == self.hidden)
             && h.kv_dim > 0
             && !h.tokens.is_empty()
             && want == Some(h.data_bytes)
             && Some(file_len) == (start as u64 + CHECKSUM as u64).checked_add(h.data_bytes);
         if !shapes_ok {
             return Err(Rejected::Shape(format!(
-                "{} tokens, {} layers of {} {}, {} data bytes in a file of {file_len}",
+                "{} tokens, {} layers of {} {}, hidden states {} wide, {} data bytes in a file of {file_len}",
                 h.tokens.len(),
                 h.n_layers,
                 h.kv_dim,
                 h.dtype,
+                h.hidden,
                 h.data_bytes
             )));
         }
@@ -344,11 +360,17 @@ impl DiskTier {
                 .collect()
         };
         let per = h.tokens.len() * h.kv_dim * 4;
-        let layers = body[start..]
+        let (kv, hidden) = body[start..].split_at(2 * per * h.n_layers);
+        let layers = kv
             .chunks_exact(2 * per)
             .map(|l| (floats(&l[..per]), floats(&l[per..])))
             .collect();
-        Ok(KvCheckpoint::from_parts(h.tokens.len(), h.kv_dim, layers))
+        let ckpt = KvCheckpoint::from_parts(h.tokens.len(), h.kv_dim, layers);
+        Ok(if h.hidden > 0 {
+            ckpt.with_hidden(h.hidden, floats(hidden))
+        } else {
+            ckpt
+        })
     }
 
     /// Persist a checkpoint for `tokens`; failures are warnings.
@@ -377,6 +399,7 @@ impl DiskTier {
             tokens: tokens.to_vec(),
             kv_dim: self.kv_dim,
             n_layers: self.n_layers,
+            hidden: ckpt.hidden().map_or(0, |h| h.width),
             data_bytes: ckpt.bytes() as u64,
         };
         let header = serde_json::to_vec(&header).map_err(std::io::Error::other)?;
@@ -388,6 +411,9 @@ impl DiskTier {
             for x in k.iter().chain(v.iter()) {
                 bytes.extend_from_slice(&x.to_le_bytes());
             }
+        }
+        for x in ckpt.hidden().map_or(&[][..], |h| &h.rows) {
+            bytes.extend_from_slice(&x.to_le_bytes());
         }
         let sum = xxh3_128(&bytes);
         bytes.extend_from_slice(&sum.to_le_bytes());
@@ -514,6 +540,7 @@ mod tests {
 
     const LAYERS: usize = 2;
     const KV_DIM: usize = 4;
+    const HIDDEN: usize = 3;
     const MODEL: u64 = 7;
     const NUMERICS: &str = "cpu x86_64 Avx2 Q8 activations";
 
@@ -529,7 +556,8 @@ mod tests {
     }
 
     fn open(root: &Path) -> DiskTier {
-        DiskTier::open(root, MODEL, NUMERICS, LAYERS, KV_DIM, 1 << 20).expect("usable folder")
+        DiskTier::open(root, MODEL, NUMERICS, LAYERS, KV_DIM, HIDDEN, 1 << 20)
+            .expect("usable folder")
     }
 
     fn files(dir: &Path) -> Vec<String> {
@@ -570,6 +598,26 @@ mod tests {
         assert_eq!((n, back.layers()), (3, ckpt.layers()));
         assert!(t.longest(&[1, 2]).is_none(), "a shorter query is no match");
         assert!(t.longest(&[1, 2, 4]).is_none());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn hidden_states_travel_with_their_checkpoint_and_a_foreign_width_is_rejected() {
+        let root = scratch("hidden");
+        let rows: Vec<f32> = (0..3 * HIDDEN).map(|i| i as f32 * 0.5 - 1.0).collect();
+        let ckpt = checkpoint(3, 2.0).with_hidden(HIDDEN, rows.clone());
+        open(&root).store(&[4, 5, 6], &ckpt);
+        let (_, back) = open(&root).longest(&[4, 5, 6]).expect("restored");
+        assert_eq!(back.layers(), ckpt.layers());
+        assert_eq!(
+            back.hidden().map(|h| (h.width, &h.rows)),
+            Some((HIDDEN, &rows))
+        );
+        // The same file read by a tier of a model with another hidden size: not restored, removed.
+        let mut other =
+            DiskTier::open(&root, MODEL, NUMERICS, LAYERS, KV_DIM, HIDDEN + 1, 1 << 20).unwrap();
+        assert!(other.longest(&[4, 5, 6]).is_none());
+        assert!(files(other.dir()).is_empty());
         std::fs::remove_dir_all(&root).unwrap();
     }
 
@@ -662,12 +710,14 @@ mod tests {
             (MODEL + 1, NUMERICS),
         ];
         for (model, numerics) in others {
-            let mut t = DiskTier::open(&root, model, numerics, LAYERS, KV_DIM, 1 << 20).unwrap();
+            let mut t =
+                DiskTier::open(&root, model, numerics, LAYERS, KV_DIM, HIDDEN, 1 << 20).unwrap();
             assert_ne!(t.dir(), q8.dir(), "{model} {numerics}: a folder of its own");
             assert!(t.longest(&tokens).is_none());
             // Even a file copied into its folder is not restored.
             std::fs::copy(&stored, t.dir().join(file_name(&tokens))).unwrap();
-            let mut t = DiskTier::open(&root, model, numerics, LAYERS, KV_DIM, 1 << 20).unwrap();
+            let mut t =
+                DiskTier::open(&root, model, numerics, LAYERS, KV_DIM, HIDDEN, 1 << 20).unwrap();
             assert!(
                 t.longest(&tokens).is_none(),
                 "{model} {numerics}: copied file"
@@ -686,16 +736,19 @@ mod tests {
         let path = t.dir().join(file_name(&[1, 2, 3]));
         drop(t);
         let mut bytes = std::fs::read(&path).unwrap();
-        bytes[..8].copy_from_slice(b"VRTYKV01");
+        bytes[..8].copy_from_slice(b"VRTYKV02");
         std::fs::write(&path, bytes).unwrap();
-        assert_nothing_restores(&root, &[&[1, 2, 3]], "VRTYKV01");
+        assert_nothing_restores(&root, &[&[1, 2, 3]], "VRTYKV02");
+        // A live process's store in progress (process 1) is left alone, whatever its bytes say.
+        let in_progress = path.with_file_name(".tmp-1-0-z.vkv");
+        std::fs::write(&in_progress, b"VRTYKV02 partial").unwrap();
         // In the folder of an earlier fingerprint, which no tier opens any more: removed too, with the folder.
         let old_folder = root.join("00000000deadbeef");
         std::fs::create_dir_all(&old_folder).unwrap();
         std::fs::write(old_folder.join("0123.vkv"), b"VRTYKV01 and the rest").unwrap();
         // Another model's current checkpoints, and files that are not checkpoints, are left alone.
         let mut other =
-            DiskTier::open(&root, MODEL + 1, NUMERICS, LAYERS, KV_DIM, 1 << 20).unwrap();
+            DiskTier::open(&root, MODEL + 1, NUMERICS, LAYERS, KV_DIM, HIDDEN, 1 << 20).unwrap();
         other.store(&[1, 2, 3], &checkpoint(3, 1.0));
         let foreign = root.join("not-a-tier");
         std::fs::create_dir_all(&foreign).unwrap();
@@ -704,6 +757,7 @@ mod tests {
         assert!(!old_folder.exists());
         assert!(other.longest(&[1, 2, 3]).is_some());
         assert!(foreign.join("x.vkv").exists());
+        assert!(in_progress.exists());
         std::fs::remove_dir_all(&root).unwrap();
     }
 

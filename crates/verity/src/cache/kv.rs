@@ -125,6 +125,7 @@ impl<B: Backend> KvCache<B> {
                 .zip(&self.v)
                 .map(|(k, v)| (backend.download(k, n), backend.download(v, n)))
                 .collect(),
+            hidden: None,
         }
     }
 
@@ -186,6 +187,17 @@ pub struct KvCheckpoint {
     len: usize,
     kv_dim: usize,
     layers: Vec<(Vec<f32>, Vec<f32>)>,
+    /// The target's final hidden states of every slot (`len × width` values), where the state was taken while
+    /// a proposer conditioned on them (an MTP head): a restore then hands the head the whole prefix, as a cold
+    /// prefill would.
+    hidden: Option<HiddenRows>,
+}
+
+/// Final hidden states of consecutive positions from 0: `rows.len() / width` of them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HiddenRows {
+    pub width: usize,
+    pub rows: Vec<f32>,
 }
 
 impl KvCheckpoint {
@@ -194,7 +206,20 @@ impl KvCheckpoint {
             len,
             kv_dim,
             layers,
+            hidden: None,
         }
+    }
+
+    /// Attach the final hidden states of slots `0..len` (`rows`: `len × width` values).
+    pub(crate) fn with_hidden(mut self, width: usize, rows: Vec<f32>) -> Self {
+        assert_eq!(rows.len(), self.len * width, "hidden rows of every slot");
+        self.hidden = Some(HiddenRows { width, rows });
+        self
+    }
+
+    /// The final hidden states of every slot, where they were kept.
+    pub fn hidden(&self) -> Option<&HiddenRows> {
+        self.hidden.as_ref()
     }
 
     /// Each layer's K and V, `len × kv_dim` values each.
@@ -211,11 +236,14 @@ impl KvCheckpoint {
         self.len == 0
     }
 
+    /// Bytes of its K/V and hidden states.
     pub fn bytes(&self) -> usize {
-        self.layers
+        let kv: usize = self
+            .layers
             .iter()
             .map(|(k, v)| (k.len() + v.len()) * 4)
-            .sum()
+            .sum();
+        kv + self.hidden.as_ref().map_or(0, |h| h.rows.len() * 4)
     }
 
     /// Tests: `layers` layers of `len` slots whose values start at `seed` (seeds tell checkpoints apart).

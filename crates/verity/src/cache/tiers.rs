@@ -55,6 +55,11 @@ impl PrefixTiers {
     }
 
     /// Drop every checkpoint, in RAM and on disk (after the queued stores, which it removes too).
+    /// Drop the RAM tier's checkpoints (the disk tier keeps its files).
+    pub fn clear_ram(&mut self) {
+        self.ram.clear();
+    }
+
     pub fn clear(&mut self) {
         self.ram.clear();
         if let Some(mut d) = self.disk() {
@@ -211,7 +216,7 @@ mod tests {
     }
 
     fn open(root: &Path) -> DiskTier {
-        DiskTier::open(root, 7, "test numerics", LAYERS, KV_DIM, 1 << 20).expect("usable folder")
+        DiskTier::open(root, 7, "test numerics", LAYERS, KV_DIM, 8, 1 << 20).expect("usable folder")
     }
 
     /// Each checkpoint's first K value, as restored (the seeds tell them apart).

@@ -118,7 +118,11 @@ impl<B: Backend> Engine<B> {
             let t0 = Instant::now();
             let draft = match proposer.as_deref_mut() {
                 Some(p) => {
-                    let k = controller.choose(p.width(limit));
+                    let offered = p.width(limit);
+                    let k = match req.draft_width {
+                        Some(w) => w.min(offered),
+                        None => controller.choose(offered),
+                    };
                     if k > 0 {
                         let mut d = p.propose(&context, k)?;
                         d.truncate(k);

@@ -104,6 +104,7 @@ impl<B: Backend> Engine<B> {
             &self.model.backend().numerics(),
             self.model.hp.n_layers,
             kv_dim,
+            self.model.hp.hidden,
             quota,
         );
         let usable = disk.is_some();
@@ -114,6 +115,16 @@ impl<B: Backend> Engine<B> {
     /// The disk tier, if one is set, once every checkpoint handed to it has been written.
     pub fn prefix_disk(&self) -> Option<std::sync::MutexGuard<'_, DiskTier>> {
         self.prefix.disk()
+    }
+
+    /// Forget every conversation as a restart would, keeping the disk tier's files: the RAM prefix tier, the
+    /// spare sessions' caches and the proposer's state (an MTP head's or a draft model's cache, the copy index).
+    pub fn forget_conversations(&mut self) {
+        self.prefix.clear_ram();
+        self.spare.clear();
+        if let Some(p) = self.proposer.as_mut() {
+            p.forget();
+        }
     }
 
     /// Drop every prefix-cache checkpoint, in RAM and on disk.

@@ -21,11 +21,14 @@ pub(super) struct Prefilled {
 }
 
 impl<B: Backend> Engine<B> {
-    /// Keep a checkpoint of the session's committed state for `tokens`, in RAM and on disk; returns the seconds
-    /// it took.
+    /// Keep a checkpoint of the session's committed state for `tokens`, in RAM and on disk, with the final
+    /// hidden states of every position where the session kept them all; returns the seconds it took.
     pub(super) fn store_checkpoint(&mut self, sess: &Session<B>, tokens: &[u32]) -> f64 {
         let t = Instant::now();
-        let ckpt = sess.cache.checkpoint(self.model.backend());
+        let mut ckpt = sess.cache.checkpoint(self.model.backend());
+        if let Some(rows) = sess.hidden.leading_rows(tokens.len()) {
+            ckpt = ckpt.with_hidden(self.model.hp.hidden, rows.to_vec());
+        }
         self.prefix.store(tokens, ckpt);
         t.elapsed().as_secs_f64()
     }
@@ -48,17 +51,22 @@ impl<B: Backend> Engine<B> {
             .take_while(|(a, b)| a == b)
             .count();
         let backend = self.model.backend();
-        let restored = self
-            .prefix
-            .restore_longest(body, common, |ckpt| sess.cache.restore(backend, ckpt))?;
+        let h = self.model.hp.hidden;
+        let (cache, hidden) = (&mut sess.cache, &mut sess.hidden);
+        let restored = self.prefix.restore_longest(body, common, |ckpt| {
+            // The hidden states come back with the K/V, so the proposer conditions on the whole prefix.
+            hidden.truncate(0);
+            if let Some(rows) = ckpt.hidden().filter(|r| r.width == h) {
+                hidden.push(0, &rows.rows, h);
+            }
+            cache.restore(backend, ckpt)
+        })?;
         if let Some(m) = restored {
-            sess.hidden.truncate(0);
             sess.tokens.clear();
             sess.tokens.extend_from_slice(&body[..m]);
             common = m;
         }
         sess.truncate(common);
-        let h = self.model.hp.hidden;
         let store_at = store_at.filter(|&b| b > common && b <= body.len() && self.prefix.enabled());
         let wants_hidden = proposer.as_deref().is_some_and(|p| p.wants_hidden());
         let mut store_s = 0.0;

@@ -12,6 +12,9 @@ pub struct GenerateRequest {
     pub ignore_eos: bool,
     /// Use the engine's speculative route (false = AR for this request).
     pub speculate: bool,
+    /// Draft this many tokens every cycle (at most what the proposer offers) instead of the controller's
+    /// timing-driven choice: runs whose acceptance must compare like with like (benchmarks of proposer state).
+    pub draft_width: Option<usize>,
     /// Report the chosen token's log-probability with each token.
     pub want_logprob: bool,
     /// Also report this many most likely alternatives per token.
@@ -31,6 +34,7 @@ impl Default for GenerateRequest {
             sampling: SamplerConfig::greedy(),
             ignore_eos: false,
             speculate: true,
+            draft_width: None,
             want_logprob: false,
             logprobs: 0,
             constraint: None,

@@ -42,6 +42,11 @@ impl HiddenTrail {
         self.start + self.rows.len().checked_div(self.width).unwrap_or(0)
     }
 
+    /// The rows of positions `0..len`, where the run starts at 0 and reaches `len`.
+    pub(super) fn leading_rows(&self, len: usize) -> Option<&[f32]> {
+        (self.start == 0 && self.end() >= len && len > 0).then(|| &self.rows[..len * self.width])
+    }
+
     /// Forget positions `pos..`.
     pub(super) fn truncate(&mut self, pos: usize) {
         if pos <= self.start {

@@ -119,6 +119,10 @@ impl Proposer for SuffixCopy {
         "copy"
     }
 
+    fn forget(&mut self) {
+        *self = SuffixCopy::new();
+    }
+
     fn reset(&mut self, _sampling: &crate::sample::SamplerConfig) {
         self.width = MIN_WIDTH;
         self.first_misses = 0;

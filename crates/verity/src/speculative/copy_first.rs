@@ -32,6 +32,11 @@ impl Proposer for CopyFirst {
         self.inner.name()
     }
 
+    fn forget(&mut self) {
+        self.copy.forget();
+        self.inner.forget();
+    }
+
     fn reset(&mut self, sampling: &SamplerConfig) {
         self.copy.reset(sampling);
         self.inner.reset(sampling);

@@ -55,6 +55,12 @@ impl<B: Backend> Proposer for DraftModel<B> {
         "draft-model"
     }
 
+    fn forget(&mut self) {
+        self.cache.truncate(0);
+        self.cached.clear();
+        self.base = 0;
+    }
+
     fn reset(&mut self, sampling: &SamplerConfig) {
         let cfg = SamplerConfig {
             seed: sampling.seed,

@@ -162,6 +162,15 @@ impl<B: Backend> Proposer for MtpProposer<B> {
         "mtp"
     }
 
+    fn forget(&mut self) {
+        self.cache.truncate(0);
+        self.cached.clear();
+        self.first = 0;
+        self.committed = 0;
+        self.hid.clear();
+        self.hid_start = 0;
+    }
+
     fn reset(&mut self, sampling: &SamplerConfig) {
         self.sampler = Sampler::new(*sampling).expect("validated by the request");
         // The head's cache is kept: the next propose rolls it back to the prefix the new context shares (a

@@ -180,6 +180,10 @@ pub trait Proposer: Send {
     /// distributions allow (see [`super::verify`]).
     fn reset(&mut self, _sampling: &SamplerConfig) {}
 
+    /// Drop everything learned from conversations (caches of earlier requests, indexes): the state of a freshly
+    /// started process. Requests stay exact either way; this only changes what later drafts can build on.
+    fn forget(&mut self) {}
+
     /// The largest width this proposer would offer now (its own adaptive cap), at most `k`.
     fn width(&self, k: usize) -> usize {
         k
