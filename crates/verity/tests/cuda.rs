@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use common::*;
 use verity::backend::cpu::CpuBackend;
-use verity::backend::cuda::CudaBackend;
+use verity::backend::cuda::{CudaBackend, CudaOptions};
 use verity::backend::{AttnMask, Backend};
 use verity::bundle::Bundle;
 use verity::chat::Message;
@@ -487,7 +487,16 @@ fn recorded_forwards_replay_bitwise_what_direct_launches_compute() {
     let bundle = Bundle::open(&smollm2()).unwrap();
     let mut runs = Vec::new();
     for graphs in [true, false] {
-        let be = Arc::new(CudaBackend::with_graphs(0, graphs).unwrap());
+        let be = Arc::new(
+            CudaBackend::with_options(
+                0,
+                CudaOptions {
+                    graphs,
+                    ..CudaOptions::from_env()
+                },
+            )
+            .unwrap(),
+        );
         let mut m = Model::load(&bundle, be).unwrap();
         let vocab = m.hp.vocab as u32;
         let mut cache = m.new_cache(1024);
@@ -660,7 +669,16 @@ fn recorded_mtp_head_steps_replay_bitwise_what_direct_launches_compute() {
     let bundle = Bundle::open(&smollm2_mtp()).unwrap();
     let mut runs = Vec::new();
     for graphs in [true, false] {
-        let be = Arc::new(CudaBackend::with_graphs(0, graphs).unwrap());
+        let be = Arc::new(
+            CudaBackend::with_options(
+                0,
+                CudaOptions {
+                    graphs,
+                    ..CudaOptions::from_env()
+                },
+            )
+            .unwrap(),
+        );
         let model = Model::load(&bundle, be).unwrap();
         let mut head = MtpHead::load(&bundle, &model).unwrap();
         let (h, vocab) = (model.hp.hidden, model.hp.vocab as u32);

@@ -13,7 +13,7 @@ use verity::bundle::{Bundle, MtpStatus, Source};
 use verity::engine::{Engine, GenerateRequest};
 use verity::model::{Batch, HeadInput, LogitRows, Model, MtpHead};
 use verity::speculative::mtp::MtpProposer;
-use verity::speculative::{Proposer, SpecMode};
+use verity::speculative::{Outcome, Proposer, SpecMode};
 
 // The tiny llama fixture: hidden 64, 4 heads / 2 KV heads of 16, MLP 128, vocab 320.
 const H: usize = 64;
@@ -408,7 +408,7 @@ fn the_head_cache_stays_aligned_with_the_committed_positions_under_any_accept_pa
                 .unwrap();
             let a = r.next().unwrap() % (k + 1);
             cache.truncate(n + 1 + a);
-            inc.observe(&draft, &(0..a).collect::<Vec<_>>());
+            inc.observe(&Outcome::of(&draft, &(0..a).collect::<Vec<_>>()));
             inc.observe_hidden(n, &out.final_hidden[..(1 + a) * H]);
             context.extend(&draft.tokens()[..a]);
             context.push((r.next().unwrap() % 320) as u32);

@@ -12,7 +12,7 @@ use verity::chat::{Message, TemplateArgs};
 use verity::engine::{Engine, GenerateRequest, Session};
 use verity::model::MtpHead;
 use verity::speculative::mtp::MtpProposer;
-use verity::speculative::{Draft, Proposer, SpecMode};
+use verity::speculative::{Draft, Outcome, Proposer, SpecMode};
 
 fn turn(
     e: &mut Engine<CpuBackend>,
@@ -342,8 +342,8 @@ impl Proposer for Logged {
         log.push((context.len(), d.tokens().to_vec()));
         Ok(d)
     }
-    fn observe(&mut self, draft: &Draft, kept: &[usize]) {
-        self.head.observe(draft, kept);
+    fn observe(&mut self, outcome: &Outcome) {
+        self.head.observe(outcome);
     }
     fn catch_up(&mut self, context: &[u32]) -> verity::Result<()> {
         self.head.catch_up(context)

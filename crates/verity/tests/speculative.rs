@@ -16,7 +16,7 @@ use verity::model::{Model, MtpHead};
 use verity::sample::SamplerConfig;
 use verity::speculative::draft_model::DraftModel;
 use verity::speculative::mtp::MtpProposer;
-use verity::speculative::{Draft, Proposer, SpecMode};
+use verity::speculative::{Draft, Outcome, Proposer, SpecMode};
 
 /// Adversarial proposers: they know (or not) the AR answer and draft accordingly.
 #[derive(Clone, Debug)]
@@ -116,7 +116,7 @@ impl Proposer for Scripted {
         };
         Ok(Draft::chain(tokens))
     }
-    fn observe(&mut self, _draft: &Draft, _kept: &[usize]) {}
+    fn observe(&mut self, _outcome: &Outcome) {}
 }
 
 fn scripted(kind: Adversary, oracle: &[u32], vocab: usize) -> Box<dyn Proposer> {

@@ -16,7 +16,7 @@ use crate::backend::Backend;
 use crate::chat::Tokenizer;
 use crate::error::{Error, Result};
 use crate::model::{Batch, LogitRows};
-use crate::speculative::{Controller, Draft, Proposer, Verifier};
+use crate::speculative::{Controller, Draft, Outcome, Proposer, Verifier};
 
 impl<B: Backend> Engine<B> {
     /// Generate a completion of `prompt`. `on_token` receives each completion token as it is produced (with the
@@ -169,7 +169,12 @@ impl<B: Backend> Engine<B> {
             sess.tokens
                 .extend(verdict.kept.iter().map(|&i| draft.tokens()[i]));
             if let Some(p) = proposer.as_deref_mut() {
-                p.observe(&draft, &verdict.kept);
+                p.observe(&Outcome {
+                    draft: &draft,
+                    kept: &verdict.kept,
+                    draft_s: (t1 - t0).as_secs_f64(),
+                    verify_s: (t2 - t1).as_secs_f64(),
+                });
                 if wants_hidden {
                     let h = self.model.hp.hidden;
                     let kept: Vec<f32> = kept_rows

@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 
-use super::proposer::{Draft, Proposer};
+use super::proposer::{Draft, Outcome, Proposer};
 use crate::error::Result;
 
 pub const MIN_MATCH: usize = 2;
@@ -140,8 +140,8 @@ impl Proposer for SuffixCopy {
             .unwrap_or_default())
     }
 
-    fn observe(&mut self, draft: &Draft, kept: &[usize]) {
-        let (drafted, accepted) = (draft.max_depth(), kept.len());
+    fn observe(&mut self, outcome: &Outcome) {
+        let (drafted, accepted) = (outcome.draft.max_depth(), outcome.kept.len());
         if drafted == 0 {
             return;
         }
@@ -169,7 +169,7 @@ mod tests {
     /// Report a chain of `drafted` tokens whose first `accepted` were kept.
     fn seen(p: &mut SuffixCopy, drafted: usize, accepted: usize) {
         let kept: Vec<usize> = (0..accepted).collect();
-        p.observe(&Draft::chain(vec![0; drafted]), &kept);
+        p.observe(&Outcome::of(&Draft::chain(vec![0; drafted]), &kept));
     }
 
     #[test]

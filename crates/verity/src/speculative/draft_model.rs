@@ -7,7 +7,7 @@
 //! from its own processed distribution `q` (its own settings may differ from the target's) with the request's
 //! seed, so it runs the keyed race the target's sample at `p` runs (see [`super::verify`]).
 
-use super::proposer::{Draft, Proposer};
+use super::proposer::{Draft, Outcome, Proposer};
 use crate::backend::Backend;
 use crate::cache::KvCache;
 use crate::error::{Error, Result};
@@ -124,9 +124,10 @@ impl<B: Backend> Proposer for DraftModel<B> {
         Ok(Draft::chain(tokens))
     }
 
-    fn observe(&mut self, _draft: &Draft, kept: &[usize]) {
+    fn observe(&mut self, outcome: &Outcome) {
         // Keep the context plus the accepted drafts that the cache already holds (its drafts are one chain).
-        let accepted = kept
+        let accepted = outcome
+            .kept
             .iter()
             .enumerate()
             .take_while(|&(i, &d)| i == d)

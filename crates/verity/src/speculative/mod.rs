@@ -15,9 +15,9 @@
 //! The decode loop ([`crate::engine`]) knows proposers only through [`Proposer`]; the [`Controller`] picks each
 //! cycle's width from measured costs and learned acceptance.
 
+pub mod chooser;
 pub mod controller;
 pub mod copy;
-pub mod copy_first;
 pub mod draft_model;
 pub mod mtp;
 pub mod proposer;
@@ -25,6 +25,6 @@ mod route;
 pub mod verify;
 
 pub use controller::Controller;
-pub use proposer::{Draft, Proposer};
+pub use proposer::{Draft, Outcome, Proposer};
 pub use route::{build, plan, Plan, Route, SpecMode};
 pub use verify::{Verdict, Verifier};

@@ -17,14 +17,14 @@
 //!   a gap in the reported hidden states (a restored prefix) restarts the head's cache at the first position it
 //!   can condition; without the hidden state of the position before `pending` the head proposes nothing.
 //! - [`Proposer::catch_up`] runs the catch-up alone, for a cycle another proposer drafts (the route composes the
-//!   head with copying: [`super::copy_first::CopyFirst`]), so the head's cache stays aligned.
+//!   head with copying: [`super::chooser::Chooser`]), so the head's cache stays aligned.
 //! - With sampling, the draft at position `p` is the head's sample from its processed distribution `q`
 //!   with the request's seed: the keyed race the target's sample at `p` runs (see [`super::verify`]).
 //! - Greedy drafts run as one chain on the backend ([`MtpHead::draft_greedy`]): each recursive step's token is
 //!   the step before's argmax, picked where it lies, so the host queues the catch-up and every step at once and
 //!   waits once — the same tokens as stepping through the host.
 
-use super::proposer::{Draft, Proposer};
+use super::proposer::{Draft, Outcome, Proposer};
 use crate::backend::Backend;
 use crate::cache::KvCache;
 use crate::error::Result;
@@ -249,7 +249,7 @@ impl<B: Backend> Proposer for MtpProposer<B> {
         Ok(())
     }
 
-    fn observe(&mut self, _draft: &Draft, _kept: &[usize]) {
+    fn observe(&mut self, _outcome: &Outcome) {
         self.cache.truncate(self.committed);
     }
 }

@@ -171,6 +171,29 @@ impl Draft {
     }
 }
 
+/// What became of a cycle's draft.
+#[derive(Debug, Clone, Copy)]
+pub struct Outcome<'a> {
+    pub draft: &'a Draft,
+    /// The kept drafts: a path from the root, in order.
+    pub kept: &'a [usize],
+    /// Seconds the cycle spent drafting, and verifying (the target's forward).
+    pub draft_s: f64,
+    pub verify_s: f64,
+}
+
+impl<'a> Outcome<'a> {
+    /// An outcome without timings (tests, and proposers reporting to an inner one).
+    pub fn of(draft: &'a Draft, kept: &'a [usize]) -> Self {
+        Outcome {
+            draft,
+            kept,
+            draft_s: 0.0,
+            verify_s: 0.0,
+        }
+    }
+}
+
 pub trait Proposer: Send {
     fn name(&self) -> &'static str;
 
@@ -193,12 +216,12 @@ pub trait Proposer: Send {
     /// far, including the one that starts the next verify batch).
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft>;
 
-    /// After verification: of `draft`, the verifier kept the drafts `kept` (a root path, in order). The
-    /// proposer must forget everything else (its caches roll back to the kept path).
-    fn observe(&mut self, draft: &Draft, kept: &[usize]);
+    /// After verification: what the verifier kept of the draft, and what the cycle cost. The proposer must
+    /// forget everything else (its caches roll back to the kept path).
+    fn observe(&mut self, outcome: &Outcome);
 
     /// Bring the proposer's own state up to `context` without drafting (a cycle another proposer drafts; see
-    /// [`super::copy_first::CopyFirst`]). Stateless proposers have nothing to do.
+    /// [`super::chooser::Chooser`]). Stateless proposers have nothing to do.
     fn catch_up(&mut self, _context: &[u32]) -> Result<()> {
         Ok(())
     }

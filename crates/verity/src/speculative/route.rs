@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::Arc;
 
+use super::chooser::Chooser;
 use super::copy::SuffixCopy;
-use super::copy_first::CopyFirst;
 use super::draft_model::DraftModel;
 use super::mtp::MtpProposer;
 use super::Proposer;
@@ -145,8 +145,8 @@ pub fn build<B: Backend>(
         Route::Mtp => match MtpHead::load(bundle, model) {
             Ok(head) => {
                 let head = MtpProposer::new(head, model.hp.vocab, model.hp.context_len)?;
-                // Copying where the suffix has a full-length match beats the head there: it is free.
-                Box::new(CopyFirst::new(Box::new(head)))
+                // Copying competes with the head wherever the context has a match (the chooser).
+                Box::new(Chooser::new(Box::new(head)))
             }
             Err(e) if *mode == SpecMode::Auto => {
                 tracing::warn!("MTP head unusable, copying instead: {e}");

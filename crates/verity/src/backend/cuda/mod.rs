@@ -53,6 +53,7 @@
 
 pub mod affine;
 mod launch;
+mod options;
 mod ptx_cache;
 mod recorded;
 mod rope;
@@ -71,6 +72,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
 use launch::{addr, Arg};
+pub use options::CudaOptions;
 use recorded::Recorded;
 use rope::{RopeKey, RopeTable};
 
@@ -371,12 +373,6 @@ fn nonempty_groups(rows: usize, want: usize) -> usize {
     rows.div_ceil(per)
 }
 
-/// A count set by environment variable `var` for side-by-side measurements, if it parses and lies in `range`.
-fn env_count(var: &str, range: std::ops::RangeInclusive<usize>) -> Option<usize> {
-    let n = std::env::var(var).ok()?.parse().ok()?;
-    range.contains(&n).then_some(n)
-}
-
 /// NVRTC's version, as `nvrtc MAJOR.MINOR`.
 fn nvrtc_version() -> String {
     let (mut major, mut minor) = (0, 0);
@@ -437,15 +433,14 @@ fn grid(n: usize, block: u32) -> LaunchConfig {
 }
 
 impl CudaBackend {
-    /// Open GPU `ordinal`, compile the kernels for it, and record forwards as CUDA graphs unless
-    /// `VERITY_CUDA_GRAPHS=0`.
+    /// Open GPU `ordinal` with the settings the environment asks for ([`CudaOptions::from_env`]).
     pub fn new(ordinal: usize) -> Result<Self> {
-        let graphs = !matches!(std::env::var("VERITY_CUDA_GRAPHS").as_deref(), Ok("0"));
-        Self::with_graphs(ordinal, graphs)
+        Self::with_options(ordinal, CudaOptions::from_env())
     }
 
-    /// [`CudaBackend::new`] with graph recording chosen explicitly.
-    pub fn with_graphs(ordinal: usize, graphs: bool) -> Result<Self> {
+    /// Open GPU `ordinal` and compile the kernels for it, with `opts`.
+    pub fn with_options(ordinal: usize, opts: CudaOptions) -> Result<Self> {
+        let graphs = opts.graphs;
         let err =
             |what: &str, e: &dyn std::fmt::Display| Error::Invalid(format!("CUDA {what}: {e}"));
         // cudarc panics on its first call into a library it cannot load; ask first, so a machine without the
@@ -476,24 +471,9 @@ impl CudaBackend {
         unsafe { ctx.disable_event_tracking() };
         let (major, minor) = ctx.compute_capability().map_err(|e| err("device", &e))?;
         let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
-        // `VERITY_CUDA_NVRTC`: extra compiler options, space-separated (`-DQM_AHEAD=9`, `-lineinfo`): kernel
-        // constants tried side by side on one binary, and source lines for the profiler.
-        let mut options: Vec<String> = std::env::var("VERITY_CUDA_NVRTC")
-            .map(|o| o.split_whitespace().map(String::from).collect())
-            .unwrap_or_default();
-        // `VERITY_CUDA_NARROW_WARPS=N` and `VERITY_CUDA_NARROW_WARPS_ROWS=N` (4 to 32): narrow-schedule CTAs of N
-        // warps for few rows and for many (side-by-side measurements).
-        let narrow_warps = [
-            env_count("VERITY_CUDA_NARROW_WARPS", 4..=32).unwrap_or(NARROW_WARPS),
-            env_count("VERITY_CUDA_NARROW_WARPS_ROWS", 4..=32).unwrap_or(NARROW_WARPS_ROWS),
-        ];
-        // A knockout (`-DKO_*`, `-DLAUNCH_FLOOR`) computes garbage by design, so no shape's admission check
-        // could pass: under one every shape is admitted, and the W-row launches are timed as they would run.
-        let knockout = options
-            .iter()
-            .any(|o| o.starts_with("-DKO_") || o == "-DLAUNCH_FLOOR");
-        // `VERITY_CUDA_WIDE_WARPS=N` (4 to 16): wide-schedule CTAs of N warps (side-by-side measurements).
-        let wide_warps = env_count("VERITY_CUDA_WIDE_WARPS", 4..=16).unwrap_or(WIDE_WARPS);
+        let (narrow_warps, wide_warps, knockout) =
+            (opts.narrow_warps, opts.wide_warps, opts.knockout());
+        let mut options = opts.nvrtc.clone();
         options.push(format!("-DQM_WARPS={wide_warps}"));
         options.push(format!("-DNQ_WARPS={}", narrow_warps[0]));
         options.push(format!("-DNQ_WARPS_ROWS={}", narrow_warps[1]));
@@ -548,10 +528,8 @@ impl CudaBackend {
             )
             .map_err(|e| err("shared memory", &e))?;
         }
-        // `VERITY_CUDA_INT8=0` and `VERITY_CUDA_PDL=0` turn either off (for side-by-side measurements).
-        let off = |var: &str| matches!(std::env::var(var).as_deref(), Ok("0"));
-        let int8_tiles = major >= 8 && !off("VERITY_CUDA_INT8");
-        let pdl = major >= 9 && !off("VERITY_CUDA_PDL");
+        let int8_tiles = major >= 8 && opts.int8;
+        let pdl = major >= 9 && opts.pdl;
         let name = format!(
             "cuda:{ordinal} ({}, sm_{major}{minor}{}{}{})",
             ctx.name().unwrap_or_default(),
@@ -578,19 +556,18 @@ impl CudaBackend {
             matmul_shared,
             int8_tiles,
             pdl,
-            fuse_rope: !off("VERITY_CUDA_FUSE_ROPE"),
-            att_ahead: !off("VERITY_CUDA_ATT_AHEAD"),
-            att_ahead_per_sm: env_count("VERITY_CUDA_ATT_AHEAD_PER_SM", 1..=64)
-                .unwrap_or(ATT_AHEAD_PER_SM),
+            fuse_rope: opts.fuse_rope,
+            att_ahead: opts.att_ahead,
+            att_ahead_per_sm: opts.att_ahead_per_sm,
             narrow_warps,
             wide_warps,
-            att_split: env_count("VERITY_CUDA_ATT_SPLIT", 1..=ATT_SPLIT_MAX),
-            att_heads: env_count("VERITY_CUDA_ATT_HEADS", 1..=ATT_HEADS),
-            att_split_by_context: !off("VERITY_CUDA_ATT_SPLIT_BY_CONTEXT"),
-            row_groups: env_count("VERITY_CUDA_ROW_GROUPS", 1..=MAX_ROWS),
-            split_rows: !off("VERITY_CUDA_SPLIT_ROWS"),
+            att_split: opts.att_split,
+            att_heads: opts.att_heads,
+            att_split_by_context: opts.att_split_by_context,
+            row_groups: opts.row_groups,
+            split_rows: opts.split_rows,
             argmax_work,
-            eight_lanes: matches!(std::env::var("VERITY_CUDA_STAGE_LANES").as_deref(), Ok("8")),
+            eight_lanes: opts.eight_lanes,
             sms,
             admitted: Mutex::new(HashMap::new()),
             knockout,

@@ -1,0 +1,172 @@
+//! The CUDA backend's settings, one typed struct read once: the production defaults, and the knobs that
+//! side-by-side measurements turn through `VERITY_CUDA_*` environment variables. None changes a result bit unless
+//! its doc says so (the backend's numerics name the ones that do).
+
+use super::{
+    ATT_AHEAD_PER_SM, ATT_HEADS, ATT_SPLIT_MAX, MAX_ROWS, NARROW_WARPS, NARROW_WARPS_ROWS,
+    WIDE_WARPS,
+};
+
+/// Every setting of a CUDA backend.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// Record short forwards as CUDA graphs and replay them (`VERITY_CUDA_GRAPHS=0`: off).
+    pub graphs: bool,
+    /// Extra NVRTC options (`VERITY_CUDA_NVRTC`, space-separated): kernel constants tried side by side
+    /// (`-DQM_AHEAD=9`), source lines for the profiler (`-lineinfo`), knockouts (`-DKO_*`, `-DLAUNCH_FLOOR`,
+    /// which compute garbage by design). These may change bits.
+    pub nvrtc: Vec<String>,
+    /// Warps of a narrow-schedule CTA for launches of few rows and of many (`VERITY_CUDA_NARROW_WARPS`,
+    /// `VERITY_CUDA_NARROW_WARPS_ROWS`: 4 to 32).
+    pub narrow_warps: [usize; 2],
+    /// Warps of a wide-schedule CTA (`VERITY_CUDA_WIDE_WARPS`: 4 to 16).
+    pub wide_warps: usize,
+    /// Int8 tensor-core tiles where the card has them (`VERITY_CUDA_INT8=0`: off; changes bits: the float path
+    /// computes in f32).
+    pub int8: bool,
+    /// Programmatic dependent launch where the card has it (`VERITY_CUDA_PDL=0`: off).
+    pub pdl: bool,
+    /// RoPE and the cache write fused into the Q/K/V projection (`VERITY_CUDA_FUSE_ROPE=0`: off).
+    pub fuse_rope: bool,
+    /// Attention blocks that fetch their keys before the grid before finishes (`VERITY_CUDA_ATT_AHEAD=0`: off),
+    /// and how many such blocks per SM (`VERITY_CUDA_ATT_AHEAD_PER_SM`: 1 to 64).
+    pub att_ahead: bool,
+    pub att_ahead_per_sm: usize,
+    /// A fixed attention split over the context (`VERITY_CUDA_ATT_SPLIT`: 1 to `ATT_SPLIT_MAX`), else the rule.
+    pub att_split: Option<usize>,
+    /// A fixed count of heads per attention block (`VERITY_CUDA_ATT_HEADS`: 1 to `ATT_HEADS`), else the rule.
+    pub att_heads: Option<usize>,
+    /// The attention split follows the context, not the rows alone (`VERITY_CUDA_ATT_SPLIT_BY_CONTEXT=0`: off).
+    pub att_split_by_context: bool,
+    /// A fixed count of row groups per projection launch (`VERITY_CUDA_ROW_GROUPS`: 1 to `MAX_ROWS`).
+    pub row_groups: Option<usize>,
+    /// Multi-row launches split into row groups (`VERITY_CUDA_SPLIT_ROWS=0`: off).
+    pub split_rows: bool,
+    /// Quantize staged activations with eight lanes per block, the earlier staging
+    /// (`VERITY_CUDA_STAGE_LANES=8`).
+    pub eight_lanes: bool,
+}
+
+impl Default for CudaOptions {
+    /// The production settings.
+    fn default() -> Self {
+        CudaOptions {
+            graphs: true,
+            nvrtc: Vec::new(),
+            narrow_warps: [NARROW_WARPS, NARROW_WARPS_ROWS],
+            wide_warps: WIDE_WARPS,
+            int8: true,
+            pdl: true,
+            fuse_rope: true,
+            att_ahead: true,
+            att_ahead_per_sm: ATT_AHEAD_PER_SM,
+            att_split: None,
+            att_heads: None,
+            att_split_by_context: true,
+            row_groups: None,
+            split_rows: true,
+            eight_lanes: false,
+        }
+    }
+}
+
+impl CudaOptions {
+    /// The settings the process environment asks for.
+    pub fn from_env() -> Self {
+        Self::parse(|name| std::env::var(name).ok())
+    }
+
+    /// The settings a lookup of `VERITY_CUDA_*` variables asks for: a switch is off only at `0`, a count is
+    /// taken only when it parses and lies in its range (otherwise the default stands).
+    pub fn parse(var: impl Fn(&str) -> Option<String>) -> Self {
+        let on = |name: &str| var(name).as_deref() != Some("0");
+        let count = |name: &str, range: std::ops::RangeInclusive<usize>| -> Option<usize> {
+            let n = var(name)?.trim().parse().ok()?;
+            range.contains(&n).then_some(n)
+        };
+        let d = CudaOptions::default();
+        CudaOptions {
+            graphs: on("VERITY_CUDA_GRAPHS"),
+            nvrtc: var("VERITY_CUDA_NVRTC")
+                .map(|o| o.split_whitespace().map(String::from).collect())
+                .unwrap_or_default(),
+            narrow_warps: [
+                count("VERITY_CUDA_NARROW_WARPS", 4..=32).unwrap_or(d.narrow_warps[0]),
+                count("VERITY_CUDA_NARROW_WARPS_ROWS", 4..=32).unwrap_or(d.narrow_warps[1]),
+            ],
+            wide_warps: count("VERITY_CUDA_WIDE_WARPS", 4..=16).unwrap_or(d.wide_warps),
+            int8: on("VERITY_CUDA_INT8"),
+            pdl: on("VERITY_CUDA_PDL"),
+            fuse_rope: on("VERITY_CUDA_FUSE_ROPE"),
+            att_ahead: on("VERITY_CUDA_ATT_AHEAD"),
+            att_ahead_per_sm: count("VERITY_CUDA_ATT_AHEAD_PER_SM", 1..=64)
+                .unwrap_or(d.att_ahead_per_sm),
+            att_split: count("VERITY_CUDA_ATT_SPLIT", 1..=ATT_SPLIT_MAX),
+            att_heads: count("VERITY_CUDA_ATT_HEADS", 1..=ATT_HEADS),
+            att_split_by_context: on("VERITY_CUDA_ATT_SPLIT_BY_CONTEXT"),
+            row_groups: count("VERITY_CUDA_ROW_GROUPS", 1..=MAX_ROWS),
+            split_rows: on("VERITY_CUDA_SPLIT_ROWS"),
+            eight_lanes: var("VERITY_CUDA_STAGE_LANES").as_deref() == Some("8"),
+        }
+    }
+
+    /// Whether a knockout is compiled in: it computes garbage by design, so no shape's admission check could
+    /// pass; under one every shape is admitted and the W-row launches are timed as they would run.
+    pub fn knockout(&self) -> bool {
+        self.nvrtc
+            .iter()
+            .any(|o| o.starts_with("-DKO_") || o == "-DLAUNCH_FLOOR")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn parse(vars: &[(&str, &str)]) -> CudaOptions {
+        let vars: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        CudaOptions::parse(|name| vars.get(name).cloned())
+    }
+
+    #[test]
+    fn nothing_set_is_the_production_default() {
+        assert_eq!(parse(&[]), CudaOptions::default());
+        assert!(!CudaOptions::default().knockout());
+    }
+
+    #[test]
+    fn switches_turn_off_only_at_zero_and_counts_only_in_range() {
+        let o = parse(&[
+            ("VERITY_CUDA_GRAPHS", "0"),
+            ("VERITY_CUDA_PDL", "no"),
+            ("VERITY_CUDA_WIDE_WARPS", "8"),
+            ("VERITY_CUDA_NARROW_WARPS", "64"),
+            ("VERITY_CUDA_NARROW_WARPS_ROWS", "x"),
+            ("VERITY_CUDA_ATT_SPLIT", "0"),
+            ("VERITY_CUDA_ROW_GROUPS", "3"),
+            ("VERITY_CUDA_STAGE_LANES", "8"),
+        ]);
+        assert!(!o.graphs && o.pdl, "only 0 turns a switch off");
+        assert_eq!(o.wide_warps, 8);
+        assert_eq!(
+            o.narrow_warps,
+            [NARROW_WARPS, NARROW_WARPS_ROWS],
+            "out of range or not a number"
+        );
+        assert_eq!((o.att_split, o.row_groups), (None, Some(3)));
+        assert!(o.eight_lanes);
+    }
+
+    #[test]
+    fn nvrtc_options_split_on_whitespace_and_knockouts_are_recognized() {
+        let o = parse(&[("VERITY_CUDA_NVRTC", " -DQM_AHEAD=9  -lineinfo ")]);
+        assert_eq!(o.nvrtc, vec!["-DQM_AHEAD=9", "-lineinfo"]);
+        assert!(!o.knockout());
+        assert!(parse(&[("VERITY_CUDA_NVRTC", "-DKO_ATT")]).knockout());
+        assert!(parse(&[("VERITY_CUDA_NVRTC", "-DLAUNCH_FLOOR")]).knockout());
+    }
+}
