@@ -480,6 +480,15 @@ fn every_route_reproduces_cuda_ar_greedy_output_on_smollm2() {
     }
 }
 
+/// A backend on GPU 0 with the environment's settings, graph recording on or off.
+fn backend_with_graphs(graphs: bool) -> Arc<CudaBackend> {
+    let opts = CudaOptions {
+        graphs,
+        ..CudaOptions::from_env()
+    };
+    Arc::new(CudaBackend::with_options(0, opts).unwrap())
+}
+
 /// A forward replayed from a recorded CUDA graph gives bitwise what launching its kernels one by one gives:
 /// across cache growth (new buffers, new recordings), rollbacks, tree masks and both logit modes.
 #[test]
@@ -487,16 +496,7 @@ fn recorded_forwards_replay_bitwise_what_direct_launches_compute() {
     let bundle = Bundle::open(&smollm2()).unwrap();
     let mut runs = Vec::new();
     for graphs in [true, false] {
-        let be = Arc::new(
-            CudaBackend::with_options(
-                0,
-                CudaOptions {
-                    graphs,
-                    ..CudaOptions::from_env()
-                },
-            )
-            .unwrap(),
-        );
+        let be = backend_with_graphs(graphs);
         let mut m = Model::load(&bundle, be).unwrap();
         let vocab = m.hp.vocab as u32;
         let mut cache = m.new_cache(1024);
@@ -669,16 +669,7 @@ fn recorded_mtp_head_steps_replay_bitwise_what_direct_launches_compute() {
     let bundle = Bundle::open(&smollm2_mtp()).unwrap();
     let mut runs = Vec::new();
     for graphs in [true, false] {
-        let be = Arc::new(
-            CudaBackend::with_options(
-                0,
-                CudaOptions {
-                    graphs,
-                    ..CudaOptions::from_env()
-                },
-            )
-            .unwrap(),
-        );
+        let be = backend_with_graphs(graphs);
         let model = Model::load(&bundle, be).unwrap();
         let mut head = MtpHead::load(&bundle, &model).unwrap();
         let (h, vocab) = (model.hp.hidden, model.hp.vocab as u32);
