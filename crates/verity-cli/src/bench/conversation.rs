@@ -1,6 +1,7 @@
 //! `verity bench conversation`: the two-turn prompts with the prefix cache off, on (RAM) and on disk only. Every turn starts from a
 //! fresh session, so turn 2 can reuse turn 1 only through the prefix cache; the arms are interleaved per
-//! prompt and repeat. Reported: turn-2 TTFT, restored tokens, decode tok/s, tokens per cycle, and the time the
+//! prompt and repeat, run on one loaded model (each arm's cache set up before its runs, every conversation
+//! forgotten before each prompt), so they differ in nothing but the cache. Reported: turn-2 TTFT, restored tokens, decode tok/s, tokens per cycle, and the time the
 //! checkpoint store added (`store_s`). The disk arm forgets every conversation between the turns
 //! ([`verity::engine::Engine::forget_conversations`]): turn 2 runs as after a restart, the proposer's state
 //! included. `--width K` fixes the draft width, so tokens per cycle depend on the proposer's state alone, not on
@@ -59,22 +60,12 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
     let target = crate::load::resolve(&a.model)?;
     let target = target.to_str().context("model path is not UTF-8")?;
     let mode = route_mode(&a.route, target)?;
-    let mut engines = Vec::new();
+    let mut engine = crate::load::engine_on(target, backend.clone(), &mode)?;
     // off: nothing to restore; on: the RAM tier; disk: the disk tier alone (a restarted server).
     let disk_root =
         std::env::temp_dir().join(format!("verity-bench-prefix-{}", std::process::id()));
-    for (label, budget, disk) in [
-        ("off", 0usize, false),
-        ("on", 1 << 30, false),
-        ("disk", 0, true),
-    ] {
-        let mut e = crate::load::engine_on(target, backend.clone(), &mode)?;
-        e.set_prefix_cache_budget(budget);
-        if disk && !e.set_prefix_cache_dir(&disk_root, 1 << 32) {
-            bail!("cannot use {} for the disk arm", disk_root.display());
-        }
-        engines.push((label, e));
-    }
+    let setups: [(&str, usize, bool); 3] =
+        [("off", 0, false), ("on", 1 << 30, false), ("disk", 0, true)];
     let req = GenerateRequest {
         draft_width: a.width,
         ..GenerateRequest::greedy(a.max_tokens)
@@ -82,14 +73,21 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
     let mut records = Vec::new();
     for repeat in 0..a.repeat {
         for p in &prompts {
-            for (label, engine) in engines.iter_mut() {
+            for &(label, budget, disk) in &setups {
+                engine.set_prefix_cache_budget(budget);
+                if !disk {
+                    engine.close_prefix_cache_dir();
+                } else if !engine.set_prefix_cache_dir(&disk_root, 1 << 32) {
+                    bail!("cannot use {} for the disk arm", disk_root.display());
+                }
                 engine.clear_prefix_cache();
-                let turns = if *label == "disk" {
+                engine.forget_conversations();
+                let turns = if disk {
                     Turns::Restarted
                 } else {
                     Turns::FreshSessions
                 };
-                for mut r in run_prompt(engine, p, &a.route, repeat, &req, turns)? {
+                for mut r in run_prompt(&mut engine, p, &a.route, repeat, &req, turns)? {
                     r.cache = Some(label.to_string());
                     records.push(r);
                 }
@@ -97,8 +95,8 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
         }
     }
     write_json(a.json.as_deref(), &records)?;
-    // The engines' disk writers finish their stores before the folder goes.
-    drop(engines);
+    // The engine's disk writer finishes its stores before the folder goes.
+    drop(engine);
     let _ = std::fs::remove_dir_all(&disk_root);
     println!(
         "{:<6} {:>5} {:>10} {:>10} {:>10} {:>9} {:>10}",

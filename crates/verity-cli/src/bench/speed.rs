@@ -1,7 +1,8 @@
 //! `verity bench speed`: every prompt × turn × route × repeat, arms interleaved (for each repeat, for each
-//! prompt, every route in turn) so that machine drift hits all routes alike.
+//! prompt, every route in turn) so that machine drift hits all routes alike, and every route decoding with the
+//! same loaded model (its proposer swapped in) so that no route runs on its own copy of the weights.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use std::sync::Arc;
@@ -82,10 +83,16 @@ fn run<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
     }
     let target = crate::load::resolve(&a.model)?;
     let target = target.to_str().context("model path is not UTF-8")?;
-    let mut engines = Vec::new();
+    // One model for every route, each route's proposer swapped in for its runs: two copies of the weights may
+    // land differently in memory and run several per cent apart, which a ratio must not measure.
+    let mut engine = crate::load::engine_on(target, backend.clone(), &SpecMode::Off)?;
+    let mut proposers = Vec::new();
     for r in &routes {
         let mode = route_mode(r, a.draft_model.as_deref().unwrap_or(target))?;
-        engines.push(crate::load::engine_on(target, backend.clone(), &mode)?);
+        let route = engine
+            .route_for(Path::new(target), &mode)
+            .with_context(|| format!("route {r}"))?;
+        proposers.push(Some(route));
     }
     let req = GenerateRequest {
         max_tokens: a.max_tokens,
@@ -99,15 +106,12 @@ fn run<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
     let mut records = Vec::new();
     for repeat in 0..a.repeat {
         for p in &prompts {
-            for (route, engine) in routes.iter().zip(engines.iter_mut()) {
-                records.extend(run_prompt(
-                    engine,
-                    p,
-                    route,
-                    repeat,
-                    &req,
-                    Turns::OneSession,
-                )?);
+            for (route, slot) in routes.iter().zip(proposers.iter_mut()) {
+                let (plan, proposer) = slot.take().expect("returned after its runs");
+                let own = engine.swap_route(plan, proposer);
+                let runs = run_prompt(&mut engine, p, route, repeat, &req, Turns::OneSession);
+                *slot = Some(engine.swap_route(own.0, own.1));
+                records.extend(runs?);
             }
         }
     }

@@ -112,6 +112,11 @@ impl<B: Backend> Engine<B> {
         usable
     }
 
+    /// Stop using the disk tier (once its queued stores have landed); its files stay.
+    pub fn close_prefix_cache_dir(&mut self) {
+        self.prefix.set_disk(None);
+    }
+
     /// The disk tier, if one is set, once every checkpoint handed to it has been written.
     pub fn prefix_disk(&self) -> Option<std::sync::MutexGuard<'_, DiskTier>> {
         self.prefix.disk()
@@ -130,6 +135,36 @@ impl<B: Backend> Engine<B> {
     /// Drop every prefix-cache checkpoint, in RAM and on disk.
     pub fn clear_prefix_cache(&mut self) {
         self.prefix.clear();
+    }
+
+    /// The plan and proposer of route `mode` over this engine's model (`bundle`: the folder or file it was
+    /// loaded from). Side-by-side measurements of routes share one model's weights this way, so that no route's
+    /// speed depends on where its own copy of the weights landed in memory.
+    pub fn route_for(
+        &self,
+        bundle: &Path,
+        mode: &SpecMode,
+    ) -> Result<(Plan, Option<Box<dyn Proposer>>)> {
+        let bundle = Bundle::open(bundle)?;
+        speculative::build(
+            &bundle,
+            &self.model,
+            &self.tokenizer,
+            self.model.backend().clone(),
+            mode,
+        )
+    }
+
+    /// Decode with `plan` and `proposer` from now on; returns the route decoded with until now.
+    pub fn swap_route(
+        &mut self,
+        plan: Plan,
+        proposer: Option<Box<dyn Proposer>>,
+    ) -> (Plan, Option<Box<dyn Proposer>>) {
+        (
+            std::mem::replace(&mut self.plan, plan),
+            std::mem::replace(&mut self.proposer, proposer),
+        )
     }
 
     /// Replace the proposer (tests drive the loop with adversarial proposers through this).
