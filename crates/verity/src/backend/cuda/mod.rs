@@ -373,6 +373,15 @@ fn nonempty_groups(rows: usize, want: usize) -> usize {
     rows.div_ceil(per)
 }
 
+/// The NVRTC options `opts` compile the kernels with: its extra ones, then the CTA warp counts.
+fn nvrtc_options(opts: &CudaOptions) -> Vec<String> {
+    let mut options = opts.nvrtc.clone();
+    options.push(format!("-DQM_WARPS={}", opts.wide_warps));
+    options.push(format!("-DNQ_WARPS={}", opts.narrow_warps[0]));
+    options.push(format!("-DNQ_WARPS_ROWS={}", opts.narrow_warps[1]));
+    options
+}
+
 /// NVRTC's version, as `nvrtc MAJOR.MINOR`.
 fn nvrtc_version() -> String {
     let (mut major, mut minor) = (0, 0);
@@ -473,10 +482,7 @@ impl CudaBackend {
         let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
         let (narrow_warps, wide_warps, knockout) =
             (opts.narrow_warps, opts.wide_warps, opts.knockout());
-        let mut options = opts.nvrtc.clone();
-        options.push(format!("-DQM_WARPS={wide_warps}"));
-        options.push(format!("-DNQ_WARPS={}", narrow_warps[0]));
-        options.push(format!("-DNQ_WARPS_ROWS={}", narrow_warps[1]));
+        let options = nvrtc_options(&opts);
         // The warp counts change no bit (`rowexact` under each); other options may (a knockout, a constant).
         let bit_options: Vec<&str> = options
             .iter()
@@ -1443,7 +1449,33 @@ impl Drop for CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::{att_heads, row_groups, CudaBackend};
+    use super::{att_heads, nvrtc_options, row_groups, CudaBackend, CudaOptions, SOURCE};
+
+    /// `kernels.cu` compiles, as the backend compiles it, for the tensor-core architectures (sm_80: int8 MMA;
+    /// sm_90: also programmatic dependent launch). Needs only NVRTC, no GPU: CI installs NVIDIA's NVRTC wheel
+    /// and sets `VERITY_REQUIRE_NVRTC=1`, so a kernel source that does not compile fails there.
+    #[test]
+    fn the_kernels_compile_with_nvrtc() {
+        // SAFETY: only tries to open the library.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            assert!(
+                std::env::var_os("VERITY_REQUIRE_NVRTC").is_none(),
+                "VERITY_REQUIRE_NVRTC is set, but no NVRTC library (libnvrtc) can be loaded"
+            );
+            eprintln!("no NVRTC library: the kernels' compilation is not checked here");
+            return;
+        }
+        for arch in ["compute_80", "compute_90"] {
+            let options = cudarc::nvrtc::CompileOptions {
+                arch: Some(arch),
+                options: nvrtc_options(&CudaOptions::default()),
+                ..Default::default()
+            };
+            if let Err(e) = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, options) {
+                panic!("kernels.cu does not compile for {arch}: {e}");
+            }
+        }
+    }
 
     #[test]
     fn o_and_down_take_two_row_groups_at_seven_and_eight_rows_but_qkv_keeps_one() {
