@@ -92,7 +92,9 @@ impl<B: Backend> Engine<B> {
     ) -> Result<GenerationStats> {
         let vocab = self.model.hp.vocab;
         let mut stats = GenerationStats::new(proposer.as_ref().map_or("ar", |p| p.name()));
-        let mut controller = Controller::default();
+        // One width controller per proposer source (copying and a model learn their own acceptance).
+        let mut controllers: Vec<Controller> = Vec::new();
+        let mut source = 0;
         // Where each row's argmax decides the verdict and nothing else reads the logits, the forward returns the
         // argmax alone (one value per row from the device, not a vocabulary).
         let wants = if verifier.argmax_decides()
@@ -118,10 +120,14 @@ impl<B: Backend> Engine<B> {
             let t0 = Instant::now();
             let draft = match proposer.as_deref_mut() {
                 Some(p) => {
+                    source = p.source(&context);
+                    if controllers.len() <= source {
+                        controllers.resize_with(source + 1, Controller::default);
+                    }
                     let offered = p.width(limit);
                     let k = match req.draft_width {
                         Some(w) => w.min(offered),
-                        None => controller.choose(offered),
+                        None => controllers[source].choose(offered),
                     };
                     if k > 0 {
                         let mut d = p.propose(&context, k)?;
@@ -186,13 +192,15 @@ impl<B: Backend> Engine<B> {
                     sess.hidden.push(n, &kept, h);
                 }
             }
-            controller.record(
-                draft.len(),
-                accepted,
-                batch.rows(),
-                (t2 - t1).as_secs_f64(),
-                (t1 - t0).as_secs_f64(),
-            );
+            if let Some(c) = controllers.get_mut(source) {
+                c.record(
+                    draft.len(),
+                    accepted,
+                    batch.rows(),
+                    (t2 - t1).as_secs_f64(),
+                    (t1 - t0).as_secs_f64(),
+                );
+            }
             stats.record_cycle(draft.len(), accepted, t1 - t0, t2 - t1, t2.elapsed());
 
             let emitted: Vec<u32> = verdict

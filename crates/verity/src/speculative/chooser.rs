@@ -8,9 +8,11 @@
 //! two tokens or more, as long matches run long; else the model, with the match's continuations as branches of
 //! its draft tree where the width leaves room; each side is tried where the prior would not pick it), then the
 //! higher measured rate, the loser retried now and then so that a change in the text is noticed. Without a
-//! match the model drafts. Whether to draft at all, and how wide, stays the controller's
-//! ([`super::Controller`]): a contest between the model and plain AR steps decided here from per-cycle wall
-//! times was measured to lose to it (too few cycles per request to tell them apart).
+//! match the model drafts. The decision comes before the width ([`Proposer::source`]): the decode loop keeps a
+//! width controller per source, so the model's acceptance is learned from the model's cycles alone and where
+//! its drafts do not pay (prose, for an MTP head) its controller falls back to plain AR steps while copying
+//! keeps drafting its matches. (A contest between the model and AR steps decided here from per-cycle wall times
+//! was measured to lose to that: too few cycles per request to tell them apart.)
 //!
 //! On a copied cycle the model proposer still catches up ([`Proposer::catch_up`]), so a stateful drafter (an
 //! MTP head's cache) stays aligned with the target; its time counts in the copied cycle's cost. Each proposer
@@ -73,7 +75,9 @@ pub struct Chooser {
     /// Copying's yield per match length (`MIN_MATCH..=MAX_MATCH`).
     copy_yield: [Yield; MAX_MATCH - MIN_MATCH + 1],
     model_yield: Yield,
+    /// Who drafts the current cycle, and after how long a context it was decided ([`Proposer::source`]).
     current: Source,
+    decided_at: Option<usize>,
 }
 
 /// Whether side `a` drafts rather than side `b`: `prior` until both have a record (a side without one is tried
@@ -102,7 +106,28 @@ impl Chooser {
             copy_yield: Default::default(),
             model_yield: Yield::default(),
             current: Source::Model,
+            decided_at: None,
         }
+    }
+
+    /// Decide who drafts after `context`: the copy-or-model contest where the context has a copy match.
+    fn decide(&mut self, context: &[u32]) {
+        self.current = match self.copy.lookup(context, super::controller::MAX_K) {
+            Some((n, draft)) => {
+                let prior = n == MAX_MATCH && draft.main_line() >= 2;
+                if first_wins(
+                    &mut self.copy_yield[n - MIN_MATCH],
+                    &mut self.model_yield,
+                    prior,
+                ) {
+                    Source::Copy(n)
+                } else {
+                    Source::Model
+                }
+            }
+            None => Source::Model,
+        };
+        self.decided_at = Some(context.len());
     }
 }
 
@@ -123,25 +148,29 @@ impl Proposer for Chooser {
         self.model_yield = Yield::default();
     }
 
+    fn source(&mut self, context: &[u32]) -> usize {
+        self.decide(context);
+        match self.current {
+            Source::Model => 0,
+            Source::Copy(n) => 1 + n - MIN_MATCH,
+        }
+    }
+
     fn width(&self, k: usize) -> usize {
         self.model.width(k)
     }
 
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft> {
-        self.current = Source::Model;
-        let found = self.copy.lookup(context, k);
-        if let Some((n, draft)) = &found {
-            let prior = *n == MAX_MATCH && draft.main_line() >= 2;
-            if first_wins(
-                &mut self.copy_yield[n - MIN_MATCH],
-                &mut self.model_yield,
-                prior,
-            ) {
-                self.model.catch_up(context)?;
-                self.current = Source::Copy(*n);
-                return Ok(found.expect("matched").1);
-            }
+        if self.decided_at != Some(context.len()) {
+            self.decide(context);
         }
+        self.decided_at = None;
+        let found = self.copy.lookup(context, k);
+        if let (Source::Copy(_), Some((_, draft))) = (self.current, &found) {
+            self.model.catch_up(context)?;
+            return Ok(draft.clone());
+        }
+        self.current = Source::Model;
         let mut draft = self.model.propose(context, k)?;
         // The match's continuations join the model's drafts as branches, in the rows it left of the width.
         if let Some((_, copied)) = found {
@@ -168,6 +197,7 @@ impl Proposer for Chooser {
             Source::Model => self.model.observe(outcome),
         }
         self.current = Source::Model;
+        self.decided_at = None;
     }
 
     fn catch_up(&mut self, context: &[u32]) -> Result<()> {
@@ -258,6 +288,21 @@ mod tests {
         // No match: the model drafts every cycle.
         let mut c = Chooser::new(fixed().0);
         assert!((0..30).all(|_| cycle(&mut c, &[7, 8]) == Model));
+    }
+
+    #[test]
+    fn the_source_is_decided_once_per_cycle_before_the_width() {
+        let mut c = Chooser::new(fixed().0);
+        assert_eq!(c.source(&[7, 8]), 0, "no match: the model");
+        // A full-length match: copying, reported as its match length's source, and the draft is the copy.
+        let ctx = [1, 2, 3, 4, 3, 5, 6, 1, 2, 3, 4];
+        assert_eq!(c.source(&ctx), 1 + MAX_MATCH - MIN_MATCH);
+        let passed_over = c.model_yield.passed_over;
+        assert_eq!(c.propose(&ctx, 8).unwrap().tokens(), &[3, 5, 6]);
+        assert_eq!(
+            c.model_yield.passed_over, passed_over,
+            "propose kept the decision"
+        );
     }
 
     #[test]

@@ -207,6 +207,13 @@ pub trait Proposer: Send {
     /// started process. Requests stay exact either way; this only changes what later drafts can build on.
     fn forget(&mut self) {}
 
+    /// Which of the proposer's sources drafts after `context`: a proposer composed of several (copying and a
+    /// model) decides here, before the width is chosen, and the decode loop keeps a width controller per source,
+    /// so that each learns its own acceptance. A proposer of one source keeps the default, 0.
+    fn source(&mut self, _context: &[u32]) -> usize {
+        0
+    }
+
     /// The largest width this proposer would offer now (its own adaptive cap), at most `k`.
     fn width(&self, k: usize) -> usize {
         k

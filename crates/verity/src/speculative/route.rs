@@ -97,7 +97,11 @@ pub fn plan(bundle: &Bundle, mode: &SpecMode) -> Result<Plan> {
         SpecMode::Mtp => match head {
             Ok(()) => Plan {
                 route: Route::Mtp,
-                reason: format!("MTP requested: {}", bundle.mtp.describe()),
+                reason: format!(
+                    "MTP requested: {}; where the context has a copy match, copying or the head drafts, whichever \
+                     has yielded more tokens per second",
+                    bundle.mtp.describe()
+                ),
             },
             Err(why) => {
                 return Err(Error::Invalid(format!(
@@ -115,7 +119,11 @@ pub fn plan(bundle: &Bundle, mode: &SpecMode) -> Result<Plan> {
         SpecMode::Auto => match head {
             Ok(()) => Plan {
                 route: Route::Mtp,
-                reason: format!("native MTP: {}", bundle.mtp.describe()),
+                reason: format!(
+                    "native MTP: {}; where the context has a copy match, copying or the head drafts, whichever \
+                     has yielded more tokens per second",
+                    bundle.mtp.describe()
+                ),
             },
             Err(why) => Plan {
                 route: Route::Copy,
