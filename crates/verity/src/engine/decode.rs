@@ -8,6 +8,7 @@
 //! forward makes their output identical: greedy, and sampled too, since each position's draw is keyed by the
 //! seed and the position (see [`crate::speculative::verify`]).
 
+use std::borrow::Cow;
 use std::time::Instant;
 
 use super::request::Logprobs;
@@ -183,11 +184,18 @@ impl<B: Backend> Engine<B> {
                 });
                 if wants_hidden {
                     let h = self.model.hp.hidden;
-                    let kept: Vec<f32> = kept_rows
-                        .iter()
-                        .flat_map(|&r| &out.final_hidden[r * h..(r + 1) * h])
-                        .copied()
-                        .collect();
+                    // The kept rows' states: a prefix of the rows unless the path left the first-child line.
+                    let last = kept_rows.len() - 1;
+                    let kept: Cow<[f32]> = if kept_rows[last] == last {
+                        Cow::Borrowed(&out.final_hidden[..kept_rows.len() * h])
+                    } else {
+                        let rows = kept_rows.iter();
+                        Cow::Owned(
+                            rows.flat_map(|&r| &out.final_hidden[r * h..(r + 1) * h])
+                                .copied()
+                                .collect(),
+                        )
+                    };
                     p.observe_hidden(n, &kept);
                     sess.hidden.push(n, &kept, h);
                 }

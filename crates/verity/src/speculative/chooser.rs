@@ -61,12 +61,20 @@ impl Yield {
     }
 }
 
-/// Who drafted the current cycle.
+/// Who drafts a cycle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Source {
     /// Copying, after a match of this length.
     Copy(usize),
     Model,
+}
+
+/// A cycle's decision: who drafts after a context of `at` tokens, and the copy match seen there (its draft at
+/// the widest width, cut to the cycle's width when it drafts).
+struct Decision {
+    at: usize,
+    source: Source,
+    matched: Option<(usize, Draft)>,
 }
 
 pub struct Chooser {
@@ -75,9 +83,8 @@ pub struct Chooser {
     /// Copying's yield per match length (`MIN_MATCH..=MAX_MATCH`).
     copy_yield: [Yield; MAX_MATCH - MIN_MATCH + 1],
     model_yield: Yield,
-    /// Who drafts the current cycle, and after how long a context it was decided ([`Proposer::source`]).
-    current: Source,
-    decided_at: Option<usize>,
+    /// The current cycle's decision ([`Proposer::source`]), until it is observed.
+    decision: Option<Decision>,
 }
 
 /// Whether side `a` drafts rather than side `b`: `prior` until both have a record (a side without one is tried
@@ -105,29 +112,38 @@ impl Chooser {
             model,
             copy_yield: Default::default(),
             model_yield: Yield::default(),
-            current: Source::Model,
-            decided_at: None,
+            decision: None,
         }
     }
 
-    /// Decide who drafts after `context`: the copy-or-model contest where the context has a copy match.
-    fn decide(&mut self, context: &[u32]) {
-        self.current = match self.copy.lookup(context, super::controller::MAX_K) {
+    /// Who drafts after `context`: the copy-or-model contest where the context has a copy match. Decided once
+    /// per cycle.
+    fn decide(&mut self, context: &[u32]) -> Source {
+        if let Some(d) = self.decision.as_ref().filter(|d| d.at == context.len()) {
+            return d.source;
+        }
+        let matched = self.copy.lookup(context, super::controller::MAX_K);
+        let source = match &matched {
             Some((n, draft)) => {
-                let prior = n == MAX_MATCH && draft.main_line() >= 2;
+                let prior = *n == MAX_MATCH && draft.main_line() >= 2;
                 if first_wins(
                     &mut self.copy_yield[n - MIN_MATCH],
                     &mut self.model_yield,
                     prior,
                 ) {
-                    Source::Copy(n)
+                    Source::Copy(*n)
                 } else {
                     Source::Model
                 }
             }
             None => Source::Model,
         };
-        self.decided_at = Some(context.len());
+        self.decision = Some(Decision {
+            at: context.len(),
+            source,
+            matched,
+        });
+        source
     }
 }
 
@@ -149,8 +165,7 @@ impl Proposer for Chooser {
     }
 
     fn source(&mut self, context: &[u32]) -> usize {
-        self.decide(context);
-        match self.current {
+        match self.decide(context) {
             Source::Model => 0,
             Source::Copy(n) => 1 + n - MIN_MATCH,
         }
@@ -161,19 +176,24 @@ impl Proposer for Chooser {
     }
 
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft> {
-        if self.decided_at != Some(context.len()) {
-            self.decide(context);
-        }
-        self.decided_at = None;
-        let found = self.copy.lookup(context, k);
-        if let (Source::Copy(_), Some((_, draft))) = (self.current, &found) {
+        let source = self.decide(context);
+        // The match's draft, cut to this width: the nodes it would have had were it looked up at `k`.
+        let copied = self
+            .decision
+            .as_ref()
+            .and_then(|d| d.matched.as_ref())
+            .map(|(_, draft)| {
+                let mut draft = draft.clone();
+                draft.truncate(k);
+                draft
+            });
+        if let (Source::Copy(_), Some(draft)) = (source, &copied) {
             self.model.catch_up(context)?;
             return Ok(draft.clone());
         }
-        self.current = Source::Model;
         let mut draft = self.model.propose(context, k)?;
         // The match's continuations join the model's drafts as branches, in the rows it left of the width.
-        if let Some((_, copied)) = found {
+        if let Some(copied) = copied {
             draft.merge(&copied, k);
         }
         Ok(draft)
@@ -182,22 +202,21 @@ impl Proposer for Chooser {
     fn observe(&mut self, outcome: &Outcome) {
         let tokens = (outcome.kept.len() + 1) as f64;
         let seconds = outcome.draft_s + outcome.verify_s;
+        let source = self.decision.take().map_or(Source::Model, |d| d.source);
         // A cycle that drafted nothing (the controller's AR step) measures neither side.
         if !outcome.draft.is_empty() {
-            match self.current {
+            match source {
                 Source::Copy(n) => self.copy_yield[n - MIN_MATCH].record(tokens, seconds),
                 Source::Model => self.model_yield.record(tokens, seconds),
             }
         }
-        match self.current {
+        match source {
             Source::Copy(_) => {
                 self.copy.observe(outcome);
                 self.model.observe(&Outcome::of(&Draft::default(), &[]));
             }
             Source::Model => self.model.observe(outcome),
         }
-        self.current = Source::Model;
-        self.decided_at = None;
     }
 
     fn catch_up(&mut self, context: &[u32]) -> Result<()> {
