@@ -7,6 +7,7 @@ mod device;
 mod fetch;
 mod inspect;
 mod load;
+mod quantize;
 mod run;
 mod serve;
 
@@ -40,6 +41,8 @@ enum Command {
     Chat(chat::Args),
     /// Describe a bundle: architecture, sizes, quantization, template, special tokens.
     Inspect(inspect::Args),
+    /// Write a quantized GGUF (llama.cpp's presets and blocks) from a GGUF of float weights.
+    Quantize(quantize::Args),
     /// An OpenAI-compatible HTTP server.
     Serve(serve::Args),
     /// The prefix cache on disk: `ls`, `clear`.
@@ -65,6 +68,7 @@ fn main() {
         Command::Run(a) => run::main(a, dev, threads),
         Command::Chat(a) => chat::main(a, dev, threads),
         Command::Inspect(a) => inspect::main(a),
+        Command::Quantize(a) => quantize::main(a, threads),
         Command::Serve(a) => serve::main(a, dev, threads),
         Command::Cache(c) => device::cpu_only(dev, "cache").and_then(|_| cache::main(c, threads)),
         Command::Bench(c) => bench::main(c, dev, threads),

@@ -14,6 +14,7 @@ pub mod engine;
 pub mod error;
 pub mod model;
 pub mod quant;
+pub mod quantize;
 pub mod sample;
 pub mod speculative;
 pub mod storage;

@@ -92,12 +92,23 @@ pub struct GgufTensor {
     pub range: std::ops::Range<usize>,
 }
 
+/// One metadata entry as stored: its key and the byte range of its type tag and value, so that a writer can
+/// copy metadata verbatim (order, types and bytes; `MetaValue` keeps neither the order nor an empty array's
+/// element type).
+#[derive(Debug, Clone)]
+pub struct RawEntry {
+    pub key: String,
+    pub value: std::ops::Range<usize>,
+}
+
 /// A parsed GGUF file.
 #[derive(Debug)]
 pub struct GgufFile {
     pub path: PathBuf,
     pub version: u32,
     pub metadata: BTreeMap<String, MetaValue>,
+    /// The metadata entries in file order.
+    pub entries: Vec<RawEntry>,
     pub tensors: Vec<GgufTensor>,
     file: MappedFile,
 }
@@ -110,11 +121,17 @@ impl GgufFile {
 
     /// Parse a GGUF image already in memory (the fuzz target and the malformed-file tests use this).
     pub fn parse(path: &Path, file: MappedFile) -> Result<Self> {
-        let (version, metadata, tensors) = parse_header(path, file.bytes())?;
+        let Header {
+            version,
+            metadata,
+            entries,
+            tensors,
+        } = parse_header(path, file.bytes())?;
         Ok(GgufFile {
             path: path.to_path_buf(),
             version,
             metadata,
+            entries,
             tensors,
             file,
         })
@@ -135,9 +152,21 @@ impl GgufFile {
     pub fn file_len(&self) -> usize {
         self.file.len()
     }
+
+    /// The stored bytes of a metadata entry's type tag and value.
+    pub fn entry_bytes(&self, e: &RawEntry) -> &[u8] {
+        &self.file.bytes()[e.value.clone()]
+    }
 }
 
-type Header = (u32, BTreeMap<String, MetaValue>, Vec<GgufTensor>);
+/// A GGUF header: what `parse_header` reads before the tensor data.
+#[derive(Debug)]
+pub struct Header {
+    pub version: u32,
+    pub metadata: BTreeMap<String, MetaValue>,
+    pub entries: Vec<RawEntry>,
+    pub tensors: Vec<GgufTensor>,
+}
 
 /// Parse the header of a GGUF image. Public for fuzzing: it must never panic or allocate without bound.
 pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header> {
@@ -166,13 +195,19 @@ pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header> {
     r.check_count(tensor_count, 32, "tensor count")?;
 
     let mut metadata = BTreeMap::new();
+    let mut entries = Vec::with_capacity(kv_count as usize);
     for _ in 0..kv_count {
         let key = r.string("metadata key")?;
+        let start = r.pos;
         let ty = r.u32("metadata type")?;
         let value = r.value(ty, 0, &key)?;
         if metadata.insert(key.clone(), value).is_some() {
             return Err(r.err(format!("duplicate metadata key {key:?}")));
         }
+        entries.push(RawEntry {
+            key,
+            value: start..r.pos,
+        });
     }
     let alignment = match metadata.get("general.alignment") {
         None => DEFAULT_ALIGNMENT,
@@ -272,7 +307,12 @@ pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header> {
             range: start as usize..end as usize,
         });
     }
-    Ok((version, metadata, tensors))
+    Ok(Header {
+        version,
+        metadata,
+        entries,
+        tensors,
+    })
 }
 
 fn align_up(v: u64, a: u64) -> Option<u64> {

@@ -4,6 +4,7 @@
 //! model code never sees a format's naming scheme.
 
 pub mod gguf;
+pub mod gguf_writer;
 pub mod hparams;
 pub mod mtp;
 mod names;

@@ -47,6 +47,25 @@ impl GgmlType {
         })
     }
 
+    /// The GGUF `ggml_type` id of this type.
+    pub fn gguf_id(self) -> u32 {
+        match self {
+            GgmlType::F32 => 0,
+            GgmlType::F16 => 1,
+            GgmlType::Q4_0 => 2,
+            GgmlType::Q4_1 => 3,
+            GgmlType::Q5_0 => 6,
+            GgmlType::Q5_1 => 7,
+            GgmlType::Q8_0 => 8,
+            GgmlType::Q4K => 12,
+            GgmlType::Q5K => 13,
+            GgmlType::Q6K => 14,
+            GgmlType::IQ4NL => 20,
+            GgmlType::IQ4XS => 23,
+            GgmlType::BF16 => 30,
+        }
+    }
+
     /// The name of a GGUF `ggml_type` id, for error messages about types verity does not support.
     pub fn gguf_id_name(id: u32) -> &'static str {
         match id {
@@ -109,7 +128,7 @@ impl GgmlType {
         }
     }
 
-    fn is_float(self) -> bool {
+    pub fn is_float(self) -> bool {
         matches!(self, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
     }
 

@@ -5,6 +5,7 @@
 //! weight row once and apply it to every activation row, so a W-row product reads each weight once, and each row's
 //! result is computed by the same sequence of operations whatever W is (the row-exact contract).
 
+pub(crate) mod encode;
 pub(crate) mod ggml;
 mod mlx;
 
