@@ -1,6 +1,6 @@
 //! `verity quantize` writes the files llama.cpp's quantizer writes: for two small Llama-shaped models and
 //! every preset, the output is byte for byte the file in the fixtures (made by
-//! `tools/quantize/llama_cpp_fixtures.py` with llama.cpp's `llama_model_quantize`; the script's doc states the
+//! `scripts/fixtures/make_quantize_reference.py` with llama.cpp's `llama_model_quantize`; the script's doc states the
 //! test values this file rebuilds).
 
 use std::path::{Path, PathBuf};
