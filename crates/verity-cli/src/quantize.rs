@@ -14,8 +14,8 @@ pub struct Args {
     input: PathBuf,
     /// The GGUF to write.
     output: PathBuf,
-    /// q4_k_m, q4_k_s, q5_k_m, q5_k_s, q6_k, q8_0, q4_0, q4_1, q5_0, q5_1, f16, bf16 or f32 (llama.cpp's
-    /// presets: the same type per tensor and the same blocks).
+    /// q4_k_m, q4_k_s, q5_k_m, q5_k_s, q6_k, q8_0, q4_0, q4_1, q5_0, q5_1, q3_k_l, q3_k_m, q3_k_s, q2_k,
+    /// f16, bf16 or f32 (llama.cpp's presets: the same type per tensor and the same blocks).
     #[arg(long = "type", value_name = "TYPE", default_value = "q4_k_m")]
     preset: String,
     /// Print each tensor's type and the sizes without writing anything.

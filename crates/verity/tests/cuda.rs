@@ -188,10 +188,10 @@ fn cuda_k_quant_projections_match_the_cpu_backend() {
     }
 }
 
-/// The 5-bit legacy blocks (Q5_0, Q5_1) and the IQ4 grid formats (IQ4_NL, IQ4_XS) decode on the GPU as on the
-/// CPU and run the f32-activation kernel.
+/// The 5-bit legacy blocks (Q5_0, Q5_1), the IQ4 grid formats (IQ4_NL, IQ4_XS) and the 2- and 3-bit K-quants
+/// (Q2_K, Q3_K) decode on the GPU as on the CPU and run the f32-activation kernel.
 #[test]
-fn cuda_q5_and_iq4_projections_match_the_cpu_backend() {
+fn cuda_float_path_formats_match_the_cpu_backend() {
     let (gpu, cpu) = (gpu(), f32_backend());
     let mut seed = 13u64;
     for (ty, name) in [
@@ -199,6 +199,8 @@ fn cuda_q5_and_iq4_projections_match_the_cpu_backend() {
         (GgmlType::Q5_1, "Q5_1"),
         (GgmlType::IQ4NL, "IQ4_NL"),
         (GgmlType::IQ4XS, "IQ4_XS"),
+        (GgmlType::Q2K, "Q2_K"),
+        (GgmlType::Q3K, "Q3_K"),
     ] {
         for (n, k) in [(40, 512), (37, 256)] {
             let m = fixture_matrix(ty, name, n, k, &mut seed);

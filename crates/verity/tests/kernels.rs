@@ -23,6 +23,8 @@ const GGML_QUANTS: &[(&str, GgmlType)] = &[
     ("Q6_K", GgmlType::Q6K),
     ("IQ4_NL", GgmlType::IQ4NL),
     ("IQ4_XS", GgmlType::IQ4XS),
+    ("Q2_K", GgmlType::Q2K),
+    ("Q3_K", GgmlType::Q3K),
 ];
 
 /// A format's fixture blocks and the `gguf` package's decoding of them.

@@ -46,6 +46,8 @@ pub fn encode_row(ty: GgmlType, x: &[f32], out: &mut [u8]) {
                     GgmlType::Q5_0 => q5_0(xb, ob),
                     GgmlType::Q5_1 => q5_1(xb, ob),
                     GgmlType::Q8_0 => q8_0(xb, ob),
+                    GgmlType::Q2K => q2_k(xb, ob),
+                    GgmlType::Q3K => q3_k(xb, ob),
                     GgmlType::Q4K => q4_k(xb, ob),
                     GgmlType::Q5K => q5_k(xb, ob),
                     GgmlType::Q6K => q6_k(xb, ob),
@@ -70,6 +72,10 @@ fn put_f16(out: &mut [u8], v: f32) {
 
 fn f16_round_trip(v: f32) -> f32 {
     f16::from_f32(v).to_f32()
+}
+
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
 }
 
 /// C's float-to-integer conversion as x86-64 compiles it: truncation toward zero.
@@ -187,9 +193,9 @@ fn q8_0(x: &[f32], out: &mut [u8]) {
     }
 }
 
-/// ggml's `make_qkx2_quants` (without the mean-absolute-difference option, which no K-quant encoder uses):
-/// levels `l` in 0..=nmax for `x ≈ scale * l - min`, searching `nstep + 1` scales for the least weighted
-/// squared error. Returns (scale, min) and leaves the levels in `levels`.
+/// ggml's `make_qkx2_quants`: levels `l` in 0..=nmax for `x ≈ scale * l - min`, searching `nstep + 1` scales
+/// for the least weighted error (absolute with `mad`, else squared). Returns (scale, min) and leaves the levels
+/// in `levels`.
 #[allow(clippy::too_many_arguments)]
 fn make_qkx2_quants(
     nmax: i32,
@@ -200,7 +206,9 @@ fn make_qkx2_quants(
     rmin: f32,
     rdelta: f32,
     nstep: i32,
+    mad: bool,
 ) -> (f32, f32) {
+    let error = |diff: f32| if mad { diff.abs() } else { diff * diff };
     let n = x.len();
     let (mut min, mut max) = (x[0], x[0]);
     let mut sum_w = weights[0];
@@ -229,8 +237,7 @@ fn make_qkx2_quants(
     for i in 0..n {
         let l = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
         levels[i] = l as u8;
-        let diff = scale * l as f32 + min - x[i];
-        best_error += weights[i] * (diff * diff);
+        best_error += weights[i] * error(scale * l as f32 + min - x[i]);
     }
     for is in 0..=nstep {
         iscale = (rmin + rdelta * is as f32 + nmax as f32) / (max - min);
@@ -253,8 +260,7 @@ fn make_qkx2_quants(
             }
             let mut cur_error = 0.0f32;
             for i in 0..n {
-                let diff = this_scale * aux[i] as f32 + this_min - x[i];
-                cur_error += weights[i] * (diff * diff);
+                cur_error += weights[i] * error(this_scale * aux[i] as f32 + this_min - x[i]);
             }
             if cur_error < best_error {
                 levels[..n].copy_from_slice(&aux[..n]);
@@ -320,6 +326,186 @@ fn make_qx_quants(nmax: i32, x: &[f32], levels: &mut [i8]) -> f32 {
     scale
 }
 
+/// ggml's `make_q3_quants` with its error-reducing passes: signed levels in -nmax..nmax for `x ≈ scale * l`,
+/// starting from `nmax / max` and moving single levels while the x²-weighted fit improves (at most 5 passes).
+/// Stores `l + nmax` in `levels`.
+fn make_q3_quants(nmax: i32, x: &[f32], levels: &mut [i8]) -> f32 {
+    let (amax, max) = {
+        let (mut amax, mut max) = (0.0f32, 0.0f32);
+        for &v in x {
+            if v.abs() > amax {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        (amax, max)
+    };
+    if amax < GROUP_MAX_EPS {
+        levels[..x.len()].fill(0);
+        return 0.0;
+    }
+    let iscale = -(nmax as f32) / max;
+    let (mut sumlx, mut suml2) = (0.0f32, 0.0f32);
+    let mut l = [0i32; 16];
+    for (i, &v) in x.iter().enumerate() {
+        l[i] = nearest_int(iscale * v).clamp(-nmax, nmax - 1);
+        let w = v * v;
+        sumlx += w * v * l[i] as f32;
+        suml2 += w * l[i] as f32 * l[i] as f32;
+    }
+    for _ in 0..5 {
+        let mut changed = false;
+        for (i, &v) in x.iter().enumerate() {
+            let w = v * v;
+            let mut slx = sumlx - w * v * l[i] as f32;
+            if slx > 0.0 {
+                let mut sl2 = suml2 - w * l[i] as f32 * l[i] as f32;
+                let new_l = nearest_int(v * sl2 / slx).clamp(-nmax, nmax - 1);
+                if new_l != l[i] {
+                    slx += w * v * new_l as f32;
+                    sl2 += w * new_l as f32 * new_l as f32;
+                    if sl2 > 0.0 && slx * slx * suml2 > sumlx * sumlx * sl2 {
+                        l[i] = new_l;
+                        sumlx = slx;
+                        suml2 = sl2;
+                        changed = true;
+                    }
+                }
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    for (o, &li) in levels.iter_mut().zip(&l[..x.len()]) {
+        *o = (li + nmax) as i8;
+    }
+    if suml2 > 0.0 {
+        sumlx / suml2
+    } else {
+        0.0
+    }
+}
+
+/// Pack 256 two-bit levels as Q2_K and Q3_K store them: byte `l` of each 32-byte run holds values `l`, `l+32`,
+/// `l+64` and `l+96` of its 128, lowest bits first.
+fn pack_2bit(levels: &[u8], qs: &mut [u8]) {
+    for (lv, q) in levels.chunks_exact(128).zip(qs.chunks_exact_mut(32)) {
+        for l in 0..32 {
+            q[l] = lv[l] | (lv[l + 32] << 2) | (lv[l + 64] << 4) | (lv[l + 96] << 6);
+        }
+    }
+}
+
+fn q2_k(x: &[f32], out: &mut [u8]) {
+    let mut levels = [0u8; QK_K];
+    let (mut scales, mut mins) = ([0.0f32; 16], [0.0f32; 16]);
+    let (mut weights, mut aux) = ([0.0f32; 16], [0u8; 16]);
+    let (mut max_scale, mut max_min) = (0.0f32, 0.0f32);
+    for j in 0..16 {
+        let xs = &x[16 * j..16 * j + 16];
+        for (w, &v) in weights.iter_mut().zip(xs) {
+            *w = v.abs();
+        }
+        let lv = &mut levels[16 * j..16 * j + 16];
+        (scales[j], mins[j]) = make_qkx2_quants(3, xs, &weights, lv, &mut aux, -0.5, 0.1, 15, true);
+        if scales[j] > max_scale {
+            max_scale = scales[j];
+        }
+        if mins[j] > max_min {
+            max_min = mins[j];
+        }
+    }
+    // Layout: scales[16] (scale in the low nibble, min in the high), qs[64], d, dmin.
+    let (packed, rest) = out.split_at_mut(16);
+    if max_scale > 0.0 {
+        let iscale = 15.0 / max_scale;
+        for (p, &sc) in packed.iter_mut().zip(&scales) {
+            *p = nearest_int(iscale * sc) as u8;
+        }
+        put_f16(&mut rest[64..], max_scale / 15.0);
+    } else {
+        packed.fill(0);
+        put_f16(&mut rest[64..], 0.0);
+    }
+    if max_min > 0.0 {
+        let iscale = 15.0 / max_min;
+        for (p, &m) in packed.iter_mut().zip(&mins) {
+            *p |= (nearest_int(iscale * m) << 4) as u8;
+        }
+        put_f16(&mut rest[66..], max_min / 15.0);
+    } else {
+        put_f16(&mut rest[66..], 0.0);
+    }
+    let (d_all, dmin_all) = (f16_at(rest, 64), f16_at(rest, 66));
+    for (j, &sc) in packed.iter().enumerate() {
+        let d = d_all * (sc & 0x0f) as f32;
+        if d == 0.0 {
+            continue;
+        }
+        let dm = dmin_all * (sc >> 4) as f32;
+        for i in 16 * j..16 * j + 16 {
+            levels[i] = nearest_int((x[i] + dm) / d).clamp(0, 3) as u8;
+        }
+    }
+    pack_2bit(&levels, &mut rest[..64]);
+}
+
+fn q3_k(x: &[f32], out: &mut [u8]) {
+    let mut levels = [0i8; QK_K];
+    let mut scales = [0.0f32; 16];
+    let (mut max_scale, mut amax) = (0.0f32, 0.0f32);
+    for j in 0..16 {
+        scales[j] = make_q3_quants(4, &x[16 * j..16 * j + 16], &mut levels[16 * j..16 * j + 16]);
+        if scales[j].abs() > amax {
+            amax = scales[j].abs();
+            max_scale = scales[j];
+        }
+    }
+    // Layout: hmask[32], qs[64], scales[12], d.
+    let (hmask, rest) = out.split_at_mut(32);
+    let (qs, rest) = rest.split_at_mut(64);
+    let packed = &mut rest[..12];
+    packed.fill(0);
+    if max_scale != 0.0 {
+        let iscale = -32.0f32 / max_scale;
+        for (j, &sc) in scales.iter().enumerate() {
+            let l = ((nearest_int(iscale * sc) as i8 as i32).clamp(-32, 31) + 32) as u8;
+            if j < 8 {
+                packed[j] = l & 0x0f;
+            } else {
+                packed[j - 8] |= (l & 0x0f) << 4;
+            }
+            packed[8 + j % 4] |= (l >> 4) << (2 * (j / 4));
+        }
+        put_f16(&mut rest[12..], 1.0 / iscale);
+    } else {
+        put_f16(&mut rest[12..], 0.0);
+    }
+    let d_all = f16_at(rest, 12);
+    let unpacked = crate::quant::ggml::q3_k_scales(&rest[..12]);
+    for (j, &sc) in unpacked.iter().enumerate() {
+        let d = d_all * sc as f32;
+        if d == 0.0 {
+            continue;
+        }
+        for i in 16 * j..16 * j + 16 {
+            levels[i] = (nearest_int(x[i] / d).clamp(-4, 3) + 4) as i8;
+        }
+    }
+    hmask.fill(0);
+    let mut low = [0u8; QK_K];
+    for (j, (&l, lo)) in levels.iter().zip(low.iter_mut()).enumerate() {
+        let mut l = l as u8;
+        if l > 3 {
+            hmask[j % 32] |= 1 << (j / 32);
+            l -= 4;
+        }
+        *lo = l;
+    }
+    pack_2bit(&low, qs);
+}
+
 /// The 6-bit scale and min of sub-block `j` from the 12 packed bytes of a Q4_K/Q5_K block.
 fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
@@ -366,6 +552,7 @@ fn k_quant_scales(
             rmin,
             0.1,
             nstep,
+            false,
         );
         scales[j] = scale;
         mins[j] = min;
@@ -546,6 +733,8 @@ mod tests {
             (GgmlType::Q5_1, 0.07),
             (GgmlType::Q5K, 0.07),
             (GgmlType::Q4_0, 0.15),
+            (GgmlType::Q3K, 0.3),
+            (GgmlType::Q2K, 0.6),
             (GgmlType::Q4_1, 0.15),
             (GgmlType::Q4K, 0.15),
         ] {

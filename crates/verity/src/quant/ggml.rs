@@ -17,6 +17,8 @@ pub enum GgmlType {
     Q5_0,
     Q5_1,
     Q8_0,
+    Q2K,
+    Q3K,
     Q4K,
     Q5K,
     Q6K,
@@ -39,6 +41,8 @@ impl GgmlType {
             20 => GgmlType::IQ4NL,
             23 => GgmlType::IQ4XS,
             8 => GgmlType::Q8_0,
+            10 => GgmlType::Q2K,
+            11 => GgmlType::Q3K,
             12 => GgmlType::Q4K,
             13 => GgmlType::Q5K,
             14 => GgmlType::Q6K,
@@ -57,6 +61,8 @@ impl GgmlType {
             GgmlType::Q5_0 => 6,
             GgmlType::Q5_1 => 7,
             GgmlType::Q8_0 => 8,
+            GgmlType::Q2K => 10,
+            GgmlType::Q3K => 11,
             GgmlType::Q4K => 12,
             GgmlType::Q5K => 13,
             GgmlType::Q6K => 14,
@@ -70,8 +76,6 @@ impl GgmlType {
     pub fn gguf_id_name(id: u32) -> &'static str {
         match id {
             9 => "Q8_1",
-            10 => "Q2_K",
-            11 => "Q3_K",
             15 => "Q8_K",
             16..=19 | 21 | 22 => "IQ*",
             24 => "I8",
@@ -94,6 +98,8 @@ impl GgmlType {
             GgmlType::Q5_0 => "Q5_0",
             GgmlType::Q5_1 => "Q5_1",
             GgmlType::Q8_0 => "Q8_0",
+            GgmlType::Q2K => "Q2_K",
+            GgmlType::Q3K => "Q3_K",
             GgmlType::Q4K => "Q4_K",
             GgmlType::Q5K => "Q5_K",
             GgmlType::Q6K => "Q6_K",
@@ -105,7 +111,12 @@ impl GgmlType {
     /// Elements per block.
     pub fn block_len(self) -> usize {
         match self {
-            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::IQ4XS => QK_K,
+            GgmlType::Q2K
+            | GgmlType::Q3K
+            | GgmlType::Q4K
+            | GgmlType::Q5K
+            | GgmlType::Q6K
+            | GgmlType::IQ4XS => QK_K,
             _ => 32,
         }
     }
@@ -120,6 +131,8 @@ impl GgmlType {
             GgmlType::Q5_0 => 22,
             GgmlType::Q5_1 => 24,
             GgmlType::Q8_0 => 34,
+            GgmlType::Q2K => 84,
+            GgmlType::Q3K => 110,
             GgmlType::Q4K => 144,
             GgmlType::Q5K => 176,
             GgmlType::Q6K => 210,
@@ -184,6 +197,8 @@ impl GgmlType {
             GgmlType::Q5_0 => decode_q5(blk, false, out),
             GgmlType::Q5_1 => decode_q5(blk, true, out),
             GgmlType::Q8_0 => decode_q8_0(blk, out),
+            GgmlType::Q2K => decode_q2_k(blk, out),
+            GgmlType::Q3K => decode_q3_k(blk, out),
             GgmlType::Q4K => decode_q4_k(blk, out),
             GgmlType::Q5K => decode_q5_k(blk, out),
             GgmlType::Q6K => decode_q6_k(blk, out),
@@ -482,6 +497,45 @@ fn decode_q6_k(blk: &[u8], out: &mut [f32]) {
             o[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
             o[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
         }
+    }
+}
+
+/// Q2_K: 16 sub-blocks of 16 two-bit values, each with a 4-bit scale and a 4-bit min under the block's f16
+/// `d` and `dmin`. Layout: scales[16] (scale in the low nibble, min in the high), qs[64], d, dmin.
+fn decode_q2_k(blk: &[u8], out: &mut [f32]) {
+    let (d, dmin) = (f16_at(blk, 80), f16_at(blk, 82));
+    for (p, o) in out.iter_mut().enumerate().take(QK_K) {
+        let sc = blk[p / 16];
+        let q = (blk[16 + (p / 128) * 32 + p % 32] >> (2 * ((p % 128) / 32))) & 3;
+        *o = d * (sc & 0x0f) as f32 * q as f32 - dmin * (sc >> 4) as f32;
+    }
+}
+
+/// Q3_K's 16 signed 6-bit sub-block scales, from their 12 packed bytes (low nibbles in bytes 0..8, high bit
+/// pairs in bytes 8..12).
+pub(crate) fn q3_k_scales(packed: &[u8]) -> [i32; 16] {
+    std::array::from_fn(|j| {
+        let low = if j < 8 {
+            packed[j] & 0x0f
+        } else {
+            packed[j - 8] >> 4
+        };
+        let high = (packed[8 + j % 4] >> (2 * (j / 4))) & 3;
+        (low | (high << 4)) as i32 - 32
+    })
+}
+
+/// Q3_K: 16 sub-blocks of 16 three-bit values (two low bits in `qs`, the high bit in `hmask`), each with a
+/// signed 6-bit scale under the block's f16 `d`. Layout: hmask[32], qs[64], scales[12], d.
+fn decode_q3_k(blk: &[u8], out: &mut [f32]) {
+    let d = f16_at(blk, 108);
+    let scales = q3_k_scales(&blk[96..108]);
+    for (p, o) in out.iter_mut().enumerate().take(QK_K) {
+        let shift = 2 * ((p % 128) / 32);
+        let low = (blk[32 + (p / 128) * 32 + p % 32] >> shift) & 3;
+        let high = (blk[p % 32] >> (p / 32)) & 1;
+        let q = (low | (high << 2)) as i32 - 4;
+        *o = d * scales[p / 16] as f32 * q as f32;
     }
 }
 

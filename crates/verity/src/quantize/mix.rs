@@ -28,10 +28,14 @@ pub enum Preset {
     Q4KS,
     Q4_1,
     Q4_0,
+    Q3KL,
+    Q3KM,
+    Q3KS,
+    Q2K,
 }
 
 impl Preset {
-    pub const ALL: [Preset; 13] = [
+    pub const ALL: [Preset; 17] = [
         Preset::Q4KM,
         Preset::Q4KS,
         Preset::Q5KM,
@@ -42,6 +46,10 @@ impl Preset {
         Preset::Q4_1,
         Preset::Q5_0,
         Preset::Q5_1,
+        Preset::Q3KL,
+        Preset::Q3KM,
+        Preset::Q3KS,
+        Preset::Q2K,
         Preset::F16,
         Preset::BF16,
         Preset::F32,
@@ -62,6 +70,10 @@ impl Preset {
             Preset::Q4KS => "q4_k_s",
             Preset::Q4_1 => "q4_1",
             Preset::Q4_0 => "q4_0",
+            Preset::Q3KL => "q3_k_l",
+            Preset::Q3KM => "q3_k_m",
+            Preset::Q3KS => "q3_k_s",
+            Preset::Q2K => "q2_k",
         }
     }
 
@@ -75,6 +87,10 @@ impl Preset {
             Preset::Q8_0 => 7,
             Preset::Q5_0 => 8,
             Preset::Q5_1 => 9,
+            Preset::Q2K => 10,
+            Preset::Q3KS => 11,
+            Preset::Q3KM => 12,
+            Preset::Q3KL => 13,
             Preset::Q4KS => 14,
             Preset::Q4KM => 15,
             Preset::Q5KS => 16,
@@ -98,6 +114,8 @@ impl Preset {
             Preset::Q4KM | Preset::Q4KS => GgmlType::Q4K,
             Preset::Q4_1 => GgmlType::Q4_1,
             Preset::Q4_0 => GgmlType::Q4_0,
+            Preset::Q3KL | Preset::Q3KM | Preset::Q3KS => GgmlType::Q3K,
+            Preset::Q2K => GgmlType::Q2K,
         }
     }
 }
@@ -140,6 +158,11 @@ pub struct ModelFacts {
 }
 
 impl ModelFacts {
+    /// Query heads per key-value head (llama.cpp's `n_gqa`; 0 when the model names no KV heads).
+    fn gqa(&self) -> usize {
+        self.heads.checked_div(self.kv_heads).unwrap_or(0)
+    }
+
     /// The 70B-class Llama/Qwen2 shapes, whose value projections llama.cpp gives more bits.
     fn is_70b(&self) -> bool {
         self.layers == 80
@@ -295,11 +318,14 @@ impl Mix {
             Role::Value => {
                 let i = self.value_seen;
                 match preset {
+                    P::Q2K => ty = if facts.gqa() >= 4 { T::Q4K } else { T::Q3K },
+                    P::Q3KM => ty = if i < 2 { T::Q5K } else { T::Q4K },
+                    P::Q3KL => ty = T::Q5K,
                     P::Q4KM | P::Q5KM if more_bits(i, facts.value_projections) => ty = T::Q6K,
                     P::Q4KS if i < 4 => ty = T::Q5K,
                     _ => {}
                 }
-                if facts.is_70b() && ty == T::Q4K {
+                if facts.is_70b() && matches!(ty, T::Q3K | T::Q4K) {
                     ty = T::Q5K;
                 }
                 if facts.experts == 8 {
@@ -312,6 +338,17 @@ impl Mix {
                 let layer = self.layer_of(name, self.down_seen)?;
                 let layers = facts.layers;
                 match preset {
+                    P::Q2K => ty = T::Q3K,
+                    P::Q3KM => {
+                        ty = if layer < layers / 16 {
+                            T::Q5K
+                        } else if !falcon || more_bits(layer, layers) {
+                            T::Q4K
+                        } else {
+                            T::Q3K
+                        }
+                    }
+                    P::Q3KL => ty = if falcon { T::Q4K } else { T::Q5K },
                     P::Q4KM if falcon => {
                         ty = if layer < layers / 16 {
                             T::Q6K
@@ -327,10 +364,15 @@ impl Mix {
                 }
                 self.down_seen += 1;
             }
-            Role::AttentionOutput
-                if !falcon && facts.experts == 8 && matches!(preset, P::Q4KS | P::Q4KM) =>
-            {
-                ty = T::Q5K
+            Role::AttentionOutput => {
+                ty = match (falcon, facts.experts == 8, preset) {
+                    (true, _, P::Q3KL) => T::Q4K,
+                    (false, true, P::Q2K | P::Q3KS | P::Q3KM | P::Q4KS | P::Q4KM) => T::Q5K,
+                    (false, false, P::Q2K) => T::Q3K,
+                    (false, false, P::Q3KM) => T::Q4K,
+                    (false, false, P::Q3KL) => T::Q5K,
+                    _ => ty,
+                }
             }
             Role::FfnUp | Role::FfnGate if facts.experts > 1 => {
                 self.layer_of(name, 0)?;
@@ -371,6 +413,7 @@ fn fallback(cols: usize, ty: GgmlType) -> Choice {
         T::Q4K => T::Q5_0,
         T::Q5K => T::Q5_1,
         T::Q6K => T::Q8_0,
+        T::Q2K | T::Q3K => T::Q4_0,
         T::IQ4XS => T::IQ4NL,
         other => other,
     };

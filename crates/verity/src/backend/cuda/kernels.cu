@@ -35,6 +35,9 @@ typedef unsigned int u32;
 // The non-linear 4-bit grid formats: IQ4_NL (32-value blocks), IQ4_XS (256-value super-blocks).
 #define T_IQ4_NL 16
 #define T_IQ4_XS 17
+// The 2- and 3-bit K-quants (256-value super-blocks of 16-value sub-blocks; decoded on the float path).
+#define T_Q2_K 18
+#define T_Q3_K 19
 
 // IQ4_NL's and IQ4_XS's 16 levels (ggml `kvalues_iq4nl`).
 __device__ __constant__ signed char IQ4_GRID[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -124,12 +127,17 @@ __host__ __device__ constexpr int block_bytes(int ty) {
 }
 
 __host__ __device__ constexpr int super_bytes(int ty) {
-    return ty == T_Q4_K ? 144 : ty == T_Q5_K ? 176 : ty == T_IQ4_XS ? 136 : 210;
+    return ty == T_Q4_K    ? 144
+           : ty == T_Q5_K  ? 176
+           : ty == T_IQ4_XS ? 136
+           : ty == T_Q2_K  ? 84
+           : ty == T_Q3_K  ? 110
+                           : 210;
 }
 
 // The 256-value super-block formats (a block b is sub-block b % 8 of super-block b / 8).
 __host__ __device__ constexpr bool is_k_quant(int ty) {
-    return ty == T_Q4_K || ty == T_Q5_K || ty == T_Q6_K || ty == T_IQ4_XS;
+    return ty == T_Q4_K || ty == T_Q5_K || ty == T_Q6_K || ty == T_IQ4_XS || ty == T_Q2_K || ty == T_Q3_K;
 }
 
 // 32 values on the IQ4 grid scaled by d from 16 bytes of nibbles (low nibbles first), as the host decodes them.
@@ -219,6 +227,34 @@ __device__ __forceinline__ void decode(const u8* w, int col, int nb, int tiles, 
             u32 sh = *(const u16*)(p + 2);
             int ls = ((p[4 + (j >> 1)] >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4);
             decode_iq4(p + 8 + 16 * j, f16_to_f32(*(const u16*)p) * (float)(ls - 32), v);
+            return;
+        }
+        if (TY == T_Q2_K) {
+            // [16 scale bytes: scale low nibble, min high][64 bytes of 2-bit values][d][dmin]
+            float d = f16_to_f32(*(const u16*)(p + 80)), dmin = f16_to_f32(*(const u16*)(p + 82));
+            const u8* qs = p + 16 + (j >> 2) * 32;
+            int shift = 2 * (j & 3);
+#pragma unroll
+            for (int l = 0; l < 32; l++) {
+                int sc = p[2 * j + l / 16];
+                v[l] = d * (float)(sc & 15) * (float)((qs[l] >> shift) & 3) - dmin * (float)(sc >> 4);
+            }
+            return;
+        }
+        if (TY == T_Q3_K) {
+            // [32 bytes of high bits][64 bytes of 2-bit values][12 bytes of 6-bit scales][d]
+            float d = f16_to_f32(*(const u16*)(p + 108));
+            const u8* qs = p + 32 + (j >> 2) * 32;
+            const u8* sc = p + 96;
+            int shift = 2 * (j & 3);
+#pragma unroll
+            for (int l = 0; l < 32; l++) {
+                int s = 2 * j + l / 16;
+                int low = s < 8 ? sc[s] & 15 : sc[s - 8] >> 4;
+                int scale = (low | (((sc[8 + (s & 3)] >> (2 * (s >> 2))) & 3) << 4)) - 32;
+                int q = (int)((qs[l] >> shift) & 3) + (int)(((p[l] >> j) & 1) << 2) - 4;
+                v[l] = d * (float)scale * (float)q;
+            }
             return;
         }
         if (TY == T_Q6_K) {
@@ -374,6 +410,8 @@ __device__ __forceinline__ void decode_any(int ty, const u8* w, int col, int nb,
         case T_Q4_K: decode<T_Q4_K>(w, col, nb, tiles, b, v); break;
         case T_Q5_K: decode<T_Q5_K>(w, col, nb, tiles, b, v); break;
         case T_Q6_K: decode<T_Q6_K>(w, col, nb, tiles, b, v); break;
+        case T_Q2_K: decode<T_Q2_K>(w, col, nb, tiles, b, v); break;
+        case T_Q3_K: decode<T_Q3_K>(w, col, nb, tiles, b, v); break;
         case T_TQ4_0: decode<T_TQ4_0>(w, col, nb, tiles, b, v); break;
         case T_TQ4_1: decode<T_TQ4_1>(w, col, nb, tiles, b, v); break;
         case T_AFF4: decode<T_AFF4>(w, col, nb, tiles, b, v); break;
@@ -492,6 +530,8 @@ __device__ __forceinline__ void column_rows(int ty, const u8* w, int col, int ti
         case T_Q4_K: column<T_Q4_K, RN>(COLUMN_ARGS); break;
         case T_Q5_K: column<T_Q5_K, RN>(COLUMN_ARGS); break;
         case T_Q6_K: column<T_Q6_K, RN>(COLUMN_ARGS); break;
+        case T_Q2_K: column<T_Q2_K, RN>(COLUMN_ARGS); break;
+        case T_Q3_K: column<T_Q3_K, RN>(COLUMN_ARGS); break;
         case T_TQ4_0: column<T_TQ4_0, RN>(COLUMN_ARGS); break;
         case T_TQ4_1: column<T_TQ4_1, RN>(COLUMN_ARGS); break;
         case T_AFF4: column<T_AFF4, RN>(COLUMN_ARGS); break;

@@ -878,6 +878,8 @@ fn type_tag(ty: GgmlType, tiled: bool) -> i32 {
         (GgmlType::Q5_1, _) => 15,
         (GgmlType::IQ4NL, _) => 16,
         (GgmlType::IQ4XS, _) => 17,
+        (GgmlType::Q2K, _) => 18,
+        (GgmlType::Q3K, _) => 19,
     }
 }
 
