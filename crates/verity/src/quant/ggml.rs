@@ -217,9 +217,10 @@ impl GgmlType {
 pub struct IntBlock {
     /// Unsigned values (Q8_0's signed bytes and the IQ4 grid's values are stored plus 128).
     pub q: [u8; 32],
-    /// What `q` is offset by: 8 (Q4_0), 16 (Q5_0), 32 (Q6_K), 128 (Q8_0, IQ4_NL, IQ4_XS), else 0.
+    /// What `q` is offset by: 4 (Q3_K), 8 (Q4_0), 16 (Q5_0), 32 (Q6_K), 128 (Q8_0, IQ4_NL, IQ4_XS), else 0.
     pub offset: i32,
-    /// The scale of values 0..16 and of values 16..32 (different only for Q6_K, whose sub-blocks are 16 long).
+    /// The scale of values 0..16 and of values 16..32 (different only for Q3_K and Q6_K, whose sub-blocks are 16
+    /// long).
     pub d: [f32; 2],
     /// The additive term: Q4_1/Q5_1's `m`, the K-quants' `−dmin·min`, else 0.
     pub m: f32,
@@ -304,6 +305,21 @@ impl GgmlType {
                     q,
                     offset: 32,
                     d: [d * sc(0), d * sc(1)],
+                    m: 0.0,
+                }
+            }
+            GgmlType::Q3K => {
+                let qs = &blk[32 + (sub / 4) * 32..][..32];
+                let shift = 2 * (sub % 4);
+                for (l, v) in q.iter_mut().enumerate() {
+                    *v = ((qs[l] >> shift) & 3) | (((blk[l] >> sub) & 1) << 2);
+                }
+                let d = f16_at(blk, 108);
+                let scales = q3_k_scales(&blk[96..108]);
+                IntBlock {
+                    q,
+                    offset: 4,
+                    d: [d * scales[2 * sub] as f32, d * scales[2 * sub + 1] as f32],
                     m: 0.0,
                 }
             }

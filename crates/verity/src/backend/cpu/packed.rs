@@ -1,6 +1,8 @@
 //! The weight layout and kernels of the 8-bit-activation product, repacked once at load, for the GGML block
 //! formats Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K (what a `_K_M` file holds), and for
-//! MLX affine 4- and 8-bit with f16 or bf16 scales, and the IQ4 grid formats IQ4_NL and IQ4_XS.
+//! MLX affine 4- and 8-bit with f16 or bf16 scales, and the IQ4 grid formats IQ4_NL and IQ4_XS. Q3_K runs as
+//! Q6_K: its 3-bit values `v` (offset 4) are stored as the 6-bit values `v + 28` (offset 32), the same
+//! integers, with its signed sub-block scales in Q6_K's place (the repacked matrix is then Q6_K's size).
 //!
 //! Why repack: in the stored GGML layout each output column's block is contiguous, so a dot product ends in a
 //! horizontal reduction per (row, column), and that per-row work made a W-row verify cost nearly W one-row
@@ -39,7 +41,7 @@
 
 use super::q8::Q8Block;
 use super::simd::Int8Isa;
-use crate::quant::ggml::{iq4_xs_scale, IQ4_GRID};
+use crate::quant::ggml::{iq4_xs_scale, q3_k_scales, IQ4_GRID};
 use crate::quant::{GgmlType, MlxScaleType, QMatrix, WeightFormat};
 use half::f16;
 
@@ -76,7 +78,7 @@ fn fmt_of(ty: GgmlType) -> Option<u8> {
         GgmlType::Q5_1 => Q5_1,
         GgmlType::Q4K => Q4K,
         GgmlType::Q5K => Q5K,
-        GgmlType::Q6K => Q6K,
+        GgmlType::Q6K | GgmlType::Q3K => Q6K,
         GgmlType::IQ4NL => IQ4NL,
         GgmlType::IQ4XS => IQ4XS,
         _ => return None,
@@ -337,6 +339,12 @@ fn pack_column(m: &QMatrix, fmt: u8, lay: Lay, col: usize, grp: &mut [u8], t: us
             for b in 0..lay.nb {
                 let blk = &m.data()[(col * lay.nb / subs + b / subs) * bb..][..bb];
                 let mut q = ty.int_block(blk, b % subs).q;
+                if ty == GgmlType::Q3K {
+                    // Q6_K's offset (32) where Q3_K's is 4.
+                    for v in q.iter_mut() {
+                        *v += 28;
+                    }
+                }
                 if grid(fmt) {
                     // The kernels look the grid up: store each value's index.
                     for v in q.iter_mut() {
@@ -346,7 +354,11 @@ fn pack_column(m: &QMatrix, fmt: u8, lay: Lay, col: usize, grp: &mut [u8], t: us
                     }
                 }
                 pack_quants(fmt, &q, &mut grp[b * qb..][..qb], t);
-                pack_scales(fmt, blk, grp, lay, b, t);
+                if ty == GgmlType::Q3K {
+                    pack_q3_k_scales(blk, grp, lay, b, t);
+                } else {
+                    pack_scales(fmt, blk, grp, lay, b, t);
+                }
             }
         }
         WeightFormat::Mlx(_) => {
@@ -429,6 +441,18 @@ fn pack_scales(fmt: u8, blk: &[u8], grp: &mut [u8], lay: Lay, b: usize, t: usize
             }
         }
     }
+}
+
+/// Q3_K's scales in Q6_K's places: the f16 `d`, and the signed scales of block `b`'s two 16-value halves.
+fn pack_q3_k_scales(blk: &[u8], grp: &mut [u8], lay: Lay, b: usize, t: usize) {
+    let at = scale_at(Q6K, lay, b);
+    let j = b % SUPER;
+    if j == 0 {
+        grp[at.d + 2 * t..][..2].copy_from_slice(&blk[108..110]);
+    }
+    let scales = q3_k_scales(&blk[96..108]);
+    grp[at.sc + t] = scales[2 * j] as i8 as u8;
+    grp[at.sc + GROUP + t] = scales[2 * j + 1] as i8 as u8;
 }
 
 /// Calls a kernel monomorphised for the format and the number of rows (the accumulators live in registers).
@@ -997,6 +1021,7 @@ mod tests {
             let m = (lcg(seed) % 1000) as f32 * 1e-3 - 0.5;
             match ty {
                 GgmlType::Q6K => put(208, d),
+                GgmlType::Q3K => put(108, d),
                 GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => {
                     put(0, d);
                     put(2, m);
@@ -1104,7 +1129,7 @@ mod tests {
                 let i: i32 = r.map(|e| ib.q[e] as i32 * xb.qs[e] as i32).sum();
                 (i - ib.offset * sum) as f32
             };
-            if ty == Some(GgmlType::Q6K) {
+            if matches!(ty, Some(GgmlType::Q6K | GgmlType::Q3K)) {
                 acc = (ib.d[0] * xb.d).mul_add(dot(0..16, xb.sum_lo), acc);
                 acc = (ib.d[1] * xb.d).mul_add(dot(16..32, xb.sum - xb.sum_lo), acc);
             } else {
@@ -1132,6 +1157,7 @@ mod tests {
             GgmlType::Q4K,
             GgmlType::Q5K,
             GgmlType::Q6K,
+            GgmlType::Q3K,
             GgmlType::IQ4NL,
             GgmlType::IQ4XS,
         ] {
