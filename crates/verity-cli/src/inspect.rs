@@ -116,6 +116,7 @@ pub fn main(a: Args) -> Result<()> {
         Err(e) => println!("tokenizer     unavailable: {e}"),
     }
     println!("mtp head      {}", b.mtp.describe());
+    println!("drafter       {}", b.drafter.describe());
     let plan = verity::speculative::plan(&b, &verity::speculative::SpecMode::Auto)?;
     println!(
         "speculation   auto → {} ({})",

@@ -348,8 +348,8 @@ impl Proposer for Logged {
     fn catch_up(&mut self, context: &[u32]) -> verity::Result<()> {
         self.head.catch_up(context)
     }
-    fn wants_hidden(&self) -> bool {
-        true
+    fn features(&self) -> verity::model::TargetFeatures {
+        self.head.features()
     }
     fn observe_hidden(&mut self, start: usize, hidden: &[f32]) {
         self.head.observe_hidden(start, hidden);

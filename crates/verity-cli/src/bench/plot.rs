@@ -278,6 +278,7 @@ fn route_color(route: &str, index: usize) -> RGBColor {
         "draft_model" => COLORS[2],
         "mtp" => COLORS[3],
         "auto" => COLORS[5],
+        "drafter" => COLORS[4],
         _ => COLORS[index % COLORS.len()],
     }
 }

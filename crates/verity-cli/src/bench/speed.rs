@@ -124,15 +124,16 @@ fn run<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
     Ok(())
 }
 
-/// The speculation mode of a benchmark route name (`ar`, `copy`, `mtp`, `draft_model`, `auto`).
+/// The speculation mode of a benchmark route name (`ar`, `copy`, `mtp`, `drafter`, `draft_model`, `auto`).
 pub fn route_mode(route: &str, draft_model: &str) -> Result<SpecMode> {
     Ok(match route {
         "ar" => SpecMode::Off,
         "copy" => SpecMode::Copy,
         "mtp" => SpecMode::Mtp,
+        "drafter" => SpecMode::Drafter,
         "auto" => SpecMode::Auto,
         "draft_model" => SpecMode::DraftModel(Some(crate::load::resolve(draft_model)?)),
-        other => bail!("unknown route {other:?} (ar, copy, mtp, draft_model, auto)"),
+        other => bail!("unknown route {other:?} (ar, copy, mtp, drafter, draft_model, auto)"),
     })
 }
 

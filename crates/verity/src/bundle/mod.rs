@@ -3,6 +3,7 @@
 //! Opening a bundle reads headers only (weights stay memory-mapped); tensors are fetched by [`TensorKey`], so the
 //! model code never sees a format's naming scheme.
 
+pub mod drafter;
 pub mod gguf;
 pub mod gguf_writer;
 pub mod hparams;
@@ -12,6 +13,7 @@ pub mod safetensors;
 
 use std::path::{Path, PathBuf};
 
+pub use drafter::{DrafterSpec, DrafterStatus};
 pub use mtp::{MtpHeadSpec, MtpStatus};
 pub use names::TensorKey;
 
@@ -42,6 +44,9 @@ pub struct Bundle {
     pub mtp: MtpStatus,
     /// A complete head's tensors (from the main shards or the side file).
     mtp_tensors: Option<SafetensorsSet>,
+    /// What the bundle folder offers as a block drafter ([`drafter::FOLDER`]).
+    pub drafter: DrafterStatus,
+    drafter_tensors: Option<SafetensorsSet>,
 }
 
 impl Bundle {
@@ -93,13 +98,25 @@ impl Bundle {
             }
         };
         let (mtp, mtp_tensors) = find_mtp(path, meta.is_dir(), &source, &hparams);
+        let (drafter, drafter_tensors) = if meta.is_dir() {
+            drafter::inspect(path, &hparams)
+        } else {
+            (DrafterStatus::Absent, None)
+        };
         Ok(Bundle {
             path: path.to_path_buf(),
             source,
             hparams,
             mtp,
             mtp_tensors,
+            drafter,
+            drafter_tensors,
         })
+    }
+
+    /// The tensors of the complete block drafter (`None` unless [`Bundle::drafter`] is complete).
+    pub fn drafter_tensors(&self) -> Option<&SafetensorsSet> {
+        self.drafter_tensors.as_ref()
     }
 
     /// The tensors of the complete MTP head (`None` unless [`Bundle::mtp`] is complete).

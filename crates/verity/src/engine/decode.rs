@@ -148,13 +148,13 @@ impl<B: Backend> Engine<B> {
                 positions,
                 mask,
             };
-            let wants_hidden = proposer.as_deref().is_some_and(|p| p.wants_hidden());
-            let mut out = if wants_hidden {
-                self.model
-                    .forward_with_hidden(&mut sess.cache, &batch, wants)?
-            } else {
-                self.model.forward(&mut sess.cache, &batch, wants, &[])?
-            };
+            let features = proposer
+                .as_deref()
+                .map(|p| p.features())
+                .unwrap_or_default();
+            let mut out = self
+                .model
+                .forward_features(&mut sess.cache, &batch, wants, &features)?;
             if let Some(c) = &req.constraint {
                 // Drafts are off under a constraint: the one row is the next token's.
                 if !c.mask(&mut out.logits[..vocab])? {
@@ -182,22 +182,22 @@ impl<B: Backend> Engine<B> {
                     draft_s: (t1 - t0).as_secs_f64(),
                     verify_s: (t2 - t1).as_secs_f64(),
                 });
-                if wants_hidden {
-                    let h = self.model.hp.hidden;
+                if !features.is_none() {
+                    let w = features.width(self.model.hp.hidden);
                     // The kept rows' states: a prefix of the rows unless the path left the first-child line.
                     let last = kept_rows.len() - 1;
                     let kept: Cow<[f32]> = if kept_rows[last] == last {
-                        Cow::Borrowed(&out.final_hidden[..kept_rows.len() * h])
+                        Cow::Borrowed(&out.features[..kept_rows.len() * w])
                     } else {
                         let rows = kept_rows.iter();
                         Cow::Owned(
-                            rows.flat_map(|&r| &out.final_hidden[r * h..(r + 1) * h])
+                            rows.flat_map(|&r| &out.features[r * w..(r + 1) * w])
                                 .copied()
                                 .collect(),
                         )
                     };
                     p.observe_hidden(n, &kept);
-                    sess.hidden.push(n, &kept, h);
+                    sess.hidden.push(n, &kept, &features, w);
                 }
             }
             if let Some(c) = controllers.get_mut(source) {

@@ -6,7 +6,7 @@ use std::time::Instant;
 use super::{Engine, Session};
 use crate::backend::Backend;
 use crate::error::Result;
-use crate::model::{Batch, LogitRows};
+use crate::model::{Batch, LogitRows, TargetFeatures};
 use crate::speculative::Proposer;
 
 /// Rows per prefill forward: large enough to amortize weight reads, small enough to bound scratch memory.
@@ -26,7 +26,10 @@ impl<B: Backend> Engine<B> {
     pub(super) fn store_checkpoint(&mut self, sess: &Session<B>, tokens: &[u32]) -> f64 {
         let t = Instant::now();
         let mut ckpt = sess.cache.checkpoint(self.model.backend());
-        if let Some(rows) = sess.hidden.leading_rows(tokens.len()) {
+        let leading = (sess.hidden.kind == TargetFeatures::Final)
+            .then(|| sess.hidden.leading_rows(tokens.len()))
+            .flatten();
+        if let Some(rows) = leading {
             ckpt = ckpt.with_hidden(self.model.hp.hidden, rows.to_vec());
         }
         self.prefix.store(tokens, ckpt);
@@ -52,12 +55,19 @@ impl<B: Backend> Engine<B> {
             .count();
         let backend = self.model.backend();
         let h = self.model.hp.hidden;
+        let features = proposer
+            .as_deref()
+            .map(|p| p.features())
+            .unwrap_or_default();
+        let width = features.width(h);
         let (cache, hidden) = (&mut sess.cache, &mut sess.hidden);
         let restored = self.prefix.restore_longest(body, common, |ckpt| {
-            // The hidden states come back with the K/V, so the proposer conditions on the whole prefix.
+            // The final hidden states come back with the K/V, so an MTP head conditions on the whole prefix.
+            // (Checkpoints keep final states only: a block drafter's context restarts after the prefix.)
             hidden.truncate(0);
-            if let Some(rows) = ckpt.hidden().filter(|r| r.width == h) {
-                hidden.push(0, &rows.rows, h);
+            let final_states = ckpt.hidden().filter(|r| r.width == h);
+            if let Some(rows) = final_states.filter(|_| features == TargetFeatures::Final) {
+                hidden.push(0, &rows.rows, &features, h);
             }
             cache.restore(backend, ckpt)
         })?;
@@ -68,7 +78,6 @@ impl<B: Backend> Engine<B> {
         }
         sess.truncate(common);
         let store_at = store_at.filter(|&b| b > common && b <= body.len() && self.prefix.enabled());
-        let wants_hidden = proposer.as_deref().is_some_and(|p| p.wants_hidden());
         let mut store_s = 0.0;
         let mut pos = common;
         while pos < body.len() {
@@ -79,11 +88,14 @@ impl<B: Backend> Engine<B> {
             };
             let chunk = &body[pos..end];
             let batch = Batch::causal(chunk, pos);
-            if wants_hidden {
-                let out =
-                    self.model
-                        .forward_with_hidden(&mut sess.cache, &batch, LogitRows::None)?;
-                sess.hidden.push(pos, &out.final_hidden, h);
+            if !features.is_none() {
+                let out = self.model.forward_features(
+                    &mut sess.cache,
+                    &batch,
+                    LogitRows::None,
+                    &features,
+                )?;
+                sess.hidden.push(pos, &out.features, &features, width);
             } else {
                 self.model
                     .forward(&mut sess.cache, &batch, LogitRows::None, &[])?;
@@ -94,8 +106,11 @@ impl<B: Backend> Engine<B> {
                 store_s = self.store_checkpoint(sess, &body[..pos]);
             }
         }
-        if let Some(p) = proposer.filter(|p| p.wants_hidden()) {
-            if sess.hidden.end() == body.len() && !sess.hidden.rows.is_empty() {
+        if let Some(p) = proposer.filter(|_| !features.is_none()) {
+            if sess.hidden.kind == features
+                && sess.hidden.end() == body.len()
+                && !sess.hidden.rows.is_empty()
+            {
                 p.observe_hidden(sess.hidden.start, &sess.hidden.rows);
             }
         }

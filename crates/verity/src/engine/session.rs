@@ -2,13 +2,15 @@
 
 use crate::backend::Backend;
 use crate::cache::KvCache;
+use crate::model::TargetFeatures;
 
 /// A conversation's model state: the cache and the tokens whose K/V it holds.
 pub struct Session<B: Backend> {
     pub cache: KvCache<B>,
     pub tokens: Vec<u32>,
-    /// The target's final hidden states of committed positions, kept while the route's proposer conditions on
-    /// them (an MTP head), so that a follow-up turn's head sees the whole conversation, not only the new part.
+    /// The target's hidden states of committed positions that the route's proposer conditions on (an MTP
+    /// head's final states, a block drafter's layers), kept so that a follow-up turn's proposer sees the whole
+    /// conversation, not only the new part.
     pub(super) hidden: HiddenTrail,
 }
 
@@ -29,10 +31,11 @@ impl<B: Backend> Session<B> {
     }
 }
 
-/// Final hidden states of a contiguous run of committed positions `start..start + rows`.
+/// Hidden states (of one [`TargetFeatures`] kind) of a contiguous run of committed positions `start..start + rows`.
 #[derive(Debug, Default)]
 pub(super) struct HiddenTrail {
     pub(super) start: usize,
+    pub(super) kind: TargetFeatures,
     width: usize,
     pub(super) rows: Vec<f32>,
 }
@@ -57,11 +60,13 @@ impl HiddenTrail {
         }
     }
 
-    /// Rows for positions `pos..`: appended when they continue the run, else they start a new one.
-    pub(super) fn push(&mut self, pos: usize, rows: &[f32], width: usize) {
-        if self.width != width || pos != self.end() {
+    /// Rows of `kind` (`width` values each) for positions `pos..`: appended when they continue the run, else
+    /// they start a new one.
+    pub(super) fn push(&mut self, pos: usize, rows: &[f32], kind: &TargetFeatures, width: usize) {
+        if self.kind != *kind || self.width != width || pos != self.end() {
             self.rows.clear();
             self.start = pos;
+            self.kind = kind.clone();
             self.width = width;
         }
         self.rows.extend_from_slice(rows);

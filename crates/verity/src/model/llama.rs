@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::{run_recorded, Batch, ForwardOutput, LogitRows};
+use super::{run_recorded, Batch, ForwardOutput, LogitRows, TargetFeatures};
 use crate::backend::{buffer_set_id, AttnMask, AttnShape, Backend, Rope, StepInputs};
 use crate::bundle::hparams::{Arch, HParams};
 use crate::bundle::{Bundle, TensorKey};
@@ -178,6 +178,45 @@ impl<B: Backend> Model<B> {
         let out = self.run(cache, batch, logit_rows, &[], true, &mut s);
         self.scratch = Some(s);
         Ok(out)
+    }
+
+    /// [`Model::forward`] that also returns `features` of every row in [`ForwardOutput::features`] (`rows ×
+    /// features.width(hidden)`): what the route's proposer conditions on.
+    pub fn forward_features(
+        &mut self,
+        cache: &mut KvCache<B>,
+        batch: &Batch,
+        logit_rows: LogitRows,
+        features: &TargetFeatures,
+    ) -> Result<ForwardOutput> {
+        let h = self.hp.hidden;
+        Ok(match features {
+            TargetFeatures::None => self.forward(cache, batch, logit_rows, &[])?,
+            TargetFeatures::Final => {
+                let mut out = self.forward_with_hidden(cache, batch, logit_rows)?;
+                out.features = std::mem::take(&mut out.final_hidden);
+                out
+            }
+            TargetFeatures::Layers(layers) => {
+                let mut out = self.forward(cache, batch, logit_rows, layers)?;
+                let per_layer: Vec<&[f32]> = layers
+                    .iter()
+                    .map(|l| {
+                        let (_, v) = out.hidden.iter().find(|(m, _)| m == l).expect("asked for");
+                        v.as_slice()
+                    })
+                    .collect();
+                let mut features = Vec::with_capacity(batch.rows() * layers.len() * h);
+                for r in 0..batch.rows() {
+                    for v in &per_layer {
+                        features.extend_from_slice(&v[r * h..(r + 1) * h]);
+                    }
+                }
+                out.features = features;
+                out.hidden.clear();
+                out
+            }
+        })
     }
 
     fn check_batch(&self, batch: &Batch, hidden_layers: &[usize]) -> Result<()> {
@@ -464,6 +503,49 @@ impl<B: Backend> Layer<B> {
             &mut s.act,
         );
         be.matmul_add(&self.down, &s.act, rows, &mut s.x);
+    }
+
+    /// The K/V of `shape.rows` rows of `x` that enter this layer's attention without its input norm (a block
+    /// drafter's fused target states): projected (with biases and the per-head K norm where the layer has
+    /// them), K rotated at the step's positions, both written to the cache slots from the step's base. `s.q`
+    /// and `s.tmp` are scratch.
+    #[allow(clippy::too_many_arguments)] // `run`'s inputs and the rows
+    pub(super) fn context_kv(
+        &self,
+        be: &B,
+        hp: &HParams,
+        rope: Rope,
+        x: &B::Buffer,
+        s: &mut Scratch<B>,
+        [k_cache, v_cache]: [&mut B::Buffer; 2],
+        shape: AttnShape,
+    ) {
+        let rows = shape.rows;
+        let kvd = hp.n_kv_heads * hp.head_dim;
+        be.matmuls(
+            x,
+            None,
+            rows,
+            &mut [(&self.k, &mut s.k), (&self.v, &mut s.v)],
+        );
+        if let Some([_, bk, bv]) = &self.qkv_bias {
+            be.add_bias(&mut s.k, bk, rows, kvd);
+            be.add_bias(&mut s.v, bv, rows, kvd);
+        }
+        if let Some([_, nk]) = &self.qk_norm {
+            be.rms_norm(
+                &s.k,
+                nk,
+                rows * hp.n_kv_heads,
+                hp.head_dim,
+                hp.rms_eps,
+                &mut s.tmp,
+            );
+            be.copy(&s.tmp, 0, &mut s.k, 0, rows * kvd);
+        }
+        be.rope_and_cache(
+            &mut s.q, &mut s.k, &s.v, k_cache, v_cache, shape, rope, &s.step,
+        );
     }
 
     /// Q/K/V with what comes between them and RoPE (biases, per-head norms), then RoPE and the cache write.

@@ -4,15 +4,63 @@
 //! positions with an attention mask, appends their K/V to the cache, and returns logits for the rows asked for
 //! (and, on request, the hidden states after chosen layers).
 
+mod drafter;
 mod llama;
 mod mtp;
 
+pub use drafter::{BlockDrafter, BlockOutput};
 pub use llama::Model;
 pub use mtp::{HeadInput, HeadOutput, MtpHead, MAX_CHAIN};
 
 use std::hash::{Hash, Hasher};
 
 use crate::backend::{AttnMask, Backend};
+use crate::bundle::hparams::HParams;
+use crate::bundle::safetensors::SafetensorsSet;
+use crate::bundle::st_matrix;
+use crate::cache::{CacheShape, KvCache};
+use crate::error::Result;
+use crate::quant::{GgmlType, WeightFormat};
+
+/// A drafting network's weight matrix (an MTP head's, a block drafter's) from its safetensors: float weights
+/// are re-encoded as Q8_0, since every draft reads every weight and a drafter's numerics never reach the output.
+fn drafting_matrix<B: Backend>(
+    be: &B,
+    tensors: &SafetensorsSet,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<B::Matrix> {
+    let module = name.strip_suffix(".weight").unwrap_or(name);
+    let mut q = st_matrix(tensors, None, module, name, rows, cols)?;
+    if matches!(
+        q.format,
+        WeightFormat::Ggml(GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+    ) && cols.is_multiple_of(32)
+    {
+        q = q.to_q8_0()?;
+    }
+    be.load_matrix(q)
+}
+
+/// A drafting network's own KV cache: `layers` layers of `hp`'s attention shape, for up to `max_tokens`.
+fn drafting_cache<B: Backend>(
+    be: &B,
+    hp: &HParams,
+    layers: usize,
+    max_tokens: usize,
+) -> KvCache<B> {
+    KvCache::new(
+        be,
+        CacheShape {
+            n_layers: layers,
+            n_heads: hp.n_heads,
+            n_kv_heads: hp.n_kv_heads,
+            head_dim: hp.head_dim,
+        },
+        max_tokens.min(hp.context_len).max(1),
+    )
+}
 
 /// Forwards of up to this many rows (decode steps, verifies, draft steps) are recorded for replay
 /// ([`Backend::replay_or_record`]); longer ones (prefill chunks, whose lengths vary) run directly.
@@ -79,4 +127,33 @@ pub struct ForwardOutput {
     pub hidden: Vec<(usize, Vec<f32>)>,
     /// `rows × hidden`: each row's state after the output norm ([`Model::forward_with_hidden`] only).
     pub final_hidden: Vec<f32>,
+    /// `rows × width`: what [`Model::forward_features`] was asked for, row by row.
+    pub features: Vec<f32>,
+}
+
+/// Which of the target's hidden states a proposer conditions on, per position.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum TargetFeatures {
+    #[default]
+    None,
+    /// The state after the output norm (what an MTP head reads).
+    Final,
+    /// The residual stream after each listed layer, concatenated per row in the listed order (what a block
+    /// drafter fuses).
+    Layers(Vec<usize>),
+}
+
+impl TargetFeatures {
+    /// Values per row, for a model of `hidden` values per state.
+    pub fn width(&self, hidden: usize) -> usize {
+        match self {
+            TargetFeatures::None => 0,
+            TargetFeatures::Final => hidden,
+            TargetFeatures::Layers(l) => l.len() * hidden,
+        }
+    }
+
+    pub fn is_none(&self) -> bool {
+        *self == TargetFeatures::None
+    }
 }

@@ -18,15 +18,14 @@
 use std::sync::Arc;
 
 use super::llama::{Layer, Scratch};
-use super::{run_recorded, Model};
+use super::{drafting_cache, drafting_matrix, run_recorded, Model};
 use crate::backend::RopeStyle;
 use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
 use crate::bundle::hparams::HParams;
 use crate::bundle::mtp::Fusion;
-use crate::bundle::{st_matrix, st_token_ids, st_vector, Bundle, MtpStatus, TensorKey};
-use crate::cache::{CacheShape, KvCache};
+use crate::bundle::{st_token_ids, st_vector, Bundle, MtpStatus, TensorKey};
+use crate::cache::KvCache;
 use crate::error::{Error, Result};
-use crate::quant::{GgmlType, WeightFormat};
 
 /// The deepest chained greedy draft ([`MtpHead::draft_greedy`]).
 pub const MAX_CHAIN: usize = 16;
@@ -130,18 +129,8 @@ impl<B: Backend> MtpHead<B> {
         let backend = target.backend().clone();
         let be = backend.as_ref();
         let h = hp.hidden;
-        let load = |name: &str, rows: usize, cols: usize| -> Result<B::Matrix> {
-            let module = name.strip_suffix(".weight").unwrap_or(name);
-            let mut q = st_matrix(tensors, None, module, name, rows, cols)?;
-            if matches!(
-                q.format,
-                WeightFormat::Ggml(GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
-            ) && cols.is_multiple_of(32)
-            {
-                q = q.to_q8_0()?;
-            }
-            be.load_matrix(q)
-        };
+        let load =
+            |name: &str, rows: usize, cols: usize| drafting_matrix(be, tensors, name, rows, cols);
         let fusion = match &spec.fusion {
             Fusion::Joint(n) => HeadFusion::Joint(load(n, h, 2 * h)?),
             Fusion::Split { embedding, hidden } => HeadFusion::Split {
@@ -238,15 +227,11 @@ impl<B: Backend> MtpHead<B> {
 
     /// A fresh KV cache for the head (one layer per block).
     pub fn new_cache(&self, max_tokens: usize) -> KvCache<B> {
-        KvCache::new(
+        drafting_cache(
             self.backend.as_ref(),
-            CacheShape {
-                n_layers: self.blocks.len(),
-                n_heads: self.hp.n_heads,
-                n_kv_heads: self.hp.n_kv_heads,
-                head_dim: self.hp.head_dim,
-            },
-            max_tokens.min(self.hp.context_len).max(1),
+            &self.hp,
+            self.blocks.len(),
+            max_tokens,
         )
     }
 

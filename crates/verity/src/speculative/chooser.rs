@@ -21,6 +21,7 @@
 use super::copy::{SuffixCopy, MAX_MATCH, MIN_MATCH};
 use super::proposer::{Draft, Outcome, Proposer};
 use crate::error::Result;
+use crate::model::TargetFeatures;
 use crate::sample::SamplerConfig;
 
 /// Cycles each side needs on record before measured rates replace the prior.
@@ -223,8 +224,8 @@ impl Proposer for Chooser {
         self.model.catch_up(context)
     }
 
-    fn wants_hidden(&self) -> bool {
-        self.model.wants_hidden()
+    fn features(&self) -> TargetFeatures {
+        self.model.features()
     }
 
     fn observe_hidden(&mut self, start: usize, hidden: &[f32]) {

@@ -19,6 +19,7 @@ pub mod chooser;
 pub mod controller;
 pub mod copy;
 pub mod draft_model;
+pub mod drafter;
 pub mod mtp;
 pub mod proposer;
 mod route;

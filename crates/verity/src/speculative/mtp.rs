@@ -28,7 +28,7 @@ use super::proposer::{Draft, Outcome, Proposer};
 use crate::backend::Backend;
 use crate::cache::KvCache;
 use crate::error::Result;
-use crate::model::{HeadInput, HeadOutput, MtpHead};
+use crate::model::{HeadInput, HeadOutput, MtpHead, TargetFeatures};
 use crate::sample::{Sampler, SamplerConfig};
 
 /// The deepest recursion offered to the controller.
@@ -183,8 +183,8 @@ impl<B: Backend> Proposer for MtpProposer<B> {
         k.min(MAX_DEPTH)
     }
 
-    fn wants_hidden(&self) -> bool {
-        true
+    fn features(&self) -> TargetFeatures {
+        TargetFeatures::Final
     }
 
     fn observe_hidden(&mut self, start: usize, hidden: &[f32]) {

@@ -3,6 +3,7 @@
 
 use crate::backend::AttnMask;
 use crate::error::{Error, Result};
+use crate::model::TargetFeatures;
 use crate::sample::SamplerConfig;
 
 /// Up to `k` proposed tokens: a chain, or a tree of alternatives that one verify forward checks together.
@@ -233,14 +234,15 @@ pub trait Proposer: Send {
         Ok(())
     }
 
-    /// Whether the proposer conditions on the target's final hidden states (an MTP head). The engine then runs
-    /// the target with hidden-state output and reports committed rows through [`Proposer::observe_hidden`].
-    fn wants_hidden(&self) -> bool {
-        false
+    /// Which target hidden states the proposer conditions on (an MTP head: the final ones; a block drafter:
+    /// several layers'). The engine then runs the target with that output and reports committed rows through
+    /// [`Proposer::observe_hidden`].
+    fn features(&self) -> TargetFeatures {
+        TargetFeatures::None
     }
 
-    /// The target's final hidden states (after its output norm) of committed rows at positions `start..`,
-    /// `rows × hidden`, row-major. Called after prefill chunks and after each cycle's commit.
+    /// The target's [`Proposer::features`] of committed rows at positions `start..`, `rows × width`, row-major.
+    /// Called after prefill chunks and after each cycle's commit.
     fn observe_hidden(&mut self, _start: usize, _hidden: &[f32]) {}
 }
 

@@ -8,13 +8,14 @@ use std::sync::Arc;
 use super::chooser::Chooser;
 use super::copy::SuffixCopy;
 use super::draft_model::DraftModel;
+use super::drafter::DrafterProposer;
 use super::mtp::MtpProposer;
 use super::Proposer;
 use crate::backend::Backend;
-use crate::bundle::{Bundle, MtpStatus};
+use crate::bundle::{Bundle, DrafterStatus, MtpStatus};
 use crate::chat::Tokenizer;
 use crate::error::{Error, Result};
-use crate::model::{Model, MtpHead};
+use crate::model::{BlockDrafter, Model, MtpHead};
 
 /// What the user asked for (`--speculation`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,6 +27,8 @@ pub enum SpecMode {
     Copy,
     /// The bundle's native multi-token-prediction head.
     Mtp,
+    /// The bundle's block drafter (`drafter/`).
+    Drafter,
     /// A separate draft model with the same tokenizer.
     DraftModel(Option<PathBuf>),
 }
@@ -38,13 +41,14 @@ impl FromStr for SpecMode {
             "off" | "ar" | "none" => SpecMode::Off,
             "copy" => SpecMode::Copy,
             "mtp" => SpecMode::Mtp,
+            "drafter" => SpecMode::Drafter,
             "draft-model" => SpecMode::DraftModel(None),
             _ => match s.strip_prefix("draft-model=") {
                 Some(p) if !p.is_empty() => SpecMode::DraftModel(Some(PathBuf::from(p))),
                 _ => {
                     return Err(Error::Invalid(format!(
-                        "speculation {s:?}: expected auto, off, copy, mtp or draft-model=PATH"
-                    )))
+                    "speculation {s:?}: expected auto, off, copy, mtp, drafter or draft-model=PATH"
+                )))
                 }
             },
         })
@@ -57,6 +61,7 @@ pub enum Route {
     Ar,
     Copy,
     Mtp,
+    Drafter,
     DraftModel(PathBuf),
 }
 
@@ -66,6 +71,7 @@ impl Route {
             Route::Ar => "ar",
             Route::Copy => "copy",
             Route::Mtp => "mtp",
+            Route::Drafter => "drafter",
             Route::DraftModel(_) => "draft_model",
         }
     }
@@ -78,12 +84,27 @@ pub struct Plan {
     pub reason: String,
 }
 
-/// Resolve a mode against what the bundle offers. `off` always wins; `auto` takes a complete native MTP head,
-/// else copying from the prompt; an explicit `mtp` on a bundle without a complete head is an error that says why.
+/// Resolve a mode against what the bundle offers. `off` always wins; `auto` takes a complete block drafter,
+/// else a complete native MTP head, else copying from the prompt; an explicit `mtp` or `drafter` on a bundle
+/// without a complete one is an error that says why.
 pub fn plan(bundle: &Bundle, mode: &SpecMode) -> Result<Plan> {
     let head = match &bundle.mtp {
         MtpStatus::Complete(_) => Ok(()),
         other => Err(other.describe()),
+    };
+    let drafter = match &bundle.drafter {
+        DrafterStatus::Complete(_) => Ok(()),
+        other => Err(other.describe()),
+    };
+    let drafter_plan = |asked: &str| {
+        Plan {
+        route: Route::Drafter,
+        reason: format!(
+            "{asked}: {}; where the context has a copy match, copying or the drafter drafts, whichever has \
+             yielded more tokens per second",
+            bundle.drafter.describe()
+        ),
+    }
     };
     Ok(match mode {
         SpecMode::Off => Plan {
@@ -109,6 +130,15 @@ pub fn plan(bundle: &Bundle, mode: &SpecMode) -> Result<Plan> {
                 )))
             }
         },
+        SpecMode::Drafter => match drafter {
+            Ok(()) => drafter_plan("drafter requested"),
+            Err(why) => {
+                return Err(Error::Invalid(format!(
+                    "the drafter route needs a complete block drafter; this bundle has {why}"
+                )))
+            }
+        },
+        SpecMode::Auto if drafter.is_ok() => drafter_plan("block drafter"),
         SpecMode::DraftModel(Some(p)) => Plan {
             route: Route::DraftModel(p.clone()),
             reason: format!("draft model {} requested", p.display()),
@@ -128,8 +158,9 @@ pub fn plan(bundle: &Bundle, mode: &SpecMode) -> Result<Plan> {
             Err(why) => Plan {
                 route: Route::Copy,
                 reason: format!(
-                    "MTP head: {why}; no drafter: copy from the prompt (the controller falls back to AR where \
-                     copying does not pay)"
+                    "MTP head: {why}; block drafter: {}: copy from the prompt (the controller falls back to AR \
+                     where copying does not pay)",
+                    bundle.drafter.describe()
                 ),
             },
         },
@@ -161,6 +192,21 @@ pub fn build<B: Backend>(
                 let plan = Plan {
                     route: Route::Copy,
                     reason: format!("MTP head unusable ({e}): copy from the prompt"),
+                };
+                return Ok((plan, Some(Box::new(SuffixCopy::new()))));
+            }
+            Err(e) => return Err(e),
+        },
+        Route::Drafter => match BlockDrafter::load(bundle, model) {
+            Ok(drafter) => {
+                let drafter = DrafterProposer::new(drafter, model.hp.context_len)?;
+                Box::new(Chooser::new(Box::new(drafter)))
+            }
+            Err(e) if *mode == SpecMode::Auto => {
+                tracing::warn!("block drafter unusable: {e}");
+                let plan = Plan {
+                    route: Route::Copy,
+                    reason: format!("block drafter unusable ({e}): copy from the prompt"),
                 };
                 return Ok((plan, Some(Box::new(SuffixCopy::new()))));
             }

@@ -1,0 +1,336 @@
+//! A block drafter (DFlash-style), run on the target's backend beside the target.
+//!
+//! **Context.** For each committed position `p`, the target's residual streams after the drafter's target
+//! layers are concatenated and fused: `c_p = hidden_norm(fc([h_a; h_b; …]))`. Every drafter layer keeps the K/V
+//! of `c_p` (its own K/V projections of `c_p`, without its input norm; K normed per head where the layer has Q/K
+//! norms and rotated at `p`) in the drafter's cache — computed once, when `p` is committed
+//! ([`BlockDrafter::extend_context`]).
+//!
+//! **Draft.** The block `[t_n, m, m, …]` (the pending token at position `n`, then the mask token at `n + 1..`)
+//! is embedded with the target's embedding and runs through the drafter's layers, each of whose queries sees
+//! the whole context and the whole block (no causal order inside the block); after the final norm, the
+//! target's output matrix turns mask row `i` into the drafter's distribution for the token at `n + i`. One
+//! forward proposes the whole block; the block's K/V are written past the cache's committed slots and never
+//! kept. RoPE is the Hugging Face rotate-half pairing of the drafter's own weights, whatever the target's.
+//!
+//! Float drafter weights are re-encoded as Q8_0 at load, as the MTP head's are: every draft reads every weight,
+//! and the drafter's numerics never reach the output (the verifier judges every draft).
+
+use std::sync::Arc;
+
+use super::llama::{Layer, Scratch};
+use super::{drafting_cache, drafting_matrix, run_recorded, Model};
+use crate::backend::{AttnMask, AttnShape, Backend, Rope, RopeStyle, StepInputs};
+use crate::bundle::drafter::tensor_name;
+use crate::bundle::hparams::HParams;
+use crate::bundle::{st_vector, Bundle, DrafterSpec, DrafterStatus, TensorKey};
+use crate::cache::KvCache;
+use crate::error::{Error, Result};
+
+/// Context rows fused and cached per forward (a long prompt's context is added in pieces of this many).
+const CONTEXT_CHUNK: usize = 64;
+
+/// Work buffers of the drafter beyond a block's scratch.
+struct DrafterScratch<B: Backend> {
+    block: Scratch<B>,
+    /// `rows × width`: the target states of the context rows being added.
+    states: B::Buffer,
+    /// `rows × hidden`: their fusion, before and after `hidden_norm`.
+    fused: B::Buffer,
+    fused_normed: B::Buffer,
+}
+
+/// What one draft forward returns.
+#[derive(Debug, Clone, Default)]
+pub struct BlockOutput {
+    /// Each drafted position's argmax (greedy drafting), `k` tokens.
+    pub greedy: Vec<u32>,
+    /// Each drafted position's logits, `k × vocab` (sampled drafting).
+    pub logits: Vec<f32>,
+}
+
+pub struct BlockDrafter<B: Backend> {
+    spec: DrafterSpec,
+    /// The drafter layers' hyper-parameters (its hidden size and vocabulary are the target's).
+    hp: HParams,
+    backend: Arc<B>,
+    embed: Arc<B::Matrix>,
+    fc: B::Matrix,
+    hidden_norm: B::Buffer,
+    layers: Vec<Layer<B>>,
+    norm: B::Buffer,
+    lm_head: B::Matrix,
+    scratch: Option<DrafterScratch<B>>,
+}
+
+impl<B: Backend> BlockDrafter<B> {
+    /// Load the bundle's complete drafter for `target`. Fails (and the planner takes the next route) when the
+    /// bundle's drafter is not complete.
+    pub fn load(bundle: &Bundle, target: &Model<B>) -> Result<Self> {
+        let DrafterStatus::Complete(spec) = &bundle.drafter else {
+            return Err(Error::Invalid(format!(
+                "no usable block drafter: {}",
+                bundle.drafter.describe()
+            )));
+        };
+        let tensors = bundle
+            .drafter_tensors()
+            .expect("a complete drafter has its tensors");
+        let spec = spec.as_ref().clone();
+        let hp = HParams {
+            n_layers: spec.layers,
+            n_heads: spec.heads,
+            n_kv_heads: spec.kv_heads,
+            head_dim: spec.head_dim,
+            ffn_hidden: spec.ffn,
+            rms_eps: spec.rms_eps,
+            rope_theta: spec.rope_theta,
+            rope_style: RopeStyle::HalfSplit,
+            qkv_bias: false,
+            qk_norm: spec.qk_norm,
+            ..target.hp.clone()
+        };
+        hp.validate()?;
+        let backend = target.backend().clone();
+        let be = backend.as_ref();
+        be.prepare_attention(hp.head_dim, rope(&hp))?;
+        let load =
+            |name: &str, rows: usize, cols: usize| drafting_matrix(be, tensors, name, rows, cols);
+        let h = hp.hidden;
+        let vector =
+            |name: &str| -> Result<B::Buffer> { Ok(be.upload(&st_vector(tensors, name, h)?)) };
+        let mut layers = Vec::with_capacity(spec.layers);
+        for l in 0..spec.layers {
+            let mut mat =
+                |key: TensorKey, rows: usize, cols: usize| load(&tensor_name(key), rows, cols);
+            let mut vec = |key: TensorKey, len: usize| {
+                Ok(be.upload(&st_vector(tensors, &tensor_name(key), len)?))
+            };
+            layers.push(Layer::load(&hp, l, &mut mat, &mut vec)?);
+        }
+        let out_key = if bundle.has(TensorKey::Output) {
+            TensorKey::Output
+        } else {
+            TensorKey::TokenEmbedding
+        };
+        let lm_head = be.load_matrix(bundle.matrix(out_key, hp.vocab, h)?)?;
+        Ok(BlockDrafter {
+            fc: load("fc.weight", h, spec.target_layers.len() * h)?,
+            hidden_norm: vector("hidden_norm.weight")?,
+            norm: vector("norm.weight")?,
+            embed: target.embedding(),
+            layers,
+            lm_head,
+            hp,
+            spec,
+            backend,
+            scratch: None,
+        })
+    }
+
+    pub fn spec(&self) -> &DrafterSpec {
+        &self.spec
+    }
+
+    /// Values of target state per context row (the target layers' states, concatenated).
+    pub fn state_width(&self) -> usize {
+        self.spec.target_layers.len() * self.hp.hidden
+    }
+
+    /// A fresh cache for the drafter's context (one layer per drafter layer).
+    pub fn new_cache(&self, max_tokens: usize) -> KvCache<B> {
+        drafting_cache(
+            self.backend.as_ref(),
+            &self.hp,
+            self.layers.len(),
+            max_tokens,
+        )
+    }
+
+    fn scratch(&mut self, rows: usize) -> DrafterScratch<B> {
+        match self.scratch.take() {
+            Some(s) if s.block.rows >= rows => s,
+            _ => {
+                let be = self.backend.as_ref();
+                let block = Scratch::new(be, &self.hp, rows, self.hp.vocab);
+                let n = block.rows;
+                DrafterScratch {
+                    states: be.buffer(n * self.state_width()),
+                    fused: be.buffer(n * self.hp.hidden),
+                    fused_normed: be.buffer(n * self.hp.hidden),
+                    block,
+                }
+            }
+        }
+    }
+
+    fn shape(&self, rows: usize) -> AttnShape {
+        AttnShape {
+            rows,
+            n_heads: self.hp.n_heads,
+            n_kv_heads: self.hp.n_kv_heads,
+            head_dim: self.hp.head_dim,
+            scale: 1.0 / (self.hp.head_dim as f32).sqrt(),
+        }
+    }
+
+    /// Add the context of positions `start..` (`states`: their target states, `rows × state_width`) to
+    /// `cache`, which must end at `start`.
+    pub fn extend_context(
+        &mut self,
+        cache: &mut KvCache<B>,
+        start: usize,
+        states: &[f32],
+    ) -> Result<()> {
+        let w = self.state_width();
+        if states.is_empty() || !states.len().is_multiple_of(w) {
+            return Err(Error::Invalid(format!(
+                "block drafter: {} context values are not rows of {w}",
+                states.len()
+            )));
+        }
+        let rows = states.len() / w;
+        if cache.len() + rows > cache.max_capacity() {
+            return Err(Error::Invalid(format!(
+                "block drafter: {rows} context rows do not fit a cache of {}",
+                cache.max_capacity()
+            )));
+        }
+        for (i, chunk) in states.chunks(CONTEXT_CHUNK * w).enumerate() {
+            self.extend_chunk(cache, start + i * CONTEXT_CHUNK, chunk)?;
+        }
+        Ok(())
+    }
+
+    fn extend_chunk(&mut self, cache: &mut KvCache<B>, start: usize, states: &[f32]) -> Result<()> {
+        let (w, h, eps) = (self.state_width(), self.hp.hidden, self.hp.rms_eps);
+        let rows = states.len() / w;
+        cache.reserve(self.backend.as_ref(), rows)?;
+        let mut s = self.scratch(rows);
+        let be = self.backend.as_ref();
+        let positions: Vec<usize> = (start..start + rows).collect();
+        be.set_step(
+            &mut s.block.step,
+            StepInputs {
+                tokens: &vec![0; rows],
+                positions: &positions,
+                base: cache.len(),
+                mask: &AttnMask::Causal,
+            },
+        );
+        be.write(&mut s.states, states);
+        let (shape, rope) = (self.shape(rows), rope(&self.hp));
+        let key = (s.block.id, cache.buffers_id(), rows, "context");
+        run_recorded(be, rows, key, &mut || {
+            be.matmul(&self.fc, &s.states, rows, &mut s.fused);
+            be.rms_norm(
+                &s.fused,
+                &self.hidden_norm,
+                rows,
+                h,
+                eps,
+                &mut s.fused_normed,
+            );
+            for (i, layer) in self.layers.iter().enumerate() {
+                let (kc, vc) = (&mut cache.k[i], &mut cache.v[i]);
+                layer.context_kv(
+                    be,
+                    &self.hp,
+                    rope,
+                    &s.fused_normed,
+                    &mut s.block,
+                    [kc, vc],
+                    shape,
+                );
+            }
+        });
+        cache.advance(rows);
+        self.scratch = Some(s);
+        Ok(())
+    }
+
+    /// Draft `k` tokens (at most the block's `block - 1`) after `pending` at position `pos`, the cache holding
+    /// the context up to `pos`: each drafted position's argmax with `greedy`, else its logits. The cache's
+    /// committed length does not change.
+    pub fn draft(
+        &mut self,
+        cache: &mut KvCache<B>,
+        pending: u32,
+        pos: usize,
+        k: usize,
+        greedy: bool,
+    ) -> Result<BlockOutput> {
+        if !(1..self.spec.block).contains(&k) || pending as usize >= self.hp.vocab {
+            return Err(Error::Invalid(format!(
+                "block drafter: {k} drafts after token {pending} (1 to {} in a block)",
+                self.spec.block - 1
+            )));
+        }
+        let rows = k + 1;
+        cache.reserve(self.backend.as_ref(), rows)?;
+        let mut s = self.scratch(rows);
+        let be = self.backend.as_ref();
+        let (h, eps, vocab) = (self.hp.hidden, self.hp.rms_eps, self.hp.vocab);
+        let mut tokens = vec![self.spec.mask_token; rows];
+        tokens[0] = pending;
+        let positions: Vec<usize> = (pos..pos + rows).collect();
+        // Inside the block every row sees every row.
+        let mask = AttnMask::Tree(vec![true; rows * rows]);
+        be.set_step(
+            &mut s.block.step,
+            StepInputs {
+                tokens: &tokens,
+                positions: &positions,
+                base: cache.len(),
+                mask: &mask,
+            },
+        );
+        let (shape, rope) = (self.shape(rows), rope(&self.hp));
+        let key = (s.block.id, cache.buffers_id(), rows, greedy);
+        run_recorded(be, rows, key, &mut || {
+            be.embed(&self.embed, &s.block.step, rows, &mut s.block.x);
+            for (i, layer) in self.layers.iter().enumerate() {
+                let (kc, vc) = (&mut cache.k[i], &mut cache.v[i]);
+                layer.run(
+                    be,
+                    &self.hp,
+                    rope,
+                    &mut s.block,
+                    [kc, vc, &mut cache.attn_work],
+                    shape,
+                );
+            }
+            be.rms_norm(&s.block.x, &self.norm, rows, h, eps, &mut s.block.xn);
+            // Row 0 holds the pending token: the drafts are the mask rows'.
+            be.copy(&s.block.xn, h, &mut s.block.tmp, 0, k * h);
+            be.matmul(&self.lm_head, &s.block.tmp, k, &mut s.block.logits);
+            if greedy {
+                be.argmax(&s.block.logits, k, vocab, &mut s.block.greedy);
+            }
+        });
+        let out = if greedy {
+            BlockOutput {
+                greedy: be
+                    .download(&s.block.greedy, k)
+                    .into_iter()
+                    .map(|t| t as u32)
+                    .collect(),
+                logits: Vec::new(),
+            }
+        } else {
+            BlockOutput {
+                greedy: Vec::new(),
+                logits: be.download(&s.block.logits, k * vocab),
+            }
+        };
+        self.scratch = Some(s);
+        Ok(out)
+    }
+}
+
+fn rope(hp: &HParams) -> Rope {
+    Rope {
+        theta: hp.rope_theta,
+        style: RopeStyle::HalfSplit,
+    }
+}

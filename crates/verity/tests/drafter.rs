@@ -1,0 +1,488 @@
+//! Block drafters: the route a bundle with `drafter/` resolves to (complete drafters, malformed ones), the
+//! drafter's context alignment with the target's committed positions under any accept pattern, and drafter
+//! output equal to AR — greedy byte for byte, sampled token for token with the same seed — on the tiny model and
+//! on SmolLM2.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use common::*;
+use verity::backend::cpu::CpuBackend;
+use verity::bundle::{Bundle, DrafterStatus};
+use verity::chat::Message;
+use verity::engine::{Engine, GenerateRequest};
+use verity::model::{Batch, BlockDrafter, LogitRows, Model, TargetFeatures};
+use verity::sample::SamplerConfig;
+use verity::speculative::drafter::DrafterProposer;
+use verity::speculative::{Outcome, Proposer, SpecMode};
+
+/// A drafter's shape: target layers read, its own layers, heads / KV heads × head dim, MLP width, block size,
+/// mask token.
+struct Shape {
+    hidden: usize,
+    target_layers: Vec<usize>,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    ffn: usize,
+    block: usize,
+    mask: u32,
+}
+
+/// The tiny llama fixture's drafter: hidden 64, reading both of its layers.
+fn tiny_shape() -> Shape {
+    Shape {
+        hidden: 64,
+        target_layers: vec![0, 1],
+        layers: 1,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        ffn: 128,
+        block: 6,
+        mask: 5,
+    }
+}
+
+fn config(s: &Shape) -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["DFlashDraftModel"],
+        "hidden_size": s.hidden,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads,
+        "head_dim": s.head_dim,
+        "intermediate_size": s.ffn,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "dflash_config": {
+            "target_layer_ids": s.target_layers,
+            "block_size": s.block,
+            "mask_token_id": s.mask,
+        },
+    })
+}
+
+/// The tensors of a random drafter of shape `s` (F32, Qwen3-style with Q/K norms).
+fn tensors(s: &Shape, seed: u64) -> Vec<StEntry> {
+    let h = s.hidden;
+    let (qd, kvd) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
+    let mat = |name: &str, r: usize, c: usize, i: u64| -> StEntry {
+        let scale = 1.0 / (c as f32).sqrt();
+        let v = random_f32(r * c, seed * 1000 + i, scale);
+        (name.to_string(), "F32", vec![r, c], f32_bytes(&v))
+    };
+    let norm = |name: &str, len: usize, i: u64| -> StEntry {
+        let v: Vec<f32> = random_f32(len, seed * 1000 + i, 0.2)
+            .iter()
+            .map(|x| 1.0 + x)
+            .collect();
+        (name.to_string(), "F32", vec![len], f32_bytes(&v))
+    };
+    let mut t = vec![
+        mat("fc.weight", h, s.target_layers.len() * h, 1),
+        norm("hidden_norm.weight", h, 2),
+        norm("norm.weight", h, 3),
+    ];
+    for l in 0..s.layers {
+        let p = format!("layers.{l}.");
+        let i = 10 * (l as u64 + 1);
+        t.extend([
+            norm(&format!("{p}input_layernorm.weight"), h, i),
+            mat(&format!("{p}self_attn.q_proj.weight"), qd, h, i + 1),
+            mat(&format!("{p}self_attn.k_proj.weight"), kvd, h, i + 2),
+            mat(&format!("{p}self_attn.v_proj.weight"), kvd, h, i + 3),
+            mat(&format!("{p}self_attn.o_proj.weight"), h, qd, i + 4),
+            norm(&format!("{p}self_attn.q_norm.weight"), s.head_dim, i + 5),
+            norm(&format!("{p}self_attn.k_norm.weight"), s.head_dim, i + 6),
+            norm(&format!("{p}post_attention_layernorm.weight"), h, i + 7),
+            mat(&format!("{p}mlp.gate_proj.weight"), s.ffn, h, i + 8),
+            mat(&format!("{p}mlp.up_proj.weight"), s.ffn, h, i + 9),
+            mat(&format!("{p}mlp.down_proj.weight"), h, s.ffn, i + 10),
+        ]);
+    }
+    t
+}
+
+fn write_drafter(bundle: &Path, config: &serde_json::Value, tensors: &[StEntry]) {
+    let d = bundle.join("drafter");
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::write(d.join("config.json"), config.to_string()).unwrap();
+    write_safetensors(&d.join("model.safetensors"), tensors, &[]);
+}
+
+/// The tiny bundle with a random drafter.
+fn tiny_with_drafter(tag: &str, seed: u64) -> PathBuf {
+    let d = copy_bundle("llama-f32", tag);
+    let s = tiny_shape();
+    write_drafter(&d, &config(&s), &tensors(&s, seed));
+    d
+}
+
+fn be() -> Arc<CpuBackend> {
+    Arc::new(CpuBackend::new(1).unwrap())
+}
+
+fn route(dir: &Path, mode: &SpecMode) -> verity::Result<String> {
+    Engine::load(dir, be(), mode).map(|e| e.plan.route.name().to_string())
+}
+
+#[test]
+fn a_complete_drafter_is_the_auto_route() {
+    let d = tiny_with_drafter("drafter-complete", 1);
+    let b = Bundle::open(&d).unwrap();
+    let DrafterStatus::Complete(spec) = &b.drafter else {
+        panic!("{}", b.drafter.describe())
+    };
+    assert_eq!(
+        (
+            spec.target_layers.as_slice(),
+            spec.block,
+            spec.mask_token,
+            spec.qk_norm
+        ),
+        (&[0, 1][..], 6, 5, true)
+    );
+    assert_eq!(route(&d, &SpecMode::Auto).unwrap(), "drafter");
+    assert_eq!(route(&d, &SpecMode::Drafter).unwrap(), "drafter");
+    // Without the folder, the explicit route says why it cannot run.
+    let plain = copy_bundle("llama-f32", "drafter-none");
+    let e = route(&plain, &SpecMode::Drafter).unwrap_err().to_string();
+    assert!(e.contains("needs a complete block drafter"), "{e}");
+    assert_eq!(route(&plain, &SpecMode::Auto).unwrap(), "copy");
+}
+
+#[test]
+fn malformed_drafters_are_incomplete_and_auto_takes_the_next_route() {
+    let s = tiny_shape();
+    let good = tensors(&s, 2);
+    let without =
+        |name: &str| -> Vec<StEntry> { good.iter().filter(|t| t.0 != name).cloned().collect() };
+    let reshaped = |name: &str| -> Vec<StEntry> {
+        good.iter()
+            .map(|t| {
+                if t.0 == name {
+                    let n = t.3.len() / 4;
+                    (t.0.clone(), "F32", vec![n], t.3.clone())
+                } else {
+                    t.clone()
+                }
+            })
+            .collect()
+    };
+    let with = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut c = config(&s);
+        edit(&mut c);
+        c
+    };
+    let cases: Vec<(&str, serde_json::Value, Vec<StEntry>, &str)> = vec![
+        ("no fc", config(&s), without("fc.weight"), "fc.weight"),
+        (
+            "no k norm",
+            config(&s),
+            without("layers.0.self_attn.k_norm.weight"),
+            "k_norm",
+        ),
+        (
+            "flat q",
+            config(&s),
+            reshaped("layers.0.self_attn.q_proj.weight"),
+            "q_proj",
+        ),
+        (
+            "layer outside the target",
+            with(&|c| c["dflash_config"]["target_layer_ids"] = serde_json::json!([0, 2])),
+            good.clone(),
+            "target layers",
+        ),
+        (
+            "repeated layer",
+            with(&|c| c["dflash_config"]["target_layer_ids"] = serde_json::json!([1, 1])),
+            good.clone(),
+            "target layers",
+        ),
+        (
+            "mask outside the vocabulary",
+            with(&|c| c["dflash_config"]["mask_token_id"] = serde_json::json!(320)),
+            good.clone(),
+            "mask token",
+        ),
+        (
+            "another hidden size",
+            with(&|c| c["hidden_size"] = serde_json::json!(32)),
+            good.clone(),
+            "hidden size",
+        ),
+        (
+            "block of one",
+            with(&|c| c["dflash_config"]["block_size"] = serde_json::json!(1)),
+            good.clone(),
+            "block size",
+        ),
+        (
+            "scaled embedding",
+            with(&|c| c["dflash_config"]["input_embedding_scale"] = serde_json::json!(2.0)),
+            good.clone(),
+            "input_embedding_scale",
+        ),
+        (
+            "causal layers",
+            with(&|c| c["is_causal"] = serde_json::json!(true)),
+            good.clone(),
+            "causal",
+        ),
+        (
+            "no target layers",
+            with(&|c| {
+                c["dflash_config"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("target_layer_ids");
+            }),
+            good.clone(),
+            "target_layer_ids",
+        ),
+    ];
+    for (what, cfg, ts, reason) in cases {
+        let d = copy_bundle("llama-f32", "drafter-bad");
+        write_drafter(&d, &cfg, &ts);
+        let b = Bundle::open(&d).unwrap();
+        match &b.drafter {
+            DrafterStatus::Incomplete(r) => assert!(r.contains(reason), "{what}: {r}"),
+            other => panic!("{what}: {other:?}"),
+        }
+        assert_eq!(route(&d, &SpecMode::Auto).unwrap(), "copy", "{what}");
+        let e = route(&d, &SpecMode::Drafter).unwrap_err().to_string();
+        assert!(e.contains(reason), "{what}: {e}");
+    }
+    // A config that is not JSON, and a truncated weights file.
+    let d = copy_bundle("llama-f32", "drafter-bad-files");
+    write_drafter(&d, &config(&s), &good);
+    std::fs::write(d.join("drafter/config.json"), "{ not json").unwrap();
+    assert!(
+        matches!(Bundle::open(&d).unwrap().drafter, DrafterStatus::Incomplete(r) if r.contains("invalid drafter config"))
+    );
+    write_drafter(&d, &config(&s), &good);
+    let w = d.join("drafter/model.safetensors");
+    let bytes = std::fs::read(&w).unwrap();
+    std::fs::write(&w, &bytes[..bytes.len() / 2]).unwrap();
+    let b = Bundle::open(&d).expect("a broken drafter never makes the bundle unreadable");
+    assert!(
+        matches!(b.drafter, DrafterStatus::Incomplete(_)),
+        "{:?}",
+        b.drafter
+    );
+}
+
+/// The target's states at the drafter's layers for `tokens` (positions 0..), computed in one forward.
+fn target_states(model: &mut Model<CpuBackend>, tokens: &[u32], layers: &[usize]) -> Vec<f32> {
+    let mut cache = model.new_cache(256);
+    model
+        .forward_features(
+            &mut cache,
+            &Batch::causal(tokens, 0),
+            LogitRows::None,
+            &TargetFeatures::Layers(layers.to_vec()),
+        )
+        .unwrap()
+        .features
+}
+
+/// Whatever the verifier keeps, the drafter's context stays the committed positions': every cycle's drafts
+/// equal those of a fresh drafter given the whole context at once.
+#[test]
+fn the_drafters_context_stays_aligned_under_any_accept_pattern() {
+    let d = tiny_with_drafter("drafter-align", 3);
+    let bundle = Bundle::open(&d).unwrap();
+    let mut model = Model::load(&bundle, be()).unwrap();
+    let layers = vec![0, 1];
+    let features = TargetFeatures::Layers(layers.clone());
+    let w = features.width(64);
+    let new_proposer = |m: &Model<CpuBackend>| {
+        let mut p = DrafterProposer::new(BlockDrafter::load(&bundle, m).unwrap(), 256).unwrap();
+        p.reset(&SamplerConfig::greedy());
+        p
+    };
+    let mut inc = new_proposer(&model);
+    assert_eq!(inc.features(), features);
+    let rnd = random_f32(400, 9, 1.0);
+    let mut r = rnd.iter().map(|x| (x.abs() * 1e6) as usize);
+    let mut context: Vec<u32> = (0..9).map(|_| (r.next().unwrap() % 320) as u32).collect();
+    let mut cache = model.new_cache(256);
+    let n0 = context.len() - 1;
+    let out = model
+        .forward_features(
+            &mut cache,
+            &Batch::causal(&context[..n0], 0),
+            LogitRows::None,
+            &features,
+        )
+        .unwrap();
+    inc.observe_hidden(0, &out.features);
+    let mut drafted = 0;
+    for cycle in 0..25 {
+        let n = context.len() - 1;
+        let k = 1 + r.next().unwrap() % 5;
+        let draft = inc.propose(&context, k).unwrap();
+        assert_eq!(draft.len(), k, "cycle {cycle}");
+        drafted += k;
+
+        let mut fresh = new_proposer(&model);
+        fresh.observe_hidden(0, &target_states(&mut model, &context[..n], &layers));
+        assert_eq!(
+            draft,
+            fresh.propose(&context, k).unwrap(),
+            "cycle {cycle}: drafts differ from a fresh drafter's"
+        );
+
+        // Verify on the target, keep a random prefix, add a random bonus token.
+        let mut rows = vec![context[n]];
+        rows.extend(draft.tokens());
+        let out = model
+            .forward_features(
+                &mut cache,
+                &Batch::causal(&rows, n),
+                LogitRows::All,
+                &features,
+            )
+            .unwrap();
+        let a = r.next().unwrap() % (k + 1);
+        cache.truncate(n + 1 + a);
+        inc.observe(&Outcome::of(&draft, &(0..a).collect::<Vec<_>>()));
+        inc.observe_hidden(n, &out.features[..(1 + a) * w]);
+        context.extend(&draft.tokens()[..a]);
+        context.push((r.next().unwrap() % 320) as u32);
+    }
+    assert!(drafted > 25);
+    // A context that leaves the drafter's (another conversation) rolls it back to what they share.
+    let mut other = context[..12].to_vec();
+    other.extend([7, 8, 9]);
+    let n = other.len() - 1;
+    inc.observe_hidden(0, &target_states(&mut model, &other[..n], &layers));
+    let mut fresh = new_proposer(&model);
+    fresh.observe_hidden(0, &target_states(&mut model, &other[..n], &layers));
+    assert_eq!(
+        inc.propose(&other, 4).unwrap(),
+        fresh.propose(&other, 4).unwrap()
+    );
+}
+
+/// The tokens `req` generates for `prompt`, and how many drafts the route proposed.
+fn generate(
+    e: &mut Engine<CpuBackend>,
+    prompt: &[u32],
+    req: &GenerateRequest,
+) -> (Vec<u32>, usize) {
+    let mut s = e.new_session();
+    let mut toks = Vec::new();
+    let stats = e
+        .generate(&mut s, prompt, req, |_, t| {
+            toks.push(t.id);
+            true
+        })
+        .unwrap();
+    (toks, stats.drafted)
+}
+
+#[test]
+fn drafter_output_equals_ar_on_the_tiny_model() {
+    let d = tiny_with_drafter("drafter-greedy", 5);
+    let mut ar = Engine::load(&d, be(), &SpecMode::Off).unwrap();
+    let mut drafter = Engine::load(&d, be(), &SpecMode::Drafter).unwrap();
+    let rnd = random_f32(64, 11, 1.0);
+    for p in 0..4 {
+        let prompt: Vec<u32> = rnd[p * 12..p * 12 + 12]
+            .iter()
+            .map(|x| ((x.abs() * 1e6) as u32) % 320)
+            .collect();
+        for sampling in [
+            SamplerConfig::greedy(),
+            SamplerConfig {
+                temperature: 0.8,
+                seed: 7 + p as u64,
+                ..SamplerConfig::greedy()
+            },
+        ] {
+            let req = GenerateRequest {
+                ignore_eos: true,
+                draft_width: Some(1 + p),
+                sampling,
+                ..GenerateRequest::greedy(48)
+            };
+            let (want, _) = generate(&mut ar, &prompt, &req);
+            let (got, drafted) = generate(&mut drafter, &prompt, &req);
+            assert_eq!(want, got, "prompt {p}, {sampling:?}");
+            assert!(drafted > 0, "prompt {p}: nothing drafted");
+        }
+    }
+}
+
+/// SmolLM2's GGUF in a bundle folder with a random drafter of a real drafter's shape (one layer reading four
+/// of its 30 layers).
+fn smollm2_with_drafter() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("verity-drafter-smollm2-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let gguf = smollm2();
+    std::os::unix::fs::symlink(&gguf, dir.join(gguf.file_name().unwrap())).unwrap();
+    let s = Shape {
+        hidden: 576,
+        target_layers: vec![1, 9, 17, 25],
+        layers: 1,
+        heads: 9,
+        kv_heads: 3,
+        head_dim: 64,
+        ffn: 1536,
+        block: 8,
+        mask: 2,
+    };
+    write_drafter(&dir, &config(&s), &tensors(&s, 8));
+    dir
+}
+
+#[test]
+fn drafter_output_equals_ar_on_smollm2() {
+    let d = smollm2_with_drafter();
+    let b = backend();
+    let mut ar = Engine::load(&d, b.clone(), &SpecMode::Off).unwrap();
+    let mut drafter = Engine::load(&d, b, &SpecMode::Auto).unwrap();
+    assert_eq!(
+        drafter.plan.route.name(),
+        "drafter",
+        "{}",
+        drafter.plan.reason
+    );
+    for (i, text) in [
+        "Write a haiku about the sea.",
+        "Write a Python function that reverses a string.",
+        "List the planets of the solar system.",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let prompt = ar.chat_prompt(&[Message::new("user", text)]).unwrap();
+        for sampling in [
+            SamplerConfig::greedy(),
+            SamplerConfig {
+                temperature: 0.7,
+                seed: 3,
+                ..SamplerConfig::greedy()
+            },
+        ] {
+            let req = GenerateRequest {
+                ignore_eos: true,
+                draft_width: Some(3 + i),
+                sampling,
+                ..GenerateRequest::greedy(96)
+            };
+            let (want, _) = generate(&mut ar, &prompt, &req);
+            let (got, drafted) = generate(&mut drafter, &prompt, &req);
+            assert_eq!(want, got, "{text}: {sampling:?}");
+            assert!(drafted > 0, "{text}: nothing drafted");
+        }
+    }
+}
