@@ -486,3 +486,82 @@ fn drafter_output_equals_ar_on_smollm2() {
         }
     }
 }
+
+/// The drafter's forward against an independent one (`scripts/fixtures/make_drafter_reference.py`, float64
+/// numpy, as published DFlash drafters define it): the tiny fixture's target, a two-layer drafter, context states
+/// given directly. The drafter's weights run re-encoded as Q8_0, so logits agree to quantization error and every
+/// row's argmax agrees (the reference's top-two margins are at least 0.14).
+#[test]
+fn the_drafters_forward_matches_an_independent_reference() {
+    let d = copy_bundle("llama-f32", "drafter-reference");
+    std::fs::create_dir_all(d.join("drafter")).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(
+            fixtures().join("drafter").join(f),
+            d.join("drafter").join(f),
+        )
+        .unwrap();
+    }
+    let reference = json(&fixtures().join("drafter/reference.json"));
+    let states: Vec<f32> = reference["context_states"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap() as f32)
+        .collect();
+    let ctx = reference["context_len"].as_u64().unwrap() as usize;
+    let pending = reference["pending"].as_u64().unwrap() as u32;
+    let want: Vec<Vec<f64>> = reference["logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|row| {
+            row.as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap())
+                .collect()
+        })
+        .collect();
+
+    let bundle = Bundle::open(&d).unwrap();
+    let model = Model::load(&bundle, f32_backend()).unwrap();
+    let mut drafter = BlockDrafter::load(&bundle, &model).unwrap();
+    let mut cache = drafter.new_cache(64);
+    // The context in two pieces, as cycles add it.
+    let w = drafter.state_width();
+    drafter
+        .extend_context(&mut cache, 0, &states[..4 * w])
+        .unwrap();
+    drafter
+        .extend_context(&mut cache, 4, &states[4 * w..])
+        .unwrap();
+    assert_eq!(cache.len(), ctx);
+    let k = want.len();
+    let out = drafter.draft(&mut cache, pending, ctx, k, false).unwrap();
+    assert_eq!(
+        cache.len(),
+        ctx,
+        "a draft leaves the committed context as it was"
+    );
+    let mut worst = 0f64;
+    for (i, row) in want.iter().enumerate() {
+        let got = &out.logits[i * 320..(i + 1) * 320];
+        for (g, w) in got.iter().zip(row) {
+            worst = worst.max((*g as f64 - w).abs());
+        }
+        assert_eq!(
+            verity::sample::argmax(got) as u64,
+            reference["argmax"][i].as_u64().unwrap(),
+            "row {i}"
+        );
+    }
+    // Measured: 0.09 (logits span ±7).
+    assert!(worst < 0.2, "largest logit difference {worst}");
+    let greedy = drafter.draft(&mut cache, pending, ctx, k, true).unwrap();
+    assert_eq!(
+        greedy.greedy,
+        ids(&reference["argmax"]),
+        "greedy drafts are the rows' argmax"
+    );
+}
