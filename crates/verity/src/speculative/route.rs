@@ -138,7 +138,7 @@ pub fn plan(bundle: &Bundle, mode: &SpecMode) -> Result<Plan> {
                 )))
             }
         },
-        SpecMode::Auto if drafter.is_ok() => drafter_plan("block drafter"),
+        SpecMode::Auto if drafter.is_ok() => drafter_plan("auto"),
         SpecMode::DraftModel(Some(p)) => Plan {
             route: Route::DraftModel(p.clone()),
             reason: format!("draft model {} requested", p.display()),
