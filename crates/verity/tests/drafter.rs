@@ -18,23 +18,9 @@ use verity::sample::SamplerConfig;
 use verity::speculative::drafter::DrafterProposer;
 use verity::speculative::{Outcome, Proposer, SpecMode};
 
-/// A drafter's shape: target layers read, its own layers, heads / KV heads × head dim, MLP width, block size,
-/// mask token.
-struct Shape {
-    hidden: usize,
-    target_layers: Vec<usize>,
-    layers: usize,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    ffn: usize,
-    block: usize,
-    mask: u32,
-}
-
 /// The tiny llama fixture's drafter: hidden 64, reading both of its layers.
-fn tiny_shape() -> Shape {
-    Shape {
+fn tiny_shape() -> DrafterShape {
+    DrafterShape {
         hidden: 64,
         target_layers: vec![0, 1],
         layers: 1,
@@ -47,79 +33,11 @@ fn tiny_shape() -> Shape {
     }
 }
 
-fn config(s: &Shape) -> serde_json::Value {
-    serde_json::json!({
-        "architectures": ["DFlashDraftModel"],
-        "hidden_size": s.hidden,
-        "num_hidden_layers": s.layers,
-        "num_attention_heads": s.heads,
-        "num_key_value_heads": s.kv_heads,
-        "head_dim": s.head_dim,
-        "intermediate_size": s.ffn,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "dflash_config": {
-            "target_layer_ids": s.target_layers,
-            "block_size": s.block,
-            "mask_token_id": s.mask,
-        },
-    })
-}
-
-/// The tensors of a random drafter of shape `s` (F32, Qwen3-style with Q/K norms).
-fn tensors(s: &Shape, seed: u64) -> Vec<StEntry> {
-    let h = s.hidden;
-    let (qd, kvd) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
-    let mat = |name: &str, r: usize, c: usize, i: u64| -> StEntry {
-        let scale = 1.0 / (c as f32).sqrt();
-        let v = random_f32(r * c, seed * 1000 + i, scale);
-        (name.to_string(), "F32", vec![r, c], f32_bytes(&v))
-    };
-    let norm = |name: &str, len: usize, i: u64| -> StEntry {
-        let v: Vec<f32> = random_f32(len, seed * 1000 + i, 0.2)
-            .iter()
-            .map(|x| 1.0 + x)
-            .collect();
-        (name.to_string(), "F32", vec![len], f32_bytes(&v))
-    };
-    let mut t = vec![
-        mat("fc.weight", h, s.target_layers.len() * h, 1),
-        norm("hidden_norm.weight", h, 2),
-        norm("norm.weight", h, 3),
-    ];
-    for l in 0..s.layers {
-        let p = format!("layers.{l}.");
-        let i = 10 * (l as u64 + 1);
-        t.extend([
-            norm(&format!("{p}input_layernorm.weight"), h, i),
-            mat(&format!("{p}self_attn.q_proj.weight"), qd, h, i + 1),
-            mat(&format!("{p}self_attn.k_proj.weight"), kvd, h, i + 2),
-            mat(&format!("{p}self_attn.v_proj.weight"), kvd, h, i + 3),
-            mat(&format!("{p}self_attn.o_proj.weight"), h, qd, i + 4),
-            norm(&format!("{p}self_attn.q_norm.weight"), s.head_dim, i + 5),
-            norm(&format!("{p}self_attn.k_norm.weight"), s.head_dim, i + 6),
-            norm(&format!("{p}post_attention_layernorm.weight"), h, i + 7),
-            mat(&format!("{p}mlp.gate_proj.weight"), s.ffn, h, i + 8),
-            mat(&format!("{p}mlp.up_proj.weight"), s.ffn, h, i + 9),
-            mat(&format!("{p}mlp.down_proj.weight"), h, s.ffn, i + 10),
-        ]);
-    }
-    t
-}
-
-fn write_drafter(bundle: &Path, config: &serde_json::Value, tensors: &[StEntry]) {
-    let d = bundle.join("drafter");
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    std::fs::write(d.join("config.json"), config.to_string()).unwrap();
-    write_safetensors(&d.join("model.safetensors"), tensors, &[]);
-}
-
 /// The tiny bundle with a random drafter.
 fn tiny_with_drafter(tag: &str, seed: u64) -> PathBuf {
     let d = copy_bundle("llama-f32", tag);
     let s = tiny_shape();
-    write_drafter(&d, &config(&s), &tensors(&s, seed));
+    write_drafter(&d, &drafter_config(&s), &random_drafter(&s, seed));
     d
 }
 
@@ -159,7 +77,7 @@ fn a_complete_drafter_is_the_auto_route() {
 #[test]
 fn malformed_drafters_are_incomplete_and_auto_takes_the_next_route() {
     let s = tiny_shape();
-    let good = tensors(&s, 2);
+    let good = random_drafter(&s, 2);
     let without =
         |name: &str| -> Vec<StEntry> { good.iter().filter(|t| t.0 != name).cloned().collect() };
     let reshaped = |name: &str| -> Vec<StEntry> {
@@ -175,21 +93,26 @@ fn malformed_drafters_are_incomplete_and_auto_takes_the_next_route() {
             .collect()
     };
     let with = |edit: &dyn Fn(&mut serde_json::Value)| {
-        let mut c = config(&s);
+        let mut c = drafter_config(&s);
         edit(&mut c);
         c
     };
     let cases: Vec<(&str, serde_json::Value, Vec<StEntry>, &str)> = vec![
-        ("no fc", config(&s), without("fc.weight"), "fc.weight"),
+        (
+            "no fc",
+            drafter_config(&s),
+            without("fc.weight"),
+            "fc.weight",
+        ),
         (
             "no k norm",
-            config(&s),
+            drafter_config(&s),
             without("layers.0.self_attn.k_norm.weight"),
             "k_norm",
         ),
         (
             "flat q",
-            config(&s),
+            drafter_config(&s),
             reshaped("layers.0.self_attn.q_proj.weight"),
             "q_proj",
         ),
@@ -261,12 +184,12 @@ fn malformed_drafters_are_incomplete_and_auto_takes_the_next_route() {
     }
     // A config that is not JSON, and a truncated weights file.
     let d = copy_bundle("llama-f32", "drafter-bad-files");
-    write_drafter(&d, &config(&s), &good);
+    write_drafter(&d, &drafter_config(&s), &good);
     std::fs::write(d.join("drafter/config.json"), "{ not json").unwrap();
     assert!(
         matches!(Bundle::open(&d).unwrap().drafter, DrafterStatus::Incomplete(r) if r.contains("invalid drafter config"))
     );
-    write_drafter(&d, &config(&s), &good);
+    write_drafter(&d, &drafter_config(&s), &good);
     let w = d.join("drafter/model.safetensors");
     let bytes = std::fs::read(&w).unwrap();
     std::fs::write(&w, &bytes[..bytes.len() / 2]).unwrap();
@@ -419,29 +342,6 @@ fn drafter_output_equals_ar_on_the_tiny_model() {
             assert!(drafted > 0, "prompt {p}: nothing drafted");
         }
     }
-}
-
-/// SmolLM2's GGUF in a bundle folder with a random drafter of a real drafter's shape (one layer reading four
-/// of its 30 layers).
-fn smollm2_with_drafter() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("verity-drafter-smollm2-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let gguf = smollm2();
-    std::os::unix::fs::symlink(&gguf, dir.join(gguf.file_name().unwrap())).unwrap();
-    let s = Shape {
-        hidden: 576,
-        target_layers: vec![1, 9, 17, 25],
-        layers: 1,
-        heads: 9,
-        kv_heads: 3,
-        head_dim: 64,
-        ffn: 1536,
-        block: 8,
-        mask: 2,
-    };
-    write_drafter(&dir, &config(&s), &tensors(&s, 8));
-    dir
 }
 
 #[test]

@@ -10,7 +10,8 @@ use std::sync::Arc;
 use verity::backend::cpu::CpuBackend;
 use verity::chat::{Message, TemplateArgs};
 use verity::engine::{Engine, GenerateRequest, Session};
-use verity::model::MtpHead;
+use verity::model::{BlockDrafter, MtpHead};
+use verity::speculative::drafter::DrafterProposer;
 use verity::speculative::mtp::MtpProposer;
 use verity::speculative::{Draft, Outcome, Proposer, SpecMode};
 
@@ -356,6 +357,21 @@ impl Proposer for Logged {
     }
 }
 
+/// An engine on the SmolLM2 bundle with a (random) block drafter whose proposer is the drafter, logged.
+fn logged_drafter_engine() -> (Engine<CpuBackend>, Proposals) {
+    let path = smollm2_with_drafter();
+    let mut e = Engine::load(&path, backend(), &SpecMode::Off).unwrap();
+    let bundle = verity::bundle::Bundle::open(&path).unwrap();
+    let drafter = BlockDrafter::load(&bundle, &e.model).unwrap();
+    let ctx = e.model.hp.context_len;
+    let log = Proposals::default();
+    e.set_proposer(Some(Box::new(Logged {
+        head: Box::new(DrafterProposer::new(drafter, ctx).unwrap()),
+        log: log.clone(),
+    })));
+    (e, log)
+}
+
 /// An engine on the MTP bundle whose proposer is its head, logged.
 fn logged_mtp_engine() -> (Engine<CpuBackend>, Proposals) {
     let path = smollm2_mtp();
@@ -376,8 +392,22 @@ fn logged_mtp_engine() -> (Engine<CpuBackend>, Proposals) {
 /// it drafts in a cold run of the same turn. Without them it would condition only on the newly prefilled part.
 #[test]
 fn a_restored_turn_drafts_like_a_cold_one_on_the_mtp_route_from_ram_and_from_disk() {
+    restored_turns_draft_like_cold_ones(logged_mtp_engine, "mtp");
+}
+
+/// The same for a block drafter: the checkpoint carries the target's states at the drafter's layers, so its
+/// context after a restore is the cold run's.
+#[test]
+fn a_restored_turn_drafts_like_a_cold_one_on_the_drafter_route_from_ram_and_from_disk() {
+    restored_turns_draft_like_cold_ones(logged_drafter_engine, "drafter");
+}
+
+fn restored_turns_draft_like_cold_ones(
+    engine: fn() -> (Engine<CpuBackend>, Proposals),
+    route: &str,
+) {
     let first = vec![Message::new("user", "Name three colors of the rainbow.")];
-    let (mut cold, cold_log) = logged_mtp_engine();
+    let (mut cold, cold_log) = engine();
     let mut s = cold.new_session();
     let (a1, _, _) = turn(&mut cold, &mut s, &first);
     let mut msgs = first.clone();
@@ -391,8 +421,8 @@ fn a_restored_turn_drafts_like_a_cold_one_on_the_mtp_route_from_ram_and_from_dis
     assert!(!cold_drafts.is_empty());
 
     for tier in ["ram", "disk"] {
-        let root = scratch(&format!("mtp-restore-{tier}"));
-        let (mut e, mut log) = logged_mtp_engine();
+        let root = scratch(&format!("{route}-restore-{tier}"));
+        let (mut e, mut log) = engine();
         assert!(e.set_prefix_cache_dir(&root, 1 << 30));
         let mut s = e.new_session();
         turn(&mut e, &mut s, &first);
@@ -406,7 +436,7 @@ fn a_restored_turn_drafts_like_a_cold_one_on_the_mtp_route_from_ram_and_from_dis
         } else {
             // A restart: a new engine, its RAM tier empty (dropping the old one finishes its disk stores).
             drop(s);
-            (e, log) = logged_mtp_engine();
+            (e, log) = engine();
             assert!(e.set_prefix_cache_dir(&root, 1 << 30));
             s = e.new_session();
         }
@@ -418,7 +448,7 @@ fn a_restored_turn_drafts_like_a_cold_one_on_the_mtp_route_from_ram_and_from_dis
         // The first cycle's width is the controller's prior, the same in both runs; later widths follow timings.
         assert_eq!(
             drafts[0], cold_drafts[0],
-            "{tier}: the head's first draft after the restore"
+            "{route}, {tier}: the first draft after the restore"
         );
         // The engine's writer finishes its stores before the folder goes.
         drop((s, e));

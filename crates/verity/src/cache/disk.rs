@@ -19,11 +19,11 @@
 //! person can write any file. It is XXH3-128, which runs at memory speed (FNV-1a, the checksum of `VRTYKV01`,
 //! took ~40 % of a store and of a restore).
 //!
-//! File layout (`VRTYKV03`): the magic, a little-endian u32 header length, a JSON header (model fingerprint,
-//! numerics, token ids, shapes), each layer's K and V as little-endian f32, then, where the checkpoint kept
-//! them, the target's final hidden state of every position (f32, `hidden` wide: what an MTP head conditions
-//! on), then the XXH3-128 of all the bytes before it, little-endian. Written by hand because no crate stores
-//! this.
+//! File layout (`VRTYKV04`): the magic, a little-endian u32 header length, a JSON header (model fingerprint,
+//! numerics, token ids, shapes, which target states it holds), each layer's K and V as little-endian f32, then,
+//! where the checkpoint kept them, the target's states of every position that the route's proposer conditions
+//! on (f32, `hidden` wide: an MTP head's final states, or a block drafter's layers, as `features` names them),
+//! then the XXH3-128 of all the bytes before it, little-endian. Written by hand because no crate stores this.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -35,8 +35,9 @@ use xxhash_rust::xxh3::{xxh3_128, xxh3_64, xxh3_64_with_seed};
 
 use super::temp_file::{temp_in_progress, TempFile, TEMP_PREFIX};
 use super::KvCheckpoint;
+use crate::model::TargetFeatures;
 
-const MAGIC: &[u8; 8] = b"VRTYKV03";
+const MAGIC: &[u8; 8] = b"VRTYKV04";
 const EXT: &str = "vkv";
 /// The magic and the header length.
 const PREFIX: usize = 12;
@@ -57,8 +58,10 @@ struct Header {
     tokens: Vec<u32>,
     kv_dim: usize,
     n_layers: usize,
-    /// Width of the hidden states after the K/V (the model's hidden size), 0 when there are none.
+    /// Width of the hidden states after the K/V, 0 when there are none.
     hidden: usize,
+    /// Which target states they are ([`TargetFeatures::tag`]; empty when there are none).
+    features: String,
     data_bytes: u64,
 }
 
@@ -97,7 +100,7 @@ pub struct DiskTier {
     quota: u64,
     n_layers: usize,
     kv_dim: usize,
-    /// The model's hidden size: the only width of hidden states its checkpoints may hold.
+    /// The model's hidden size: the states a checkpoint holds are a whole number of these wide.
     hidden: usize,
     entries: Vec<Entry>,
     /// Tests: fail every store's write after this many bytes (a full disk).
@@ -299,21 +302,23 @@ impl DiskTier {
             .and_then(|b| b.checked_mul(8))
             .and_then(|b| b.checked_mul(h.n_layers as u64))
             .and_then(|b| b.checked_add(n.checked_mul(h.hidden as u64)?.checked_mul(4)?));
+        let features = TargetFeatures::from_tag(&h.features);
         let shapes_ok = h.dtype == "f32"
             && h.n_layers == self.n_layers
             && h.kv_dim == self.kv_dim
-            && (h.hidden == 0 || h.hidden == self.hidden)
+            && features.is_some_and(|f| f.width(self.hidden) == h.hidden)
             && h.kv_dim > 0
             && !h.tokens.is_empty()
             && want == Some(h.data_bytes)
             && Some(file_len) == (start as u64 + CHECKSUM as u64).checked_add(h.data_bytes);
         if !shapes_ok {
             return Err(Rejected::Shape(format!(
-                "{} tokens, {} layers of {} {}, hidden states {} wide, {} data bytes in a file of {file_len}",
+                "{} tokens, {} layers of {} {}, hidden states {:?} {} wide, {} data bytes in a file of {file_len}",
                 h.tokens.len(),
                 h.n_layers,
                 h.kv_dim,
                 h.dtype,
+                h.features,
                 h.hidden,
                 h.data_bytes
             )));
@@ -366,8 +371,9 @@ impl DiskTier {
             .map(|l| (floats(&l[..per]), floats(&l[per..])))
             .collect();
         let ckpt = KvCheckpoint::from_parts(h.tokens.len(), h.kv_dim, layers);
+        let features = TargetFeatures::from_tag(&h.features).expect("checked with the header");
         Ok(if h.hidden > 0 {
-            ckpt.with_hidden(h.hidden, floats(hidden))
+            ckpt.with_hidden(features, h.hidden, floats(hidden))
         } else {
             ckpt
         })
@@ -400,6 +406,7 @@ impl DiskTier {
             kv_dim: self.kv_dim,
             n_layers: self.n_layers,
             hidden: ckpt.hidden().map_or(0, |h| h.width),
+            features: ckpt.hidden().map_or(String::new(), |h| h.features.tag()),
             data_bytes: ckpt.bytes() as u64,
         };
         let header = serde_json::to_vec(&header).map_err(std::io::Error::other)?;
@@ -605,18 +612,23 @@ mod tests {
     fn hidden_states_travel_with_their_checkpoint_and_a_foreign_width_is_rejected() {
         let root = scratch("hidden");
         let rows: Vec<f32> = (0..3 * HIDDEN).map(|i| i as f32 * 0.5 - 1.0).collect();
-        let ckpt = checkpoint(3, 2.0).with_hidden(HIDDEN, rows.clone());
+        let ckpt = checkpoint(3, 2.0).with_hidden(TargetFeatures::Final, HIDDEN, rows.clone());
         open(&root).store(&[4, 5, 6], &ckpt);
         let (_, back) = open(&root).longest(&[4, 5, 6]).expect("restored");
         assert_eq!(back.layers(), ckpt.layers());
-        assert_eq!(
-            back.hidden().map(|h| (h.width, &h.rows)),
-            Some((HIDDEN, &rows))
-        );
-        // The same file read by a tier of a model with another hidden size: not restored, removed.
+        assert_eq!(back.hidden(), ckpt.hidden());
+        // A block drafter's layers: twice as wide, and named.
+        let layers = TargetFeatures::Layers(vec![0, 2]);
+        let wide: Vec<f32> = (0..2 * 2 * HIDDEN).map(|i| i as f32 * 0.25).collect();
+        let ckpt2 = checkpoint(2, 3.0).with_hidden(layers, 2 * HIDDEN, wide);
+        open(&root).store(&[7, 8], &ckpt2);
+        let (_, back) = open(&root).longest(&[7, 8]).expect("restored");
+        assert_eq!(back.hidden(), ckpt2.hidden());
+        // The same files read by a tier of a model with another hidden size: not restored, removed.
         let mut other =
             DiskTier::open(&root, MODEL, NUMERICS, LAYERS, KV_DIM, HIDDEN + 1, 1 << 20).unwrap();
         assert!(other.longest(&[4, 5, 6]).is_none());
+        assert!(other.longest(&[7, 8]).is_none());
         assert!(files(other.dir()).is_empty());
         std::fs::remove_dir_all(&root).unwrap();
     }

@@ -7,6 +7,7 @@
 
 use crate::backend::{buffer_set_id, Backend};
 use crate::error::{Error, Result};
+use crate::model::TargetFeatures;
 
 /// The attention geometry a cache serves.
 #[derive(Debug, Clone, Copy)]
@@ -187,15 +188,16 @@ pub struct KvCheckpoint {
     len: usize,
     kv_dim: usize,
     layers: Vec<(Vec<f32>, Vec<f32>)>,
-    /// The target's final hidden states of every slot (`len × width` values), where the state was taken while
-    /// a proposer conditioned on them (an MTP head): a restore then hands the head the whole prefix, as a cold
-    /// prefill would.
+    /// The target's hidden states of every slot that the route's proposer conditions on (an MTP head's final
+    /// states, a block drafter's layers; `len × width` values), where they were kept: a restore then hands the
+    /// proposer the whole prefix, as a cold prefill would.
     hidden: Option<HiddenRows>,
 }
 
-/// Final hidden states of consecutive positions from 0: `rows.len() / width` of them.
+/// Hidden states (of one [`TargetFeatures`] kind) of consecutive positions from 0: `rows.len() / width` of them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HiddenRows {
+    pub features: TargetFeatures,
     pub width: usize,
     pub rows: Vec<f32>,
 }
@@ -210,14 +212,23 @@ impl KvCheckpoint {
         }
     }
 
-    /// Attach the final hidden states of slots `0..len` (`rows`: `len × width` values).
-    pub(crate) fn with_hidden(mut self, width: usize, rows: Vec<f32>) -> Self {
+    /// Attach the hidden states (`features`) of slots `0..len` (`rows`: `len × width` values).
+    pub(crate) fn with_hidden(
+        mut self,
+        features: TargetFeatures,
+        width: usize,
+        rows: Vec<f32>,
+    ) -> Self {
         assert_eq!(rows.len(), self.len * width, "hidden rows of every slot");
-        self.hidden = Some(HiddenRows { width, rows });
+        self.hidden = Some(HiddenRows {
+            features,
+            width,
+            rows,
+        });
         self
     }
 
-    /// The final hidden states of every slot, where they were kept.
+    /// The hidden states of every slot, where they were kept.
     pub fn hidden(&self) -> Option<&HiddenRows> {
         self.hidden.as_ref()
     }

@@ -6,7 +6,7 @@ use std::time::Instant;
 use super::{Engine, Session};
 use crate::backend::Backend;
 use crate::error::Result;
-use crate::model::{Batch, LogitRows, TargetFeatures};
+use crate::model::{Batch, LogitRows};
 use crate::speculative::Proposer;
 
 /// Rows per prefill forward: large enough to amortize weight reads, small enough to bound scratch memory.
@@ -21,16 +21,16 @@ pub(super) struct Prefilled {
 }
 
 impl<B: Backend> Engine<B> {
-    /// Keep a checkpoint of the session's committed state for `tokens`, in RAM and on disk, with the final
-    /// hidden states of every position where the session kept them all; returns the seconds it took.
+    /// Keep a checkpoint of the session's committed state for `tokens`, in RAM and on disk, with the target
+    /// states the proposer conditions on of every position, where the session kept them all; returns the
+    /// seconds it took.
     pub(super) fn store_checkpoint(&mut self, sess: &Session<B>, tokens: &[u32]) -> f64 {
         let t = Instant::now();
         let mut ckpt = sess.cache.checkpoint(self.model.backend());
-        let leading = (sess.hidden.kind == TargetFeatures::Final)
-            .then(|| sess.hidden.leading_rows(tokens.len()))
-            .flatten();
-        if let Some(rows) = leading {
-            ckpt = ckpt.with_hidden(self.model.hp.hidden, rows.to_vec());
+        let kind = &sess.hidden.kind;
+        if let Some(rows) = sess.hidden.leading_rows(tokens.len()) {
+            let width = kind.width(self.model.hp.hidden);
+            ckpt = ckpt.with_hidden(kind.clone(), width, rows.to_vec());
         }
         self.prefix.store(tokens, ckpt);
         t.elapsed().as_secs_f64()
@@ -62,12 +62,11 @@ impl<B: Backend> Engine<B> {
         let width = features.width(h);
         let (cache, hidden) = (&mut sess.cache, &mut sess.hidden);
         let restored = self.prefix.restore_longest(body, common, |ckpt| {
-            // The final hidden states come back with the K/V, so an MTP head conditions on the whole prefix.
-            // (Checkpoints keep final states only: a block drafter's context restarts after the prefix.)
+            // The proposer's target states come back with the K/V, so it conditions on the whole prefix (states
+            // of another kind, kept for another route, are not its: its context restarts after the prefix).
             hidden.truncate(0);
-            let final_states = ckpt.hidden().filter(|r| r.width == h);
-            if let Some(rows) = final_states.filter(|_| features == TargetFeatures::Final) {
-                hidden.push(0, &rows.rows, &features, h);
+            if let Some(rows) = ckpt.hidden().filter(|r| r.features == features) {
+                hidden.push(0, &rows.rows, &features, rows.width);
             }
             cache.restore(backend, ckpt)
         })?;

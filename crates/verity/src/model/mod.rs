@@ -156,4 +156,29 @@ impl TargetFeatures {
     pub fn is_none(&self) -> bool {
         *self == TargetFeatures::None
     }
+
+    /// A stable name (`final`, `layers:1,8,15`; empty for none): how a checkpoint file records what it holds.
+    pub fn tag(&self) -> String {
+        match self {
+            TargetFeatures::None => String::new(),
+            TargetFeatures::Final => "final".into(),
+            TargetFeatures::Layers(l) => {
+                let ids: Vec<String> = l.iter().map(|x| x.to_string()).collect();
+                format!("layers:{}", ids.join(","))
+            }
+        }
+    }
+
+    /// The features a [`TargetFeatures::tag`] names.
+    pub fn from_tag(tag: &str) -> Option<Self> {
+        match tag {
+            "" => Some(TargetFeatures::None),
+            "final" => Some(TargetFeatures::Final),
+            _ => {
+                let ids = tag.strip_prefix("layers:")?;
+                let layers: Option<Vec<usize>> = ids.split(',').map(|x| x.parse().ok()).collect();
+                layers.filter(|l| !l.is_empty()).map(TargetFeatures::Layers)
+            }
+        }
+    }
 }

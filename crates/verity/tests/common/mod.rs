@@ -232,3 +232,115 @@ pub fn copy_bundle(name: &str, tag: &str) -> PathBuf {
     }
     dst
 }
+
+/// A drafter's shape: target layers read, its own layers, heads / KV heads × head dim, MLP width, block size,
+/// mask token.
+pub struct DrafterShape {
+    pub hidden: usize,
+    pub target_layers: Vec<usize>,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    pub block: usize,
+    pub mask: u32,
+}
+
+pub fn drafter_config(s: &DrafterShape) -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["DFlashDraftModel"],
+        "hidden_size": s.hidden,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads,
+        "head_dim": s.head_dim,
+        "intermediate_size": s.ffn,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "dflash_config": {
+            "target_layer_ids": s.target_layers,
+            "block_size": s.block,
+            "mask_token_id": s.mask,
+        },
+    })
+}
+
+/// The tensors of a random drafter of shape `s` (F32, Qwen3-style with Q/K norms).
+pub fn random_drafter(s: &DrafterShape, seed: u64) -> Vec<StEntry> {
+    let h = s.hidden;
+    let (qd, kvd) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
+    // Attention strong enough that the drafts depend on the context (with weights of the usual scale a random
+    // drafter's rows hardly look past their own embeddings).
+    let mat = |name: &str, r: usize, c: usize, i: u64| -> StEntry {
+        let gain = match name.rsplit('.').nth(1) {
+            Some("v_proj" | "o_proj") => 8.0,
+            Some("q_proj" | "k_proj") => 4.0,
+            _ => 1.0,
+        };
+        let scale = gain / (c as f32).sqrt();
+        let v = random_f32(r * c, seed * 1000 + i, scale);
+        (name.to_string(), "F32", vec![r, c], f32_bytes(&v))
+    };
+    let norm = |name: &str, len: usize, i: u64| -> StEntry {
+        let v: Vec<f32> = random_f32(len, seed * 1000 + i, 0.2)
+            .iter()
+            .map(|x| 1.0 + x)
+            .collect();
+        (name.to_string(), "F32", vec![len], f32_bytes(&v))
+    };
+    let mut t = vec![
+        mat("fc.weight", h, s.target_layers.len() * h, 1),
+        norm("hidden_norm.weight", h, 2),
+        norm("norm.weight", h, 3),
+    ];
+    for l in 0..s.layers {
+        let p = format!("layers.{l}.");
+        let i = 10 * (l as u64 + 1);
+        t.extend([
+            norm(&format!("{p}input_layernorm.weight"), h, i),
+            mat(&format!("{p}self_attn.q_proj.weight"), qd, h, i + 1),
+            mat(&format!("{p}self_attn.k_proj.weight"), kvd, h, i + 2),
+            mat(&format!("{p}self_attn.v_proj.weight"), kvd, h, i + 3),
+            mat(&format!("{p}self_attn.o_proj.weight"), h, qd, i + 4),
+            norm(&format!("{p}self_attn.q_norm.weight"), s.head_dim, i + 5),
+            norm(&format!("{p}self_attn.k_norm.weight"), s.head_dim, i + 6),
+            norm(&format!("{p}post_attention_layernorm.weight"), h, i + 7),
+            mat(&format!("{p}mlp.gate_proj.weight"), s.ffn, h, i + 8),
+            mat(&format!("{p}mlp.up_proj.weight"), s.ffn, h, i + 9),
+            mat(&format!("{p}mlp.down_proj.weight"), h, s.ffn, i + 10),
+        ]);
+    }
+    t
+}
+
+pub fn write_drafter(bundle: &Path, config: &serde_json::Value, tensors: &[StEntry]) {
+    let d = bundle.join("drafter");
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::write(d.join("config.json"), config.to_string()).unwrap();
+    write_safetensors(&d.join("model.safetensors"), tensors, &[]);
+}
+
+/// SmolLM2's GGUF in a bundle folder with a random drafter of a real drafter's shape (one layer reading four
+/// of its 30 layers).
+pub fn smollm2_with_drafter() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("verity-drafter-smollm2-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let gguf = smollm2();
+    std::os::unix::fs::symlink(&gguf, dir.join(gguf.file_name().unwrap())).unwrap();
+    let s = DrafterShape {
+        hidden: 576,
+        target_layers: vec![1, 9, 17, 25],
+        layers: 1,
+        heads: 9,
+        kv_heads: 3,
+        head_dim: 64,
+        ffn: 1536,
+        block: 8,
+        mask: 2,
+    };
+    write_drafter(&dir, &drafter_config(&s), &random_drafter(&s, 8));
+    dir
+}
