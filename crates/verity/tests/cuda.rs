@@ -446,6 +446,10 @@ fn every_route_reproduces_cuda_ar_greedy_output_on_smollm2() {
             "draft-model (self)",
             Engine::load(&path, be.clone(), &SpecMode::DraftModel(Some(path.clone()))).unwrap(),
         ),
+        (
+            "drafter (random)",
+            Engine::load(&smollm2_with_drafter(), be.clone(), &SpecMode::Drafter).unwrap(),
+        ),
     ];
     let req = GenerateRequest {
         ignore_eos: true,
