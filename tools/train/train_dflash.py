@@ -107,9 +107,37 @@ def make_blocks(tok, valid, greedy, plens, cfg, anchors, gen, every=False):
     return a, blocks, labels
 
 
-def block_loss(drafter, E, states, valid, a, blocks, labels, gamma):
+def draft_vocabulary(seqs, n, special):
+    """The `special` ids and the most frequent answer tokens of the training conversations, `n` in all, sorted
+    (the drafter's output matrix is restricted to them); None for the full vocabulary."""
+    if n <= 0:
+        return None
+    counts = {}
+    for i in seqs.train:
+        toks, plen = seqs.seqs[i]
+        for t in toks[plen:].tolist():
+            counts[t] = counts.get(t, 0) + 1
+    chosen = list(dict.fromkeys(special))
+    for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        if len(chosen) >= n:
+            break
+        if t not in chosen:
+            chosen.append(t)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def to_draft_index(labels, index):
+    """Labels as indices into the draft vocabulary (-100 outside it); `index` maps a token id to its index or
+    -100."""
+    return torch.where(labels >= 0, index[labels.clamp(min=0)], labels)
+
+
+def block_loss(drafter, E, states, valid, a, blocks, labels, gamma, dv=None, index=None):
     hid = drafter.forward_blocks(states, E, blocks, a, valid)[:, :, 1:]  # [B, M, Bk-1, h]
-    logits = hid.reshape(-1, hid.shape[-1]) @ E.T
+    head = E if dv is None else E[dv]
+    if dv is not None:
+        labels = to_draft_index(labels, index)
+    logits = hid.reshape(-1, hid.shape[-1]) @ head.T
     ce = F.cross_entropy(logits.float(), labels.reshape(-1), ignore_index=-100, reduction="none")
     w = torch.exp(-torch.arange(labels.shape[-1], device=E.device, dtype=torch.float32) / gamma)
     w = w.expand_as(labels).reshape(-1) * (labels.reshape(-1) != -100)
@@ -117,8 +145,9 @@ def block_loss(drafter, E, states, valid, a, blocks, labels, gamma):
 
 
 @torch.no_grad()
-def evaluate(drafter, model, seqs, cfg, device, n_seqs, max_len, chunk=4):
+def evaluate(drafter, model, seqs, cfg, device, n_seqs, max_len, dv=None, chunk=4):
     E = model.model.embed_tokens.weight
+    head = E if dv is None else E[dv]
     idx = seqs.held[:n_seqs]
     accepted = []
     per_row = np.zeros(cfg.block - 1)
@@ -128,7 +157,9 @@ def evaluate(drafter, model, seqs, cfg, device, n_seqs, max_len, chunk=4):
         plens = [seqs.seqs[i][1] for i in part]
         a, blocks, labels = make_blocks(tok, valid, greedy, plens, cfg, 0, None, every=True)
         hid = drafter.forward_blocks(states, E, blocks, a, valid)[:, :, 1:]
-        drafts = (hid @ E.T).argmax(-1)
+        drafts = (hid @ head.T).argmax(-1)
+        if dv is not None:
+            drafts = dv[drafts]
         hit = (drafts == labels) & (labels != -100)
         lead = hit.long().cumprod(-1)  # rows accepted in a row from the first
         real = labels[:, :, 0] != -100
@@ -143,11 +174,14 @@ def evaluate(drafter, model, seqs, cfg, device, n_seqs, max_len, chunk=4):
     }
 
 
-def export(drafter, cfg, out_dir, meta):
+def export(drafter, cfg, out_dir, meta, dv=None):
     from safetensors.torch import save_file
     d = os.path.join(out_dir, "drafter")
     os.makedirs(d, exist_ok=True)
-    save_file(drafter.state_dict_hf(), os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    tensors = drafter.state_dict_hf()
+    if dv is not None:
+        tensors["draft_vocab"] = dv.to(torch.int32).cpu().contiguous()
+    save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump({**cfg.hf_config(), "verity": meta}, f, indent=1)
     return d
@@ -174,6 +208,7 @@ def main():
     p.add_argument("--steps", type=int, default=0, help="fixed step count (default: from the time budget)")
     p.add_argument("--train-budget-s", type=float, default=420)
     p.add_argument("--eval-seqs", type=int, default=96)
+    p.add_argument("--draft-vocab", type=int, default=8192, help="draft from this many ids (0: the full vocabulary)")
     p.add_argument("--log-every", type=int, default=50)
     args = p.parse_args()
 
@@ -191,10 +226,20 @@ def main():
     log(f"data: {len(seqs.train)} training and {len(seqs.held)} held-out conversations; device {device}")
     drafter = BlockDrafter(cfg).to(device)
     E = model.model.embed_tokens.weight
+    special = [0, gcfg["bos"], gcfg["eos"], args.mask_token, 1, 2]
+    dv = draft_vocabulary(seqs, args.draft_vocab, special)
+    index = None
+    if dv is not None:
+        dv = dv.to(device)
+        index = torch.full((gcfg["vocab"],), -100, dtype=torch.long, device=device)
+        index[dv] = torch.arange(len(dv), device=device)
+        held = np.concatenate([seqs.seqs[i][0][seqs.seqs[i][1]:] for i in seqs.held])
+        cover = float((index[torch.from_numpy(held).to(device)] >= 0).float().mean())
+        log(f"draft vocabulary: {len(dv)} ids, covering {cover:.4f} of the held-out answer tokens")
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=args.wd, betas=(0.9, 0.95))
     gen = np.random.default_rng(args.seed)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
-    before = evaluate(drafter, model, seqs, cfg, device, min(args.eval_seqs, 16), args.max_len)
+    before = evaluate(drafter, model, seqs, cfg, device, min(args.eval_seqs, 16), args.max_len, dv)
     log(f"untrained: {before['tokens_per_cycle']:.3f} tokens/cycle")
 
     t0, step, losses = time.time(), 0, []
@@ -217,7 +262,7 @@ def main():
         plens = [seqs.seqs[i][1] for i in idx]
         a, blocks, labels = make_blocks(tok, valid, greedy, plens, cfg, args.anchors, gen)
         with amp:
-            loss = block_loss(drafter, E, states, valid, a, blocks, labels, args.gamma)
+            loss = block_loss(drafter, E, states, valid, a, blocks, labels, args.gamma, dv, index)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -227,12 +272,12 @@ def main():
         if step % args.log_every == 0:
             log(f"step {step} lr {lr:.2e} loss {np.mean(losses[-args.log_every:]):.4f}")
 
-    metrics = evaluate(drafter, model, seqs, cfg, device, args.eval_seqs, args.max_len)
+    metrics = evaluate(drafter, model, seqs, cfg, device, args.eval_seqs, args.max_len, dv)
     log(f"held-out: {metrics['tokens_per_cycle']:.3f} tokens/cycle; accepted by row {metrics['accepted_by_row']}")
     meta = {"target_gguf_sha256": sha256_file(args.gguf), "steps": step, "seed": args.seed,
             "final_loss": float(np.mean(losses[-50:])) if losses else None, "heldout": metrics,
             "untrained_tokens_per_cycle": before["tokens_per_cycle"], "args": vars(args)}
-    d = export(drafter, cfg, args.out, meta)
+    d = export(drafter, cfg, args.out, meta, dv)
     with open(os.path.join(args.out, "metrics.json"), "w") as f:
         json.dump(meta, f, indent=1)
     log(f"exported {d}")

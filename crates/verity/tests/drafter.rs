@@ -41,6 +41,22 @@ fn tiny_with_drafter(tag: &str, seed: u64) -> PathBuf {
     d
 }
 
+/// A draft vocabulary tensor of `ids`.
+fn draft_vocab(ids: &[i32]) -> StEntry {
+    let bytes = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+    ("draft_vocab".into(), "I32", vec![ids.len()], bytes)
+}
+
+/// The tiny bundle with a random drafter that drafts from every third token id.
+fn tiny_with_vocab_drafter(tag: &str, seed: u64) -> PathBuf {
+    let d = copy_bundle("llama-f32", tag);
+    let s = tiny_shape();
+    let mut t = random_drafter(&s, seed);
+    t.push(draft_vocab(&(0..320).step_by(3).collect::<Vec<_>>()));
+    write_drafter(&d, &drafter_config(&s), &t);
+    d
+}
+
 fn be() -> Arc<CpuBackend> {
     Arc::new(CpuBackend::new(1).unwrap())
 }
@@ -159,6 +175,22 @@ fn malformed_drafters_are_incomplete_and_auto_takes_the_next_route() {
             "causal",
         ),
         (
+            "draft vocabulary outside the vocabulary",
+            drafter_config(&s),
+            [good.clone(), vec![draft_vocab(&[1, 2, 320])]].concat(),
+            "outside the vocabulary",
+        ),
+        (
+            "draft vocabulary of floats",
+            drafter_config(&s),
+            [
+                good.clone(),
+                vec![("draft_vocab".into(), "F32", vec![2], vec![0; 8])],
+            ]
+            .concat(),
+            "I32",
+        ),
+        (
             "no target layers",
             with(&|c| {
                 c["dflash_config"]
@@ -219,14 +251,22 @@ fn target_states(model: &mut Model<CpuBackend>, tokens: &[u32], layers: &[usize]
 /// equal those of a fresh drafter given the whole context at once.
 #[test]
 fn the_drafters_context_stays_aligned_under_any_accept_pattern() {
-    let d = tiny_with_drafter("drafter-align", 3);
-    let bundle = Bundle::open(&d).unwrap();
+    context_stays_aligned(&tiny_with_drafter("drafter-align", 3), 1);
+    // Drafting from a draft vocabulary (every third id): drafts come from it.
+    context_stays_aligned(&tiny_with_vocab_drafter("drafter-align-vocab", 4), 3);
+}
+
+/// [`the_drafters_context_stays_aligned_under_any_accept_pattern`] for the drafter of bundle `d`, whose draft
+/// vocabulary holds the multiples of `step`.
+fn context_stays_aligned(d: &Path, step: u32) {
+    let bundle = Bundle::open(d).unwrap();
     let mut model = Model::load(&bundle, be()).unwrap();
     let layers = vec![0, 1];
     let features = TargetFeatures::Layers(layers.clone());
     let w = features.width(64);
     let new_proposer = |m: &Model<CpuBackend>| {
-        let mut p = DrafterProposer::new(BlockDrafter::load(&bundle, m).unwrap(), 256).unwrap();
+        let mut p =
+            DrafterProposer::new(BlockDrafter::load(&bundle, m).unwrap(), 320, 256).unwrap();
         p.reset(&SamplerConfig::greedy());
         p
     };
@@ -252,6 +292,7 @@ fn the_drafters_context_stays_aligned_under_any_accept_pattern() {
         let k = 1 + r.next().unwrap() % 5;
         let draft = inc.propose(&context, k).unwrap();
         assert_eq!(draft.len(), k, "cycle {cycle}");
+        assert!(draft.tokens().iter().all(|t| t % step == 0), "{draft:?}");
         drafted += k;
 
         let mut fresh = new_proposer(&model);
@@ -313,9 +354,17 @@ fn generate(
 
 #[test]
 fn drafter_output_equals_ar_on_the_tiny_model() {
-    let d = tiny_with_drafter("drafter-greedy", 5);
-    let mut ar = Engine::load(&d, be(), &SpecMode::Off).unwrap();
-    let mut drafter = Engine::load(&d, be(), &SpecMode::Drafter).unwrap();
+    for d in [
+        tiny_with_drafter("drafter-greedy", 5),
+        tiny_with_vocab_drafter("drafter-vocab", 6),
+    ] {
+        drafter_output_equals_ar(&d);
+    }
+}
+
+fn drafter_output_equals_ar(d: &Path) {
+    let mut ar = Engine::load(d, be(), &SpecMode::Off).unwrap();
+    let mut drafter = Engine::load(d, be(), &SpecMode::Drafter).unwrap();
     let rnd = random_f32(64, 11, 1.0);
     for p in 0..4 {
         let prompt: Vec<u32> = rnd[p * 12..p * 12 + 12]

@@ -366,7 +366,7 @@ fn logged_drafter_engine() -> (Engine<CpuBackend>, Proposals) {
     let ctx = e.model.hp.context_len;
     let log = Proposals::default();
     e.set_proposer(Some(Box::new(Logged {
-        head: Box::new(DrafterProposer::new(drafter, ctx).unwrap()),
+        head: Box::new(DrafterProposer::new(drafter, e.model.hp.vocab, ctx).unwrap()),
         log: log.clone(),
     })));
     (e, log)

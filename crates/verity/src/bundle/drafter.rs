@@ -6,7 +6,9 @@
 //! `dflash_config: {target_layer_ids, block_size, mask_token_id}` (the three are also read at the top level).
 //! The tensors: `fc.weight` `[hidden, n·hidden]` (the fusion of the `n` target layers' hidden states),
 //! `hidden_norm.weight`, `norm.weight`, and per layer `layers.L.input_layernorm`, `layers.L.self_attn.{q,k,v,o}_proj`
-//! (with `q_norm`/`k_norm` where present), `layers.L.post_attention_layernorm` and `layers.L.mlp.{gate,up,down}_proj`.
+//! (with `q_norm`/`k_norm` where present), `layers.L.post_attention_layernorm` and `layers.L.mlp.{gate,up,down}_proj`;
+//! optionally [`DRAFT_VOCAB`], a 1-D I32 list of the token ids the drafter drafts from (a frequency-ranked subset
+//! of the vocabulary: its output matrix is restricted to them, as an MTP head's may be).
 //!
 //! Invariants (the discipline of the MTP heads): a drafter is [`DrafterStatus::Complete`] only when its config
 //! fits the target (hidden size, vocabulary, layer ids inside the target, mask token inside the vocabulary) and
@@ -27,6 +29,8 @@ use super::TensorKey;
 pub const FOLDER: &str = "drafter";
 /// The longest block a drafter may propose (the pending token and up to 15 drafts).
 pub const MAX_BLOCK: usize = 16;
+/// The optional tensor listing the token ids a drafter drafts from.
+pub const DRAFT_VOCAB: &str = "draft_vocab";
 
 /// A complete drafter: its shapes and what it reads from the target.
 #[derive(Debug, Clone, PartialEq)]
@@ -47,6 +51,8 @@ pub struct DrafterSpec {
     pub block: usize,
     /// The token the block's undrafted positions hold.
     pub mask_token: u32,
+    /// Whether the drafter drafts from a subset of the vocabulary ([`DRAFT_VOCAB`]).
+    pub draft_vocab: bool,
 }
 
 /// What a bundle offers as a block drafter.
@@ -63,8 +69,15 @@ impl DrafterStatus {
             DrafterStatus::Absent => "none".into(),
             DrafterStatus::Incomplete(r) => format!("incomplete ({r})"),
             DrafterStatus::Complete(s) => format!(
-                "block drafter, {} layer(s), blocks of {}, reading target layers {:?}",
-                s.layers, s.block, s.target_layers
+                "block drafter, {} layer(s), blocks of {}, reading target layers {:?}{}",
+                s.layers,
+                s.block,
+                s.target_layers,
+                if s.draft_vocab {
+                    ", with a draft vocabulary"
+                } else {
+                    ""
+                }
             ),
         }
     }
@@ -240,7 +253,15 @@ fn check(dir: &Path, t: &HParams) -> Result<(DrafterSpec, SafetensorsSet), Strin
             expect(&tensor_name(key), &shape)?;
         }
     }
+    let draft_vocab = set.get(DRAFT_VOCAB).is_some();
+    if draft_vocab {
+        let ids = super::st_token_ids(&set, DRAFT_VOCAB, t.vocab).map_err(|e| e.to_string())?;
+        if ids.is_empty() {
+            return Err(format!("{DRAFT_VOCAB}: empty"));
+        }
+    }
     let spec = DrafterSpec {
+        draft_vocab,
         dir: dir.to_path_buf(),
         layers: c.num_hidden_layers,
         heads,

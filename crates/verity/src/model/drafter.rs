@@ -19,9 +19,9 @@
 use std::sync::Arc;
 
 use super::llama::{Layer, Scratch};
-use super::{drafting_cache, drafting_matrix, run_recorded, Model};
+use super::{drafting_cache, drafting_matrix, run_recorded, DraftVocab, Model};
 use crate::backend::{AttnMask, AttnShape, Backend, Rope, RopeStyle, StepInputs};
-use crate::bundle::drafter::tensor_name;
+use crate::bundle::drafter::{tensor_name, DRAFT_VOCAB};
 use crate::bundle::hparams::HParams;
 use crate::bundle::{st_vector, Bundle, DrafterSpec, DrafterStatus, TensorKey};
 use crate::cache::KvCache;
@@ -43,9 +43,10 @@ struct DrafterScratch<B: Backend> {
 /// What one draft forward returns.
 #[derive(Debug, Clone, Default)]
 pub struct BlockOutput {
-    /// Each drafted position's argmax (greedy drafting), `k` tokens.
+    /// Each drafted position's argmax (greedy drafting), `k` token ids.
     pub greedy: Vec<u32>,
-    /// Each drafted position's logits, `k × vocab` (sampled drafting).
+    /// Each drafted position's logits over the draft vocabulary, `k × draft_vocab_len` (sampled drafting;
+    /// [`BlockDrafter::token`] names logit `i`).
     pub logits: Vec<f32>,
 }
 
@@ -60,6 +61,8 @@ pub struct BlockDrafter<B: Backend> {
     layers: Vec<Layer<B>>,
     norm: B::Buffer,
     lm_head: B::Matrix,
+    /// Row `i` of `lm_head` is token `draft_vocab.token(i)`.
+    draft_vocab: DraftVocab,
     scratch: Option<DrafterScratch<B>>,
 }
 
@@ -108,13 +111,11 @@ impl<B: Backend> BlockDrafter<B> {
             };
             layers.push(Layer::load(&hp, l, &mut mat, &mut vec)?);
         }
-        let out_key = if bundle.has(TensorKey::Output) {
-            TensorKey::Output
-        } else {
-            TensorKey::TokenEmbedding
-        };
-        let lm_head = be.load_matrix(bundle.matrix(out_key, hp.vocab, h)?)?;
+        let draft_vocab =
+            DraftVocab::load(tensors, spec.draft_vocab.then_some(DRAFT_VOCAB), hp.vocab)?;
+        let lm_head = draft_vocab.output_head(be, bundle)?;
         Ok(BlockDrafter {
+            draft_vocab,
             fc: load("fc.weight", h, spec.target_layers.len() * h)?,
             hidden_norm: vector("hidden_norm.weight")?,
             norm: vector("norm.weight")?,
@@ -130,6 +131,16 @@ impl<B: Backend> BlockDrafter<B> {
 
     pub fn spec(&self) -> &DrafterSpec {
         &self.spec
+    }
+
+    /// Size of the vocabulary the drafter drafts from.
+    pub fn draft_vocab_len(&self) -> usize {
+        self.draft_vocab.len()
+    }
+
+    /// The token id of logit `i`.
+    pub fn token(&self, i: usize) -> u32 {
+        self.draft_vocab.token(i)
     }
 
     /// Values of target state per context row (the target layers' states, concatenated).
@@ -152,7 +163,7 @@ impl<B: Backend> BlockDrafter<B> {
             Some(s) if s.block.rows >= rows => s,
             _ => {
                 let be = self.backend.as_ref();
-                let block = Scratch::new(be, &self.hp, rows, self.hp.vocab);
+                let block = Scratch::new(be, &self.hp, rows, self.draft_vocab_len());
                 let n = block.rows;
                 DrafterScratch {
                     states: be.buffer(n * self.state_width()),
@@ -270,7 +281,7 @@ impl<B: Backend> BlockDrafter<B> {
         cache.reserve(self.backend.as_ref(), rows)?;
         let mut s = self.scratch(rows);
         let be = self.backend.as_ref();
-        let (h, eps, vocab) = (self.hp.hidden, self.hp.rms_eps, self.hp.vocab);
+        let (h, eps, vocab) = (self.hp.hidden, self.hp.rms_eps, self.draft_vocab_len());
         let mut tokens = vec![self.spec.mask_token; rows];
         tokens[0] = pending;
         let positions: Vec<usize> = (pos..pos + rows).collect();
@@ -313,7 +324,7 @@ impl<B: Backend> BlockDrafter<B> {
                 greedy: be
                     .download(&s.block.greedy, k)
                     .into_iter()
-                    .map(|t| t as u32)
+                    .map(|i| self.token(i as usize))
                     .collect(),
                 logits: Vec::new(),
             }

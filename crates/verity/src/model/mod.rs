@@ -43,6 +43,67 @@ fn drafting_matrix<B: Backend>(
     be.load_matrix(q)
 }
 
+/// The vocabulary a drafting network drafts from: a sorted subset of the target's (a frequency-ranked list the
+/// bundle ships), or all of it. The verifier judges every draft against the full target distribution, so a
+/// smaller drafting vocabulary costs acceptance, never correctness.
+#[derive(Debug, Clone)]
+pub(crate) struct DraftVocab {
+    /// `None`: the whole vocabulary of `full` tokens.
+    ids: Option<Vec<u32>>,
+    full: usize,
+}
+
+impl DraftVocab {
+    /// The list named `name` in `tensors` (`None`: the whole vocabulary of `full` tokens).
+    fn load(tensors: &SafetensorsSet, name: Option<&str>, full: usize) -> Result<Self> {
+        let ids = match name {
+            Some(n) => {
+                let mut ids = crate::bundle::st_token_ids(tensors, n, full)?;
+                ids.sort_unstable();
+                ids.dedup();
+                if ids.is_empty() {
+                    return Err(crate::error::Error::tensor(n, "empty draft vocabulary"));
+                }
+                Some(ids)
+            }
+            None => None,
+        };
+        Ok(DraftVocab { ids, full })
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.ids.as_ref().map_or(self.full, Vec::len)
+    }
+
+    /// The token id of logit `i`.
+    pub(crate) fn token(&self, i: usize) -> u32 {
+        match &self.ids {
+            Some(ids) => ids[i],
+            None => i as u32,
+        }
+    }
+
+    pub(crate) fn ids(&self) -> Option<&[u32]> {
+        self.ids.as_deref()
+    }
+
+    /// The target's output matrix restricted to the draft vocabulary's rows, on the backend.
+    fn output_head<B: Backend>(&self, be: &B, bundle: &crate::bundle::Bundle) -> Result<B::Matrix> {
+        use crate::bundle::TensorKey;
+        let key = if bundle.has(TensorKey::Output) {
+            TensorKey::Output
+        } else {
+            TensorKey::TokenEmbedding
+        };
+        let hp = &bundle.hparams;
+        let full = bundle.matrix(key, hp.vocab, hp.hidden)?;
+        be.load_matrix(match &self.ids {
+            Some(ids) => full.select_rows(ids)?,
+            None => full,
+        })
+    }
+}
+
 /// A drafting network's own KV cache: `layers` layers of `hp`'s attention shape, for up to `max_tokens`.
 fn drafting_cache<B: Backend>(
     be: &B,

@@ -18,12 +18,12 @@
 use std::sync::Arc;
 
 use super::llama::{Layer, Scratch};
-use super::{drafting_cache, drafting_matrix, run_recorded, Model};
+use super::{drafting_cache, drafting_matrix, run_recorded, DraftVocab, Model};
 use crate::backend::RopeStyle;
 use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
 use crate::bundle::hparams::HParams;
 use crate::bundle::mtp::Fusion;
-use crate::bundle::{st_token_ids, st_vector, Bundle, MtpStatus, TensorKey};
+use crate::bundle::{st_vector, Bundle, MtpStatus, TensorKey};
 use crate::cache::KvCache;
 use crate::error::{Error, Result};
 
@@ -103,8 +103,8 @@ pub struct MtpHead<B: Backend> {
     blocks: Vec<Layer<B>>,
     final_norm: B::Buffer,
     lm_head: B::Matrix,
-    /// Row `i` of `lm_head` is token `draft_vocab[i]`; `None` = the full vocabulary.
-    draft_vocab: Option<Vec<u32>>,
+    /// Row `i` of `lm_head` is token `draft_vocab.token(i)`.
+    draft_vocab: DraftVocab,
     /// `draft_vocab` on the backend, as f32s ([`Backend::draft_token`]).
     token_table: Option<B::Buffer>,
     scratch: Option<HeadScratch<B>>,
@@ -154,32 +154,11 @@ impl<B: Backend> MtpHead<B> {
         }
         let vector =
             |name: &str| -> Result<B::Buffer> { Ok(be.upload(&st_vector(tensors, name, h)?)) };
-        let draft_vocab = match &spec.draft_vocab {
-            Some(n) => {
-                let mut ids = st_token_ids(tensors, n, hp.vocab)?;
-                ids.sort_unstable();
-                ids.dedup();
-                if ids.is_empty() {
-                    return Err(Error::tensor(n, "empty draft vocabulary"));
-                }
-                Some(ids)
-            }
-            None => None,
-        };
-        let out_key = if bundle.has(TensorKey::Output) {
-            TensorKey::Output
-        } else {
-            TensorKey::TokenEmbedding
-        };
-        let full = bundle.matrix(out_key, hp.vocab, h)?;
-        let lm_head = match &draft_vocab {
-            Some(ids) => full.select_rows(ids)?,
-            None => full,
-        };
-        let lm_head = be.load_matrix(lm_head)?;
+        let draft_vocab = DraftVocab::load(tensors, spec.draft_vocab.as_deref(), hp.vocab)?;
+        let lm_head = draft_vocab.output_head(be, bundle)?;
         // Token ids are below 2^24, so exact as f32s.
         let token_table = draft_vocab
-            .as_ref()
+            .ids()
             .map(|ids| be.upload(&ids.iter().map(|&t| t as f32).collect::<Vec<_>>()));
         let rope = match tensors.metadata.get("rope_style").map(String::as_str) {
             Some("interleaved") => RopeStyle::Interleaved,
@@ -214,15 +193,12 @@ impl<B: Backend> MtpHead<B> {
 
     /// Size of the vocabulary the head drafts from.
     pub fn draft_vocab_len(&self) -> usize {
-        self.draft_vocab.as_ref().map_or(self.hp.vocab, Vec::len)
+        self.draft_vocab.len()
     }
 
     /// The token id of logit `i`.
     pub fn token(&self, i: usize) -> u32 {
-        match &self.draft_vocab {
-            Some(ids) => ids[i],
-            None => i as u32,
-        }
+        self.draft_vocab.token(i)
     }
 
     /// A fresh KV cache for the head (one layer per block).

@@ -36,12 +36,14 @@ pub struct DrafterProposer<B: Backend> {
     states_start: usize,
     states: Vec<f32>,
     sampler: Sampler,
+    vocab: usize,
 }
 
 impl<B: Backend> DrafterProposer<B> {
-    pub fn new(drafter: BlockDrafter<B>, context_len: usize) -> Result<Self> {
+    pub fn new(drafter: BlockDrafter<B>, vocab: usize, context_len: usize) -> Result<Self> {
         let cache = drafter.new_cache(context_len);
         Ok(DrafterProposer {
+            vocab,
             drafter,
             cache,
             first: 0,
@@ -157,10 +159,15 @@ impl<B: Backend> Proposer for DrafterProposer<B> {
         if greedy {
             return Ok(Draft::chain(out.greedy));
         }
-        let vocab = out.logits.len() / k;
+        // Sampled over the full vocabulary, tokens outside the draft vocabulary at probability 0.
+        let n = self.drafter.draft_vocab_len();
+        let mut full = vec![f32::NEG_INFINITY; self.vocab];
         let mut history = context.to_vec();
-        for row in out.logits.chunks_exact(vocab) {
-            let t = self.sampler.sample(row, &history);
+        for row in out.logits.chunks_exact(n) {
+            for (i, &l) in row.iter().enumerate() {
+                full[self.drafter.token(i) as usize] = l;
+            }
+            let t = self.sampler.sample(&full, &history);
             history.push(t);
         }
         Ok(Draft::chain(history[context.len()..].to_vec()))

@@ -199,7 +199,7 @@ pub fn build<B: Backend>(
         },
         Route::Drafter => match BlockDrafter::load(bundle, model) {
             Ok(drafter) => {
-                let drafter = DrafterProposer::new(drafter, model.hp.context_len)?;
+                let drafter = DrafterProposer::new(drafter, model.hp.vocab, model.hp.context_len)?;
                 Box::new(Chooser::new(Box::new(drafter)))
             }
             Err(e) if *mode == SpecMode::Auto => {
