@@ -179,8 +179,12 @@ fn check(dir: &Path, t: &HParams) -> Result<(DrafterSpec, SafetensorsSet), Strin
     if let Some(v) = c.vocab_size.filter(|&v| v != t.vocab) {
         return Err(format!("vocabulary {v} but the target's is {}", t.vocab));
     }
-    if target_layers.is_empty() {
-        return Err("no target layers".into());
+    if target_layers.is_empty() || target_layers.len() > crate::model::MAX_STATE_LAYERS {
+        return Err(format!(
+            "{} target layers (1 to {})",
+            target_layers.len(),
+            crate::model::MAX_STATE_LAYERS
+        ));
     }
     let mut sorted = target_layers.clone();
     sorted.sort_unstable();

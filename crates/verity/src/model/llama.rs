@@ -41,7 +41,13 @@ pub(super) struct Scratch<B: Backend> {
     pub(super) logits: B::Buffer,
     /// Each row's argmax, as exact f32 ([`LogitRows::Greedy`]).
     pub(super) greedy: B::Buffer,
+    /// The residual streams after the layers a forward reports (up to [`MAX_STATE_LAYERS`] of them), layer
+    /// after layer, `rows × hidden` each: copied on the device so that such forwards record and replay too.
+    pub(super) states: B::Buffer,
 }
+
+/// The most layers whose residual streams one forward reports ([`Model::forward`]'s `hidden_layers`).
+pub const MAX_STATE_LAYERS: usize = 8;
 
 /// A loaded decoder on backend `B`.
 pub struct Model<B: Backend> {
@@ -249,6 +255,12 @@ impl<B: Backend> Model<B> {
                 self.hp.n_layers
             )));
         }
+        if hidden_layers.len() > MAX_STATE_LAYERS {
+            return Err(Error::Invalid(format!(
+                "{} hidden layers asked for (at most {MAX_STATE_LAYERS})",
+                hidden_layers.len()
+            )));
+        }
         Ok(())
     }
 
@@ -274,26 +286,26 @@ impl<B: Backend> Model<B> {
             },
         );
         let mut out = ForwardOutput::default();
-        if hidden_layers.is_empty() {
-            let tree = matches!(batch.mask, AttnMask::Tree(_));
-            let key = (
-                s.id,
-                cache.buffers_id(),
-                rows,
-                tree,
-                logit_rows,
-                final_hidden,
-            );
-            run_recorded(be, rows, key, &mut || {
-                self.encode(cache, rows, logit_rows, final_hidden, s, &mut |_, _| {})
-            });
-        } else {
-            let mut keep = |l: usize, x: &B::Buffer| {
-                if hidden_layers.contains(&l) {
-                    out.hidden.push((l, be.download(x, rows * h)));
-                }
-            };
-            self.encode(cache, rows, logit_rows, final_hidden, s, &mut keep);
+        let tree = matches!(batch.mask, AttnMask::Tree(_));
+        let key = (
+            s.id,
+            cache.buffers_id(),
+            rows,
+            tree,
+            logit_rows,
+            final_hidden,
+            hidden_layers,
+        );
+        run_recorded(be, rows, key, &mut || {
+            self.encode(cache, rows, logit_rows, final_hidden, hidden_layers, s)
+        });
+        if !hidden_layers.is_empty() {
+            let states = be.download(&s.states, hidden_layers.len() * rows * h);
+            out.hidden = hidden_layers
+                .iter()
+                .zip(states.chunks_exact(rows * h))
+                .map(|(&l, v)| (l, v.to_vec()))
+                .collect();
         }
         cache.advance(rows);
         if final_hidden {
@@ -317,17 +329,17 @@ impl<B: Backend> Model<B> {
         out
     }
 
-    /// The device work of a forward whose inputs are in `s.step`: the layers (each layer's residual stream is
-    /// shown to `after_layer`), then the final norm of every row into `s.xn` if `final_hidden`, and the logits
-    /// of the rows asked for into `s.logits`.
+    /// The device work of a forward whose inputs are in `s.step`: the layers (the residual streams after those
+    /// in `hidden_layers` copied to `s.states`, in that order), then the final norm of every row into `s.xn` if
+    /// `final_hidden`, and the logits of the rows asked for into `s.logits`.
     fn encode(
         &self,
         cache: &mut KvCache<B>,
         rows: usize,
         logit_rows: LogitRows,
         final_hidden: bool,
+        hidden_layers: &[usize],
         s: &mut Scratch<B>,
-        after_layer: &mut dyn FnMut(usize, &B::Buffer),
     ) {
         let be = self.backend.as_ref();
         let hp = &self.hp;
@@ -347,7 +359,9 @@ impl<B: Backend> Model<B> {
         for (l, layer) in self.layers.iter().enumerate() {
             let (kc, vc) = (&mut cache.k[l], &mut cache.v[l]);
             layer.run(be, hp, rope, s, [kc, vc, &mut cache.attn_work], shape);
-            after_layer(l, &s.x);
+            if let Some(j) = hidden_layers.iter().position(|&m| m == l) {
+                be.copy(&s.x, 0, &mut s.states, j * rows * h, rows * h);
+            }
         }
         let eps = hp.rms_eps;
         if final_hidden {
@@ -407,6 +421,7 @@ impl<B: Backend> Scratch<B> {
             act: be.buffer(rows * hp.ffn_hidden),
             logits: be.buffer(rows * vocab),
             greedy: be.buffer(rows),
+            states: be.buffer(rows * hp.hidden * MAX_STATE_LAYERS),
         }
     }
 }

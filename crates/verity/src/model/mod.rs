@@ -9,7 +9,7 @@ mod llama;
 mod mtp;
 
 pub use drafter::{BlockDrafter, BlockOutput};
-pub use llama::Model;
+pub use llama::{Model, MAX_STATE_LAYERS};
 pub use mtp::{HeadInput, HeadOutput, MtpHead, MAX_CHAIN};
 
 use std::hash::{Hash, Hasher};
