@@ -14,6 +14,9 @@
 //!   conversation). A gap in the reported states (a prefix restored from a checkpoint, which keeps final states
 //!   only) restarts the context at the first position with states; without the states of every position before
 //!   `pending` the drafter proposes nothing.
+//! - Greedy drafts are a tree ([`best_tree`]): from the block's per-position distributions, the `k` nodes most
+//!   likely to be accepted — each position's best token continues the main line, its second best hangs beside
+//!   it — verified in one forward like any tree.
 //! - With sampling, the draft at position `p` is the drafter's sample from its distribution there with the
 //!   request's seed: the keyed race the target's sample at `p` runs (see [`super::verify`]), so the output is
 //!   sampled AR's whatever the drafter proposes.
@@ -105,6 +108,55 @@ impl<B: Backend> DrafterProposer<B> {
     }
 }
 
+/// The two likeliest entries of a row of logits, with their softmax probabilities (the first of equal logits
+/// first, as the argmax picks it).
+fn top2(logits: &[f32]) -> [(usize, f32); 2] {
+    let (mut a, mut b) = (0, usize::MAX);
+    for (i, &l) in logits.iter().enumerate().skip(1) {
+        if l > logits[a] {
+            b = a;
+            a = i;
+        } else if b == usize::MAX || l > logits[b] {
+            b = i;
+        }
+    }
+    let b = if b == usize::MAX { a } else { b };
+    let z: f32 = logits.iter().map(|&l| (l - logits[a]).exp()).sum();
+    [(a, 1.0 / z), (b, (logits[b] - logits[a]).exp() / z)]
+}
+
+/// The `k` drafts most likely to be accepted, from each drafted position's two likeliest tokens and their
+/// probabilities (`rows[d]`: position `d + 1` after the pending token). A node's value is the probability that
+/// the path to it is accepted, by the drafter's estimate: the main line's node at depth `d` is worth the product
+/// of the best probabilities to `d`; the second best at depth `d`, a leaf beside it, is worth the main line's
+/// value at `d - 1` times its own probability. The `k` most valuable nodes form a tree (a node is worth less than
+/// its parent), laid out main line first.
+pub fn best_tree(rows: &[[(u32, f32); 2]], k: usize) -> Draft {
+    // (value, depth, alternate?) of every candidate node.
+    let mut nodes = Vec::with_capacity(2 * rows.len());
+    let mut line = 1.0f32;
+    for (d, [(_, p1), (t2, p2)]) in rows.iter().enumerate() {
+        if *t2 != rows[d][0].0 {
+            nodes.push((line * p2, d, true));
+        }
+        line *= p1;
+        nodes.push((line, d, false));
+    }
+    // Most valuable first; among equals the shallower, and the main line before its alternate.
+    nodes.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    nodes.truncate(k);
+    let depth = nodes.iter().filter(|n| !n.2).count();
+    let mut tokens: Vec<u32> = rows[..depth].iter().map(|r| r[0].0).collect();
+    let mut parents: Vec<usize> = (0..depth).collect();
+    let mut alternates: Vec<usize> = nodes.iter().filter(|n| n.2).map(|n| n.1).collect();
+    alternates.sort_unstable();
+    for d in alternates.into_iter().filter(|&d| d <= depth) {
+        tokens.push(rows[d][1].0);
+        parents.push(d);
+    }
+    Draft::tree(tokens, parents).expect("distinct siblings, parents before children")
+}
+
 impl<B: Backend> Proposer for DrafterProposer<B> {
     fn name(&self) -> &'static str {
         "drafter"
@@ -152,12 +204,19 @@ impl<B: Backend> Proposer for DrafterProposer<B> {
         if k == 0 {
             return Ok(Draft::default());
         }
-        let greedy = self.sampler.config().is_greedy();
         let out = self
             .drafter
-            .draft(&mut self.cache, context[n], n, k, greedy)?;
-        if greedy {
-            return Ok(Draft::chain(out.greedy));
+            .draft(&mut self.cache, context[n], n, k, false)?;
+        if self.sampler.config().is_greedy() {
+            let rows: Vec<[(u32, f32); 2]> = out
+                .logits
+                .chunks_exact(self.drafter.draft_vocab_len())
+                .map(|row| {
+                    let [(a, pa), (b, pb)] = top2(row);
+                    [(self.drafter.token(a), pa), (self.drafter.token(b), pb)]
+                })
+                .collect();
+            return Ok(best_tree(&rows, k));
         }
         // Sampled over the full vocabulary, tokens outside the draft vocabulary at probability 0.
         let n = self.drafter.draft_vocab_len();
@@ -181,5 +240,37 @@ impl<B: Backend> Proposer for DrafterProposer<B> {
         // The cache holds committed context only; the kept positions' context comes from their target states
         // in the next cycle.
         self.cache.truncate(self.cached.len());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top2_takes_the_first_of_equal_logits_and_normalises() {
+        let [(a, pa), (b, pb)] = top2(&[0.0, 2.0, 2.0, 1.0]);
+        assert_eq!((a, b), (1, 2));
+        assert!((pa - pb).abs() < 1e-7 && pa > 0.3 && pa < 0.5);
+    }
+
+    #[test]
+    fn confident_positions_make_a_chain_and_doubtful_ones_branch() {
+        // Sure of every position: the k best nodes are the main line.
+        let sure = [[(10, 0.95), (11, 0.03)]; 5];
+        let d = best_tree(&sure, 4);
+        assert!(d.is_chain());
+        assert_eq!(d.tokens(), [10, 10, 10, 10]);
+        // A coin flip at the first position: its second best beats the deep main line.
+        let rows = [
+            [(1, 0.5), (2, 0.45)],
+            [(3, 0.9), (4, 0.05)],
+            [(5, 0.9), (6, 0.05)],
+            [(7, 0.9), (8, 0.05)],
+        ];
+        let d = best_tree(&rows, 4);
+        assert_eq!(d.tokens(), [1, 3, 5, 2]);
+        assert_eq!(d.parents(), [0, 1, 2, 0]);
+        assert_eq!(best_tree(&rows, 1).tokens(), [1]);
     }
 }
