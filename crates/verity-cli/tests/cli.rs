@@ -336,3 +336,169 @@ fn bench_plot_into_an_unusable_folder_names_the_folder() {
     );
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// A Llama-shaped F16 GGUF with SmolLM2's tokenizer and small random layers (hidden 256: whole K-quant blocks),
+/// written with the library's GGUF writer: the input of a quantization run.
+fn small_f16_gguf(path: &Path) {
+    use verity::bundle::gguf::GgufFile;
+    use verity::bundle::gguf_writer::{GgufWriter, TensorEntry};
+    use verity::quant::GgmlType;
+    let out = verity(&["fetch", "smollm2-135m"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let src = PathBuf::from(text(&out.stdout).trim());
+    let smol = GgufFile::open(&src).unwrap();
+    let mut w = GgufWriter::new();
+    for e in smol
+        .entries
+        .iter()
+        .filter(|e| e.key.starts_with("tokenizer."))
+    {
+        w.set_raw(&e.key, smol.entry_bytes(e).to_vec());
+    }
+    w.set_str("general.architecture", "llama");
+    let (h, ffn, layers, vocab) = (256usize, 512usize, 2usize, 49152usize);
+    for (k, v) in [
+        ("llama.block_count", layers),
+        ("llama.context_length", 512),
+        ("llama.embedding_length", h),
+        ("llama.feed_forward_length", ffn),
+        ("llama.attention.head_count", 4),
+        ("llama.attention.head_count_kv", 2),
+        ("llama.rope.dimension_count", 64),
+        ("general.file_type", 1),
+    ] {
+        w.set_u32(k, v as u32);
+    }
+    w.set_f32("llama.rope.freq_base", 10000.0);
+    w.set_f32("llama.attention.layer_norm_rms_epsilon", 1e-5);
+    let mut tensors: Vec<(String, Vec<usize>)> = vec![("token_embd.weight".into(), vec![h, vocab])];
+    for l in 0..layers {
+        for (name, dims) in [
+            ("attn_norm", vec![h]),
+            ("attn_q", vec![h, h]),
+            ("attn_k", vec![h, 128]),
+            ("attn_v", vec![h, 128]),
+            ("attn_output", vec![h, h]),
+            ("ffn_norm", vec![h]),
+            ("ffn_gate", vec![h, ffn]),
+            ("ffn_up", vec![h, ffn]),
+            ("ffn_down", vec![ffn, h]),
+        ] {
+            tensors.push((format!("blk.{l}.{name}.weight"), dims));
+        }
+    }
+    tensors.push(("output_norm.weight".into(), vec![h]));
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut data = Vec::new();
+    for (name, dims) in &tensors {
+        let n: usize = dims.iter().product();
+        let bytes: Vec<u8> = if dims.len() == 1 {
+            (0..n).flat_map(|_| 1.0f32.to_le_bytes()).collect()
+        } else {
+            (0..n)
+                .flat_map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    let v = ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2;
+                    half::f16::from_f32(v).to_le_bytes()
+                })
+                .collect()
+        };
+        let ty = if dims.len() == 1 {
+            GgmlType::F32
+        } else {
+            GgmlType::F16
+        };
+        w.add_tensor(TensorEntry {
+            name: name.clone(),
+            dims: dims.clone(),
+            ty,
+        })
+        .unwrap();
+        data.push(bytes);
+    }
+    let mut file = w.header();
+    for d in &data {
+        w.write_data(&mut file, d).unwrap();
+    }
+    std::fs::write(path, file).unwrap();
+}
+
+#[test]
+fn quantize_writes_a_model_that_runs_and_refuses_what_it_cannot_do() {
+    let dir = std::env::temp_dir().join(format!("verity-cli-quantize-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let input = dir.join("small-f16.gguf");
+    small_f16_gguf(&input);
+    let (i, q) = (input.to_str().unwrap(), dir.join("small-q4_k_m.gguf"));
+
+    let out = verity(&[
+        "quantize",
+        i,
+        q.to_str().unwrap(),
+        "--type",
+        "q4_k_m",
+        "--dry-run",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let plan = text(&out.stdout);
+    assert!(
+        plan.contains("blk.1.attn_v.weight") && plan.contains("Q6_K"),
+        "{plan}"
+    );
+    assert!(!q.exists(), "a dry run writes nothing");
+
+    let out = verity(&[
+        "--threads",
+        "2",
+        "quantize",
+        i,
+        q.to_str().unwrap(),
+        "--type",
+        "q4_k_m",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("q4_k_m"),
+        "{}",
+        text(&out.stdout)
+    );
+    let out = verity(&["inspect", q.to_str().unwrap()]);
+    assert!(text(&out.stdout).contains("Q4_K"), "{}", text(&out.stdout));
+    let out = verity(&[
+        "--threads",
+        "2",
+        "run",
+        "--model",
+        q.to_str().unwrap(),
+        "--max-tokens",
+        "8",
+        "Hello",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("tok/s"), "{}", text(&out.stderr));
+
+    // An unknown type names the presets; a quantized input is refused, naming the tensor and its type.
+    let out = verity(&["quantize", i, "x.gguf", "--type", "q7_k"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("q4_k_m"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = verity(&[
+        "quantize",
+        q.to_str().unwrap(),
+        dir.join("qq.gguf").to_str().unwrap(),
+        "--type",
+        "q8_0",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("already"),
+        "{}",
+        text(&out.stderr)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
