@@ -39,7 +39,7 @@ pub struct GenArgs {
     /// Optional system prompt.
     #[arg(long)]
     pub system: Option<String>,
-    /// Speculative decoding: auto, off, copy, mtp, draft-model=PATH.
+    /// Speculative decoding: auto, off, copy, mtp, drafter, draft-model=PATH.
     #[arg(long, default_value = "auto")]
     pub speculation: SpecMode,
 }

@@ -31,7 +31,7 @@ pub struct Args {
     /// Disk for persistent prefix-cache checkpoints, in MiB (0 = off), under `<cache folder>/prefix`.
     #[arg(long, default_value_t = 2048)]
     prefix_cache_disk_mb: u64,
-    /// Speculative decoding: auto, off, copy, draft-model=PATH (requests may still ask for "off").
+    /// Speculative decoding: auto, off, copy, mtp, drafter, draft-model=PATH (requests may still ask for "off").
     #[arg(long, default_value = "auto")]
     speculation: SpecMode,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health (default: $VERITY_API_KEY).
