@@ -487,7 +487,7 @@ fn the_drafters_forward_matches_an_independent_reference() {
         .unwrap();
     assert_eq!(cache.len(), ctx);
     let k = want.len();
-    let out = drafter.draft(&mut cache, pending, ctx, k, false).unwrap();
+    let logits = drafter.draft(&mut cache, pending, ctx, k).unwrap();
     assert_eq!(
         cache.len(),
         ctx,
@@ -495,7 +495,7 @@ fn the_drafters_forward_matches_an_independent_reference() {
     );
     let mut worst = 0f64;
     for (i, row) in want.iter().enumerate() {
-        let got = &out.logits[i * 320..(i + 1) * 320];
+        let got = &logits[i * 320..(i + 1) * 320];
         for (g, w) in got.iter().zip(row) {
             worst = worst.max((*g as f64 - w).abs());
         }
@@ -507,10 +507,6 @@ fn the_drafters_forward_matches_an_independent_reference() {
     }
     // Measured: 0.09 (logits span ±7).
     assert!(worst < 0.2, "largest logit difference {worst}");
-    let greedy = drafter.draft(&mut cache, pending, ctx, k, true).unwrap();
-    assert_eq!(
-        greedy.greedy,
-        ids(&reference["argmax"]),
-        "greedy drafts are the rows' argmax"
-    );
+    // The block's K/V were never kept: drafting again from the same context gives the same logits.
+    assert_eq!(drafter.draft(&mut cache, pending, ctx, k).unwrap(), logits);
 }

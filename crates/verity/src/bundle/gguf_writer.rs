@@ -97,10 +97,6 @@ impl GgufWriter {
         Ok(())
     }
 
-    pub fn tensors(&self) -> &[TensorEntry] {
-        &self.tensors
-    }
-
     fn alignment(&self) -> usize {
         self.alignment.unwrap_or(DEFAULT_ALIGNMENT)
     }

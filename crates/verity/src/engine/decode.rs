@@ -96,6 +96,12 @@ impl<B: Backend> Engine<B> {
         // One width controller per proposer source (copying and a model learn their own acceptance).
         let mut controllers: Vec<Controller> = Vec::new();
         let mut source = 0;
+        // What the proposer conditions on, fixed for the request: the target states each verify reports.
+        let features = proposer
+            .as_deref()
+            .map(|p| p.features())
+            .unwrap_or_default();
+        let width = features.width(self.model.hp.hidden);
         // Where each row's argmax decides the verdict and nothing else reads the logits, the forward returns the
         // argmax alone (one value per row from the device, not a vocabulary).
         let wants = if verifier.argmax_decides()
@@ -148,10 +154,6 @@ impl<B: Backend> Engine<B> {
                 positions,
                 mask,
             };
-            let features = proposer
-                .as_deref()
-                .map(|p| p.features())
-                .unwrap_or_default();
             let mut out = self
                 .model
                 .forward_features(&mut sess.cache, &batch, wants, &features)?;
@@ -183,21 +185,20 @@ impl<B: Backend> Engine<B> {
                     verify_s: (t2 - t1).as_secs_f64(),
                 });
                 if !features.is_none() {
-                    let w = features.width(self.model.hp.hidden);
                     // The kept rows' states: a prefix of the rows unless the path left the first-child line.
                     let last = kept_rows.len() - 1;
                     let kept: Cow<[f32]> = if kept_rows[last] == last {
-                        Cow::Borrowed(&out.features[..kept_rows.len() * w])
+                        Cow::Borrowed(&out.features[..kept_rows.len() * width])
                     } else {
                         let rows = kept_rows.iter();
                         Cow::Owned(
-                            rows.flat_map(|&r| &out.features[r * w..(r + 1) * w])
+                            rows.flat_map(|&r| &out.features[r * width..(r + 1) * width])
                                 .copied()
                                 .collect(),
                         )
                     };
                     p.observe_hidden(n, &kept);
-                    sess.hidden.push(n, &kept, &features, w);
+                    sess.hidden.push(n, &kept, &features, width);
                 }
             }
             if let Some(c) = controllers.get_mut(source) {

@@ -40,16 +40,6 @@ struct DrafterScratch<B: Backend> {
     fused_normed: B::Buffer,
 }
 
-/// What one draft forward returns.
-#[derive(Debug, Clone, Default)]
-pub struct BlockOutput {
-    /// Each drafted position's argmax (greedy drafting), `k` token ids.
-    pub greedy: Vec<u32>,
-    /// Each drafted position's logits over the draft vocabulary, `k × draft_vocab_len` (sampled drafting;
-    /// [`BlockDrafter::token`] names logit `i`).
-    pub logits: Vec<f32>,
-}
-
 pub struct BlockDrafter<B: Backend> {
     spec: DrafterSpec,
     /// The drafter layers' hyper-parameters (its hidden size and vocabulary are the target's).
@@ -260,17 +250,17 @@ impl<B: Backend> BlockDrafter<B> {
         Ok(())
     }
 
-    /// Draft `k` tokens (at most the block's `block - 1`) after `pending` at position `pos`, the cache holding
-    /// the context up to `pos`: each drafted position's argmax with `greedy`, else its logits. The cache's
-    /// committed length does not change.
+    /// The drafter's logits for the `k` positions (at most the block's `block - 1`) after `pending` at position
+    /// `pos`, the cache holding the context up to `pos`: `k × draft_vocab_len` values, [`BlockDrafter::token`]
+    /// naming logit `i` (greedy drafts build a tree from them, so the whole distribution comes back, not an
+    /// argmax). The cache's committed length does not change.
     pub fn draft(
         &mut self,
         cache: &mut KvCache<B>,
         pending: u32,
         pos: usize,
         k: usize,
-        greedy: bool,
-    ) -> Result<BlockOutput> {
+    ) -> Result<Vec<f32>> {
         if !(1..self.spec.block).contains(&k) || pending as usize >= self.hp.vocab {
             return Err(Error::Invalid(format!(
                 "block drafter: {k} drafts after token {pending} (1 to {} in a block)",
@@ -297,7 +287,7 @@ impl<B: Backend> BlockDrafter<B> {
             },
         );
         let (shape, rope) = (self.shape(rows), rope(&self.hp));
-        let key = (s.block.id, cache.buffers_id(), rows, greedy);
+        let key = (s.block.id, cache.buffers_id(), rows, "draft");
         run_recorded(be, rows, key, &mut || {
             be.embed(&self.embed, &s.block.step, rows, &mut s.block.x);
             for (i, layer) in self.layers.iter().enumerate() {
@@ -315,27 +305,10 @@ impl<B: Backend> BlockDrafter<B> {
             // Row 0 holds the pending token: the drafts are the mask rows'.
             be.copy(&s.block.xn, h, &mut s.block.tmp, 0, k * h);
             be.matmul(&self.lm_head, &s.block.tmp, k, &mut s.block.logits);
-            if greedy {
-                be.argmax(&s.block.logits, k, vocab, &mut s.block.greedy);
-            }
         });
-        let out = if greedy {
-            BlockOutput {
-                greedy: be
-                    .download(&s.block.greedy, k)
-                    .into_iter()
-                    .map(|i| self.token(i as usize))
-                    .collect(),
-                logits: Vec::new(),
-            }
-        } else {
-            BlockOutput {
-                greedy: Vec::new(),
-                logits: be.download(&s.block.logits, k * vocab),
-            }
-        };
+        let logits = be.download(&s.block.logits, k * vocab);
         self.scratch = Some(s);
-        Ok(out)
+        Ok(logits)
     }
 }
 

@@ -8,7 +8,7 @@ mod drafter;
 mod llama;
 mod mtp;
 
-pub use drafter::{BlockDrafter, BlockOutput};
+pub use drafter::BlockDrafter;
 pub use llama::{Model, MAX_STATE_LAYERS};
 pub use mtp::{HeadInput, HeadOutput, MtpHead, MAX_CHAIN};
 

@@ -10,6 +10,7 @@
 
 use half::{bf16, f16};
 
+use super::ggml::f16_at;
 use super::GgmlType;
 
 const QK_K: usize = 256;
@@ -72,10 +73,6 @@ fn put_f16(out: &mut [u8], v: f32) {
 
 fn f16_round_trip(v: f32) -> f32 {
     f16::from_f32(v).to_f32()
-}
-
-fn f16_at(b: &[u8], i: usize) -> f32 {
-    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
 }
 
 /// C's float-to-integer conversion as x86-64 compiles it: truncation toward zero.
@@ -195,8 +192,8 @@ fn q8_0(x: &[f32], out: &mut [u8]) {
 }
 
 /// Scale steps of `make_qkx2_quants` evaluated side by side (lanes of one vector where the compiler has them).
-/// Four, not eight: an improvement that moves `min` discards the steps evaluated after it, and on a 1B model
-/// Q4_K_M took 42 s with four lanes against 48 s with eight (49 s one step at a time; two threads).
+/// Four, not eight: an improvement that moves `min` discards the steps evaluated after it, and improvements
+/// come often enough that wider batches waste what their lanes gain.
 const STEPS: usize = 4;
 
 /// ggml's `make_qkx2_quants`: levels `l` in 0..=nmax for `x ≈ scale * l - min`, searching `nstep + 1` scales

@@ -204,13 +204,11 @@ impl<B: Backend> Proposer for DrafterProposer<B> {
         if k == 0 {
             return Ok(Draft::default());
         }
-        let out = self
-            .drafter
-            .draft(&mut self.cache, context[n], n, k, false)?;
+        let logits = self.drafter.draft(&mut self.cache, context[n], n, k)?;
+        let width = self.drafter.draft_vocab_len();
         if self.sampler.config().is_greedy() {
-            let rows: Vec<[(u32, f32); 2]> = out
-                .logits
-                .chunks_exact(self.drafter.draft_vocab_len())
+            let rows: Vec<[(u32, f32); 2]> = logits
+                .chunks_exact(width)
                 .map(|row| {
                     let [(a, pa), (b, pb)] = top2(row);
                     [(self.drafter.token(a), pa), (self.drafter.token(b), pb)]
@@ -219,10 +217,9 @@ impl<B: Backend> Proposer for DrafterProposer<B> {
             return Ok(best_tree(&rows, k));
         }
         // Sampled over the full vocabulary, tokens outside the draft vocabulary at probability 0.
-        let n = self.drafter.draft_vocab_len();
         let mut full = vec![f32::NEG_INFINITY; self.vocab];
         let mut history = context.to_vec();
-        for row in out.logits.chunks_exact(n) {
+        for row in logits.chunks_exact(width) {
             for (i, &l) in row.iter().enumerate() {
                 full[self.drafter.token(i) as usize] = l;
             }
