@@ -61,9 +61,10 @@ fn gpu_matmul(be: &CudaBackend, m: &QMatrix, x: &[f32], rows: usize) -> Vec<f32>
 }
 
 /// The tensor-core 8-bit projections quantize x and chain each (column, row)'s blocks exactly as the CPU
-/// backend's 8-bit kernels do, so every output is bitwise the CPU's: Q4_0, Q4_1 and Q8_0; a ragged shape (a
-/// partial tile), one whose blocks take several exchange chunks, one wide enough for the warp-per-tile
-/// schedule; 1 to 20 rows (two launches past 16).
+/// backend's 8-bit kernels do, so every output is bitwise the CPU's: every tiled format (the legacy ones, the
+/// 5-bit ones, the K-quants with Q3_K as Q6_K); a ragged shape (a partial tile), one whose blocks take several
+/// exchange chunks, one wide enough for the warp-per-tile schedule, and an 8B model's down projection (rows of
+/// 14,336 values, staged in windows); 1 to 20 rows (two launches past 16).
 #[test]
 fn cuda_int8_projections_are_bitwise_the_cpu_8_bit_kernels() {
     let (gpu, cpu) = (gpu(), backend());
@@ -72,8 +73,14 @@ fn cuda_int8_projections_are_bitwise_the_cpu_8_bit_kernels() {
         (GgmlType::Q4_0, "Q4_0"),
         (GgmlType::Q4_1, "Q4_1"),
         (GgmlType::Q8_0, "Q8_0"),
+        (GgmlType::Q5_0, "Q5_0"),
+        (GgmlType::Q5_1, "Q5_1"),
+        (GgmlType::Q4K, "Q4_K"),
+        (GgmlType::Q5K, "Q5_K"),
+        (GgmlType::Q6K, "Q6_K"),
+        (GgmlType::Q3K, "Q3_K"),
     ] {
-        for (n, k) in [(37, 96), (300, 2560), (16_400, 64)] {
+        for (n, k) in [(37, 256), (300, 2560), (16_400, 256), (40, 14_336)] {
             let m = fixture_matrix(ty, name, n, k, &mut seed);
             let cw = cpu.load_matrix(m.clone()).unwrap();
             for rows in [1, 2, 5, 8, 9, 16, 20] {
@@ -144,10 +151,8 @@ fn cuda_fused_norm_projections_are_bitwise_the_norm_then_the_projection() {
     }
 }
 
-/// The K-quants run the f32-activation kernel: against the CPU's f32 path on the same blocks, within float
-/// rounding of the sums (the two add in different orders).
 /// `m` on the GPU's f32-activation kernel against the CPU's f32 path, 1, 3 and 16 rows: within float rounding
-/// of the sums.
+/// of the sums (the two add in different orders).
 fn assert_projection_matches_the_cpu(
     gpu: &CudaBackend,
     cpu: &CpuBackend,
@@ -174,9 +179,19 @@ fn assert_projection_matches_the_cpu(
     }
 }
 
+/// A backend on GPU 0 whose projections all run the f32-activation kernel (`VERITY_CUDA_INT8=0`).
+fn float_gpu() -> Arc<CudaBackend> {
+    let opts = CudaOptions {
+        int8: false,
+        ..CudaOptions::from_env()
+    };
+    Arc::new(CudaBackend::with_options(0, opts).unwrap())
+}
+
+/// The K-quants on the f32-activation kernel (decoded from their GGML blocks), as with `VERITY_CUDA_INT8=0`.
 #[test]
 fn cuda_k_quant_projections_match_the_cpu_backend() {
-    let (gpu, cpu) = (gpu(), f32_backend());
+    let (gpu, cpu) = (float_gpu(), f32_backend());
     let mut seed = 11u64;
     for (ty, name) in [
         (GgmlType::Q4K, "Q4_K"),
@@ -189,10 +204,11 @@ fn cuda_k_quant_projections_match_the_cpu_backend() {
 }
 
 /// The 5-bit legacy blocks (Q5_0, Q5_1), the IQ4 grid formats (IQ4_NL, IQ4_XS) and the 2- and 3-bit K-quants
-/// (Q2_K, Q3_K) decode on the GPU as on the CPU and run the f32-activation kernel.
+/// (Q2_K, Q3_K) decode on the GPU as on the CPU on the f32-activation kernel (the IQ4 formats and Q2_K always
+/// run it; the others with `VERITY_CUDA_INT8=0`).
 #[test]
 fn cuda_float_path_formats_match_the_cpu_backend() {
-    let (gpu, cpu) = (gpu(), f32_backend());
+    let (gpu, cpu) = (float_gpu(), f32_backend());
     let mut seed = 13u64;
     for (ty, name) in [
         (GgmlType::Q5_0, "Q5_0"),
@@ -205,6 +221,56 @@ fn cuda_float_path_formats_match_the_cpu_backend() {
         for (n, k) in [(40, 512), (37, 256)] {
             let m = fixture_matrix(ty, name, n, k, &mut seed);
             assert_projection_matches_the_cpu(&gpu, &cpu, &m, name, seed);
+        }
+    }
+}
+
+/// A tiled matrix launched beside an untiled one (one input, several projections) runs the f32-activation
+/// kernel, which decodes the tiles: within float rounding of the CPU's f32 path, for every tiled format.
+#[test]
+fn cuda_tiled_matrices_beside_untiled_ones_decode_their_tiles() {
+    let (gpu, cpu) = (gpu(), f32_backend());
+    let mut seed = 17u64;
+    let k = 512;
+    let bytes: Vec<u8> = random_f32(24 * k, 3, 1.0)
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let float = QMatrix::ggml("f", GgmlType::F32, 24, k, Bytes::owned(bytes)).unwrap();
+    let f = gpu.load_matrix(float).unwrap();
+    for (ty, name) in [
+        (GgmlType::Q4_0, "Q4_0"),
+        (GgmlType::Q4_1, "Q4_1"),
+        (GgmlType::Q8_0, "Q8_0"),
+        (GgmlType::Q5_0, "Q5_0"),
+        (GgmlType::Q5_1, "Q5_1"),
+        (GgmlType::Q4K, "Q4_K"),
+        (GgmlType::Q5K, "Q5_K"),
+        (GgmlType::Q6K, "Q6_K"),
+        (GgmlType::Q3K, "Q3_K"),
+    ] {
+        let m = fixture_matrix(ty, name, 40, k, &mut seed);
+        let (cw, w) = (
+            cpu.load_matrix(m.clone()).unwrap(),
+            gpu.load_matrix(m).unwrap(),
+        );
+        for rows in [1, 3, 16] {
+            let x = random_f32(rows * k, seed ^ rows as u64, 1.0);
+            let mut want = cpu.buffer(rows * 40);
+            cpu.matmul(&cw, &x, rows, &mut want);
+            let xs = gpu.upload(&x);
+            let (mut got, mut other) = (gpu.buffer(rows * 40), gpu.buffer(rows * 24));
+            gpu.matmuls(&xs, None, rows, &mut [(&w, &mut got), (&f, &mut other)]);
+            let got = gpu.download(&got, rows * 40);
+            let scale = want.iter().fold(1f32, |a, v| a.max(v.abs()));
+            let worst = got
+                .iter()
+                .zip(&want)
+                .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+            assert!(
+                worst <= 1e-5 * scale * k as f32,
+                "{name}, {rows} rows: max |Δ| {worst}"
+            );
         }
     }
 }

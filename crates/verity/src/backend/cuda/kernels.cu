@@ -38,6 +38,12 @@ typedef unsigned int u32;
 // The 2- and 3-bit K-quants (256-value super-blocks of 16-value sub-blocks; decoded on the float path).
 #define T_Q2_K 18
 #define T_Q3_K 19
+// Q5_0, Q5_1 and the K-quants (Q3_K as Q6_K) in tensor-core tiles (`tiles.rs`).
+#define T_TQ5_0 20
+#define T_TQ5_1 21
+#define T_TQ4_K 22
+#define T_TQ5_K 23
+#define T_TQ6_K 24
 
 // IQ4_NL's and IQ4_XS's 16 levels (ggml `kvalues_iq4nl`).
 __device__ __constant__ signed char IQ4_GRID[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -149,15 +155,33 @@ __device__ __forceinline__ void decode_iq4(const u8* qs, float d, float* v) {
         v[j + 16] = d * (float)IQ4_GRID[byte >> 4];
     }
 }
-__host__ __device__ constexpr bool is_tiled(int ty) { return ty == T_TQ4_0 || ty == T_TQ4_1 || ty == T_TQ8_0; }
+__host__ __device__ constexpr bool is_tiled(int ty) {
+    return ty == T_TQ4_0 || ty == T_TQ4_1 || ty == T_TQ8_0 || (ty >= T_TQ5_0 && ty <= T_TQ6_K);
+}
 
-// Tiled layout of an n × k matrix of Q4_0, Q4_1 or Q8_0 (nb = k / 32 blocks per row, `tiles` = ceil(n / 16)):
-// first the quants, per (tile, block) `tile_quant_bytes` bytes in the order the lanes of an m16n8k32 MMA load
-// them as its A fragment (lane = 4 * g + i holds bytes 4i..4i+3 of rows g and g + 8 of the tile, and for Q8_0
-// also bytes 16 + 4i..; for 4-bit formats the low nibbles are values 4i.. and the high nibbles 16 + 4i..);
-// then the scales, per (tile, block) 16 words, one per row: the block's f16 scale, and for Q4_1 its f16 offset
-// in the high half. Rows past n are zero.
-__host__ __device__ constexpr int tile_quant_bytes(int ty) { return ty == T_TQ8_0 ? 512 : 256; }
+// The tiled layout of an n × k matrix (`tiles.rs` documents it byte by byte; nb = k / 32 blocks per row, `tiles`
+// = ceil(n / 16)): first the quants, per (tile, block) `tile_quant_bytes` bytes in the order the lanes of an
+// m16n8k32 MMA load them as its A fragment (lane = 4 * g + i holds values 4i..4i+3 and 16 + 4i.. of rows g and
+// g + 8 of the tile: Q8_0 as signed bytes, the others as nibbles, then the 5- and 6-bit formats' high bits);
+// then per tile its scales, `tile_scale_bytes`: legacy formats 16 words per block (f16 d, and Q4_1/Q5_1's f16
+// m in the high half), K-quants per super-block 16 words (f16 d, Q4_K/Q5_K's dmin in the high half) and per
+// block 16 u16 (Q4_K/Q5_K: 6-bit scale | min << 8; Q6_K: the signed scales of the two 16-value halves). Rows
+// past n are zero.
+__host__ __device__ constexpr bool tiled_k(int ty) { return ty == T_TQ4_K || ty == T_TQ5_K || ty == T_TQ6_K; }
+__host__ __device__ constexpr int tile_planes(int ty) {
+    return ty == T_TQ6_K ? 2 : ty == T_TQ5_0 || ty == T_TQ5_1 || ty == T_TQ5_K ? 1 : 0;
+}
+__host__ __device__ constexpr int tile_quant_bytes(int ty) { return ty == T_TQ8_0 ? 512 : 256 + 64 * tile_planes(ty); }
+__host__ __device__ constexpr int tile_scale_bytes(int ty, int nb) { return tiled_k(ty) ? nb * 40 : nb * 64; }
+// Integer sums per (block, row, column): Q6_K's halves have their own scales.
+__host__ __device__ constexpr int tile_sums(int ty) { return ty == T_TQ6_K ? 2 : 1; }
+// What each value is offset by, in every byte (subtracted exactly in the fragment).
+__host__ __device__ constexpr u32 tile_offset(int ty) {
+    return ty == T_TQ4_0 ? 0x08080808u : ty == T_TQ5_0 ? 0x10101010u : ty == T_TQ6_K ? 0x20202020u : 0u;
+}
+__host__ __device__ constexpr bool tile_has_min(int ty) {
+    return ty == T_TQ4_1 || ty == T_TQ5_1 || ty == T_TQ4_K || ty == T_TQ5_K;
+}
 
 // A pointer inside block b of output column `col` (for prefetching).
 __device__ __forceinline__ const u8* block_ptr(int ty, const u8* w, int col, int nb, int tiles, int b) {
@@ -166,10 +190,38 @@ __device__ __forceinline__ const u8* block_ptr(int ty, const u8* w, int col, int
     return w + ((size_t)col * nb + b) * block_bytes(ty);
 }
 
-// The scale word of block b of column `col` of a tiled matrix.
-__device__ __forceinline__ u32 tile_scale(int ty, const u8* w, int tiles, int nb, int col, int b) {
-    const u32* sc = (const u32*)(w + (size_t)tiles * nb * tile_quant_bytes(ty));
-    return sc[((size_t)(col >> 4) * nb + b) * 16 + (col & 15)];
+// Tile `lt`'s scales.
+__device__ __forceinline__ const u8* tile_scales(int ty, const u8* w, int tiles, int nb, int lt) {
+    return w + (size_t)tiles * nb * tile_quant_bytes(ty) + (size_t)lt * tile_scale_bytes(ty, nb);
+}
+
+// Block b's stored scales for column c (0..15) of a tile whose scales are at `ts` (global or shared memory):
+// the word (legacy: per block; K-quants: per super-block) and the K-quants' per-block pair.
+struct ScaleRaw {
+    u32 w, p;
+};
+template <int TY>
+__device__ __forceinline__ ScaleRaw scale_raw(const u8* ts, int b, int c) {
+    if (tiled_k(TY)) {
+        const u8* sup = ts + (b >> 3) * 320;
+        return {((const u32*)sup)[c], ((const u16*)(sup + 64))[(b & 7) * 16 + c]};
+    }
+    return {((const u32*)ts)[b * 16 + c], 0u};
+}
+
+// A block's exact scales (products of an f16 and an integer of at most 8 bits, exact in f32): d0 of values
+// 0..15, d1 of values 16..31 (different for Q6_K only), the additive term m (Q4_1/Q5_1's m, the K-quants'
+// -dmin * min) — the CPU's integer view (`IntBlock`) of the same block.
+struct BlockScale {
+    float d0, d1, m;
+};
+template <int TY>
+__device__ __forceinline__ BlockScale block_scale(ScaleRaw s) {
+    float d = f16_to_f32(s.w & 0xffff);
+    if (TY == T_TQ4_K || TY == T_TQ5_K)
+        return {d * (float)(s.p & 0xff), d * (float)(s.p & 0xff), -(f16_to_f32(s.w >> 16) * (float)(s.p >> 8))};
+    if (TY == T_TQ6_K) return {d * (float)(signed char)(s.p & 0xff), d * (float)(signed char)(s.p >> 8), 0.f};
+    return {d, d, tile_has_min(TY) ? f16_to_f32(s.w >> 16) : 0.f};
 }
 
 __device__ __forceinline__ void k4_scale_min(int j, const u8* q, int* sc, int* m) {
@@ -188,10 +240,11 @@ __device__ __forceinline__ void k4_scale_min(int j, const u8* q, int* sc, int* m
 template <int TY>
 __device__ __forceinline__ void decode(const u8* w, int col, int nb, int tiles, int b, float* v) {
     if (is_tiled(TY)) {
+        // The integer view read back from the tile (`tiles.rs`), then the host decoder's arithmetic: every
+        // product of a value and its scale is exact, so how the compiler contracts it changes no bits.
         int j = col & 15, g = j & 7, hi = j >> 3;
         const u8* q = w + ((size_t)(col >> 4) * nb + b) * tile_quant_bytes(TY);
-        u32 sw = tile_scale(TY, w, tiles, nb, col, b);
-        float d = f16_to_f32(sw & 0xffff), m = f16_to_f32(sw >> 16);
+        BlockScale s = block_scale<TY>(scale_raw<TY>(tile_scales(TY, w, tiles, nb, col >> 4), b, j));
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             int lane = 4 * g + i;
@@ -199,21 +252,32 @@ __device__ __forceinline__ void decode(const u8* w, int col, int nb, int tiles, 
                 u32 lo = *(const u32*)(q + lane * 16 + hi * 4), up = *(const u32*)(q + lane * 16 + 8 + hi * 4);
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    v[4 * i + e] = (float)(signed char)((lo >> (8 * e)) & 0xff) * d;
-                    v[16 + 4 * i + e] = (float)(signed char)((up >> (8 * e)) & 0xff) * d;
+                    v[4 * i + e] = (float)(signed char)((lo >> (8 * e)) & 0xff) * s.d0;
+                    v[16 + 4 * i + e] = (float)(signed char)((up >> (8 * e)) & 0xff) * s.d0;
                 }
-            } else {
-                u32 word = *(const u32*)(q + lane * 8 + hi * 4);
+                continue;
+            }
+            u32 word = *(const u32*)(q + lane * 8 + hi * 4);
+            u32 h = tile_planes(TY) == 1 ? (u32)((const u16*)(q + 256))[lane]
+                  : tile_planes(TY) == 2 ? ((const u32*)(q + 256))[lane]
+                                          : 0u;
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    u32 byte = (word >> (8 * e)) & 0xff;
-                    if (TY == T_TQ4_0) {
-                        v[4 * i + e] = ((int)(byte & 15) - 8) * d;
-                        v[16 + 4 * i + e] = ((int)(byte >> 4) - 8) * d;
-                    } else {
-                        v[4 * i + e] = (byte & 15) * d + m;
-                        v[16 + 4 * i + e] = (byte >> 4) * d + m;
-                    }
+            for (int e = 0; e < 4; e++) {
+                int lo = (word >> (8 * e)) & 15, up = (word >> (8 * e + 4)) & 15;
+                if (tile_planes(TY) == 1) {
+                    lo |= ((h >> (4 * e + 2 * hi)) & 1) << 4;
+                    up |= ((h >> (4 * e + 2 * hi + 1)) & 1) << 4;
+                } else if (tile_planes(TY) == 2) {
+                    lo |= ((h >> (8 * e + 4 * hi)) & 3) << 4;
+                    up |= ((h >> (8 * e + 4 * hi + 2)) & 3) << 4;
+                }
+                int off = (int)(tile_offset(TY) & 0xff);
+                if (tile_has_min(TY)) {
+                    v[4 * i + e] = __fadd_rn(__fmul_rn((float)lo, s.d0), s.m);
+                    v[16 + 4 * i + e] = __fadd_rn(__fmul_rn((float)up, s.d1), s.m);
+                } else {
+                    v[4 * i + e] = (float)(lo - off) * s.d0;
+                    v[16 + 4 * i + e] = (float)(up - off) * s.d1;
                 }
             }
         }
@@ -414,6 +478,11 @@ __device__ __forceinline__ void decode_any(int ty, const u8* w, int col, int nb,
         case T_Q3_K: decode<T_Q3_K>(w, col, nb, tiles, b, v); break;
         case T_TQ4_0: decode<T_TQ4_0>(w, col, nb, tiles, b, v); break;
         case T_TQ4_1: decode<T_TQ4_1>(w, col, nb, tiles, b, v); break;
+        case T_TQ5_0: decode<T_TQ5_0>(w, col, nb, tiles, b, v); break;
+        case T_TQ5_1: decode<T_TQ5_1>(w, col, nb, tiles, b, v); break;
+        case T_TQ4_K: decode<T_TQ4_K>(w, col, nb, tiles, b, v); break;
+        case T_TQ5_K: decode<T_TQ5_K>(w, col, nb, tiles, b, v); break;
+        case T_TQ6_K: decode<T_TQ6_K>(w, col, nb, tiles, b, v); break;
         case T_AFF4: decode<T_AFF4>(w, col, nb, tiles, b, v); break;
         case T_AFF8: decode<T_AFF8>(w, col, nb, tiles, b, v); break;
         default: decode<T_TQ8_0>(w, col, nb, tiles, b, v);
@@ -426,42 +495,48 @@ __device__ __forceinline__ void decode_any(int ty, const u8* w, int col, int nb,
 // butterfly), then the blocks' sums in index order — so a row's scale never depends on the rows beside it, and
 // the rms_norm kernel and the norms fused into the projections give bitwise the same normed rows. The loads
 // go four per thread at a time: a block-wide pass costs one memory round trip, not a warp's serial loop.
-__device__ __forceinline__ void norm_scales(const float* x, int k, int rows, float eps, float* ss, float* rscale) {
+__device__ __forceinline__ void norm_scales(const float* x, int k, int rows, float eps, float* ss, float* rscale,
+                                            int wb) {
     int nb = k / 32, lane = threadIdx.x & 31;
-    int items = rows * nb * 8;
     unsigned group = 0xffu << (lane & 24);
-    for (int item0 = 0; item0 < items; item0 += blockDim.x * 4) {
-        float4 v[4];
+    // `wb` blocks of each row at a time (`ss` holds rows * wb floats), each row's sum carried across the windows
+    // by its thread in block order: the same additions in the same order whatever wb is.
+    float total = 0.f;
+    for (int w0 = 0; w0 < nb; w0 += wb) {
+        int wn = min(wb, nb - w0), items = rows * wn * 8;
+        for (int item0 = 0; item0 < items; item0 += blockDim.x * 4) {
+            float4 v[4];
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
-            int item = item0 + u * blockDim.x + threadIdx.x;
-            if (item < items) {
-                int rb = item >> 3, r = rb / nb, b = rb % nb;
-                v[u] = ((const float4*)(x + (size_t)r * k + b * 32))[item & 7];
+            for (int u = 0; u < 4; u++) {
+                int item = item0 + u * blockDim.x + threadIdx.x;
+                if (item < items) {
+                    int rb = item >> 3, r = rb / wn, b = w0 + rb % wn;
+                    v[u] = ((const float4*)(x + (size_t)r * k + b * 32))[item & 7];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                int item = item0 + u * blockDim.x + threadIdx.x;
+                if (item < items) {  // whole 8-lane groups: items and blockDim are multiples of 8
+                    float t = v[u].x * v[u].x;
+                    t = fmaf(v[u].y, v[u].y, t);
+                    t = fmaf(v[u].z, v[u].z, t);
+                    t = fmaf(v[u].w, v[u].w, t);
+#pragma unroll
+                    for (int off = 4; off > 0; off >>= 1) t += __shfl_xor_sync(group, t, off);
+                    if ((item & 7) == 0) ss[item >> 3] = t;
+                }
             }
         }
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            int item = item0 + u * blockDim.x + threadIdx.x;
-            if (item < items) {  // whole 8-lane groups: items and blockDim are multiples of 8
-                float t = v[u].x * v[u].x;
-                t = fmaf(v[u].y, v[u].y, t);
-                t = fmaf(v[u].z, v[u].z, t);
-                t = fmaf(v[u].w, v[u].w, t);
-#pragma unroll
-                for (int off = 4; off > 0; off >>= 1) t += __shfl_xor_sync(group, t, off);
-                if ((item & 7) == 0) ss[item >> 3] = t;
-            }
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x < rows) {
-        float t = 0.f;
-        // In block order (the rms_norm contract); unrolled so the loads issue ahead of the dependent adds.
+        __syncthreads();
+        if (threadIdx.x < rows) {
+            // In block order (the rms_norm contract); unrolled so the loads issue ahead of the dependent adds.
 #pragma unroll 8
-        for (int b = 0; b < nb; b++) t += ss[threadIdx.x * nb + b];
-        rscale[threadIdx.x] = rsqrtf(t / k + eps);
+            for (int b = 0; b < wn; b++) total += ss[threadIdx.x * wn + b];
+        }
+        __syncthreads();
     }
+    if (threadIdx.x < rows) rscale[threadIdx.x] = rsqrtf(total / k + eps);
     __syncthreads();
 }
 
@@ -534,6 +609,11 @@ __device__ __forceinline__ void column_rows(int ty, const u8* w, int col, int ti
         case T_Q3_K: column<T_Q3_K, RN>(COLUMN_ARGS); break;
         case T_TQ4_0: column<T_TQ4_0, RN>(COLUMN_ARGS); break;
         case T_TQ4_1: column<T_TQ4_1, RN>(COLUMN_ARGS); break;
+        case T_TQ5_0: column<T_TQ5_0, RN>(COLUMN_ARGS); break;
+        case T_TQ5_1: column<T_TQ5_1, RN>(COLUMN_ARGS); break;
+        case T_TQ4_K: column<T_TQ4_K, RN>(COLUMN_ARGS); break;
+        case T_TQ5_K: column<T_TQ5_K, RN>(COLUMN_ARGS); break;
+        case T_TQ6_K: column<T_TQ6_K, RN>(COLUMN_ARGS); break;
         case T_AFF4: column<T_AFF4, RN>(COLUMN_ARGS); break;
         case T_AFF8: column<T_AFF8, RN>(COLUMN_ARGS); break;
         default: column<T_TQ8_0, RN>(COLUMN_ARGS);
@@ -585,7 +665,7 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
     }
     wait_inputs();
     release_dependents();
-    if (norm_w) norm_scales(x + (size_t)r0 * k, k, rn, eps, xs + (size_t)rn_pow2(rn) * nb * XPAD, scales);
+    if (norm_w) norm_scales(x + (size_t)r0 * k, k, rn, eps, xs + (size_t)rn_pow2(rn) * nb * XPAD, scales, nb);
     for (int r = 0; r < rn; r++) {
         const float* xr = x + (size_t)(r0 + r) * k;
         float* sr = xs + (size_t)r * nb * XPAD;
@@ -672,7 +752,31 @@ __device__ __forceinline__ void mma_s8(int (&d)[4], const u32 (&a)[4], u32 b0, u
 #endif
 }
 
-// This lane's share of a (tile, block)'s quants, as loaded.
+// The same for m16n8k16 (8 values per lane: a0 row g, a1 row g + 8, values 4i..4i+3; b0 values 4i.. of row g).
+__device__ __forceinline__ void mma_s8_k16(int (&d)[4], u32 a0, u32 a1, u32 b0) {
+#if __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(b0), "r"(0));
+#else
+    d[0] = d[1] = d[2] = d[3] = 0;
+#endif
+}
+
+// A block's exact integer dot products for 16 columns x 8 rows: d over the whole block, or (Q6_K) d over
+// values 0..15 and e over values 16..31.
+template <int TY>
+__device__ __forceinline__ void block_dots(const u32 (&a)[4], u32 b0, u32 b1, int (&d)[4], int (&e)[4]) {
+    if (tile_sums(TY) == 2) {
+        mma_s8_k16(d, a[0], a[1], b0);
+        mma_s8_k16(e, a[2], a[3], b1);
+    } else {
+        mma_s8(d, a, b0, b1);
+    }
+}
+
+// This lane's share of a (tile, block)'s quants, as loaded: Q8_0's 16 bytes, or 8 bytes of nibbles (rows g and
+// g + 8) and the lane's high bits (a u16 for the 5-bit formats, a word for the 6-bit ones) in raw[2].
 template <int TY>
 __device__ __forceinline__ void load_quants(const u8* q, int lane, u32 (&raw)[4]) {
     if (TY == T_TQ8_0) {
@@ -680,43 +784,55 @@ __device__ __forceinline__ void load_quants(const u8* q, int lane, u32 (&raw)[4]
         raw[0] = v.x; raw[1] = v.y; raw[2] = v.z; raw[3] = v.w;
     } else {
         uint2 v = __ldg((const uint2*)q + lane);
-        raw[0] = v.x; raw[1] = v.y; raw[2] = 0; raw[3] = 0;
+        raw[0] = v.x; raw[1] = v.y; raw[3] = 0;
+        raw[2] = tile_planes(TY) == 1 ? (u32)__ldg((const unsigned short*)(q + 256) + lane)
+               : tile_planes(TY) == 2 ? __ldg((const u32*)(q + 256) + lane)
+                                      : 0u;
     }
 }
 
-// The A fragment from the loaded quants: nibbles split into bytes (Q4_0's shifted by -8, exactly).
+// The A fragment from the loaded quants: nibbles split into bytes, the high bits put in place (bit 4, or bits
+// 4-5), and the format's offset subtracted from every byte, exactly (the values then fit a signed byte).
 template <int TY>
 __device__ __forceinline__ void fragment(const u32 (&raw)[4], u32 (&a)[4]) {
     if (TY == T_TQ8_0) {
         a[0] = raw[0]; a[1] = raw[1]; a[2] = raw[2]; a[3] = raw[3];
-    } else {
-        const u32 lo = 0x0f0f0f0fu;
-        a[0] = raw[0] & lo;
-        a[1] = raw[1] & lo;
-        a[2] = (raw[0] >> 4) & lo;
-        a[3] = (raw[1] >> 4) & lo;
-        if (TY == T_TQ4_0) {
+        return;
+    }
+    const u32 lo = 0x0f0f0f0fu;
+    a[0] = raw[0] & lo;
+    a[1] = raw[1] & lo;
+    a[2] = (raw[0] >> 4) & lo;
+    a[3] = (raw[1] >> 4) & lo;
+    if (tile_planes(TY) == 1) {
+        // Nibble e of the u16 (bits: row g low value, row g high value, row g + 8 low, row g + 8 high) to byte e.
+        u32 h = raw[2];
+        u32 t = (h & 0xfu) | ((h & 0xf0u) << 4) | ((h & 0xf00u) << 8) | ((h & 0xf000u) << 12);
+        a[0] |= (t << 4) & 0x10101010u;
+        a[2] |= (t << 3) & 0x10101010u;
+        a[1] |= (t << 2) & 0x10101010u;
+        a[3] |= (t << 1) & 0x10101010u;
+    } else if (tile_planes(TY) == 2) {
+        u32 h = raw[2];
+        a[0] |= (h << 4) & 0x30303030u;
+        a[2] |= (h << 2) & 0x30303030u;
+        a[1] |= h & 0x30303030u;
+        a[3] |= (h >> 2) & 0x30303030u;
+    }
+    if (tile_offset(TY)) {
 #pragma unroll
-            for (int i = 0; i < 4; i++) a[i] = __vsub4(a[i], 0x08080808u);
-        }
+        for (int i = 0; i < 4; i++) a[i] = __vsub4(a[i], tile_offset(TY));
     }
 }
 
-// One block's step of a (column, row) chain: the contract's FMAs.
+// One block's step of a (column, row) chain: the contract's FMAs (`packed.rs`), first half first for Q6_K.
 template <int TY>
-__device__ __forceinline__ float chain_step(float acc, u32 scale_word, float xd, float xs, int dot) {
-    acc = fmaf(f16_to_f32(scale_word & 0xffff) * xd, (float)dot, acc);
-    if (TY == T_TQ4_1) acc = fmaf(f16_to_f32(scale_word >> 16), xs, acc);
+__device__ __forceinline__ float chain_step(float acc, const BlockScale& s, float xd, float xs, int dot0, int dot1) {
+    acc = fmaf(s.d0 * xd, (float)dot0, acc);
+    if (tile_sums(TY) == 2) acc = fmaf(s.d1 * xd, (float)dot1, acc);
+    if (tile_has_min(TY)) acc = fmaf(s.m, xs, acc);
     return acc;
 }
-
-// The quantized rows of x in shared memory: xq[r * xstride + i], and per (row, block) its scale xd and d * sum.
-struct Staged {
-    const signed char* xq;
-    int xstride;
-    const float* xd;
-    const float* xs;
-};
 
 // Four scaled values as four 8-bit integers in one word: each clamped to +-127 and rounded half to even by adding
 // 1.5 * 2^23 (the sum's ulp is 1, so IEEE rounding leaves round-half-even(v) in the low mantissa bits, the
@@ -745,11 +861,13 @@ __device__ __forceinline__ u32 pack_q8(float v0, float v1, float v2, float v3) {
 // block's 4-value partials t_0..t_7 reduced as ((t0 + t4) + (t2 + t6)) + ((t1 + t5) + (t3 + t7)), the blocks
 // then added in order, so the same bits.
 template <int L>
-__device__ __forceinline__ void quantize_lanes(const float* x, int k, int rows, const float* norm_w,
+__device__ __forceinline__ void quantize_lanes(const float* x, int k, int kw, int rows, const float* norm_w,
                                                bool norm_once, float eps, float* rscale, signed char* xq,
                                                int xstride, float* xd, float* xs) {
     constexpr int V = 32 / L;
-    int nb = k / 32, items = rows * nb * L;
+    // kw values of each row (x and norm_w point at the window's first; rows are k apart); norm_once only for a
+    // window of the whole row.
+    int nb = kw / 32, items = rows * nb * L;
     for (int item0 = 0; item0 < items; item0 += blockDim.x) {  // uniform: every lane reaches the shuffles
         int item = item0 + threadIdx.x, rb = item / L, h = item % L;
         bool live = item < items;
@@ -836,20 +954,32 @@ __device__ __forceinline__ void quantize_lanes(const float* x, int k, int rows, 
     }
 }
 
-// Stage `rows` rows of x (RMS-normed with norm_w when non-null), quantized. Rows up to `rows_pad` are left as
-// they are: their MMA columns and chains are computed and never stored, and no valid row reads them. Shared
-// memory from `smem`: xq, then xd and xs, then 16 norm scales. Four threads quantize a block, eight values
+// Stage blocks [w0, w0 + wn) of `rows` rows of x (RMS-normed with norm_w when non-null), quantized; `wmax` is the
+// largest window of the launch, which sets the layout (so the norm scales, computed once at the first window,
+// stay put). Rows up to `rows_pad` are left as they are: their MMA columns and chains are computed and never
+// stored, and no valid row reads them. Shared memory from `smem`: xq (rows_pad rows of wmax * 32 + 16 bytes),
+// then xd and xs (rows_pad * wmax floats each), then 16 norm scales. Four threads quantize a block, eight values
 // each, or two threads, sixteen values each, where four would take more than one item per thread
 // (`quantize_lanes`); with `eight_lanes` (the previous staging, for side-by-side measurements) eight threads,
 // four values each (max and sum are exact, so every variant's butterflies give the serial results).
+struct Staged {
+    const signed char* xq;
+    int xstride;
+    const float* xd;
+    const float* xs;
+    int b0, nb;  // the staged window's first block and block count
+};
+
 __device__ __forceinline__ void stage_q8(const float* x, int k, int rows, int rows_pad, const float* norm_w,
-                                         float eps, u8* smem, Staged* st, int eight_lanes) {
-    int nb = k / 32, xstride = k + 16;
+                                         float eps, u8* smem, Staged* st, int eight_lanes, int w0, int wn,
+                                         int wmax) {
+    int nb = wn, xstride = wmax * 32 + 16;
     signed char* xq = (signed char*)smem;
     float* xd = (float*)(smem + (size_t)rows_pad * xstride);
-    float* xs = xd + rows_pad * nb;
-    float* rscale = xs + rows_pad * nb;
+    float* xs = xd + rows_pad * wmax;
+    float* rscale = xs + rows_pad * wmax;
     int lane = threadIdx.x & 31;
+    bool whole = w0 == 0 && wn == k / 32;
     // The norm's scratch is xd (free until the quantized blocks are written, after the norm's last barrier).
 #ifdef KO_STAGE
     norm_w = nullptr;
@@ -857,18 +987,20 @@ __device__ __forceinline__ void stage_q8(const float* x, int k, int rows, int ro
     rows = 0;
 #endif
     bool two = rows * nb * 4 > (int)blockDim.x;
-    // The norm from quantize_lanes' own loads where its items fit one pass (NORM_TWO_PASS: always `norm_scales`
-    // first, for side-by-side measurements).
+    // The norm from quantize_lanes' own loads where the window is the row and its items fit one pass
+    // (NORM_TWO_PASS: always `norm_scales` first, for side-by-side measurements).
 #ifdef NORM_TWO_PASS
     bool once = false;
 #else
-    bool once = norm_w && !eight_lanes && rows * nb * (two ? 2 : 4) <= (int)blockDim.x;
+    bool once = whole && norm_w && !eight_lanes && rows * nb * (two ? 2 : 4) <= (int)blockDim.x;
 #endif
-    if (norm_w && !once) norm_scales(x, k, rows, eps, xd, rscale);
+    if (norm_w && !once && w0 == 0) norm_scales(x, k, rows, eps, xd, rscale, wmax);
+    x += w0 * 32;
+    if (norm_w) norm_w += w0 * 32;
     int items = rows * nb * 8;
     if (!eight_lanes) {
-        if (two) quantize_lanes<2>(x, k, rows, norm_w, once, eps, rscale, xq, xstride, xd, xs);
-        else quantize_lanes<4>(x, k, rows, norm_w, once, eps, rscale, xq, xstride, xd, xs);
+        if (two) quantize_lanes<2>(x, k, nb * 32, rows, norm_w, once, eps, rscale, xq, xstride, xd, xs);
+        else quantize_lanes<4>(x, k, nb * 32, rows, norm_w, once, eps, rscale, xq, xstride, xd, xs);
         items = 0;  // skips the eight-lane loop
     }
     unsigned group = 0xffu << (lane & 24);
@@ -919,15 +1051,21 @@ __device__ __forceinline__ void stage_q8(const float* x, int k, int rows, int ro
         }
     }
     __syncthreads();
-    st->xq = xq;
-    st->xstride = xstride;
-    st->xd = xd;
-    st->xs = xs;
+    *st = {xq, xstride, xd, xs, w0, nb};
+}
+
+// The staged scale and d * sum of (row r, block b) (b inside the staged window).
+__device__ __forceinline__ float staged_d(const Staged& st, int r, int b) { return st.xd[r * st.nb + b - st.b0]; }
+__device__ __forceinline__ float staged_s(const Staged& st, int r, int b) { return st.xs[r * st.nb + b - st.b0]; }
+
+// Shared bytes of a staging window of wmax blocks (`stage_q8`'s layout).
+__device__ __forceinline__ int stage_bytes(int rows_pad, int wmax) {
+    return rows_pad * (wmax * 32 + 16) + 2 * rows_pad * wmax * 4 + 64;
 }
 
 // The B fragment of n-tile `nt` (rows 8 nt .. 8 nt + 7) for block b.
 __device__ __forceinline__ void x_fragment(const Staged& st, int nt, int b, int lane, u32* b0, u32* b1) {
-    const signed char* p = st.xq + (size_t)(8 * nt + (lane >> 2)) * st.xstride + b * 32 + (lane & 3) * 4;
+    const signed char* p = st.xq + (size_t)(8 * nt + (lane >> 2)) * st.xstride + (b - st.b0) * 32 + (lane & 3) * 4;
     *b0 = *(const u32*)p;
     *b1 = *(const u32*)(p + 16);
 }
@@ -1016,26 +1154,29 @@ __device__ __forceinline__ void copies_done() {
 #endif
 }
 
-// Narrow schedule: this CTA's tile (`up`: the up projection for glu, gate in t; MATS = 1 or 2). The tile's scale
-// words (copied asynchronously into shared memory) and the quants of its first chunk are fetched before the
-// grid before has finished.
+// Narrow schedule: this CTA's tile (`up`: the up projection for glu, gate in t; MATS = 1 or 2). The tile's scales
+// (copied asynchronously into shared memory) and the quants of its first chunk are fetched before the grid
+// before has finished. x is staged `window` blocks at a time (a multiple of `chunk`; the whole row where it
+// fits the shared memory), so a row of any length runs: each block's arithmetic is the same either way.
 template <int TY, int MATS, int WARPS>
 __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k, int rows, const float* norm_w,
-                            float eps, int chunk, u8* smem, int accumulate, const RopeFusion& rope, int eight_lanes) {
+                            float eps, int chunk, int window, u8* smem, int accumulate, const RopeFusion& rope,
+                            int eight_lanes) {
     constexpr int PER_WARP = (64 + WARPS - 1) / WARPS;  // blocks a warp takes per exchange chunk (at most 64)
+    constexpr int SUMS = tile_sums(TY);
     int nb = k / 32, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int rows_pad = rows <= 8 ? 8 : 16, ntiles = rows_pad / 8;
-    int stage_bytes = rows_pad * (k + 16) + 2 * rows_pad * nb * 4 + 64;
-    u32* ssc = (u32*)(smem + stage_bytes);
-    int* iex = (int*)(ssc + MATS * nb * 16);
+    int sbytes = tile_scale_bytes(TY, nb);
+    u8* ssc = smem + stage_bytes(rows_pad, window);
+    int* iex = (int*)(ssc + MATS * sbytes);
     int per_chunk = chunk * rows_pad * QM_STRIDE;
     const u8* wq[2] = {t.w, up};
     const u8* qbase[2];
 #pragma unroll
     for (int m = 0; m < MATS; m++) {
         qbase[m] = wq[m] + (size_t)t.lt * nb * tile_quant_bytes(TY);
-        const u32* sc = (const u32*)(wq[m] + (size_t)t.tiles * nb * tile_quant_bytes(TY)) + (size_t)t.lt * nb * 16;
-        for (int i = threadIdx.x; i < nb * 4; i += blockDim.x) copy_async16(ssc + m * nb * 16 + 4 * i, sc + 4 * i);
+        const u8* sc = tile_scales(TY, wq[m], t.tiles, nb, t.lt);
+        for (int i = threadIdx.x; i < sbytes / 16; i += blockDim.x) copy_async16(ssc + m * sbytes + 16 * i, sc + 16 * i);
     }
     u32 raw[MATS][PER_WARP][4];
     auto load_chunk = [&](int c0) {
@@ -1061,10 +1202,12 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
     if (accumulate && chains && col < t.n) prior = t.o[(size_t)r * t.n + col];
     copies_done();  // this thread's scale copies land before stage_q8's barriers
     Staged st;
-    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st, eight_lanes);
     float acc[2] = {0.f, 0.f};
     for (int c0 = 0; c0 < nb; c0 += chunk) {
         int c1 = min(nb, c0 + chunk);
+        // A new window: the barrier ending the chunk before has let every chain read the last one.
+        if (c0 % window == 0) stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st, eight_lanes, c0,
+                                       min(window, nb - c0), window);
         if (c0 > 0) load_chunk(c0);
 #pragma unroll
         for (int m = 0; m < MATS; m++) {
@@ -1077,14 +1220,17 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
                     for (int nt = 0; nt < ntiles; nt++) {
                         u32 b0, b1;
                         x_fragment(st, nt, b, lane, &b0, &b1);
-                        int d[4];
-                        mma_s8(d, a, b0, b1);
-                        int* e = iex + m * per_chunk + ((b - c0) * rows_pad + 8 * nt + 2 * (lane & 3)) * QM_STRIDE
-                                 + (lane >> 2);
-                        e[0] = d[0];
-                        e[QM_STRIDE] = d[1];
-                        e[8] = d[2];
-                        e[QM_STRIDE + 8] = d[3];
+                        int d[SUMS][4];
+                        block_dots<TY>(a, b0, b1, d[0], d[SUMS - 1]);
+#pragma unroll
+                        for (int h = 0; h < SUMS; h++) {
+                            int* e = iex + (m * SUMS + h) * per_chunk
+                                     + ((b - c0) * rows_pad + 8 * nt + 2 * (lane & 3)) * QM_STRIDE + (lane >> 2);
+                            e[0] = d[h][0];
+                            e[QM_STRIDE] = d[h][1];
+                            e[8] = d[h][2];
+                            e[QM_STRIDE + 8] = d[h][3];
+                        }
                     }
                 }
             }
@@ -1096,17 +1242,18 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
         if (chains) {
 #pragma unroll
             for (int m = 0; m < MATS; m++) {
-                const int* e = iex + m * per_chunk + r * QM_STRIDE + c;
-                const u32* sw = ssc + m * nb * 16 + c;
+                const int* e = iex + m * SUMS * per_chunk + r * QM_STRIDE + c;
+                const u8* ts = ssc + m * sbytes;
 #pragma unroll 4
                 for (int b = c0; b < c1; b++) {
-                    acc[m] = chain_step<TY>(acc[m], sw[b * 16], st.xd[r * nb + b], st.xs[r * nb + b],
-                                            e[(b - c0) * rows_pad * QM_STRIDE]);
+                    int at = (b - c0) * rows_pad * QM_STRIDE;
+                    acc[m] = chain_step<TY>(acc[m], block_scale<TY>(scale_raw<TY>(ts, b, c)), staged_d(st, r, b),
+                                            staged_s(st, r, b), e[at], e[(SUMS - 1) * per_chunk + at]);
                 }
             }
         }
 #endif
-        if (c1 < nb) __syncthreads();  // the next chunk's sums reuse the exchange
+        if (c1 < nb) __syncthreads();  // the next chunk's sums (and window) reuse the exchange (and staging)
     }
     if (MATS == 1 && rope.hd > 0) {
         if (chains) {
@@ -1125,24 +1272,26 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
 
 // Wide schedule: this warp's tile (when `mine`), its chains in registers (n-tile nt, column g / g + 8, row
 // 2i / 2i + 1); QM_AHEAD blocks' quants and scales loaded at a time, the first ones before the grid before has
-// finished.
+// finished. x is staged whole (the host takes this schedule only where it fits).
 template <int TY, int MATS>
 __device__ void wide_tile(const TileOf& t, bool mine, const u8* up, const float* x, int k, int rows,
                           const float* norm_w, float eps, u8* smem, int accumulate, int eight_lanes) {
+    constexpr int SUMS = tile_sums(TY);
     int nb = k / 32, lane = threadIdx.x & 31, g = lane >> 2, i2 = 2 * (lane & 3);
     int rows_pad = rows <= 8 ? 8 : 16, ntiles = rows_pad / 8;
     const u8* wq[2] = {t.w, up};
-    u32 raw[QM_AHEAD][4], sw[QM_AHEAD][2];
+    u32 raw[QM_AHEAD][4];
+    ScaleRaw sw[QM_AHEAD][2];
     auto load_group = [&](int m, int b0) {
         const u8* qbase = wq[m] + (size_t)t.lt * nb * tile_quant_bytes(TY);
-        const u32* sbase = (const u32*)(wq[m] + (size_t)t.tiles * nb * tile_quant_bytes(TY)) + (size_t)t.lt * nb * 16;
+        const u8* sbase = tile_scales(TY, wq[m], t.tiles, nb, t.lt);
 #pragma unroll
         for (int i = 0; i < QM_AHEAD; i++) {
             int b = b0 + i;
             if (b < nb) {
                 load_quants<TY>(qbase + (size_t)b * tile_quant_bytes(TY), lane, raw[i]);
-                sw[i][0] = __ldg(sbase + (size_t)b * 16 + g);
-                sw[i][1] = __ldg(sbase + (size_t)b * 16 + g + 8);
+                sw[i][0] = scale_raw<TY>(sbase, b, g);
+                sw[i][1] = scale_raw<TY>(sbase, b, g + 8);
             }
         }
     };
@@ -1150,7 +1299,7 @@ __device__ void wide_tile(const TileOf& t, bool mine, const u8* up, const float*
     wait_inputs();
     release_dependents();
     Staged st;
-    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st, eight_lanes);
+    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st, eight_lanes, 0, nb, nb);
     if (!mine) return;  // after the CTA's last barrier
     float acc[2][2][4];
 #pragma unroll
@@ -1169,18 +1318,19 @@ __device__ void wide_tile(const TileOf& t, bool mine, const u8* up, const float*
                 if (b < nb) {
                     u32 a[4];
                     fragment<TY>(raw[i], a);
+                    BlockScale bs[2] = {block_scale<TY>(sw[i][0]), block_scale<TY>(sw[i][1])};
 #pragma unroll
                     for (int nt = 0; nt < 2; nt++) {
                         if (nt < ntiles) {
                             u32 x0, x1;
                             x_fragment(st, nt, b, lane, &x0, &x1);
-                            int d[4];
-                            mma_s8(d, a, x0, x1);
+                            int d[SUMS][4];
+                            block_dots<TY>(a, x0, x1, d[0], d[SUMS - 1]);
 #pragma unroll
                             for (int j = 0; j < 4; j++) {
                                 int r = 8 * nt + i2 + (j & 1);
-                                acc[m][nt][j] = chain_step<TY>(acc[m][nt][j], sw[i][j >> 1], st.xd[r * nb + b],
-                                                               st.xs[r * nb + b], d[j]);
+                                acc[m][nt][j] = chain_step<TY>(acc[m][nt][j], bs[j >> 1], staged_d(st, r, b),
+                                                               staged_s(st, r, b), d[0][j], d[SUMS - 1][j]);
                             }
                         }
                     }
@@ -1204,7 +1354,7 @@ __device__ void wide_tile(const TileOf& t, bool mine, const u8* up, const float*
 
 template <bool WIDE, int WARPS>
 __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, int accumulate,
-                                              const float* norm_w, float eps, int glu, int chunk,
+                                              const float* norm_w, float eps, int glu, int chunk, int window,
                                               const u8* w0, int ty0, int n0, float* o0, const u8* w1, int ty1,
                                               int n1, float* o1, const u8* w2, int ty2, int n2, float* o2,
                                               const RopeFusion& rope, int eight_lanes) {
@@ -1235,14 +1385,19 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
         if (glu) wide_tile<TY, 2>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate, eight_lanes);          \
         else wide_tile<TY, 1>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate, eight_lanes);              \
     } else {                                                                                                     \
-        if (glu) narrow_tile<TY, 2, WARPS>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rp,         \
+        if (glu) narrow_tile<TY, 2, WARPS>(t, up, x, k, rows, norm_w, eps, chunk, window, smem, accumulate, rp, \
                                            eight_lanes);                                                        \
-        else narrow_tile<TY, 1, WARPS>(t, up, x, k, rows, norm_w, eps, chunk, smem, accumulate, rp,             \
+        else narrow_tile<TY, 1, WARPS>(t, up, x, k, rows, norm_w, eps, chunk, window, smem, accumulate, rp,     \
                                        eight_lanes);                                                            \
     }
     switch (ty) {
         case T_TQ4_0: QM_RUN(T_TQ4_0); break;
         case T_TQ4_1: QM_RUN(T_TQ4_1); break;
+        case T_TQ5_0: QM_RUN(T_TQ5_0); break;
+        case T_TQ5_1: QM_RUN(T_TQ5_1); break;
+        case T_TQ4_K: QM_RUN(T_TQ4_K); break;
+        case T_TQ5_K: QM_RUN(T_TQ5_K); break;
+        case T_TQ6_K: QM_RUN(T_TQ6_K); break;
         default: QM_RUN(T_TQ8_0);
     }
 #undef QM_RUN
@@ -1251,16 +1406,19 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
 // One to three tiled projections of the same x (`rows` <= 16 rows of k values, RMS-normed first when norm_w is
 // non-null), as `matmuls` computes them but with 8-bit activations: o_m[r * n_m + c] (+)= ..., or with `glu`
 // (gate w0 and up w1 of one type) o0 = silu(gate) * up.
-// - qmatmuls_narrow: a CTA per tile (grid: the tile count), exchange chunks of `chunk` blocks (at most 64);
-//   shared memory: see `stage_q8`, then the tile's scale words and chunk * rows_pad * QM_STRIDE ints, per matrix.
-// - qmatmuls_wide: a warp per tile (grid: tiles / QM_WARPS), shared memory as `stage_q8`; `chunk` unused. Its
+// - qmatmuls_narrow: a CTA per tile (grid: the tile count), exchange chunks of `chunk` blocks (at most 64), x
+//   staged `window` blocks at a time (a multiple of chunk); shared memory: `stage_bytes(rows_pad, window)`, then
+//   the tile's scales and chunk * rows_pad * QM_STRIDE ints per integer sum (`tile_sums`), per matrix.
+// - qmatmuls_wide: a warp per tile (grid: tiles / QM_WARPS), shared memory as `stage_q8` for the whole row;
+//   `chunk` and `window` unused. Its
 //   grids are large: two CTAs per SM where they have 8 warps or fewer.
 #define QM_PARAMS                                                                                              \
     const float *x, int k, int rows, int accumulate, const float *norm_w, float eps, int glu, int chunk,        \
+        int window,                                                                                            \
         const u8 *w0, int ty0, int n0, float *o0, const u8 *w1, int ty1, int n1, float *o1, const u8 *w2,       \
         int ty2, int n2, float *o2, int rope_table, int rope_hd, float *kc, float *vc, const int *step,       \
         int cap, int r0, int eight_lanes
-#define QM_ARGS x, k, rows, accumulate, norm_w, eps, glu, chunk, w0, ty0, n0, o0, w1, ty1, n1, o1, w2, ty2, n2, o2
+#define QM_ARGS x, k, rows, accumulate, norm_w, eps, glu, chunk, window, w0, ty0, n0, o0, w1, ty1, n1, o1, w2, ty2, n2, o2
 
 // The last parameters fuse RoPE and the cache write into a narrow Q/K/V launch (w0, w1, w2 = q, k, v; see
 // `RopeFusion`); rope_hd = 0 for every other launch.
@@ -1308,7 +1466,7 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, flo
     int r = blockIdx.x;
     const float* xr = x + (size_t)r * dim;
     if (dim % 32 == 0) {
-        norm_scales(xr, dim, 1, eps, ss, &scale);
+        norm_scales(xr, dim, 1, eps, ss, &scale, dim / 32);
     } else {
         if (threadIdx.x < 32) {
             float t = 0.f;

@@ -52,6 +52,7 @@
 //! cannot fail, so a device error after load panics with the driver's message.
 
 pub mod affine;
+mod geometry;
 mod launch;
 mod options;
 mod ptx_cache;
@@ -80,25 +81,19 @@ use crate::backend::RopeStyle;
 use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
 use crate::error::{Error, Result};
 use crate::quant::{GgmlType, QMatrix, WeightFormat};
+use geometry::{q_geometry, staged_bytes, QGeometry, QMats, ROWS_PER_GROUP};
 
 const SOURCE: &str = include_str!("kernels.cu");
 /// Rows per projection launch (longer batches run in chunks), and per attention launch.
 const MAX_ROWS: usize = 16;
-/// The float projection kernel's geometry (`kernels.cu`'s `matmuls`): warps per block, rows staged per block,
-/// floats per staged 32-value block; and what every projection kernel keeps back from the dynamic shared memory
-/// for its static shared memory (a bound: `matmuls` uses 32 bytes, `qmatmuls_*` none).
+/// The float projection kernel's warps per block (`kernels.cu`'s `matmuls`); what every projection kernel keeps
+/// back from the dynamic shared memory for its static shared memory (a bound: `matmuls` uses 32 bytes,
+/// `qmatmuls_*` none). The rest of the projections' geometry is `geometry.rs`.
 const MM_WARPS: usize = 8;
-const ROWS_PER_GROUP: usize = 8;
-const XPAD: usize = 36;
 const MATMUL_STATIC_BYTES: usize = 256 * 4;
 /// Matrices with at least this many output columns give each warp 4 columns (fewer blocks staging x).
 const WIDE_COLUMNS: usize = 16_384;
-/// The integer projection kernel's geometry (`kernels.cu`, `qmatmuls_*`): ints per (block, row) of exchanged
-/// sums, the most blocks per exchange chunk, the shared memory the exchange may take, and the tile count from
-/// which a launch gives each warp its own tile (the wide schedule).
-const QM_STRIDE: usize = 20;
-const QM_CHUNK_MAX: usize = 64;
-const QM_EXCHANGE_BYTES: usize = 48 * 1024;
+/// The tile count from which an integer launch gives each warp its own tile (the wide schedule).
 const QM_WIDE_TILES: usize = WIDE_COLUMNS / tiles::TILE_ROWS;
 /// Warps (tiles) of a wide-schedule CTA (`kernels.cu`'s `QM_WARPS`).
 const WIDE_WARPS: usize = 16;
@@ -133,7 +128,8 @@ const MAX_GRAPHS: usize = 512;
 pub struct CudaMatrix {
     /// `kernels.cu`'s type tag (the tiled forms have their own).
     ty: i32,
-    tiled: bool,
+    /// The tensor-core tile form the matrix is stored in, if any.
+    form: Option<tiles::Form>,
     rows: usize,
     cols: usize,
     data: CudaSlice<u8>,
@@ -269,33 +265,6 @@ impl CudaStep {
 
 fn dev<T>(what: &str, r: std::result::Result<T, cudarc::driver::DriverError>) -> T {
     r.unwrap_or_else(|e| panic!("CUDA {what}: {e}"))
-}
-
-/// Shared memory a projection launch of `rows` rows of `k` values stages x in: the kernel computes a
-/// power-of-two number of rows per group (reading, never storing, those past the group's), so room for that many,
-/// then a fused norm's scratch (a float per row and 32-value block).
-fn staged_bytes(rows: usize, k: usize) -> usize {
-    let group = rows.min(ROWS_PER_GROUP);
-    (group.next_power_of_two() * XPAD + group) * (k / 32) * 4
-}
-
-/// Shared memory of a `qmatmuls_*` launch of `rows` rows of `k` values over `mats` matrices per tile (2 for
-/// gate/up), and its exchange chunk (blocks; 0 in the wide schedule): the staged 8-bit rows (padded to 8 or 16,
-/// each row 16 bytes longer than k against bank conflicts), their per-block scales and sums, 16 norm scales,
-/// then (narrow) the tile's scale words and the exchanged integer sums.
-fn q_shared(rows: usize, k: usize, wide: bool, mats: usize) -> (usize, usize) {
-    let rows_pad = if rows <= 8 { 8 } else { 16 };
-    let nb = k / 32;
-    let stage = rows_pad * (k + 16) + 2 * rows_pad * nb * 4 + 16 * 4;
-    if wide {
-        return (stage, 0);
-    }
-    let scales = mats * nb * tiles::TILE_ROWS * 4;
-    let per_block = rows_pad * QM_STRIDE * 4 * mats;
-    let chunk = nb
-        .min(QM_CHUNK_MAX)
-        .min((QM_EXCHANGE_BYTES / per_block).max(1));
-    (stage + scales + chunk * per_block, chunk)
 }
 
 /// Query heads per attention block for a launch of `rows` rows over a cache of `chunks` 64-slot chunks: one
@@ -635,6 +604,38 @@ impl CudaBackend {
     /// One launch of the `matmuls` kernel over up to three matrices that share `x` (`rows` ≤ `MAX_ROWS`, row
     /// offset `r0` into `x` and every output): `outs[m]` receives `mats[m]`'s projection; with `glu`, `mats` are
     /// the gate and up projections and their SwiGLU goes to the one output.
+    /// Whether a launch of `mats` runs the integer kernels: every matrix tiled, and gate and up of one type.
+    fn int8_launch(glu: bool, mats: &[&CudaMatrix]) -> bool {
+        mats.iter().all(|m| m.form.is_some()) && (!glu || mats[0].ty == mats[1].ty)
+    }
+
+    /// The most rows the float kernel stages for rows of `k` values (at least 1: a row that does not fit was
+    /// refused at load).
+    fn float_rows(&self, k: usize) -> usize {
+        (1..=MAX_ROWS)
+            .rev()
+            .find(|&r| staged_bytes(r, k) <= self.matmul_shared)
+            .unwrap_or(1)
+    }
+
+    /// The geometry of an integer launch of `rows` rows (per CTA) over `mats` (tiled).
+    fn q_geometry(
+        &self,
+        rows: usize,
+        k: usize,
+        wide: bool,
+        glu: bool,
+        mats: &[&CudaMatrix],
+    ) -> Option<QGeometry> {
+        let forms = mats.iter().filter_map(|m| m.form);
+        let q = QMats {
+            per_tile: if glu { 2 } else { 1 },
+            sums: forms.clone().map(|f| f.sums_per_block()).max()?,
+            scale_bytes: forms.map(|f| f.scale_bytes(k / 32)).max()?,
+        };
+        q_geometry(rows, k, wide, q, self.matmul_shared)
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn launch_matmuls(
         &self,
@@ -666,15 +667,18 @@ impl CudaBackend {
             Arg::F32(norm.map_or(0.0, |n| n.1)),
             Arg::I32(glu_i),
         ];
-        let int8 = mats.iter().all(|m| m.tiled) && (!glu || mats[0].ty == mats[1].ty);
+        let int8 = Self::int8_launch(glu, mats);
         let (f, cfg) = if int8 {
             let n_tiles: usize = if glu {
                 tiles::tiles(mats[0].rows)
             } else {
                 mats.iter().map(|m| tiles::tiles(m.rows)).sum()
             };
-            // The wide schedule's CTAs may straddle matrices, so it needs them of one type (`kernels.cu`).
-            let wide = n_tiles >= QM_WIDE_TILES && mats.iter().all(|m| m.ty == mats[0].ty);
+            // The wide schedule's CTAs may straddle matrices, so it needs them of one type (`kernels.cu`), and
+            // it stages whole rows.
+            let wide = n_tiles >= QM_WIDE_TILES
+                && mats.iter().all(|m| m.ty == mats[0].ty)
+                && self.q_geometry(rows, k, true, glu, mats).is_some();
             let (ctas, groups) = if wide {
                 (n_tiles.div_ceil(self.wide_warps), 1)
             } else {
@@ -682,9 +686,12 @@ impl CudaBackend {
             };
             // The rows one CTA takes (the kernel's own split).
             let cta_rows = rows.div_ceil(groups);
-            let (bytes, chunk) = q_shared(cta_rows, k, wide, if glu { 2 } else { 1 });
-            debug_assert!(bytes <= self.matmul_shared, "capped by `launch_rows`");
-            args.push(Arg::I32(chunk as i32));
+            let geometry = self
+                .q_geometry(cta_rows, k, wide, glu, mats)
+                .expect("capped by `launch_rows`");
+            args.push(Arg::I32(geometry.chunk as i32));
+            args.push(Arg::I32(geometry.window as i32));
+            let bytes = geometry.bytes;
             // Both narrow kernels give every (column, row) the same arithmetic: which one a launch takes by its
             // row count changes no bits (the admission crosses them: MAX_ROWS rows against one).
             let (f, warps) = if wide {
@@ -788,7 +795,11 @@ impl CudaBackend {
         outs: &mut [&mut CudaSlice<f32>],
         rope: Option<&RopeFusion>,
     ) {
-        let per_launch = mats.iter().map(|m| m.launch_rows).min().unwrap_or(1);
+        let mut per_launch = mats.iter().map(|m| m.launch_rows).min().unwrap_or(1);
+        if !Self::int8_launch(glu, mats) {
+            // Tiled matrices beside untiled ones run the float kernel, whose staging caps the rows of long ones.
+            per_launch = per_launch.min(self.float_rows(mats[0].cols));
+        }
         let mut r0 = 0;
         while r0 < rows {
             let take = (rows - r0).min(per_launch);
@@ -859,27 +870,38 @@ impl CudaBackend {
     }
 }
 
-/// `kernels.cu`'s tag for `ty`, in its tiled form when `tiled`.
-fn type_tag(ty: GgmlType, tiled: bool) -> i32 {
-    match (ty, tiled) {
-        (GgmlType::F32, _) => 0,
-        (GgmlType::F16, _) => 1,
-        (GgmlType::BF16, _) => 2,
-        (GgmlType::Q4_0, false) => 3,
-        (GgmlType::Q4_1, false) => 4,
-        (GgmlType::Q8_0, false) => 5,
-        (GgmlType::Q4K, _) => 6,
-        (GgmlType::Q5K, _) => 7,
-        (GgmlType::Q6K, _) => 8,
-        (GgmlType::Q4_0, true) => 9,
-        (GgmlType::Q4_1, true) => 10,
-        (GgmlType::Q8_0, true) => 11,
-        (GgmlType::Q5_0, _) => 14,
-        (GgmlType::Q5_1, _) => 15,
-        (GgmlType::IQ4NL, _) => 16,
-        (GgmlType::IQ4XS, _) => 17,
-        (GgmlType::Q2K, _) => 18,
-        (GgmlType::Q3K, _) => 19,
+/// `kernels.cu`'s tag for `ty` as stored (GGML blocks).
+fn type_tag(ty: GgmlType) -> i32 {
+    match ty {
+        GgmlType::F32 => 0,
+        GgmlType::F16 => 1,
+        GgmlType::BF16 => 2,
+        GgmlType::Q4_0 => 3,
+        GgmlType::Q4_1 => 4,
+        GgmlType::Q8_0 => 5,
+        GgmlType::Q4K => 6,
+        GgmlType::Q5K => 7,
+        GgmlType::Q6K => 8,
+        GgmlType::Q5_0 => 14,
+        GgmlType::Q5_1 => 15,
+        GgmlType::IQ4NL => 16,
+        GgmlType::IQ4XS => 17,
+        GgmlType::Q2K => 18,
+        GgmlType::Q3K => 19,
+    }
+}
+
+/// `kernels.cu`'s tag for a tiled form (`T_TQ*`).
+fn tiled_tag(form: tiles::Form) -> i32 {
+    match form {
+        tiles::Form::Q4_0 => 9,
+        tiles::Form::Q4_1 => 10,
+        tiles::Form::Q8_0 => 11,
+        tiles::Form::Q5_0 => 20,
+        tiles::Form::Q5_1 => 21,
+        tiles::Form::Q4K => 22,
+        tiles::Form::Q5K => 23,
+        tiles::Form::Q6K => 24,
     }
 }
 
@@ -906,12 +928,12 @@ impl Backend for CudaBackend {
     }
 
     fn load_matrix(&self, m: QMatrix) -> Result<CudaMatrix> {
-        // The bytes the kernels read: GGML blocks as stored (Q4_0/Q4_1/Q8_0 repacked into tensor-core tiles
-        // where the int8 kernels run), MLX affine re-laid into 32-value blocks.
-        let (tag, tiled, bytes) = match m.format {
+        // The bytes the kernels read: GGML blocks as stored (repacked into tensor-core tiles where the int8
+        // kernels run them), MLX affine re-laid into 32-value blocks.
+        let (tag, form, bytes) = match m.format {
             WeightFormat::Mlx(q) => {
                 let blocks = affine::to_blocks(&m).expect("an MLX affine matrix");
-                (mlx_tag(q.bits), false, Cow::Owned(blocks))
+                (mlx_tag(q.bits), None, Cow::Owned(blocks))
             }
             WeightFormat::Ggml(ty) => {
                 let block = ty.block_len().max(32);
@@ -921,39 +943,43 @@ impl Backend for CudaBackend {
                         m.name, m.cols
                     )));
                 }
-                let tiled = self.int8_tiles && tiles::tileable(ty);
-                let bytes = if tiled {
-                    Cow::Owned(tiles::tile(ty, m.rows, m.cols, m.data()))
-                } else {
-                    Cow::Borrowed(m.data())
-                };
-                (type_tag(ty, tiled), tiled, bytes)
+                match tiles::Form::of(ty).filter(|_| self.int8_tiles) {
+                    Some(form) => (
+                        tiled_tag(form),
+                        Some(form),
+                        Cow::Owned(tiles::tile(ty, m.rows, m.cols, m.data())),
+                    ),
+                    None => (type_tag(ty), None, Cow::Borrowed(m.data())),
+                }
             }
         };
         let data = self
             .stream
             .clone_htod(bytes.as_ref())
             .map_err(|e| Error::Invalid(format!("CUDA upload of {}: {e}", m.name)))?;
-        let fits = |r: usize| {
-            staged_bytes(r, m.cols) <= self.matmul_shared
-                && (!tiled
-                    || [false, true]
-                        .iter()
-                        .all(|&wide| q_shared(r, m.cols, wide, 2).0 <= self.matmul_shared))
-        };
         let mut matrix = CudaMatrix {
             ty: tag,
-            tiled,
+            form,
             rows: m.rows,
             cols: m.cols,
             data,
-            launch_rows: (1..=MAX_ROWS).rev().find(|&r| fits(r)).ok_or_else(|| {
-                Error::Unsupported(format!(
-                    "{}: rows of {} values do not fit the CUDA projection kernel's shared memory",
-                    m.name, m.cols
-                ))
-            })?,
+            launch_rows: 0,
         };
+        // The integer kernels stage long rows in windows, so only a shared memory without room for one
+        // exchange chunk caps their rows; the float kernel stages whole rows.
+        let fits = |r: usize| match form {
+            Some(_) => [false, true].iter().all(|&glu| {
+                self.q_geometry(r, m.cols, false, glu, &[&matrix, &matrix])
+                    .is_some()
+            }),
+            None => staged_bytes(r, m.cols) <= self.matmul_shared,
+        };
+        matrix.launch_rows = (1..=MAX_ROWS).rev().find(|&r| fits(r)).ok_or_else(|| {
+            Error::Unsupported(format!(
+                "{}: rows of {} values do not fit the CUDA projection kernel's shared memory",
+                m.name, m.cols
+            ))
+        })?;
         matrix.launch_rows = self.admit(&matrix);
         Ok(matrix)
     }
@@ -1162,7 +1188,7 @@ impl Backend for CudaBackend {
         // neighbouring threads.
         let n_tiles: usize = mats.iter().map(|m| tiles::tiles(m.rows)).sum();
         let fused = self.fuse_rope
-            && mats.iter().all(|m| m.tiled)
+            && mats.iter().all(|m| m.form.is_some())
             && n_tiles < QM_WIDE_TILES
             && rope.style == RopeStyle::Interleaved
             && shape.head_dim.is_multiple_of(2)
