@@ -60,6 +60,19 @@ fn gpu_matmul(be: &CudaBackend, m: &QMatrix, x: &[f32], rows: usize) -> Vec<f32>
     be.download(&out, rows * m.rows)
 }
 
+/// The formats the int8 kernels run from tensor-core tiles, with their fixture names.
+const TILED_FORMATS: &[(GgmlType, &str)] = &[
+    (GgmlType::Q4_0, "Q4_0"),
+    (GgmlType::Q4_1, "Q4_1"),
+    (GgmlType::Q8_0, "Q8_0"),
+    (GgmlType::Q5_0, "Q5_0"),
+    (GgmlType::Q5_1, "Q5_1"),
+    (GgmlType::Q4K, "Q4_K"),
+    (GgmlType::Q5K, "Q5_K"),
+    (GgmlType::Q6K, "Q6_K"),
+    (GgmlType::Q3K, "Q3_K"),
+];
+
 /// The tensor-core 8-bit projections quantize x and chain each (column, row)'s blocks exactly as the CPU
 /// backend's 8-bit kernels do, so every output is bitwise the CPU's: every tiled format (the legacy ones, the
 /// 5-bit ones, the K-quants with Q3_K as Q6_K); a ragged shape (a partial tile), one whose blocks take several
@@ -69,17 +82,7 @@ fn gpu_matmul(be: &CudaBackend, m: &QMatrix, x: &[f32], rows: usize) -> Vec<f32>
 fn cuda_int8_projections_are_bitwise_the_cpu_8_bit_kernels() {
     let (gpu, cpu) = (gpu(), backend());
     let mut seed = 7u64;
-    for (ty, name) in [
-        (GgmlType::Q4_0, "Q4_0"),
-        (GgmlType::Q4_1, "Q4_1"),
-        (GgmlType::Q8_0, "Q8_0"),
-        (GgmlType::Q5_0, "Q5_0"),
-        (GgmlType::Q5_1, "Q5_1"),
-        (GgmlType::Q4K, "Q4_K"),
-        (GgmlType::Q5K, "Q5_K"),
-        (GgmlType::Q6K, "Q6_K"),
-        (GgmlType::Q3K, "Q3_K"),
-    ] {
+    for &(ty, name) in TILED_FORMATS {
         for (n, k) in [(37, 256), (300, 2560), (16_400, 256), (40, 14_336)] {
             let m = fixture_matrix(ty, name, n, k, &mut seed);
             let cw = cpu.load_matrix(m.clone()).unwrap();
@@ -238,17 +241,7 @@ fn cuda_tiled_matrices_beside_untiled_ones_decode_their_tiles() {
         .collect();
     let float = QMatrix::ggml("f", GgmlType::F32, 24, k, Bytes::owned(bytes)).unwrap();
     let f = gpu.load_matrix(float).unwrap();
-    for (ty, name) in [
-        (GgmlType::Q4_0, "Q4_0"),
-        (GgmlType::Q4_1, "Q4_1"),
-        (GgmlType::Q8_0, "Q8_0"),
-        (GgmlType::Q5_0, "Q5_0"),
-        (GgmlType::Q5_1, "Q5_1"),
-        (GgmlType::Q4K, "Q4_K"),
-        (GgmlType::Q5K, "Q5_K"),
-        (GgmlType::Q6K, "Q6_K"),
-        (GgmlType::Q3K, "Q3_K"),
-    ] {
+    for &(ty, name) in TILED_FORMATS {
         let m = fixture_matrix(ty, name, 40, k, &mut seed);
         let (cw, w) = (
             cpu.load_matrix(m.clone()).unwrap(),
