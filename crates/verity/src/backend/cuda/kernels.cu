@@ -12,38 +12,10 @@ typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 
-// GGML block types (the values of verity's `GgmlType` tags passed from the host).
-#define T_F32 0
-#define T_F16 1
-#define T_BF16 2
-#define T_Q4_0 3
-#define T_Q4_1 4
-#define T_Q8_0 5
-#define T_Q4_K 6
-#define T_Q5_K 7
-#define T_Q6_K 8
-// Q4_0, Q4_1 and Q8_0 repacked at upload into tensor-core tiles (see `qmatmuls_narrow`).
-#define T_TQ4_0 9
-#define T_TQ4_1 10
-#define T_TQ8_0 11
-// MLX affine, re-laid at upload into 32-value blocks [scale f32][bias f32][quants] (`affine.rs`).
-#define T_AFF4 12
-#define T_AFF8 13
-// GGML 5-bit blocks (decoded on the float path; no tiled form).
-#define T_Q5_0 14
-#define T_Q5_1 15
-// The non-linear 4-bit grid formats: IQ4_NL (32-value blocks), IQ4_XS (256-value super-blocks).
-#define T_IQ4_NL 16
-#define T_IQ4_XS 17
-// The 2- and 3-bit K-quants (256-value super-blocks of 16-value sub-blocks; decoded on the float path).
-#define T_Q2_K 18
-#define T_Q3_K 19
-// Q5_0, Q5_1 and the K-quants (Q3_K as Q6_K) in tensor-core tiles (`tiles.rs`).
-#define T_TQ5_0 20
-#define T_TQ5_1 21
-#define T_TQ4_K 22
-#define T_TQ5_K 23
-#define T_TQ6_K 24
+// The weight type tags (`T_F32`, `T_Q4_K`, `T_TQ4_K`, ...) are defined ahead of this source by the host, from
+// its one table (`types.rs`): GGML blocks as stored (`T_<type>`), repacked into tensor-core tiles (`T_TQ<type>`,
+// `tiles.rs`), MLX affine re-laid into 32-value blocks [scale f32][bias f32][quants] (`T_AFF4`, `T_AFF8`,
+// `affine.rs`).
 
 // IQ4_NL's and IQ4_XS's 16 levels (ggml `kvalues_iq4nl`).
 __device__ __constant__ signed char IQ4_GRID[16] = {-127, -104, -83, -65, -49, -35, -22, -10,

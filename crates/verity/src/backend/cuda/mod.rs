@@ -59,6 +59,7 @@ mod ptx_cache;
 mod recorded;
 mod rope;
 pub mod tiles;
+mod types;
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -80,10 +81,21 @@ use rope::{RopeKey, RopeTable};
 use crate::backend::RopeStyle;
 use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
 use crate::error::{Error, Result};
-use crate::quant::{GgmlType, QMatrix, WeightFormat};
+use crate::quant::{QMatrix, WeightFormat};
 use geometry::{q_geometry, staged_bytes, QGeometry, QMats, ROWS_PER_GROUP};
+use types::Tag;
 
-const SOURCE: &str = include_str!("kernels.cu");
+/// The source's path from the repository root, where a profiler run there finds it (`-lineinfo`).
+const SOURCE_PATH: &str = "crates/verity/src/backend/cuda/kernels.cu";
+
+/// `kernels.cu` behind the type tags' definitions (`types.rs`), its lines numbered as in the file.
+fn source() -> String {
+    format!(
+        "{}#line 1 \"{SOURCE_PATH}\"\n{}",
+        types::defines(),
+        include_str!("kernels.cu")
+    )
+}
 /// Rows per projection launch (longer batches run in chunks), and per attention launch.
 const MAX_ROWS: usize = 16;
 /// The float projection kernel's warps per block (`kernels.cu`'s `matmuls`); what every projection kernel keeps
@@ -370,15 +382,15 @@ fn load_kernels(
     let err = |what: &str, e: &dyn std::fmt::Display| Error::Invalid(format!("CUDA {what}: {e}"));
     let nvrtc = nvrtc_version();
     let joined = options.join(" ");
-    let key = ptx_cache::key(&[SOURCE, arch, &joined, &nvrtc, env!("CARGO_PKG_VERSION")]);
+    let source = source();
+    let key = ptx_cache::key(&[&source, arch, &joined, &nvrtc, env!("CARGO_PKG_VERSION")]);
     let compile = || {
         compile_ptx_with_opts(
-            SOURCE,
+            &source,
             CompileOptions {
                 arch: Some(arch),
                 options: options.clone(),
-                // The source's path from the repository root, where a profiler run there finds it (`-lineinfo`).
-                name: Some("crates/verity/src/backend/cuda/kernels.cu".into()),
+                name: Some(SOURCE_PATH.into()),
                 ..Default::default()
             },
         )
@@ -461,7 +473,7 @@ impl CudaBackend {
         let kernels_numerics = format!(
             "{arch} {} kernels {:016x} options [{}]",
             nvrtc_version(),
-            ptx_cache::key(&[SOURCE]),
+            ptx_cache::key(&[&source()]),
             bit_options.join(" ")
         );
         let module = load_kernels(&ctx, arch, options)?;
@@ -870,50 +882,6 @@ impl CudaBackend {
     }
 }
 
-/// `kernels.cu`'s tag for `ty` as stored (GGML blocks).
-fn type_tag(ty: GgmlType) -> i32 {
-    match ty {
-        GgmlType::F32 => 0,
-        GgmlType::F16 => 1,
-        GgmlType::BF16 => 2,
-        GgmlType::Q4_0 => 3,
-        GgmlType::Q4_1 => 4,
-        GgmlType::Q8_0 => 5,
-        GgmlType::Q4K => 6,
-        GgmlType::Q5K => 7,
-        GgmlType::Q6K => 8,
-        GgmlType::Q5_0 => 14,
-        GgmlType::Q5_1 => 15,
-        GgmlType::IQ4NL => 16,
-        GgmlType::IQ4XS => 17,
-        GgmlType::Q2K => 18,
-        GgmlType::Q3K => 19,
-    }
-}
-
-/// `kernels.cu`'s tag for a tiled form (`T_TQ*`).
-fn tiled_tag(form: tiles::Form) -> i32 {
-    match form {
-        tiles::Form::Q4_0 => 9,
-        tiles::Form::Q4_1 => 10,
-        tiles::Form::Q8_0 => 11,
-        tiles::Form::Q5_0 => 20,
-        tiles::Form::Q5_1 => 21,
-        tiles::Form::Q4K => 22,
-        tiles::Form::Q5K => 23,
-        tiles::Form::Q6K => 24,
-    }
-}
-
-/// `kernels.cu`'s tag for an MLX affine matrix of `bits` (re-laid into `affine.rs`'s blocks).
-fn mlx_tag(bits: u32) -> i32 {
-    if bits == 4 {
-        12
-    } else {
-        13
-    }
-}
-
 impl Backend for CudaBackend {
     type Buffer = CudaSlice<f32>;
     type Matrix = CudaMatrix;
@@ -933,7 +901,15 @@ impl Backend for CudaBackend {
         let (tag, form, bytes) = match m.format {
             WeightFormat::Mlx(q) => {
                 let blocks = affine::to_blocks(&m).expect("an MLX affine matrix");
-                (mlx_tag(q.bits), None, Cow::Owned(blocks))
+                (
+                    if q.bits == 4 {
+                        Tag::Affine4
+                    } else {
+                        Tag::Affine8
+                    },
+                    None,
+                    Cow::Owned(blocks),
+                )
             }
             WeightFormat::Ggml(ty) => {
                 let block = ty.block_len().max(32);
@@ -945,11 +921,11 @@ impl Backend for CudaBackend {
                 }
                 match tiles::Form::of(ty).filter(|_| self.int8_tiles) {
                     Some(form) => (
-                        tiled_tag(form),
+                        Tag::Tiled(form),
                         Some(form),
                         Cow::Owned(tiles::tile(ty, m.rows, m.cols, m.data())),
                     ),
-                    None => (type_tag(ty), None, Cow::Borrowed(m.data())),
+                    None => (Tag::Ggml(ty), None, Cow::Borrowed(m.data())),
                 }
             }
         };
@@ -958,7 +934,7 @@ impl Backend for CudaBackend {
             .clone_htod(bytes.as_ref())
             .map_err(|e| Error::Invalid(format!("CUDA upload of {}: {e}", m.name)))?;
         let mut matrix = CudaMatrix {
-            ty: tag,
+            ty: tag.value(),
             form,
             rows: m.rows,
             cols: m.cols,
@@ -1477,7 +1453,7 @@ impl Drop for CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::{att_heads, nvrtc_options, row_groups, CudaBackend, CudaOptions, SOURCE};
+    use super::{att_heads, nvrtc_options, row_groups, source, CudaBackend, CudaOptions};
 
     /// `kernels.cu` compiles, as the backend compiles it, for the tensor-core architectures (sm_80: int8 MMA;
     /// sm_90: also programmatic dependent launch). Needs only NVRTC, no GPU: CI installs NVIDIA's NVRTC wheel
@@ -1499,7 +1475,7 @@ mod tests {
                 options: nvrtc_options(&CudaOptions::default()),
                 ..Default::default()
             };
-            if let Err(e) = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, options) {
+            if let Err(e) = cudarc::nvrtc::compile_ptx_with_opts(source(), options) {
                 panic!("kernels.cu does not compile for {arch}: {e}");
             }
         }
