@@ -1,18 +1,20 @@
 //! The CUDA backend (feature `cuda`): CUDA C kernels (`kernels.cu`) compiled by NVRTC at load for the card's
 //! architecture, launched through the driver loaded at run time — so the build needs no CUDA toolkit, and a
-//! machine without a GPU gets a clear error instead of a link failure. The compiled PTX is kept in the cache
+//! machine without a GPU gets a clear error instead of a link failure (`module.rs`). The compiled PTX is kept in the cache
 //! folder (`ptx_cache.rs`): NVRTC takes tens of seconds for `kernels.cu`, paid once per source, options and
 //! toolkit instead of at every start.
 //!
-//! Projections, two kernels:
-//! - Q4_0, Q4_1 and Q8_0 on sm_80+ (`qmatmuls_narrow`, `qmatmuls_wide`): weights repacked at upload into
-//!   tensor-core tiles (`tiles.rs`), x quantized to 8 bits per 32-value block, each block's integer dot product
-//!   from an int8 MMA, then per (column, row) the blocks accumulated in index order — operation for operation
-//!   the CPU backend's 8-bit contract, so a row's result is bitwise the CPU's, and one MMA serves 8 rows, so a
-//!   W-row verify costs little more than a one-row step.
-//! - every other format (F32, F16, BF16, the K-quants; and groups mixing kinds) (`matmuls`): f32 activations
-//!   staged in shared memory, a warp per output column whose lanes decode each weight block once and apply it
-//!   to every staged row, each row's sums in a fixed order.
+//! Projections (`projections.rs`), two kernels:
+//! - the GGML block formats with integer kernels on sm_80+ (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and
+//!   Q3_K as Q6_K; `qmatmuls_narrow`, `qmatmuls_wide`): weights repacked at upload into tensor-core tiles
+//!   (`tiles.rs`), x quantized to 8 bits per 32-value block, each block's integer dot product from an int8 MMA
+//!   (Q6_K: one per 16-value half), then per (column, row) the blocks accumulated in index order — operation
+//!   for operation the CPU backend's 8-bit contract, so a row's result is bitwise the CPU's, and one MMA serves
+//!   8 rows, so a W-row verify costs little more than a one-row step. Rows too long for the shared memory are
+//!   staged in windows (`geometry.rs`), so any row length runs.
+//! - every other format (F32, F16, BF16, Q2_K, the IQ4 grids, MLX affine; and launches mixing tiled and untiled
+//!   matrices) (`matmuls`): f32 activations staged in shared memory, a warp per output column whose lanes
+//!   decode each weight block once and apply it to every staged row, each row's sums in a fixed order.
 //!
 //! Row-exactness: in both kernels a row's arithmetic never depends on the rows beside it; a fused RMS norm
 //! computes each row exactly as the `rms_norm` kernel does; attention, RoPE and norms are per row, with every
@@ -36,7 +38,7 @@
 //! knockouts (`-DKO_STAGE`, `-DKO_ATT`, `-DKO_CHAIN`) chiefly the staging of x into the projections and
 //! attention, then the per-(column, row) chains.
 //!
-//! Attention is split over 64-slot chunks (a block per chunk of the cache's capacity, of which as many work as
+//! Attention (`attention.rs`) is split over 64-slot chunks (a block per chunk of the cache's capacity, of which as many work as
 //! the step's context has chunks; fewer blocks, each taking chunks in turn, where a wave would not hold them)
 //! and combined in chunk order by the block that finishes last, so its parallelism grows with the context while
 //! every sum keeps a fixed order. Its first chunk of committed K/V is loaded before it waits for the Q/K/V
@@ -47,31 +49,30 @@
 //! MLX-affine weights are re-laid at upload into 32-value blocks with f32 scale and bias (`affine.rs`) and run
 //! the f32-activation kernel, decoding bitwise as the CPU does.
 //!
-//! Not yet: a tiled GEMM for long prefills (they run 16 rows per launch), integer kernels for the K-quants and
-//! MLX affine (they run the f32-activation kernel), a persistent per-layer kernel. The `Backend` operations
-//! cannot fail, so a device error after load panics with the driver's message.
+//! Not yet: a tiled GEMM for long prefills (they run 16 rows per launch), integer kernels for F16/BF16, the IQ4
+//! grids, Q2_K and MLX affine (they run the f32-activation kernel), a persistent per-layer kernel. The
+//! `Backend` operations cannot fail, so a device error after load panics with the driver's message.
 
 pub mod affine;
+mod attention;
 mod geometry;
 mod launch;
+mod module;
 mod options;
+mod projections;
 mod ptx_cache;
 mod recorded;
 mod rope;
 pub mod tiles;
 mod types;
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{
     CUdevice_attribute, CUfunction_attribute, CUgraphInstantiate_flags, CUstreamCaptureMode,
 };
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, LaunchConfig,
-};
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, LaunchConfig};
 
 use launch::{addr, Arg};
 pub use options::CudaOptions;
@@ -81,21 +82,10 @@ use rope::{RopeKey, RopeTable};
 use crate::backend::RopeStyle;
 use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
 use crate::error::{Error, Result};
-use crate::quant::{QMatrix, WeightFormat};
-use geometry::{q_geometry, staged_bytes, QGeometry, QMats, ROWS_PER_GROUP};
-use types::Tag;
+use crate::quant::QMatrix;
+use module::{nvrtc_options, nvrtc_version, source, Kernels};
+use projections::RopeFusion;
 
-/// The source's path from the repository root, where a profiler run there finds it (`-lineinfo`).
-const SOURCE_PATH: &str = "crates/verity/src/backend/cuda/kernels.cu";
-
-/// `kernels.cu` behind the type tags' definitions (`types.rs`), its lines numbered as in the file.
-fn source() -> String {
-    format!(
-        "{}#line 1 \"{SOURCE_PATH}\"\n{}",
-        types::defines(),
-        include_str!("kernels.cu")
-    )
-}
 /// Rows per projection launch (longer batches run in chunks), and per attention launch.
 const MAX_ROWS: usize = 16;
 /// The float projection kernel's warps per block (`kernels.cu`'s `matmuls`); what every projection kernel keeps
@@ -163,32 +153,6 @@ pub struct CudaStep {
     mask_at: usize,
     host: Vec<u8>,
     dev: CudaSlice<u8>,
-}
-
-struct Kernels {
-    matmuls: CudaFunction,
-    qmatmuls_narrow: CudaFunction,
-    qmatmuls_narrow_rows: CudaFunction,
-    qmatmuls_wide: CudaFunction,
-    embed: CudaFunction,
-    rms_norm: CudaFunction,
-    rope_and_cache: CudaFunction,
-    /// Attention for blocks of 1 ..= ATT_HEADS query heads (index: heads - 1), without and with the early load.
-    attention: Vec<CudaFunction>,
-    attention_ahead: Vec<CudaFunction>,
-    add_bias: CudaFunction,
-    argmax_rows: CudaFunction,
-    draft_token: CudaFunction,
-}
-
-/// RoPE and the cache write fused into a Q/K/V launch of the integer kernel (`kernels.cu`'s `RopeFusion`).
-struct RopeFusion<'a> {
-    /// The step's `(cos, sin)` table (`CudaStep::rope_table`).
-    table: i32,
-    head_dim: usize,
-    k_cache: &'a CudaSlice<f32>,
-    v_cache: &'a CudaSlice<f32>,
-    step: &'a CudaStep,
 }
 
 /// The graphs are only touched under the backend's mutex, from one thread at a time.
@@ -279,141 +243,6 @@ fn dev<T>(what: &str, r: std::result::Result<T, cudarc::driver::DriverError>) ->
     r.unwrap_or_else(|e| panic!("CUDA {what}: {e}"))
 }
 
-/// Query heads per attention block for a launch of `rows` rows over a cache of `chunks` 64-slot chunks: one
-/// while a block per (row, head, chunk) leaves no SM more than two (`sms`), else the largest divisor of the GQA
-/// group (query heads per KV head) up to ATT_HEADS; `forced` (up to ATT_HEADS) replaces the rule. A block of
-/// several heads loads each K and V value once for all of them (fewer blocks, a chunk read once per KV head),
-/// but its own chain is longer, which costs where the blocks per head fit the GPU anyway: with SmolLM2's groups
-/// of 3, a block per group is faster from 4 rows over a short context and from 2 over a long one, a block per
-/// head at 1-2 rows over a short one, and a one-chunk context does not care. The rule counts the capacity's
-/// chunks (a recorded launch serves every context the cache holds), up to twice the context's: hence two per
-/// SM, which picks the faster count, or one within noise of it, at every width and context measured, and
-/// makes MTP's verify faster than one per SM does (measured: BENCHMARKS.md, "Verify cost by width"). Every
-/// query's arithmetic is the same at any count (the same bits: `rowexact` under each), so the count may follow
-/// the rows.
-fn att_heads(
-    n_heads: usize,
-    n_kv_heads: usize,
-    rows: usize,
-    chunks: usize,
-    sms: usize,
-    forced: Option<usize>,
-) -> usize {
-    let group = n_heads / n_kv_heads.max(1);
-    let most = match forced {
-        Some(f) => f.clamp(1, ATT_HEADS),
-        None if rows * n_heads * chunks <= 2 * sms => 1,
-        None => ATT_HEADS,
-    };
-    (1..=most.min(group))
-        .rev()
-        .find(|h| group.is_multiple_of(*h))
-        .unwrap_or(1)
-}
-
-/// Row groups of a narrow projection launch of `tiles` CTAs and `rows` rows of `k` values (`threads` per
-/// many-row CTA, `sms` on the device), each group's rows a launch of their own (`kernels.cu`'s
-/// `qmatmuls_body`). Past 8 rows, where one CTA would pad its rows to 16 (two MMA n-tiles, twice the exchange),
-/// as many groups as leave no CTA waiting for an SM, which is faster at 16 rows. At 8 rows or fewer (unless
-/// `split_rows` is false), two groups where both CTAs of a tile fit the SMs together, each group keeps the
-/// many-row kernel and stages its rows in one pass of four threads per block (shorter staging and chains per
-/// CTA), and the launch is not a Q/K/V projection with RoPE fused (attention's blocks start while it runs,
-/// loading their first chunk, on the SMs it leaves free). Splitting o and down at 7-8 rows makes 8-row verifies
-/// faster and one-row steps no slower; splitting the Q/K/V launch too, or groups of three rows (at 5-6 rows, in
-/// the few-row kernel), is slower (measured: BENCHMARKS.md, "Verify cost by width"). No bits depend on it: a
-/// (column, row)'s arithmetic is the same in any group (`rowexact`, the admission).
-fn row_groups(
-    tiles: usize,
-    rows: usize,
-    k: usize,
-    rope: bool,
-    sms: usize,
-    threads: usize,
-    split_rows: bool,
-) -> usize {
-    let half = rows.div_ceil(2);
-    let split = split_rows
-        && half >= NARROW_ROWS_FROM
-        && half * (k / 32) * 4 <= threads
-        && 2 * tiles <= sms
-        && !rope;
-    let want = if rows > 8 {
-        sms / tiles.max(1)
-    } else if split {
-        2
-    } else {
-        1
-    };
-    nonempty_groups(rows, want)
-}
-
-/// The groups a launch of `rows` rows in `want` groups has: the kernel gives each group ceil(rows / groups) rows,
-/// so as many as that leaves non-empty.
-fn nonempty_groups(rows: usize, want: usize) -> usize {
-    let per = rows.div_ceil(want.clamp(1, rows.max(1)));
-    rows.div_ceil(per)
-}
-
-/// The NVRTC options `opts` compile the kernels with: its extra ones, then the CTA warp counts.
-fn nvrtc_options(opts: &CudaOptions) -> Vec<String> {
-    let mut options = opts.nvrtc.clone();
-    options.push(format!("-DQM_WARPS={}", opts.wide_warps));
-    options.push(format!("-DNQ_WARPS={}", opts.narrow_warps[0]));
-    options.push(format!("-DNQ_WARPS_ROWS={}", opts.narrow_warps[1]));
-    options
-}
-
-/// NVRTC's version, as `nvrtc MAJOR.MINOR`.
-fn nvrtc_version() -> String {
-    let (mut major, mut minor) = (0, 0);
-    // SAFETY: NVRTC is loaded (checked before any backend is made) and writes two ints.
-    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
-    format!("nvrtc {major}.{minor}")
-}
-
-/// The kernels compiled for `arch` with `options` and loaded: the PTX comes from verity's cache folder when an
-/// earlier run compiled the same source the same way (`ptx_cache`), else from NVRTC. A cached PTX the driver
-/// refuses (a driver older than the one that ran before, say) is compiled afresh and replaced.
-fn load_kernels(
-    ctx: &Arc<CudaContext>,
-    arch: &'static str,
-    options: Vec<String>,
-) -> Result<Arc<CudaModule>> {
-    let err = |what: &str, e: &dyn std::fmt::Display| Error::Invalid(format!("CUDA {what}: {e}"));
-    let nvrtc = nvrtc_version();
-    let joined = options.join(" ");
-    let source = source();
-    let key = ptx_cache::key(&[&source, arch, &joined, &nvrtc, env!("CARGO_PKG_VERSION")]);
-    let compile = || {
-        compile_ptx_with_opts(
-            &source,
-            CompileOptions {
-                arch: Some(arch),
-                options: options.clone(),
-                name: Some(SOURCE_PATH.into()),
-                ..Default::default()
-            },
-        )
-        .map(|ptx| ptx.to_src())
-        .map_err(|e| err("kernel compilation", &e))
-    };
-    let dir = crate::storage::cache_dir().ok();
-    let (ptx, cached) = ptx_cache::get_or_compile(dir.as_deref(), key, compile)?;
-    match ctx.load_module(Ptx::from_src(ptx)) {
-        Ok(module) => Ok(module),
-        Err(e) if cached => {
-            tracing::warn!("the cached CUDA kernels did not load ({e}); compiling them again");
-            let ptx = compile()?;
-            if let Some(d) = &dir {
-                let _ = ptx_cache::write(&ptx_cache::path(d, key), &ptx);
-            }
-            ctx.load_module(Ptx::from_src(ptx))
-                .map_err(|e| err("module", &e))
-        }
-        Err(e) => Err(err("module", &e)),
-    }
-}
-
 fn grid(n: usize, block: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: ((n as u32).div_ceil(block).max(1), 1, 1),
@@ -476,26 +305,7 @@ impl CudaBackend {
             ptx_cache::key(&[&source()]),
             bit_options.join(" ")
         );
-        let module = load_kernels(&ctx, arch, options)?;
-        let f = |n: &str| module.load_function(n).map_err(|e| err(n, &e));
-        let k = Kernels {
-            matmuls: f("matmuls")?,
-            qmatmuls_narrow: f("qmatmuls_narrow")?,
-            qmatmuls_narrow_rows: f("qmatmuls_narrow_rows")?,
-            qmatmuls_wide: f("qmatmuls_wide")?,
-            embed: f("embed")?,
-            rms_norm: f("rms_norm")?,
-            rope_and_cache: f("rope_and_cache")?,
-            attention: (1..=ATT_HEADS)
-                .map(|h| f(&format!("attention_{h}")))
-                .collect::<Result<_>>()?,
-            attention_ahead: (1..=ATT_HEADS)
-                .map(|h| f(&format!("attention_ahead_{h}")))
-                .collect::<Result<_>>()?,
-            add_bias: f("add_bias")?,
-            argmax_rows: f("argmax_rows")?,
-            draft_token: f("draft_token")?,
-        };
+        let k = Kernels::load(&ctx, arch, options)?;
         let optin = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(|e| err("device", &e))? as usize;
@@ -562,42 +372,6 @@ impl CudaBackend {
         })
     }
 
-    /// Attention blocks per (row, head) for a launch of `row_heads` (row, head) pairs over a cache of
-    /// `capacity` slots: a block per 64-slot chunk of the capacity, so that no block takes two chunks in turn
-    /// (the kernel puts only as many blocks to work as the step's context has chunks; the others return at
-    /// once), capped where 4 blocks per SM would not hold the grid (at ATT_SPLIT, or more where a wave allows)
-    /// and at ATT_SPLIT_MAX. Against the row-count-only rule (the branch with `att_split_by_context` off), each
-    /// with its own early-load limit (4 blocks per SM here, 2 there), this one is faster at 4-8 rows over a
-    /// 256-slot context and at 2-4 over a 1024-slot one, within noise elsewhere; its one loss is 16 rows over a
-    /// one-chunk context (measured: BENCHMARKS.md, "Verify cost by width"). No bits depend on it: every chunk's
-    /// record is the same whichever block computes it, and the combine reads them in chunk order.
-    fn att_split(&self, row_heads: usize, capacity: usize) -> usize {
-        if let Some(forced) = self.att_split {
-            return forced;
-        }
-        if !self.att_split_by_context {
-            return if ATT_SPLIT * row_heads < self.sms {
-                (2 * self.sms / row_heads).clamp(ATT_SPLIT, ATT_SPLIT_MAX)
-            } else {
-                ATT_SPLIT
-            };
-        }
-        let wave = ATT_RESIDENT_PER_SM * self.sms / row_heads.max(1);
-        capacity
-            .div_ceil(ATT_CHUNK)
-            .clamp(1, wave.clamp(ATT_SPLIT, ATT_SPLIT_MAX))
-    }
-
-    /// Row groups of a narrow projection launch (see [`row_groups`]), or the count `VERITY_CUDA_ROW_GROUPS`
-    /// forces.
-    fn row_groups(&self, tiles: usize, rows: usize, k: usize, rope: bool) -> usize {
-        let threads = self.narrow_warps[1] * 32;
-        match self.row_groups {
-            Some(forced) => nonempty_groups(rows, forced),
-            None => row_groups(tiles, rows, k, rope, self.sms, threads, self.split_rows),
-        }
-    }
-
     /// Launch `f` (with programmatic dependent launch where the device has it); a driver error panics.
     ///
     /// # Safety
@@ -611,274 +385,6 @@ impl CudaBackend {
 
     fn at<T>(&self, s: &CudaSlice<T>, at: usize) -> Arg {
         addr(&self.stream, s, at)
-    }
-
-    /// One launch of the `matmuls` kernel over up to three matrices that share `x` (`rows` ≤ `MAX_ROWS`, row
-    /// offset `r0` into `x` and every output): `outs[m]` receives `mats[m]`'s projection; with `glu`, `mats` are
-    /// the gate and up projections and their SwiGLU goes to the one output.
-    /// Whether a launch of `mats` runs the integer kernels: every matrix tiled, and gate and up of one type.
-    fn int8_launch(glu: bool, mats: &[&CudaMatrix]) -> bool {
-        mats.iter().all(|m| m.form.is_some()) && (!glu || mats[0].ty == mats[1].ty)
-    }
-
-    /// The most rows the float kernel stages for rows of `k` values (at least 1: a row that does not fit was
-    /// refused at load).
-    fn float_rows(&self, k: usize) -> usize {
-        (1..=MAX_ROWS)
-            .rev()
-            .find(|&r| staged_bytes(r, k) <= self.matmul_shared)
-            .unwrap_or(1)
-    }
-
-    /// The geometry of an integer launch of `rows` rows (per CTA) over `mats` (tiled).
-    fn q_geometry(
-        &self,
-        rows: usize,
-        k: usize,
-        wide: bool,
-        glu: bool,
-        mats: &[&CudaMatrix],
-    ) -> Option<QGeometry> {
-        let forms = mats.iter().filter_map(|m| m.form);
-        let q = QMats {
-            per_tile: if glu { 2 } else { 1 },
-            sums: forms.clone().map(|f| f.sums_per_block()).max()?,
-            scale_bytes: forms.map(|f| f.scale_bytes(k / 32)).max()?,
-        };
-        q_geometry(rows, k, wide, q, self.matmul_shared)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn launch_matmuls(
-        &self,
-        x: &CudaSlice<f32>,
-        norm: Option<(&CudaSlice<f32>, f32)>,
-        r0: usize,
-        rows: usize,
-        accumulate: bool,
-        glu: bool,
-        mats: &[&CudaMatrix],
-        outs: &mut [&mut CudaSlice<f32>],
-        rope: Option<&RopeFusion>,
-    ) {
-        debug_assert!((1..=3).contains(&mats.len()) && rows <= MAX_ROWS);
-        debug_assert!(mats.iter().all(|m| rows <= m.launch_rows));
-        debug_assert_eq!(outs.len(), if glu { 1 } else { mats.len() });
-        let k = mats[0].cols;
-        assert!(
-            mats.iter().all(|w| w.cols == k),
-            "projections of one input must share its width"
-        );
-        let (acc, glu_i) = (i32::from(accumulate), i32::from(glu));
-        let mut args = vec![
-            self.at(x, r0 * k),
-            Arg::I32(k as i32),
-            Arg::I32(rows as i32),
-            Arg::I32(acc),
-            norm.map_or(Arg::Ptr(0), |(w, _)| self.at(w, 0)),
-            Arg::F32(norm.map_or(0.0, |n| n.1)),
-            Arg::I32(glu_i),
-        ];
-        let int8 = Self::int8_launch(glu, mats);
-        let (f, cfg) = if int8 {
-            let n_tiles: usize = if glu {
-                tiles::tiles(mats[0].rows)
-            } else {
-                mats.iter().map(|m| tiles::tiles(m.rows)).sum()
-            };
-            // The wide schedule's CTAs may straddle matrices, so it needs them of one type (`kernels.cu`), and
-            // it stages whole rows.
-            let wide = n_tiles >= QM_WIDE_TILES
-                && mats.iter().all(|m| m.ty == mats[0].ty)
-                && self.q_geometry(rows, k, true, glu, mats).is_some();
-            let (ctas, groups) = if wide {
-                (n_tiles.div_ceil(self.wide_warps), 1)
-            } else {
-                (n_tiles, self.row_groups(n_tiles, rows, k, rope.is_some()))
-            };
-            // The rows one CTA takes (the kernel's own split).
-            let cta_rows = rows.div_ceil(groups);
-            let geometry = self
-                .q_geometry(cta_rows, k, wide, glu, mats)
-                .expect("capped by `launch_rows`");
-            args.push(Arg::I32(geometry.chunk as i32));
-            args.push(Arg::I32(geometry.window as i32));
-            let bytes = geometry.bytes;
-            // Both narrow kernels give every (column, row) the same arithmetic: which one a launch takes by its
-            // row count changes no bits (the admission crosses them: MAX_ROWS rows against one).
-            let (f, warps) = if wide {
-                (&self.k.qmatmuls_wide, self.wide_warps)
-            } else if cta_rows >= NARROW_ROWS_FROM {
-                (&self.k.qmatmuls_narrow_rows, self.narrow_warps[1])
-            } else {
-                (&self.k.qmatmuls_narrow, self.narrow_warps[0])
-            };
-            let cfg = LaunchConfig {
-                grid_dim: (ctas as u32, groups as u32, 1),
-                block_dim: ((warps * 32) as u32, 1, 1),
-                shared_mem_bytes: bytes as u32,
-            };
-            (f, cfg)
-        } else {
-            let cols: usize = if glu {
-                mats[0].rows
-            } else {
-                mats.iter().map(|w| w.rows).sum()
-            };
-            let cols_per_warp = if cols >= WIDE_COLUMNS { 4 } else { 1 };
-            let staged = staged_bytes(rows, k);
-            debug_assert!(staged <= self.matmul_shared, "capped by `launch_rows`");
-            args.push(Arg::I32(cols_per_warp as i32));
-            let cfg = LaunchConfig {
-                grid_dim: (
-                    cols.div_ceil(MM_WARPS * cols_per_warp) as u32,
-                    rows.div_ceil(ROWS_PER_GROUP) as u32,
-                    1,
-                ),
-                block_dim: ((MM_WARPS * 32) as u32, 1, 1),
-                shared_mem_bytes: staged as u32,
-            };
-            (&self.k.matmuls, cfg)
-        };
-        // Unused matrix slots repeat the first matrix with zero columns and no output.
-        let mut outs = outs.iter_mut();
-        for m in 0..3 {
-            match mats.get(m) {
-                Some(w) => {
-                    let n = if glu { mats[0].rows } else { w.rows };
-                    let out = if glu && m > 0 { None } else { outs.next() };
-                    args.extend([
-                        self.at(&w.data, 0),
-                        Arg::I32(w.ty),
-                        Arg::I32(w.rows as i32),
-                        out.map_or(Arg::Ptr(0), |o| self.at(o, r0 * n)),
-                    ]);
-                }
-                None => args.extend([
-                    self.at(&mats[0].data, 0),
-                    Arg::I32(mats[0].ty),
-                    Arg::I32(0),
-                    Arg::Ptr(0),
-                ]),
-            }
-        }
-        if int8 {
-            match rope {
-                Some(r) => args.extend([
-                    Arg::I32(r.table),
-                    Arg::I32(r.head_dim as i32),
-                    self.at(r.k_cache, 0),
-                    self.at(r.v_cache, 0),
-                    self.at(&r.step.dev, 0),
-                    Arg::I32(r.step.cap as i32),
-                    Arg::I32(r0 as i32),
-                ]),
-                None => args.extend([
-                    Arg::I32(0),
-                    Arg::I32(0),
-                    Arg::Ptr(0),
-                    Arg::Ptr(0),
-                    Arg::Ptr(0),
-                    Arg::I32(0),
-                    Arg::I32(0),
-                ]),
-            }
-            args.push(Arg::I32(i32::from(self.eight_lanes)));
-        } else {
-            assert!(rope.is_none(), "RoPE fuses only into the integer kernel");
-        }
-        // SAFETY: the arguments follow the kernel's signature (null pointers for an absent norm, unused outputs
-        // and an absent RoPE fusion, which the kernel never touches); x holds rows × k values from r0, the norm
-        // weight k, each output rows × its columns from r0, a fused RoPE's caches room for the step's slots; the
-        // grid covers every column (tile) and row group once, and the staged rows fit the dynamic shared memory
-        // asked for.
-        unsafe { self.go("matmul", f, cfg, &args) };
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn matmuls_chunked(
-        &self,
-        x: &CudaSlice<f32>,
-        norm: Option<(&CudaSlice<f32>, f32)>,
-        rows: usize,
-        accumulate: bool,
-        glu: bool,
-        mats: &[&CudaMatrix],
-        outs: &mut [&mut CudaSlice<f32>],
-        rope: Option<&RopeFusion>,
-    ) {
-        let mut per_launch = mats.iter().map(|m| m.launch_rows).min().unwrap_or(1);
-        if !Self::int8_launch(glu, mats) {
-            // Tiled matrices beside untiled ones run the float kernel, whose staging caps the rows of long ones.
-            per_launch = per_launch.min(self.float_rows(mats[0].cols));
-        }
-        let mut r0 = 0;
-        while r0 < rows {
-            let take = (rows - r0).min(per_launch);
-            self.launch_matmuls(x, norm, r0, take, accumulate, glu, mats, outs, rope);
-            r0 += take;
-        }
-    }
-
-    /// Weight shapes checked so far, and how many of them failed the admission check (their verifies run one
-    /// row per launch).
-    pub fn admission(&self) -> (usize, usize) {
-        let a = lock(&self.admitted);
-        (a.len(), a.values().filter(|&&r| r < MAX_ROWS).count())
-    }
-
-    /// The admission check of the W-row projection kernel for `m`'s shape, on `m`'s own weights: widths 16 (two
-    /// row groups), 5, 3 and 2 (each row-count variant; those above `m.launch_rows`, which the shared memory
-    /// allows, are skipped) against the one-row kernel on pseudo-random rows, bitwise. Returns the rows one
-    /// launch may take: `m.launch_rows` if admitted, else 1.
-    fn admit(&self, m: &CudaMatrix) -> usize {
-        let key = (m.ty, m.rows, m.cols);
-        if let Some(&rows) = lock(&self.admitted).get(&key) {
-            return rows;
-        }
-        if self.knockout {
-            return m.launch_rows;
-        }
-        let (k, n) = (m.cols, m.rows);
-        let mut seed = 0x9e37_79b9u32;
-        let x: Vec<f32> = (0..MAX_ROWS * k)
-            .map(|_| {
-                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                (seed >> 8) as f32 / (1u32 << 23) as f32 - 1.0
-            })
-            .collect();
-        let x = self.upload(&x);
-        let mut one = self.buffer(MAX_ROWS * n);
-        for r in 0..MAX_ROWS {
-            self.launch_matmuls(&x, None, r, 1, false, false, &[m], &mut [&mut one], None);
-        }
-        let one = self.download(&one, MAX_ROWS * n);
-        let mut wide = self.buffer(MAX_ROWS * n);
-        let mut exact = true;
-        for (r0, w) in [(0, MAX_ROWS), (1, 5), (6, 3), (9, 2)] {
-            if w > m.launch_rows {
-                continue;
-            }
-            self.launch_matmuls(&x, None, r0, w, false, false, &[m], &mut [&mut wide], None);
-            let got = self.download(&wide, MAX_ROWS * n);
-            let span = r0 * n..(r0 + w) * n;
-            exact &= got[span.clone()]
-                .iter()
-                .zip(&one[span])
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-        }
-        let rows = if exact {
-            m.launch_rows
-        } else {
-            tracing::warn!(
-                "the {MAX_ROWS}-row projection kernel is not bitwise the one-row kernel for a {n}×{k} matrix of \
-                 type {}: its verifies run one row per launch",
-                m.ty
-            );
-            1
-        };
-        lock(&self.admitted).insert(key, rows);
-        rows
     }
 }
 
@@ -896,68 +402,7 @@ impl Backend for CudaBackend {
     }
 
     fn load_matrix(&self, m: QMatrix) -> Result<CudaMatrix> {
-        // The bytes the kernels read: GGML blocks as stored (repacked into tensor-core tiles where the int8
-        // kernels run them), MLX affine re-laid into 32-value blocks.
-        let (tag, form, bytes) = match m.format {
-            WeightFormat::Mlx(q) => {
-                let blocks = affine::to_blocks(&m).expect("an MLX affine matrix");
-                (
-                    if q.bits == 4 {
-                        Tag::Affine4
-                    } else {
-                        Tag::Affine8
-                    },
-                    None,
-                    Cow::Owned(blocks),
-                )
-            }
-            WeightFormat::Ggml(ty) => {
-                let block = ty.block_len().max(32);
-                if !m.cols.is_multiple_of(block) {
-                    return Err(Error::Unsupported(format!(
-                        "{}: rows of {} values (the CUDA kernels need a multiple of {block})",
-                        m.name, m.cols
-                    )));
-                }
-                match tiles::Form::of(ty).filter(|_| self.int8_tiles) {
-                    Some(form) => (
-                        Tag::Tiled(form),
-                        Some(form),
-                        Cow::Owned(tiles::tile(ty, m.rows, m.cols, m.data())),
-                    ),
-                    None => (Tag::Ggml(ty), None, Cow::Borrowed(m.data())),
-                }
-            }
-        };
-        let data = self
-            .stream
-            .clone_htod(bytes.as_ref())
-            .map_err(|e| Error::Invalid(format!("CUDA upload of {}: {e}", m.name)))?;
-        let mut matrix = CudaMatrix {
-            ty: tag.value(),
-            form,
-            rows: m.rows,
-            cols: m.cols,
-            data,
-            launch_rows: 0,
-        };
-        // The integer kernels stage long rows in windows, so only a shared memory without room for one
-        // exchange chunk caps their rows; the float kernel stages whole rows.
-        let fits = |r: usize| match form {
-            Some(_) => [false, true].iter().all(|&glu| {
-                self.q_geometry(r, m.cols, false, glu, &[&matrix, &matrix])
-                    .is_some()
-            }),
-            None => staged_bytes(r, m.cols) <= self.matmul_shared,
-        };
-        matrix.launch_rows = (1..=MAX_ROWS).rev().find(|&r| fits(r)).ok_or_else(|| {
-            Error::Unsupported(format!(
-                "{}: rows of {} values do not fit the CUDA projection kernel's shared memory",
-                m.name, m.cols
-            ))
-        })?;
-        matrix.launch_rows = self.admit(&matrix);
-        Ok(matrix)
+        self.upload_matrix(m)
     }
 
     fn matrix_bytes(&self, m: &CudaMatrix) -> usize {
@@ -1312,66 +757,7 @@ impl Backend for CudaBackend {
         step: &CudaStep,
         out: &mut CudaSlice<f32>,
     ) {
-        // Chunk records for every chunk of the cache's capacity (fixed while its buffers live, so a recorded
-        // launch stays valid).
-        let capacity = k_cache.len() / (shape.n_kv_heads * shape.head_dim);
-        let chunks = capacity.div_ceil(ATT_CHUNK);
-        assert!(work.len() >= self.attention_work_len(shape.n_heads, shape.head_dim, capacity));
-        let (nh, nkv, hd, cap, nc) = (
-            shape.n_heads as i32,
-            shape.n_kv_heads as i32,
-            shape.head_dim as i32,
-            step.cap as i32,
-            chunks as i32,
-        );
-        let mut r0 = 0;
-        while r0 < shape.rows {
-            let take = (shape.rows - r0).min(MAX_ROWS);
-            let heads = att_heads(
-                shape.n_heads,
-                shape.n_kv_heads,
-                take,
-                chunks,
-                self.sms,
-                self.att_heads,
-            );
-            let per_chunk = take * shape.n_heads / heads;
-            let split = self.att_split(per_chunk, capacity);
-            let cfg = LaunchConfig {
-                grid_dim: (split as u32, per_chunk as u32, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: (heads * 4 * shape.head_dim * 4) as u32,
-            };
-            let row0 = r0 as i32;
-            let args = [
-                self.at(q, 0),
-                self.at(k_cache, 0),
-                self.at(v_cache, 0),
-                Arg::I32(row0),
-                Arg::I32(nh),
-                Arg::I32(nkv),
-                Arg::I32(hd),
-                Arg::F32(shape.scale),
-                self.at(&step.dev, 0),
-                Arg::I32(cap),
-                self.at(work, 0),
-                Arg::I32(nc),
-                self.at(out, 0),
-            ];
-            // The early-load variant takes more registers, so fewer of its blocks fit an SM: it runs where the
-            // grid is small enough (decode steps, verifies of short contexts). Both give the same bits.
-            let blocks = split * per_chunk;
-            let f = if self.att_ahead && blocks <= self.att_ahead_per_sm * self.sms {
-                &self.k.attention_ahead[heads - 1]
-            } else {
-                &self.k.attention[heads - 1]
-            };
-            // SAFETY: q/out hold rows × n_heads × head_dim values, the caches (base + rows) × kv_dim within
-            // their capacity; `work` holds the counters and chunk records of up to MAX_ROWS rows (checked above);
-            // the mask is in the step; both kernels take these arguments.
-            unsafe { self.go("attention", f, cfg, &args) };
-            r0 += take;
-        }
+        self.launch_attention(q, k_cache, v_cache, work, shape, step, out);
     }
 
     fn argmax(&self, x: &CudaSlice<f32>, rows: usize, n: usize, out: &mut CudaSlice<f32>) {
@@ -1453,89 +839,7 @@ impl Drop for CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::{att_heads, nvrtc_options, row_groups, source, CudaBackend, CudaOptions};
-
-    /// `kernels.cu` compiles, as the backend compiles it, for the tensor-core architectures (sm_80: int8 MMA;
-    /// sm_90: also programmatic dependent launch). Needs only NVRTC, no GPU: CI installs NVIDIA's NVRTC wheel
-    /// and sets `VERITY_REQUIRE_NVRTC=1`, so a kernel source that does not compile fails there.
-    #[test]
-    fn the_kernels_compile_with_nvrtc() {
-        // SAFETY: only tries to open the library.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            assert!(
-                std::env::var_os("VERITY_REQUIRE_NVRTC").is_none(),
-                "VERITY_REQUIRE_NVRTC is set, but no NVRTC library (libnvrtc) can be loaded"
-            );
-            eprintln!("no NVRTC library: the kernels' compilation is not checked here");
-            return;
-        }
-        for arch in ["compute_80", "compute_90"] {
-            let options = cudarc::nvrtc::CompileOptions {
-                arch: Some(arch),
-                options: nvrtc_options(&CudaOptions::default()),
-                ..Default::default()
-            };
-            if let Err(e) = cudarc::nvrtc::compile_ptx_with_opts(source(), options) {
-                panic!("kernels.cu does not compile for {arch}: {e}");
-            }
-        }
-    }
-
-    #[test]
-    fn o_and_down_take_two_row_groups_at_seven_and_eight_rows_but_qkv_keeps_one() {
-        // SmolLM2 on an H200 (132 SMs, 24-warp many-row CTAs): o 576 -> 576 (36 tiles), down 1536 -> 576 (36),
-        // Q/K/V 576 -> 960 (60, RoPE fused), gate/up 576 -> 1536 (96).
-        let groups = |tiles, rows, k, rope| row_groups(tiles, rows, k, rope, 132, 768, true);
-        assert_eq!(groups(36, 8, 576, false), 2);
-        assert_eq!(groups(36, 8, 1536, false), 2);
-        assert_eq!(groups(36, 7, 1536, false), 2);
-        assert_eq!(groups(60, 8, 576, true), 1);
-        assert_eq!(groups(96, 8, 576, false), 1); // 192 CTAs would not fit the SMs together
-        assert_eq!(row_groups(36, 8, 576, false, 132, 768, false), 1);
-    }
-
-    #[test]
-    fn groups_of_fewer_than_four_rows_are_never_made_up_to_eight_rows() {
-        let groups = |rows| row_groups(36, rows, 1536, false, 132, 768, true);
-        for rows in 1..=6 {
-            assert_eq!(groups(rows), 1, "{rows} rows");
-        }
-        // Halves whose staging would not fit one pass of the CTA's threads stay whole.
-        assert_eq!(row_groups(36, 8, 4096, false, 132, 768, true), 1);
-    }
-
-    #[test]
-    fn past_eight_rows_the_groups_fill_the_sms_and_none_is_empty() {
-        assert_eq!(row_groups(36, 16, 576, false, 132, 768, true), 3); // 132 / 36 = 3 groups of 6, 6, 4
-        assert_eq!(row_groups(60, 16, 576, true, 132, 768, true), 2);
-        assert_eq!(row_groups(96, 16, 576, false, 132, 768, true), 1);
-        assert_eq!(row_groups(4, 10, 576, false, 132, 768, true), 10); // 33 wanted, one row each
-    }
-
-    #[test]
-    fn attention_blocks_serve_a_head_each_while_they_fit_two_per_sm() {
-        let sms = 132;
-        assert_eq!(att_heads(9, 3, 1, 8, sms, None), 1); // SmolLM2, W=1 over a cache of 512
-        assert_eq!(att_heads(9, 3, 2, 8, sms, None), 1);
-        assert_eq!(att_heads(9, 3, 4, 8, sms, None), 3);
-        assert_eq!(att_heads(9, 3, 8, 5, sms, None), 3);
-        assert_eq!(att_heads(9, 3, 16, 1, sms, None), 1);
-        assert_eq!(att_heads(9, 3, 1, 32, sms, None), 3);
-        assert_eq!(att_heads(9, 3, 2, 16, sms, None), 3);
-    }
-
-    #[test]
-    fn a_group_block_serves_the_largest_divisor_of_the_group_up_to_four_heads() {
-        let many = |n_heads, n_kv_heads| att_heads(n_heads, n_kv_heads, 16, 32, 132, None);
-        assert_eq!(many(9, 3), 3);
-        assert_eq!(many(4, 1), 4); // Gemma 3 270M
-        assert_eq!(many(32, 4), 4);
-        assert_eq!(many(28, 4), 1); // groups of 7
-        assert_eq!(many(24, 4), 3); // groups of 6
-        assert_eq!(many(8, 8), 1); // no GQA
-        assert_eq!(att_heads(9, 3, 1, 8, 132, Some(3)), 3);
-        assert_eq!(att_heads(16, 2, 16, 32, 132, Some(2)), 2);
-    }
+    use super::CudaBackend;
 
     #[test]
     fn a_machine_without_the_driver_gets_an_error_instead_of_a_panic() {

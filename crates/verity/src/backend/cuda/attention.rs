@@ -1,0 +1,172 @@
+//! Attention launches: how many query heads a block serves and how many blocks split a row's slots (pure rules,
+//! tested here), and the launch itself (`kernels.cu`'s `attention_*`).
+
+use cudarc::driver::{CudaSlice, LaunchConfig};
+
+use super::launch::Arg;
+use super::ATT_RESIDENT_PER_SM;
+use super::{CudaBackend, CudaStep, ATT_CHUNK, ATT_HEADS, ATT_SPLIT, ATT_SPLIT_MAX, MAX_ROWS};
+use crate::backend::{AttnShape, Backend};
+
+/// Query heads per attention block for a launch of `rows` rows over a cache of `chunks` 64-slot chunks: one
+/// while a block per (row, head, chunk) leaves no SM more than two (`sms`), else the largest divisor of the GQA
+/// group (query heads per KV head) up to ATT_HEADS; `forced` (up to ATT_HEADS) replaces the rule. A block of
+/// several heads loads each K and V value once for all of them (fewer blocks, a chunk read once per KV head),
+/// but its own chain is longer, which costs where the blocks per head fit the GPU anyway: with SmolLM2's groups
+/// of 3, a block per group is faster from 4 rows over a short context and from 2 over a long one, a block per
+/// head at 1-2 rows over a short one, and a one-chunk context does not care. The rule counts the capacity's
+/// chunks (a recorded launch serves every context the cache holds), up to twice the context's: hence two per
+/// SM, which picks the faster count, or one within noise of it, at every width and context measured, and
+/// makes MTP's verify faster than one per SM does (measured: BENCHMARKS.md, "Verify cost by width"). Every
+/// query's arithmetic is the same at any count (the same bits: `rowexact` under each), so the count may follow
+/// the rows.
+pub(super) fn att_heads(
+    n_heads: usize,
+    n_kv_heads: usize,
+    rows: usize,
+    chunks: usize,
+    sms: usize,
+    forced: Option<usize>,
+) -> usize {
+    let group = n_heads / n_kv_heads.max(1);
+    let most = match forced {
+        Some(f) => f.clamp(1, ATT_HEADS),
+        None if rows * n_heads * chunks <= 2 * sms => 1,
+        None => ATT_HEADS,
+    };
+    (1..=most.min(group))
+        .rev()
+        .find(|h| group.is_multiple_of(*h))
+        .unwrap_or(1)
+}
+
+impl CudaBackend {
+    /// Attention blocks per (row, head) for a launch of `row_heads` (row, head) pairs over a cache of
+    /// `capacity` slots: a block per 64-slot chunk of the capacity, so that no block takes two chunks in turn
+    /// (the kernel puts only as many blocks to work as the step's context has chunks; the others return at
+    /// once), capped where 4 blocks per SM would not hold the grid (at ATT_SPLIT, or more where a wave allows)
+    /// and at ATT_SPLIT_MAX. Against the row-count-only rule (the branch with `att_split_by_context` off), each
+    /// with its own early-load limit (4 blocks per SM here, 2 there), this one is faster at 4-8 rows over a
+    /// 256-slot context and at 2-4 over a 1024-slot one, within noise elsewhere; its one loss is 16 rows over a
+    /// one-chunk context (measured: BENCHMARKS.md, "Verify cost by width"). No bits depend on it: every chunk's
+    /// record is the same whichever block computes it, and the combine reads them in chunk order.
+    fn att_split(&self, row_heads: usize, capacity: usize) -> usize {
+        if let Some(forced) = self.att_split {
+            return forced;
+        }
+        if !self.att_split_by_context {
+            return if ATT_SPLIT * row_heads < self.sms {
+                (2 * self.sms / row_heads).clamp(ATT_SPLIT, ATT_SPLIT_MAX)
+            } else {
+                ATT_SPLIT
+            };
+        }
+        let wave = ATT_RESIDENT_PER_SM * self.sms / row_heads.max(1);
+        capacity
+            .div_ceil(ATT_CHUNK)
+            .clamp(1, wave.clamp(ATT_SPLIT, ATT_SPLIT_MAX))
+    }
+
+    /// The attention of `shape.rows` rows (launches of up to `MAX_ROWS`), as `Backend::attention`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launch_attention(
+        &self,
+        q: &CudaSlice<f32>,
+        k_cache: &CudaSlice<f32>,
+        v_cache: &CudaSlice<f32>,
+        work: &mut CudaSlice<f32>,
+        shape: AttnShape,
+        step: &CudaStep,
+        out: &mut CudaSlice<f32>,
+    ) {
+        // Chunk records for every chunk of the cache's capacity (fixed while its buffers live, so a recorded
+        // launch stays valid).
+        let capacity = k_cache.len() / (shape.n_kv_heads * shape.head_dim);
+        let chunks = capacity.div_ceil(ATT_CHUNK);
+        assert!(work.len() >= self.attention_work_len(shape.n_heads, shape.head_dim, capacity));
+        let (nh, nkv, hd, cap, nc) = (
+            shape.n_heads as i32,
+            shape.n_kv_heads as i32,
+            shape.head_dim as i32,
+            step.cap as i32,
+            chunks as i32,
+        );
+        let mut r0 = 0;
+        while r0 < shape.rows {
+            let take = (shape.rows - r0).min(MAX_ROWS);
+            let heads = att_heads(
+                shape.n_heads,
+                shape.n_kv_heads,
+                take,
+                chunks,
+                self.sms,
+                self.att_heads,
+            );
+            let per_chunk = take * shape.n_heads / heads;
+            let split = self.att_split(per_chunk, capacity);
+            let cfg = LaunchConfig {
+                grid_dim: (split as u32, per_chunk as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: (heads * 4 * shape.head_dim * 4) as u32,
+            };
+            let row0 = r0 as i32;
+            let args = [
+                self.at(q, 0),
+                self.at(k_cache, 0),
+                self.at(v_cache, 0),
+                Arg::I32(row0),
+                Arg::I32(nh),
+                Arg::I32(nkv),
+                Arg::I32(hd),
+                Arg::F32(shape.scale),
+                self.at(&step.dev, 0),
+                Arg::I32(cap),
+                self.at(work, 0),
+                Arg::I32(nc),
+                self.at(out, 0),
+            ];
+            // The early-load variant takes more registers, so fewer of its blocks fit an SM: it runs where the
+            // grid is small enough (decode steps, verifies of short contexts). Both give the same bits.
+            let blocks = split * per_chunk;
+            let f = if self.att_ahead && blocks <= self.att_ahead_per_sm * self.sms {
+                &self.k.attention_ahead[heads - 1]
+            } else {
+                &self.k.attention[heads - 1]
+            };
+            // SAFETY: q/out hold rows × n_heads × head_dim values, the caches (base + rows) × kv_dim within
+            // their capacity; `work` holds the counters and chunk records of up to MAX_ROWS rows (checked above);
+            // the mask is in the step; both kernels take these arguments.
+            unsafe { self.go("attention", f, cfg, &args) };
+            r0 += take;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::att_heads;
+
+    #[test]
+    fn attention_blocks_serve_a_head_each_while_they_fit_two_per_sm() {
+        let sms = 132;
+        assert_eq!(att_heads(9, 3, 1, 8, sms, None), 1); // SmolLM2, W=1 over a cache of 512
+        assert_eq!(att_heads(9, 3, 2, 8, sms, None), 1);
+        assert_eq!(att_heads(9, 3, 4, 8, sms, None), 3);
+        assert_eq!(att_heads(9, 3, 8, 5, sms, None), 3);
+        assert_eq!(att_heads(9, 3, 16, 1, sms, None), 1);
+        assert_eq!(att_heads(9, 3, 1, 32, sms, None), 3);
+        assert_eq!(att_heads(9, 3, 2, 16, sms, None), 3);
+    }
+    #[test]
+    fn a_group_block_serves_the_largest_divisor_of_the_group_up_to_four_heads() {
+        let many = |n_heads, n_kv_heads| att_heads(n_heads, n_kv_heads, 16, 32, 132, None);
+        assert_eq!(many(9, 3), 3);
+        assert_eq!(many(4, 1), 4); // Gemma 3 270M
+        assert_eq!(many(32, 4), 4);
+        assert_eq!(many(28, 4), 1); // groups of 7
+        assert_eq!(many(24, 4), 3); // groups of 6
+        assert_eq!(many(8, 8), 1); // no GQA
+        assert_eq!(att_heads(9, 3, 1, 8, 132, Some(3)), 3);
+        assert_eq!(att_heads(16, 2, 16, 32, 132, Some(2)), 2);
+    }
+}

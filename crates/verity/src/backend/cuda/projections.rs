@@ -1,0 +1,448 @@
+//! Projection launches: which kernel and schedule a launch takes, its row groups and shared-memory geometry
+//! (`geometry.rs`), a matrix's upload in the layout its kernel reads, and the admission check of its W-row
+//! launches.
+
+use std::borrow::Cow;
+
+use cudarc::driver::{CudaSlice, LaunchConfig};
+
+use super::geometry::{q_geometry, staged_bytes, QGeometry, QMats, ROWS_PER_GROUP};
+use super::launch::Arg;
+use super::types::Tag;
+use super::{affine, lock, tiles, CudaBackend, CudaMatrix, CudaStep};
+use super::{MAX_ROWS, MM_WARPS, NARROW_ROWS_FROM, QM_WIDE_TILES, WIDE_COLUMNS};
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::quant::{QMatrix, WeightFormat};
+
+/// RoPE and the cache write fused into a Q/K/V launch of the integer kernel (`kernels.cu`'s `RopeFusion`).
+pub(super) struct RopeFusion<'a> {
+    /// The step's `(cos, sin)` table (`CudaStep::rope_table`).
+    pub(super) table: i32,
+    pub(super) head_dim: usize,
+    pub(super) k_cache: &'a CudaSlice<f32>,
+    pub(super) v_cache: &'a CudaSlice<f32>,
+    pub(super) step: &'a CudaStep,
+}
+
+/// Row groups of a narrow projection launch of `tiles` CTAs and `rows` rows of `k` values (`threads` per
+/// many-row CTA, `sms` on the device), each group's rows a launch of their own (`kernels.cu`'s
+/// `qmatmuls_body`). Past 8 rows, where one CTA would pad its rows to 16 (two MMA n-tiles, twice the exchange),
+/// as many groups as leave no CTA waiting for an SM, which is faster at 16 rows. At 8 rows or fewer (unless
+/// `split_rows` is false), two groups where both CTAs of a tile fit the SMs together, each group keeps the
+/// many-row kernel and stages its rows in one pass of four threads per block (shorter staging and chains per
+/// CTA), and the launch is not a Q/K/V projection with RoPE fused (attention's blocks start while it runs,
+/// loading their first chunk, on the SMs it leaves free). Splitting o and down at 7-8 rows makes 8-row verifies
+/// faster and one-row steps no slower; splitting the Q/K/V launch too, or groups of three rows (at 5-6 rows, in
+/// the few-row kernel), is slower (measured: BENCHMARKS.md, "Verify cost by width"). No bits depend on it: a
+/// (column, row)'s arithmetic is the same in any group (`rowexact`, the admission).
+fn row_groups(
+    tiles: usize,
+    rows: usize,
+    k: usize,
+    rope: bool,
+    sms: usize,
+    threads: usize,
+    split_rows: bool,
+) -> usize {
+    let half = rows.div_ceil(2);
+    let split = split_rows
+        && half >= NARROW_ROWS_FROM
+        && half * (k / 32) * 4 <= threads
+        && 2 * tiles <= sms
+        && !rope;
+    let want = if rows > 8 {
+        sms / tiles.max(1)
+    } else if split {
+        2
+    } else {
+        1
+    };
+    nonempty_groups(rows, want)
+}
+
+/// The groups a launch of `rows` rows in `want` groups has: the kernel gives each group ceil(rows / groups) rows,
+/// so as many as that leaves non-empty.
+fn nonempty_groups(rows: usize, want: usize) -> usize {
+    let per = rows.div_ceil(want.clamp(1, rows.max(1)));
+    rows.div_ceil(per)
+}
+
+impl CudaBackend {
+    /// `m` on the device in the layout its kernels read, its W-row launches admitted (`Backend::load_matrix`).
+    pub(super) fn upload_matrix(&self, m: QMatrix) -> Result<CudaMatrix> {
+        // The bytes the kernels read: GGML blocks as stored (repacked into tensor-core tiles where the int8
+        // kernels run them), MLX affine re-laid into 32-value blocks.
+        let (tag, form, bytes) = match m.format {
+            WeightFormat::Mlx(q) => {
+                let blocks = affine::to_blocks(&m).expect("an MLX affine matrix");
+                (
+                    if q.bits == 4 {
+                        Tag::Affine4
+                    } else {
+                        Tag::Affine8
+                    },
+                    None,
+                    Cow::Owned(blocks),
+                )
+            }
+            WeightFormat::Ggml(ty) => {
+                let block = ty.block_len().max(32);
+                if !m.cols.is_multiple_of(block) {
+                    return Err(Error::Unsupported(format!(
+                        "{}: rows of {} values (the CUDA kernels need a multiple of {block})",
+                        m.name, m.cols
+                    )));
+                }
+                match tiles::Form::of(ty).filter(|_| self.int8_tiles) {
+                    Some(form) => (
+                        Tag::Tiled(form),
+                        Some(form),
+                        Cow::Owned(tiles::tile(ty, m.rows, m.cols, m.data())),
+                    ),
+                    None => (Tag::Ggml(ty), None, Cow::Borrowed(m.data())),
+                }
+            }
+        };
+        let data = self
+            .stream
+            .clone_htod(bytes.as_ref())
+            .map_err(|e| Error::Invalid(format!("CUDA upload of {}: {e}", m.name)))?;
+        let mut matrix = CudaMatrix {
+            ty: tag.value(),
+            form,
+            rows: m.rows,
+            cols: m.cols,
+            data,
+            launch_rows: 0,
+        };
+        // The integer kernels stage long rows in windows, so only a shared memory without room for one
+        // exchange chunk caps their rows; the float kernel stages whole rows.
+        let fits = |r: usize| match form {
+            Some(_) => [false, true].iter().all(|&glu| {
+                self.q_geometry(r, m.cols, false, glu, &[&matrix, &matrix])
+                    .is_some()
+            }),
+            None => staged_bytes(r, m.cols) <= self.matmul_shared,
+        };
+        matrix.launch_rows = (1..=MAX_ROWS).rev().find(|&r| fits(r)).ok_or_else(|| {
+            Error::Unsupported(format!(
+                "{}: rows of {} values do not fit the CUDA projection kernel's shared memory",
+                m.name, m.cols
+            ))
+        })?;
+        matrix.launch_rows = self.admit(&matrix);
+        Ok(matrix)
+    }
+
+    /// Row groups of a narrow projection launch (see [`row_groups`]), or the count `VERITY_CUDA_ROW_GROUPS`
+    /// forces.
+    fn row_groups(&self, tiles: usize, rows: usize, k: usize, rope: bool) -> usize {
+        let threads = self.narrow_warps[1] * 32;
+        match self.row_groups {
+            Some(forced) => nonempty_groups(rows, forced),
+            None => row_groups(tiles, rows, k, rope, self.sms, threads, self.split_rows),
+        }
+    }
+
+    /// Whether a launch of `mats` runs the integer kernels: every matrix tiled, and gate and up of one type.
+    fn int8_launch(glu: bool, mats: &[&CudaMatrix]) -> bool {
+        mats.iter().all(|m| m.form.is_some()) && (!glu || mats[0].ty == mats[1].ty)
+    }
+
+    /// The most rows the float kernel stages for rows of `k` values (at least 1: a row that does not fit was
+    /// refused at load).
+    fn float_rows(&self, k: usize) -> usize {
+        (1..=MAX_ROWS)
+            .rev()
+            .find(|&r| staged_bytes(r, k) <= self.matmul_shared)
+            .unwrap_or(1)
+    }
+
+    /// The geometry of an integer launch of `rows` rows (per CTA) over `mats` (tiled).
+    fn q_geometry(
+        &self,
+        rows: usize,
+        k: usize,
+        wide: bool,
+        glu: bool,
+        mats: &[&CudaMatrix],
+    ) -> Option<QGeometry> {
+        let forms = mats.iter().filter_map(|m| m.form);
+        let q = QMats {
+            per_tile: if glu { 2 } else { 1 },
+            sums: forms.clone().map(|f| f.sums_per_block()).max()?,
+            scale_bytes: forms.map(|f| f.scale_bytes(k / 32)).max()?,
+        };
+        q_geometry(rows, k, wide, q, self.matmul_shared)
+    }
+
+    /// One launch of the `matmuls` kernel over up to three matrices that share `x` (`rows` ≤ `MAX_ROWS`, row
+    /// offset `r0` into `x` and every output): `outs[m]` receives `mats[m]`'s projection; with `glu`, `mats` are
+    /// the gate and up projections and their SwiGLU goes to the one output.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_matmuls(
+        &self,
+        x: &CudaSlice<f32>,
+        norm: Option<(&CudaSlice<f32>, f32)>,
+        r0: usize,
+        rows: usize,
+        accumulate: bool,
+        glu: bool,
+        mats: &[&CudaMatrix],
+        outs: &mut [&mut CudaSlice<f32>],
+        rope: Option<&RopeFusion>,
+    ) {
+        debug_assert!((1..=3).contains(&mats.len()) && rows <= MAX_ROWS);
+        debug_assert!(mats.iter().all(|m| rows <= m.launch_rows));
+        debug_assert_eq!(outs.len(), if glu { 1 } else { mats.len() });
+        let k = mats[0].cols;
+        assert!(
+            mats.iter().all(|w| w.cols == k),
+            "projections of one input must share its width"
+        );
+        let (acc, glu_i) = (i32::from(accumulate), i32::from(glu));
+        let mut args = vec![
+            self.at(x, r0 * k),
+            Arg::I32(k as i32),
+            Arg::I32(rows as i32),
+            Arg::I32(acc),
+            norm.map_or(Arg::Ptr(0), |(w, _)| self.at(w, 0)),
+            Arg::F32(norm.map_or(0.0, |n| n.1)),
+            Arg::I32(glu_i),
+        ];
+        let int8 = Self::int8_launch(glu, mats);
+        let (f, cfg) = if int8 {
+            let n_tiles: usize = if glu {
+                tiles::tiles(mats[0].rows)
+            } else {
+                mats.iter().map(|m| tiles::tiles(m.rows)).sum()
+            };
+            // The wide schedule's CTAs may straddle matrices, so it needs them of one type (`kernels.cu`), and
+            // it stages whole rows.
+            let wide = n_tiles >= QM_WIDE_TILES
+                && mats.iter().all(|m| m.ty == mats[0].ty)
+                && self.q_geometry(rows, k, true, glu, mats).is_some();
+            let (ctas, groups) = if wide {
+                (n_tiles.div_ceil(self.wide_warps), 1)
+            } else {
+                (n_tiles, self.row_groups(n_tiles, rows, k, rope.is_some()))
+            };
+            // The rows one CTA takes (the kernel's own split).
+            let cta_rows = rows.div_ceil(groups);
+            let geometry = self
+                .q_geometry(cta_rows, k, wide, glu, mats)
+                .expect("capped by `launch_rows`");
+            args.push(Arg::I32(geometry.chunk as i32));
+            args.push(Arg::I32(geometry.window as i32));
+            let bytes = geometry.bytes;
+            // Both narrow kernels give every (column, row) the same arithmetic: which one a launch takes by its
+            // row count changes no bits (the admission crosses them: MAX_ROWS rows against one).
+            let (f, warps) = if wide {
+                (&self.k.qmatmuls_wide, self.wide_warps)
+            } else if cta_rows >= NARROW_ROWS_FROM {
+                (&self.k.qmatmuls_narrow_rows, self.narrow_warps[1])
+            } else {
+                (&self.k.qmatmuls_narrow, self.narrow_warps[0])
+            };
+            let cfg = LaunchConfig {
+                grid_dim: (ctas as u32, groups as u32, 1),
+                block_dim: ((warps * 32) as u32, 1, 1),
+                shared_mem_bytes: bytes as u32,
+            };
+            (f, cfg)
+        } else {
+            let cols: usize = if glu {
+                mats[0].rows
+            } else {
+                mats.iter().map(|w| w.rows).sum()
+            };
+            let cols_per_warp = if cols >= WIDE_COLUMNS { 4 } else { 1 };
+            let staged = staged_bytes(rows, k);
+            debug_assert!(staged <= self.matmul_shared, "capped by `launch_rows`");
+            args.push(Arg::I32(cols_per_warp as i32));
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    cols.div_ceil(MM_WARPS * cols_per_warp) as u32,
+                    rows.div_ceil(ROWS_PER_GROUP) as u32,
+                    1,
+                ),
+                block_dim: ((MM_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: staged as u32,
+            };
+            (&self.k.matmuls, cfg)
+        };
+        // Unused matrix slots repeat the first matrix with zero columns and no output.
+        let mut outs = outs.iter_mut();
+        for m in 0..3 {
+            match mats.get(m) {
+                Some(w) => {
+                    let n = if glu { mats[0].rows } else { w.rows };
+                    let out = if glu && m > 0 { None } else { outs.next() };
+                    args.extend([
+                        self.at(&w.data, 0),
+                        Arg::I32(w.ty),
+                        Arg::I32(w.rows as i32),
+                        out.map_or(Arg::Ptr(0), |o| self.at(o, r0 * n)),
+                    ]);
+                }
+                None => args.extend([
+                    self.at(&mats[0].data, 0),
+                    Arg::I32(mats[0].ty),
+                    Arg::I32(0),
+                    Arg::Ptr(0),
+                ]),
+            }
+        }
+        if int8 {
+            match rope {
+                Some(r) => args.extend([
+                    Arg::I32(r.table),
+                    Arg::I32(r.head_dim as i32),
+                    self.at(r.k_cache, 0),
+                    self.at(r.v_cache, 0),
+                    self.at(&r.step.dev, 0),
+                    Arg::I32(r.step.cap as i32),
+                    Arg::I32(r0 as i32),
+                ]),
+                None => args.extend([
+                    Arg::I32(0),
+                    Arg::I32(0),
+                    Arg::Ptr(0),
+                    Arg::Ptr(0),
+                    Arg::Ptr(0),
+                    Arg::I32(0),
+                    Arg::I32(0),
+                ]),
+            }
+            args.push(Arg::I32(i32::from(self.eight_lanes)));
+        } else {
+            assert!(rope.is_none(), "RoPE fuses only into the integer kernel");
+        }
+        // SAFETY: the arguments follow the kernel's signature (null pointers for an absent norm, unused outputs
+        // and an absent RoPE fusion, which the kernel never touches); x holds rows × k values from r0, the norm
+        // weight k, each output rows × its columns from r0, a fused RoPE's caches room for the step's slots; the
+        // grid covers every column (tile) and row group once, and the staged rows fit the dynamic shared memory
+        // asked for.
+        unsafe { self.go("matmul", f, cfg, &args) };
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn matmuls_chunked(
+        &self,
+        x: &CudaSlice<f32>,
+        norm: Option<(&CudaSlice<f32>, f32)>,
+        rows: usize,
+        accumulate: bool,
+        glu: bool,
+        mats: &[&CudaMatrix],
+        outs: &mut [&mut CudaSlice<f32>],
+        rope: Option<&RopeFusion>,
+    ) {
+        let mut per_launch = mats.iter().map(|m| m.launch_rows).min().unwrap_or(1);
+        if !Self::int8_launch(glu, mats) {
+            // Tiled matrices beside untiled ones run the float kernel, whose staging caps the rows of long ones.
+            per_launch = per_launch.min(self.float_rows(mats[0].cols));
+        }
+        let mut r0 = 0;
+        while r0 < rows {
+            let take = (rows - r0).min(per_launch);
+            self.launch_matmuls(x, norm, r0, take, accumulate, glu, mats, outs, rope);
+            r0 += take;
+        }
+    }
+    /// Weight shapes checked so far, and how many of them failed the admission check (their verifies run one
+    /// row per launch).
+    pub fn admission(&self) -> (usize, usize) {
+        let a = lock(&self.admitted);
+        (a.len(), a.values().filter(|&&r| r < MAX_ROWS).count())
+    }
+
+    /// The admission check of the W-row projection kernel for `m`'s shape, on `m`'s own weights: widths 16 (two
+    /// row groups), 5, 3 and 2 (each row-count variant; those above `m.launch_rows`, which the shared memory
+    /// allows, are skipped) against the one-row kernel on pseudo-random rows, bitwise. Returns the rows one
+    /// launch may take: `m.launch_rows` if admitted, else 1.
+    fn admit(&self, m: &CudaMatrix) -> usize {
+        let key = (m.ty, m.rows, m.cols);
+        if let Some(&rows) = lock(&self.admitted).get(&key) {
+            return rows;
+        }
+        if self.knockout {
+            return m.launch_rows;
+        }
+        let (k, n) = (m.cols, m.rows);
+        let mut seed = 0x9e37_79b9u32;
+        let x: Vec<f32> = (0..MAX_ROWS * k)
+            .map(|_| {
+                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (seed >> 8) as f32 / (1u32 << 23) as f32 - 1.0
+            })
+            .collect();
+        let x = self.upload(&x);
+        let mut one = self.buffer(MAX_ROWS * n);
+        for r in 0..MAX_ROWS {
+            self.launch_matmuls(&x, None, r, 1, false, false, &[m], &mut [&mut one], None);
+        }
+        let one = self.download(&one, MAX_ROWS * n);
+        let mut wide = self.buffer(MAX_ROWS * n);
+        let mut exact = true;
+        for (r0, w) in [(0, MAX_ROWS), (1, 5), (6, 3), (9, 2)] {
+            if w > m.launch_rows {
+                continue;
+            }
+            self.launch_matmuls(&x, None, r0, w, false, false, &[m], &mut [&mut wide], None);
+            let got = self.download(&wide, MAX_ROWS * n);
+            let span = r0 * n..(r0 + w) * n;
+            exact &= got[span.clone()]
+                .iter()
+                .zip(&one[span])
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+        }
+        let rows = if exact {
+            m.launch_rows
+        } else {
+            tracing::warn!(
+                "the {MAX_ROWS}-row projection kernel is not bitwise the one-row kernel for a {n}×{k} matrix of \
+                 type {}: its verifies run one row per launch",
+                m.ty
+            );
+            1
+        };
+        lock(&self.admitted).insert(key, rows);
+        rows
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::row_groups;
+
+    #[test]
+    fn o_and_down_take_two_row_groups_at_seven_and_eight_rows_but_qkv_keeps_one() {
+        // SmolLM2 on an H200 (132 SMs, 24-warp many-row CTAs): o 576 -> 576 (36 tiles), down 1536 -> 576 (36),
+        // Q/K/V 576 -> 960 (60, RoPE fused), gate/up 576 -> 1536 (96).
+        let groups = |tiles, rows, k, rope| row_groups(tiles, rows, k, rope, 132, 768, true);
+        assert_eq!(groups(36, 8, 576, false), 2);
+        assert_eq!(groups(36, 8, 1536, false), 2);
+        assert_eq!(groups(36, 7, 1536, false), 2);
+        assert_eq!(groups(60, 8, 576, true), 1);
+        assert_eq!(groups(96, 8, 576, false), 1); // 192 CTAs would not fit the SMs together
+        assert_eq!(row_groups(36, 8, 576, false, 132, 768, false), 1);
+    }
+    #[test]
+    fn groups_of_fewer_than_four_rows_are_never_made_up_to_eight_rows() {
+        let groups = |rows| row_groups(36, rows, 1536, false, 132, 768, true);
+        for rows in 1..=6 {
+            assert_eq!(groups(rows), 1, "{rows} rows");
+        }
+        // Halves whose staging would not fit one pass of the CTA's threads stay whole.
+        assert_eq!(row_groups(36, 8, 4096, false, 132, 768, true), 1);
+    }
+    #[test]
+    fn past_eight_rows_the_groups_fill_the_sms_and_none_is_empty() {
+        assert_eq!(row_groups(36, 16, 576, false, 132, 768, true), 3); // 132 / 36 = 3 groups of 6, 6, 4
+        assert_eq!(row_groups(60, 16, 576, true, 132, 768, true), 2);
+        assert_eq!(row_groups(96, 16, 576, false, 132, 768, true), 1);
+        assert_eq!(row_groups(4, 10, 576, false, 132, 768, true), 10); // 33 wanted, one row each
+    }
+}
