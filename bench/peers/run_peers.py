@@ -51,6 +51,7 @@ def make_record(prompt: dict, arm: str, repeat: int, *, prompt_tokens: int, comp
         "decode_tok_s": decode_tok_s,
         "cycles": completion_tokens,
         "accepted_per_cycle": 1.0,
+        "verify_rows": completion_tokens,
         "draft_s": 0.0,
         "verify_s": 0.0,
         "other_s": 0.0,

@@ -208,6 +208,7 @@ fn bench_speed_writes_the_documented_records_and_its_plot() {
             "decode_tok_s",
             "cycles",
             "accepted_per_cycle",
+            "verify_rows",
             "draft_s",
             "verify_s",
             "other_s",

@@ -199,6 +199,7 @@ pub fn run_prompt<B: Backend>(
             decode_tok_s: stats.decode_tok_s(),
             cycles: stats.cycles,
             accepted_per_cycle: stats.tokens_per_cycle(),
+            verify_rows: stats.cycles + stats.drafted,
             draft_s: stats.draft_s,
             verify_s: stats.verify_s,
             other_s: stats.other_s,

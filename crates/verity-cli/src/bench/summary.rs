@@ -19,6 +19,10 @@ pub struct Record {
     pub decode_tok_s: f64,
     pub cycles: usize,
     pub accepted_per_cycle: f64,
+    /// Rows the verify forwards ran: one per cycle plus every draft token (a tree's every node); 0 in records
+    /// older than the field.
+    #[serde(default)]
+    pub verify_rows: usize,
     pub draft_s: f64,
     pub verify_s: f64,
     pub other_s: f64,
