@@ -29,6 +29,9 @@ pub enum Error {
     /// A request or setting outside its valid range.
     #[error("invalid argument: {0}")]
     Invalid(String),
+    /// The device failed while running a forward (a driver error after load); the forward's results are lost.
+    #[error("device error: {0}")]
+    Device(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -545,6 +545,50 @@ fn every_route_reproduces_cuda_ar_greedy_output_on_smollm2() {
     }
 }
 
+/// A driver error in the middle of a request (here a launch made to fail as one would) is that request's
+/// error, not the process's end: the generation returns it, and the next request on the same engine and backend
+/// runs and gives the same tokens as before the fault (no graph recorded around the failed launch is replayed).
+#[test]
+fn a_device_fault_fails_its_request_and_the_next_request_runs() {
+    let be = gpu();
+    let mut e = Engine::load(&smollm2(), be.clone(), &SpecMode::Off).unwrap();
+    let prompt = e
+        .chat_prompt(&[Message::new("user", "List five facts about the Moon.")])
+        .unwrap();
+    let req = GenerateRequest {
+        ignore_eos: true,
+        ..GenerateRequest::greedy(24)
+    };
+    let run = |e: &mut Engine<CudaBackend>, fail_after: Option<usize>| {
+        let mut s = e.new_session();
+        let mut out = Vec::new();
+        let result = e.generate(&mut s, &prompt, &req, |_, t| {
+            out.push(t.id);
+            if fail_after == Some(out.len()) {
+                be.fail_next_launch();
+            }
+            true
+        });
+        result.map(|_| out)
+    };
+    let before = run(&mut e, None).unwrap();
+    for fail_after in [None, Some(5)] {
+        if fail_after.is_none() {
+            be.fail_next_launch(); // during the prefill
+        }
+        let err = run(&mut e, fail_after).expect_err("the fault reaches the request");
+        assert!(
+            matches!(err, verity::Error::Device(ref m) if m.contains("CUDA")),
+            "{err}"
+        );
+        assert_eq!(
+            run(&mut e, None).unwrap(),
+            before,
+            "after a fault ({fail_after:?})"
+        );
+    }
+}
+
 /// A backend on GPU 0 with the environment's settings, graph recording on or off.
 fn backend_with_graphs(graphs: bool) -> Arc<CudaBackend> {
     let opts = CudaOptions {

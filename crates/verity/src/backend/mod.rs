@@ -262,4 +262,11 @@ pub trait Backend: Send + Sync + 'static {
     /// Copy `len` values within `buf` from `src_off..` to an earlier, disjoint `dst_off..` (`dst_off + len ≤
     /// src_off`): a draft tree's accepted path moved down over the rejected slots.
     fn copy_down(&self, buf: &mut Self::Buffer, src_off: usize, dst_off: usize, len: usize);
+
+    /// The first device error since the last call, if any. Operations cannot fail one by one (a forward is a
+    /// few hundred of them, recorded and replayed as a whole); a backend whose device can fail keeps the error,
+    /// skips the work after it, and the model returns it as the forward's error.
+    fn take_fault(&self) -> Option<String> {
+        None
+    }
 }

@@ -75,7 +75,7 @@ impl<B: Backend> Engine<B> {
             // Also keep the state after the answer: the next turn's prompt usually re-tokenizes it to the same
             // ids, so the follow-up restores the answer too. Taken from the live cache, never by replaying.
             let tokens = sess.tokens.clone();
-            stats.store_s += self.store_checkpoint(sess, &tokens);
+            stats.store_s += self.store_checkpoint(sess, &tokens)?;
         }
         Ok(stats)
     }

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use super::{Engine, Session};
 use crate::backend::Backend;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::model::{Batch, LogitRows};
 use crate::speculative::Proposer;
 
@@ -23,17 +23,21 @@ pub(super) struct Prefilled {
 impl<B: Backend> Engine<B> {
     /// Keep a checkpoint of the session's committed state for `tokens`, in RAM and on disk, with the target
     /// states the proposer conditions on of every position, where the session kept them all; returns the
-    /// seconds it took.
-    pub(super) fn store_checkpoint(&mut self, sess: &Session<B>, tokens: &[u32]) -> f64 {
+    /// seconds it took. A device fault while the state is read back is the error (nothing is stored: the
+    /// copy would be garbage).
+    pub(super) fn store_checkpoint(&mut self, sess: &Session<B>, tokens: &[u32]) -> Result<f64> {
         let t = Instant::now();
         let mut ckpt = sess.cache.checkpoint(self.model.backend());
+        if let Some(fault) = self.model.backend().take_fault() {
+            return Err(Error::Device(fault));
+        }
         let kind = &sess.hidden.kind;
         if let Some(rows) = sess.hidden.leading_rows(tokens.len()) {
             let width = kind.width(self.model.hp.hidden);
             ckpt = ckpt.with_hidden(kind.clone(), width, rows.to_vec());
         }
         self.prefix.store(tokens, ckpt);
-        t.elapsed().as_secs_f64()
+        Ok(t.elapsed().as_secs_f64())
     }
 
     /// Bring the session's cache to `prompt[..len - 1]`, reusing the session's cached prefix or the longest
@@ -102,7 +106,7 @@ impl<B: Backend> Engine<B> {
             sess.tokens.extend_from_slice(chunk);
             pos = end;
             if Some(pos) == store_at {
-                store_s = self.store_checkpoint(sess, &body[..pos]);
+                store_s = self.store_checkpoint(sess, &body[..pos])?;
             }
         }
         if let Some(p) = proposer.filter(|_| !features.is_none()) {

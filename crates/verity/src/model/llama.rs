@@ -166,7 +166,20 @@ impl<B: Backend> Model<B> {
         let mut s = self.scratch(rows);
         let out = self.run(cache, batch, logit_rows, hidden_layers, false, &mut s);
         self.scratch = Some(s);
+        self.fault_check(cache, rows)?;
         Ok(out)
+    }
+
+    /// A device fault during the forward that appended `rows` to `cache` (or during any device work since the
+    /// last forward: a draft) becomes the forward's error, and the rows are rolled back.
+    fn fault_check(&self, cache: &mut KvCache<B>, rows: usize) -> Result<()> {
+        match self.backend.take_fault() {
+            Some(fault) => {
+                cache.truncate(cache.len() - rows);
+                Err(Error::Device(fault))
+            }
+            None => Ok(()),
+        }
     }
 
     /// [`Model::forward`] that also returns every row's final hidden state (after the output norm, what the
@@ -183,6 +196,7 @@ impl<B: Backend> Model<B> {
         let mut s = self.scratch(rows);
         let out = self.run(cache, batch, logit_rows, &[], true, &mut s);
         self.scratch = Some(s);
+        self.fault_check(cache, rows)?;
         Ok(out)
     }
 

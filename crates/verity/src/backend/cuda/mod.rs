@@ -51,7 +51,9 @@
 //!
 //! Not yet: a tiled GEMM for long prefills (they run 16 rows per launch), integer kernels for F16/BF16, the IQ4
 //! grids, Q2_K and MLX affine (they run the f32-activation kernel), a persistent per-layer kernel. The
-//! `Backend` operations cannot fail, so a device error after load panics with the driver's message.
+//! Faults: the `Backend` operations cannot fail, so a driver error after load is kept as the backend's fault,
+//! the launches after it are skipped, and the forward returns it as its error (`Backend::take_fault`): the
+//! request sees it and the process goes on. Only an allocation the device cannot satisfy still panics.
 
 pub mod affine;
 mod attention;
@@ -220,6 +222,12 @@ pub struct CudaBackend {
     knockout: bool,
     /// Rotations prepared at load (`prepare_attention`), in the order of every step's tables.
     ropes: Mutex<Vec<RopeTable>>,
+    /// The first driver error since the model last took it (`Backend::take_fault`). Once set, launches and
+    /// copies are skipped (their results would be garbage) until it is taken, and no graph recorded meanwhile
+    /// is kept.
+    fault: Mutex<Option<String>>,
+    /// The next launch fails as a driver error would (`fail_next_launch`).
+    fail_next: std::sync::atomic::AtomicBool,
 }
 
 /// A mutex's guard, also after a panic elsewhere (the guarded tables stay consistent: every update is one push
@@ -239,6 +247,8 @@ impl CudaStep {
     }
 }
 
+/// An allocation's result: memory the device cannot give is the one driver error a `Backend` operation cannot
+/// turn into a fault (it has no buffer to return), so it panics with the driver's message.
 fn dev<T>(what: &str, r: std::result::Result<T, cudarc::driver::DriverError>) -> T {
     r.unwrap_or_else(|e| panic!("CUDA {what}: {e}"))
 }
@@ -369,18 +379,63 @@ impl CudaBackend {
             admitted: Mutex::new(HashMap::new()),
             knockout,
             ropes: Mutex::new(Vec::new()),
+            fault: Mutex::new(None),
+            fail_next: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
-    /// Launch `f` (with programmatic dependent launch where the device has it); a driver error panics.
+    /// Launch `f` (with programmatic dependent launch where the device has it); a driver error becomes the
+    /// fault, and after a fault nothing is launched.
     ///
     /// # Safety
     /// As [`launch::launch`]: `args` match the kernel's signature and every address is valid for its accesses.
     unsafe fn go(&self, what: &str, f: &CudaFunction, cfg: LaunchConfig, args: &[Arg]) {
-        // SAFETY: the caller's contract.
-        dev(what, unsafe {
-            launch::launch(&self.stream, f, cfg, self.pdl, args)
-        });
+        if self.faulted() {
+            return;
+        }
+        let r = match self.injected() {
+            Some(e) => Err(e),
+            // SAFETY: the caller's contract.
+            None => unsafe { launch::launch(&self.stream, f, cfg, self.pdl, args) },
+        };
+        self.check(what, r);
+    }
+
+    /// The launch failure `fail_next_launch` asked for, once.
+    fn injected(&self) -> Option<cudarc::driver::DriverError> {
+        self.fail_next
+            .swap(false, std::sync::atomic::Ordering::Relaxed)
+            .then_some(cudarc::driver::DriverError(
+                cudarc::driver::sys::CUresult::CUDA_ERROR_LAUNCH_FAILED,
+            ))
+    }
+
+    /// Makes the next kernel or graph launch fail as a driver error would: the fault path's test
+    /// (`tests/cuda.rs`) drives it on a real device; nothing else calls it.
+    #[doc(hidden)]
+    pub fn fail_next_launch(&self) {
+        self.fail_next
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// `r`'s value, or `None` with its error kept as the fault (the first one since the fault was last taken).
+    fn check<T>(
+        &self,
+        what: &str,
+        r: std::result::Result<T, cudarc::driver::DriverError>,
+    ) -> Option<T> {
+        r.map_err(|e| {
+            let mut fault = lock(&self.fault);
+            if fault.is_none() {
+                tracing::error!("CUDA {what}: {e}");
+                *fault = Some(format!("CUDA {what}: {e}"));
+            }
+        })
+        .ok()
+    }
+
+    fn faulted(&self) -> bool {
+        lock(&self.fault).is_some()
     }
 
     fn at<T>(&self, s: &CudaSlice<T>, at: usize) -> Arg {
@@ -421,15 +476,19 @@ impl Backend for CudaBackend {
     }
 
     fn write(&self, buf: &mut CudaSlice<f32>, data: &[f32]) {
-        dev(
-            "upload",
-            self.stream
-                .memcpy_htod(data, &mut buf.slice_mut(..data.len())),
-        );
+        let r = self
+            .stream
+            .memcpy_htod(data, &mut buf.slice_mut(..data.len()));
+        self.check("upload", r);
     }
 
     fn download(&self, buf: &CudaSlice<f32>, len: usize) -> Vec<f32> {
-        dev("download", self.stream.clone_dtoh(&buf.slice(..len)))
+        let r = self.stream.clone_dtoh(&buf.slice(..len));
+        self.check("download", r).unwrap_or_else(|| vec![0.0; len])
+    }
+
+    fn take_fault(&self) -> Option<String> {
+        lock(&self.fault).take()
     }
 
     fn step(&self, max_rows: usize) -> CudaStep {
@@ -492,34 +551,44 @@ impl Backend for CudaBackend {
             }
             used = step.mask_at + v.len();
         }
-        dev(
-            "step upload",
-            self.stream
-                .memcpy_htod(&step.host[..used], &mut step.dev.slice_mut(..used)),
-        );
+        let r = self
+            .stream
+            .memcpy_htod(&step.host[..used], &mut step.dev.slice_mut(..used));
+        self.check("step upload", r);
     }
 
     fn replay_or_record(&self, key: u64, work: &mut dyn FnMut()) {
         let Some(store) = &self.graphs else {
             return work();
         };
+        if self.faulted() {
+            return work(); // launches nothing, records nothing
+        }
         let mut g = lock(&store.0);
         if let Some(graph) = g.replay(key) {
-            dev("graph launch", graph.launch());
+            let r = match self.injected() {
+                Some(e) => Err(e),
+                None => graph.launch(),
+            };
+            self.check("graph launch", r);
             return;
         }
-        dev(
-            "graph capture",
-            self.stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
-        );
+        let r = self
+            .stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
+        if self.check("graph capture", r).is_none() {
+            return;
+        }
         work();
-        let graph = dev(
-            "graph capture",
-            self.stream.end_capture(CUgraphInstantiate_flags(0)),
-        )
-        .expect("a captured forward has operations");
-        dev("graph launch", g.insert(key, graph).launch());
+        let r = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        let Some(graph) = self.check("graph capture", r).flatten() else {
+            return;
+        };
+        if self.faulted() {
+            return; // a launch failed while recording: the graph misses it, so it is dropped unplayed
+        }
+        let r = g.insert(key, graph).launch();
+        self.check("graph launch", r);
         let s = g.stats();
         tracing::debug!(
             "CUDA graph recorded: {} kept, {} recorded, {} evicted, {} replays so far",
@@ -816,7 +885,8 @@ impl Backend for CudaBackend {
         }
         let s = src.slice(src_off..src_off + len);
         let mut d = dst.slice_mut(dst_off..dst_off + len);
-        dev("copy", self.stream.memcpy_dtod(&s, &mut d));
+        let r = self.stream.memcpy_dtod(&s, &mut d);
+        self.check("copy", r);
     }
 
     fn copy_down(&self, buf: &mut CudaSlice<f32>, src_off: usize, dst_off: usize, len: usize) {
@@ -827,7 +897,8 @@ impl Backend for CudaBackend {
         let (mut lo, hi) = buf.split_at_mut(src_off);
         let s = hi.slice(0..len);
         let mut d = lo.slice_mut(dst_off..dst_off + len);
-        dev("copy", self.stream.memcpy_dtod(&s, &mut d));
+        let r = self.stream.memcpy_dtod(&s, &mut d);
+        self.check("copy", r);
     }
 }
 
