@@ -1180,7 +1180,6 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
         // A new window: the barrier ending the chunk before has let every chain read the last one.
         if (c0 % window == 0) stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st, eight_lanes, c0,
                                        min(window, nb - c0), window);
-        if (c0 > 0) load_chunk(c0);
 #pragma unroll
         for (int m = 0; m < MATS; m++) {
 #pragma unroll
@@ -1207,6 +1206,9 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
                 }
             }
         }
+        // The next chunk's quants are in flight through the barrier, the chains and any restaging (the MMAs
+        // above have consumed this chunk's registers).
+        if (c1 < nb) load_chunk(c1);
         __syncthreads();
 #ifdef KO_CHAIN
         if (chains && c0 == 0) acc[0] = acc[1] = (float)iex[r * QM_STRIDE + c];
