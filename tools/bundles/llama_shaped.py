@@ -8,6 +8,8 @@ bundles from this script and a small GGUF that lends its tokenizer; no multi-gig
     python tools/bundles/llama_shaped.py --shape 1b --tokenizer SmolLM2-135M-Instruct.Q4_1.gguf \\
         --format f16 --out /tmp/bundles/1b-f16.gguf [--quantize q4_k_m --threads 8]
     python tools/bundles/llama_shaped.py --shape 8b --tokenizer T.gguf --format mlx4 --out /tmp/bundles/8b-mlx4
+    python tools/bundles/llama_shaped.py --shape tokenizer --tokenizer SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --out /tmp/bundles/smollm2-tokenizer.gguf          # 2 MB: what --tokenizer needs, for carrying
 
 Shapes (layers, d_model, ffn, heads, kv heads, head dim): tiny 2/256/512/4/2/64 (quick tests),
 1b 16/2048/8192/32/8/64, 3b 28/3072/8192/24/8/128, 8b 32/4096/14336/32/8/128 (the Llama 3.2 1B/3B and
@@ -351,7 +353,9 @@ def main() -> None:
     summary, details = __doc__.split("\n\n", 1)
     ap = argparse.ArgumentParser(description=summary, epilog=details,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=SHAPES, required=True, help="model shape (see below)")
+    ap.add_argument("--shape", choices=[*SHAPES, "tokenizer"], required=True,
+                    help="model shape (see below); `tokenizer`: a GGUF of the tokenizer.* keys alone, no tensors "
+                         "(a 2 MB stand-in for --tokenizer where the full model file is too large to carry)")
     ap.add_argument("--tokenizer", required=True, metavar="GGUF",
                     help="a GGUF file whose tokenizer.* metadata (vocabulary, merges, chat template) is copied")
     ap.add_argument("--format", choices=[*GGUF_TYPES, *MLX_BITS], default="f16", help="weight format (default f16)")
@@ -372,10 +376,20 @@ def main() -> None:
         except ImportError as e:
             raise SystemExit(f"--quantize needs llama-cpp-python (pip install llama-cpp-python): {e}")
 
-    shape = SHAPES[args.shape]
     tok = tokenizer_fields(gguf.GGUFReader(args.tokenizer))
     if "tokenizer.ggml.tokens" not in tok:
         raise SystemExit(f"{args.tokenizer} has no tokenizer.ggml.tokens")
+    if args.shape == "tokenizer":
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        w = gguf.GGUFWriter(args.out, "llama")
+        for name, (value, vtype, sub) in tok.items():
+            w.add_key_value(name, value, vtype, sub_type=sub)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.close()
+        log(f"wrote {args.out} (the tokenizer of {args.tokenizer})")
+        return
+    shape = SHAPES[args.shape]
     vocab = len(tok["tokenizer.ggml.tokens"][0])
     zero_rows = control_ids(tok)
 
