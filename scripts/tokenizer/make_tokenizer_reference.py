@@ -9,14 +9,18 @@ For every string of CORPUS below it records:
   decoded      llm.detokenize(ids).decode('utf-8', errors='replace')
   decoded_special  llm.detokenize(ids_special, special=True) likewise (special tokens rendered)
 
-Cross-check: if `tokenizers` (Hugging Face) is installed, a byte-level BPE is rebuilt from the GGUF's own
-vocab/merges with SmolLM2's pre-tokenizer (individual digits, then the GPT-2 regex) and every string is
-tokenized again; disagreements with llama.cpp are reported (and stored under "cross_check"), never fatal.
+Cross-check (gpt2-model vocabularies): if `tokenizers` (Hugging Face) is installed, a byte-level BPE is
+rebuilt from the GGUF's own vocab/merges with SmolLM2's pre-tokenizer (individual digits, then the GPT-2 regex)
+and every string is tokenized again; disagreements with llama.cpp are reported (and stored under
+"cross_check"), never fatal.
 
 Usage:
   python scripts/tokenizer/make_tokenizer_reference.py \
       --model /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf \
       --out crates/verity/tests/fixtures/tokenizer/smollm2_llamacpp.json
+  python scripts/tokenizer/make_tokenizer_reference.py \
+      --model ~/.cache/verity/models/gemma3-270m/gemma-3-270m-q4_k_m.gguf \
+      --out crates/verity/tests/fixtures/tokenizer/gemma3_270m_llamacpp.json
 """
 
 from __future__ import annotations
@@ -194,6 +198,8 @@ def main() -> int:
     try:
         import tokenizers
 
+        if meta.get("tokenizer.ggml.model") != "gpt2":
+            raise ImportError("the cross-check rebuilds gpt2-model vocabularies only")
         plain, special = build_hf_tokenizers(meta)
         cross["tool"] = f"tokenizers {tokenizers.__version__} (BPE rebuilt from the GGUF vocab/merges)"
         for c in cases:
@@ -202,11 +208,11 @@ def main() -> int:
                 if hf != c[field]:
                     cross["disagreements"].append({"name": c["name"], "field": field, "llama_cpp": c[field],
                                                    "tokenizers": hf})
-    except ImportError:
-        cross["tool"] = "not run (tokenizers not installed)"
+    except ImportError as e:
+        cross["tool"] = f"not run ({e})"
 
     out = {
-        "description": "SmolLM2-135M-Instruct tokenizer reference made with llama.cpp's tokenizer "
+        "description": f"{os.path.basename(args.model)} tokenizer reference made with llama.cpp's tokenizer "
                        "(llama-cpp-python, vocab_only). ids: special=False (special tokens as text); "
                        "ids_special: special=True; add_bos=False for both.",
         "generator": "scripts/tokenizer/make_tokenizer_reference.py",

@@ -13,8 +13,27 @@ fn smollm2_tokenizer() -> Tokenizer {
 
 #[test]
 fn gguf_tokenizer_matches_llama_cpp_on_the_corpus() {
-    let tok = smollm2_tokenizer();
-    let reference = json(&fixtures().join("tokenizer/smollm2_llamacpp.json"));
+    assert_matches_llama_cpp(&smollm2_tokenizer(), "smollm2_llamacpp.json");
+}
+
+/// A SentencePiece vocabulary (`llama` model: scores, `▁` spaces, byte fallback, no space prefix, 262,144
+/// tokens): Gemma 3 270M's GGUF.
+#[test]
+fn gguf_sentencepiece_tokenizer_matches_llama_cpp_on_the_corpus() {
+    let gguf = verity::bundle::gguf::GgufFile::open(&gemma3_270m()).unwrap();
+    let tok = Tokenizer::from_gguf(&gguf).unwrap();
+    assert_matches_llama_cpp(&tok, "gemma3_270m_llamacpp.json");
+    let reference = json(&fixtures().join("tokenizer/gemma3_270m_llamacpp.json"));
+    assert_eq!(
+        tok.bos,
+        reference["bos_token_id"].as_u64().map(|v| v as u32)
+    );
+    assert_eq!(tok.add_bos, reference["add_bos_token"].as_bool().unwrap());
+}
+
+/// `tok` against a fixture of llama.cpp's tokenizer (`scripts/tokenizer/make_tokenizer_reference.py`).
+fn assert_matches_llama_cpp(tok: &Tokenizer, fixture: &str) {
+    let reference = json(&fixtures().join("tokenizer").join(fixture));
     let cases = reference["cases"].as_array().unwrap();
     assert!(cases.len() >= 40);
     for c in cases {

@@ -2,7 +2,13 @@
 //! run through the same `tokenizers` implementation as Hugging Face bundles.
 //!
 //! Supported: `gpt2`-model (byte-level BPE) vocabularies with the pre-tokenizers llama.cpp names `default`/`gpt2`,
-//! `smollm`, `llama-bpe`/`llama3`, `qwen2`. The pre-tokenizer regexes are those of the models' own tokenizer.json.
+//! `smollm`, `llama-bpe`/`llama3`, `qwen2`, whose regexes are those of the models' own tokenizer.json; and
+//! `llama`-model (SentencePiece BPE) vocabularies — pieces with scores, spaces as `▁`, `<0xNN>` byte fallback
+//! (Llama 2, Gemma) — as Hugging Face's converter represents them: a BPE whose merges are every split of a piece
+//! into two pieces, ranked by the merged piece's score (llama.cpp merges the adjacent pair whose union scores
+//! highest, which these ranks reproduce).
+
+use std::collections::HashMap;
 
 use serde_json::{json, Value};
 
@@ -26,17 +32,133 @@ fn split(pattern: &str) -> Value {
 
 /// The tokenizer.json (as a JSON value) for a GGUF file's vocabulary.
 pub fn tokenizer_json(g: &GgufFile) -> Result<Value> {
-    let bad = |m: String| Error::malformed(&g.path, m);
     let model = g
         .get("tokenizer.ggml.model")
         .and_then(|v| v.as_str())
         .unwrap_or("");
-    if model != "gpt2" {
-        return Err(Error::Unsupported(format!(
-            "{}: tokenizer model {model:?} (verity reads gpt2 byte-level BPE from GGUF)",
+    match model {
+        "gpt2" => byte_level_bpe(g),
+        "llama" => sentencepiece_bpe(g),
+        _ => Err(Error::Unsupported(format!(
+            "{}: tokenizer model {model:?} (verity reads gpt2 byte-level BPE and llama SentencePiece BPE from \
+             GGUF)",
             g.path.display()
-        )));
+        ))),
     }
+}
+
+/// The vocabulary's strings, and its control and user-defined tokens as tokenizer.json's added tokens.
+fn vocabulary(g: &GgufFile) -> Result<(Vec<&str>, Vec<Value>)> {
+    let bad = |m: String| Error::malformed(&g.path, m);
+    let tokens = g
+        .get("tokenizer.ggml.tokens")
+        .and_then(|v| v.as_array())
+        .ok_or_else(|| bad("tokenizer.ggml.tokens is missing".into()))?;
+    let types = g
+        .get("tokenizer.ggml.token_type")
+        .and_then(|v| v.as_array());
+    let mut strings = Vec::with_capacity(tokens.len());
+    let mut added = Vec::new();
+    for (id, t) in tokens.iter().enumerate() {
+        let s = t
+            .as_str()
+            .ok_or_else(|| bad(format!("token {id} is not a string")))?;
+        strings.push(s);
+        let ty = types
+            .and_then(|a| a.get(id))
+            .and_then(|v| v.as_u64())
+            .unwrap_or(1);
+        if ty == TYPE_CONTROL || ty == TYPE_USER_DEFINED {
+            added.push(json!({"id": id, "content": s, "single_word": false, "lstrip": false, "rstrip": false,
+                              "normalized": false, "special": ty == TYPE_CONTROL}));
+        }
+    }
+    Ok((strings, added))
+}
+
+fn vocab_map(strings: &[&str]) -> serde_json::Map<String, Value> {
+    strings
+        .iter()
+        .enumerate()
+        .map(|(id, s)| (s.to_string(), json!(id)))
+        .collect()
+}
+
+/// SentencePiece BPE (`llama` model): the merges of every piece split into two pieces of the vocabulary, a
+/// piece's splits in the order of their pieces' ids, all ranked by the merged piece's score, highest first
+/// (stable, so equal scores keep vocabulary order).
+fn sentencepiece_bpe(g: &GgufFile) -> Result<Value> {
+    let bad = |m: String| Error::malformed(&g.path, m);
+    let (strings, added) = vocabulary(g)?;
+    let scores = g
+        .get("tokenizer.ggml.scores")
+        .and_then(|v| v.as_array())
+        .filter(|a| a.len() == strings.len())
+        .ok_or_else(|| bad("tokenizer.ggml.scores is missing or not one per token".into()))?;
+    let scores: Vec<f64> = scores
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            v.as_f64()
+                .ok_or_else(|| bad(format!("score {i} is not a number")))
+        })
+        .collect::<Result<_>>()?;
+    let index: HashMap<&str, usize> = strings.iter().enumerate().map(|(i, &s)| (s, i)).collect();
+    let mut merges: Vec<(f64, usize, usize)> = Vec::new();
+    for (id, piece) in strings.iter().enumerate() {
+        let start = merges.len();
+        for (at, _) in piece.char_indices().skip(1) {
+            let (l, r) = piece.split_at(at);
+            if let (Some(&l), Some(&r)) = (index.get(l), index.get(r)) {
+                merges.push((scores[id], l, r));
+            }
+        }
+        merges[start..].sort_by_key(|&(_, l, r)| (l, r));
+    }
+    merges.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let merges: Vec<Value> = merges
+        .iter()
+        .map(|&(_, l, r)| json!([strings[l], strings[r]]))
+        .collect();
+    let flag = |k: &str, default: bool| g.get(k).and_then(|v| v.as_bool()).unwrap_or(default);
+    // llama.cpp puts a space before the text where the vocabulary asks (Llama 2; not Gemma).
+    let space_prefix = flag("tokenizer.ggml.add_space_prefix", true);
+    let spaces = json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"});
+    let normalizer = if space_prefix {
+        json!({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u{2581}"}, spaces]})
+    } else {
+        spaces
+    };
+    let mut decoders = vec![
+        json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
+        json!({"type": "ByteFallback"}),
+        json!({"type": "Fuse"}),
+    ];
+    if space_prefix {
+        decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+    }
+    let unk = g
+        .get("tokenizer.ggml.unknown_token_id")
+        .and_then(|v| v.as_u64())
+        .and_then(|id| strings.get(id as usize).copied());
+    Ok(json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": normalizer,
+        "pre_tokenizer": null,
+        "post_processor": null,
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": {"type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+                  "vocab": vocab_map(&strings), "merges": merges}
+    }))
+}
+
+/// Byte-level BPE (`gpt2` model) with the pre-tokenizer llama.cpp names.
+fn byte_level_bpe(g: &GgufFile) -> Result<Value> {
+    let bad = |m: String| Error::malformed(&g.path, m);
     let pre = g
         .get("tokenizer.ggml.pre")
         .and_then(|v| v.as_str())
@@ -54,34 +176,11 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<Value> {
             )))
         }
     };
-    let tokens = g
-        .get("tokenizer.ggml.tokens")
-        .and_then(|v| v.as_array())
-        .ok_or_else(|| bad("tokenizer.ggml.tokens is missing".into()))?;
-    let types = g
-        .get("tokenizer.ggml.token_type")
-        .and_then(|v| v.as_array());
+    let (strings, added) = vocabulary(g)?;
     let merges = g
         .get("tokenizer.ggml.merges")
         .and_then(|v| v.as_array())
         .ok_or_else(|| bad("tokenizer.ggml.merges is missing".into()))?;
-
-    let mut vocab = serde_json::Map::with_capacity(tokens.len());
-    let mut added = Vec::new();
-    for (id, t) in tokens.iter().enumerate() {
-        let s = t
-            .as_str()
-            .ok_or_else(|| bad(format!("token {id} is not a string")))?;
-        vocab.insert(s.to_string(), json!(id));
-        let ty = types
-            .and_then(|a| a.get(id))
-            .and_then(|v| v.as_u64())
-            .unwrap_or(1);
-        if ty == TYPE_CONTROL || ty == TYPE_USER_DEFINED {
-            added.push(json!({"id": id, "content": s, "single_word": false, "lstrip": false, "rstrip": false,
-                              "normalized": false, "special": ty == TYPE_CONTROL}));
-        }
-    }
     let merges: Vec<Value> = merges
         .iter()
         .enumerate()
@@ -102,6 +201,6 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<Value> {
         "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
         "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
                   "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-                  "vocab": vocab, "merges": merges}
+                  "vocab": vocab_map(&strings), "merges": merges}
     }))
 }

