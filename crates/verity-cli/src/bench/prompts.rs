@@ -1,5 +1,5 @@
-//! The benchmark prompt file: JSON lines with `id`, `category` and `messages` (one turn) or `turns` (a
-//! conversation whose user turns are run one after another).
+//! The benchmark prompt file: JSON lines with `id`, `category` and `messages` (one turn), `turns` (a
+//! conversation whose user turns are run one after another) or `prompt` (raw text, for base models).
 
 use std::path::Path;
 
@@ -16,6 +16,9 @@ pub struct BenchPrompt {
     /// Each turn: the messages appended before that turn's answer (usually one user message).
     #[serde(default)]
     pub turns: Vec<TurnMessages>,
+    /// Raw text: a model without a chat template reads it as it is (a chat model as one user message).
+    #[serde(default)]
+    pub prompt: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -28,6 +31,9 @@ pub enum TurnMessages {
 impl BenchPrompt {
     /// The turns as lists of messages to append (a single-turn prompt is one turn).
     pub fn turns(&self) -> Vec<Vec<Message>> {
+        if let Some(text) = &self.prompt {
+            return vec![vec![Message::new("user", text)]];
+        }
         if self.turns.is_empty() {
             return vec![self.messages.clone()];
         }
@@ -51,9 +57,10 @@ pub fn load(path: &Path) -> Result<Vec<BenchPrompt>> {
         }
         let p: BenchPrompt = serde_json::from_str(line)
             .with_context(|| format!("{}:{}: invalid prompt", path.display(), i + 1))?;
-        if p.messages.is_empty() && p.turns.is_empty() {
+        let given = [!p.messages.is_empty(), !p.turns.is_empty(), p.prompt.is_some()];
+        if given.iter().filter(|&&g| g).count() != 1 {
             bail!(
-                "{}:{}: prompt {} has neither messages nor turns",
+                "{}:{}: prompt {} needs exactly one of messages, turns and prompt",
                 path.display(),
                 i + 1,
                 p.id
@@ -62,4 +69,28 @@ pub fn load(path: &Path) -> Result<Vec<BenchPrompt>> {
         out.push(p);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load_lines(lines: &str) -> Result<Vec<BenchPrompt>> {
+        let path = std::env::temp_dir().join(format!("verity-prompts-{}.jsonl", std::process::id()));
+        std::fs::write(&path, lines).unwrap();
+        let out = load(&path);
+        std::fs::remove_file(&path).unwrap();
+        out
+    }
+
+    #[test]
+    fn a_raw_text_prompt_is_one_turn_and_a_line_takes_exactly_one_form() {
+        let p = load_lines(r#"{"id":"r1","category":"prose","prompt":"Once upon a time"}"#).unwrap();
+        let turns = p[0].turns();
+        assert_eq!(turns.len(), 1);
+        assert_eq!(turns[0][0].content, "Once upon a time");
+        let both = r#"{"id":"x","category":"prose","prompt":"a","messages":[{"role":"user","content":"b"}]}"#;
+        assert!(load_lines(both).unwrap_err().to_string().contains("exactly one"));
+        assert!(load_lines(r#"{"id":"y","category":"prose"}"#).is_err());
+    }
 }
