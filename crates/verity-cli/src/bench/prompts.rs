@@ -57,7 +57,11 @@ pub fn load(path: &Path) -> Result<Vec<BenchPrompt>> {
         }
         let p: BenchPrompt = serde_json::from_str(line)
             .with_context(|| format!("{}:{}: invalid prompt", path.display(), i + 1))?;
-        let given = [!p.messages.is_empty(), !p.turns.is_empty(), p.prompt.is_some()];
+        let given = [
+            !p.messages.is_empty(),
+            !p.turns.is_empty(),
+            p.prompt.is_some(),
+        ];
         if given.iter().filter(|&&g| g).count() != 1 {
             bail!(
                 "{}:{}: prompt {} needs exactly one of messages, turns and prompt",
@@ -76,7 +80,8 @@ mod tests {
     use super::*;
 
     fn load_lines(lines: &str) -> Result<Vec<BenchPrompt>> {
-        let path = std::env::temp_dir().join(format!("verity-prompts-{}.jsonl", std::process::id()));
+        let path =
+            std::env::temp_dir().join(format!("verity-prompts-{}.jsonl", std::process::id()));
         std::fs::write(&path, lines).unwrap();
         let out = load(&path);
         std::fs::remove_file(&path).unwrap();
@@ -85,12 +90,16 @@ mod tests {
 
     #[test]
     fn a_raw_text_prompt_is_one_turn_and_a_line_takes_exactly_one_form() {
-        let p = load_lines(r#"{"id":"r1","category":"prose","prompt":"Once upon a time"}"#).unwrap();
+        let p =
+            load_lines(r#"{"id":"r1","category":"prose","prompt":"Once upon a time"}"#).unwrap();
         let turns = p[0].turns();
         assert_eq!(turns.len(), 1);
         assert_eq!(turns[0][0].content, "Once upon a time");
         let both = r#"{"id":"x","category":"prose","prompt":"a","messages":[{"role":"user","content":"b"}]}"#;
-        assert!(load_lines(both).unwrap_err().to_string().contains("exactly one"));
+        assert!(load_lines(both)
+            .unwrap_err()
+            .to_string()
+            .contains("exactly one"));
         assert!(load_lines(r#"{"id":"y","category":"prose"}"#).is_err());
     }
 }
