@@ -170,16 +170,19 @@ fn assert_projection_matches_the_cpu(
         let mut want = cpu.buffer(rows * n);
         cpu.matmul(&cw, &x, rows, &mut want);
         let got = gpu_matmul(gpu, m, &x, rows);
-        let scale = want.iter().fold(1f32, |a, v| a.max(v.abs()));
-        let worst = got
-            .iter()
-            .zip(&want)
-            .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
-        assert!(
-            worst <= 1e-5 * scale * k as f32,
-            "{name}, {rows} rows: max |Δ| {worst}"
-        );
+        assert_within_float_rounding(&got, &want, k, &format!("{name}, {rows} rows"));
     }
+}
+
+/// `got` against `want` (projections over `k` inputs that add in different orders): within float rounding of
+/// the sums, relative to the largest output.
+fn assert_within_float_rounding(got: &[f32], want: &[f32], k: usize, what: &str) {
+    let scale = want.iter().fold(1f32, |a, v| a.max(v.abs()));
+    let worst = got
+        .iter()
+        .zip(want)
+        .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+    assert!(worst <= 1e-5 * scale * k as f32, "{what}: max |Δ| {worst}");
 }
 
 /// A backend on GPU 0 whose projections all run the f32-activation kernel (`VERITY_CUDA_INT8=0`).
@@ -255,15 +258,7 @@ fn cuda_tiled_matrices_beside_untiled_ones_decode_their_tiles() {
             let (mut got, mut other) = (gpu.buffer(rows * 40), gpu.buffer(rows * 24));
             gpu.matmuls(&xs, None, rows, &mut [(&w, &mut got), (&f, &mut other)]);
             let got = gpu.download(&got, rows * 40);
-            let scale = want.iter().fold(1f32, |a, v| a.max(v.abs()));
-            let worst = got
-                .iter()
-                .zip(&want)
-                .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
-            assert!(
-                worst <= 1e-5 * scale * k as f32,
-                "{name}, {rows} rows: max |Δ| {worst}"
-            );
+            assert_within_float_rounding(&got, &want, k, &format!("{name}, {rows} rows"));
         }
     }
 }
