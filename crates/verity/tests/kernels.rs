@@ -8,7 +8,7 @@ use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use verity::backend::cpu::{Activations, CpuBackend};
-use verity::backend::Backend;
+use verity::backend::{Backend, Glu};
 use verity::quant::{GgmlType, MlxScaleType, QMatrix};
 use verity::storage::Bytes;
 
@@ -276,12 +276,20 @@ fn fused_projections_give_each_output_what_its_own_matmul_gives() {
             assert!(same(got, want), "{acts:?}: output {i} of the fused pass");
         }
         let mut act = be.buffer(rows * mats[0].rows);
-        be.swiglu_matmul(&x, None, rows, &loaded[0], &loaded[1], &mut act);
-        let want: Vec<f32> = alone[0]
-            .iter()
-            .zip(&alone[1])
-            .map(|(&g, &u)| verity::backend::cpu::silu_times(g, u))
-            .collect();
-        assert!(same(&act, &want), "{acts:?}: SwiGLU pair");
+        for (glu, f) in [
+            (
+                Glu::Silu,
+                verity::backend::cpu::silu_times as fn(f32, f32) -> f32,
+            ),
+            (Glu::GeluTanh, verity::backend::cpu::gelu_tanh_times),
+        ] {
+            be.glu_matmul(&x, None, rows, &loaded[0], &loaded[1], glu, &mut act);
+            let want: Vec<f32> = alone[0]
+                .iter()
+                .zip(&alone[1])
+                .map(|(&g, &u)| f(g, u))
+                .collect();
+            assert!(same(&act, &want), "{acts:?}: {glu:?} pair");
+        }
     }
 }

@@ -21,6 +21,16 @@ pub enum RopeStyle {
     HalfSplit,
 }
 
+/// The activation of a gated MLP: `out = act(gate · x) ⊙ (up · x)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Glu {
+    /// SwiGLU: `silu(g) = g / (1 + e^-g)` (Llama, Qwen).
+    #[default]
+    Silu,
+    /// GeGLU with the tanh approximation of GELU, `0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³)))` (Gemma).
+    GeluTanh,
+}
+
 /// Which keys each new row may attend to. Committed cache slots (before the batch) are always visible.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AttnMask {
@@ -65,6 +75,9 @@ pub struct AttnShape {
     pub n_kv_heads: usize,
     pub head_dim: usize,
     pub scale: f32,
+    /// A local attention layer's window: a row at position `p` sees only keys at positions `p - window + 1..=p`
+    /// (cache slot `j` holds position `j`). `None`: every key the mask allows.
+    pub window: Option<usize>,
 }
 
 /// A model's rotary position embedding.
@@ -148,15 +161,30 @@ pub trait Backend: Send + Sync + 'static {
         rows: usize,
         outs: &mut [(&Self::Matrix, &mut Self::Buffer)],
     );
-    /// The first half of a SwiGLU MLP: `out = silu(gate · x̂) ⊙ (up · x̂)`, with x̂ as in [`Backend::matmuls`].
+    /// The first half of a gated MLP: `out = act(gate · x̂) ⊙ (up · x̂)`, with x̂ as in [`Backend::matmuls`].
     #[allow(clippy::too_many_arguments)]
-    fn swiglu_matmul(
+    fn glu_matmul(
         &self,
         x: &Self::Buffer,
         norm: Option<(&Self::Buffer, f32)>,
         rows: usize,
         gate: &Self::Matrix,
         up: &Self::Matrix,
+        act: Glu,
+        out: &mut Self::Buffer,
+    );
+    /// `x[..len] *= s`.
+    fn scale(&self, x: &mut Self::Buffer, len: usize, s: f32);
+    /// `out += rms_norm(x) · w` for `rows` rows of `dim` values: a normed block output added to the residual
+    /// stream (the norm formed exactly as [`Backend::rms_norm`] forms it, then added).
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_add(
+        &self,
+        x: &Self::Buffer,
+        w: &Self::Buffer,
+        rows: usize,
+        dim: usize,
+        eps: f32,
         out: &mut Self::Buffer,
     );
     /// `x[r, :] += bias` for `rows` rows.

@@ -3,7 +3,7 @@
 use serde::Deserialize;
 
 use super::gguf::GgufFile;
-use crate::backend::RopeStyle;
+use crate::backend::{Glu, RopeStyle};
 use crate::error::{Error, Result};
 
 /// The architectures verity implements.
@@ -12,6 +12,7 @@ pub enum Arch {
     Llama,
     Qwen2,
     Qwen3,
+    Gemma3,
 }
 
 impl Arch {
@@ -20,6 +21,7 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Gemma3 => "gemma3",
         }
     }
 }
@@ -43,6 +45,50 @@ pub struct HParams {
     /// Qwen3: an RMS norm over each head of Q and K before RoPE.
     pub qk_norm: bool,
     pub context_len: usize,
+    /// How the blocks differ from Llama's (all defaults for Llama and Qwen).
+    pub block: BlockStyle,
+}
+
+/// What sets a decoder's blocks apart from the Llama block: the defaults are Llama's.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct BlockStyle {
+    /// The gated MLP's activation.
+    pub glu: Glu,
+    /// Gemma 2/3: the attention and MLP outputs are RMS-normed (their own weights) before the residual add.
+    pub post_norms: bool,
+    /// Gemma: embeddings are multiplied by this (√hidden) before the first layer.
+    pub embedding_scale: Option<f32>,
+    /// The attention score scale, where it is not 1/√head_dim (Gemma's `query_pre_attn_scalar`).
+    pub attention_scale: Option<f32>,
+    /// Local (sliding-window) attention layers, where the model has them.
+    pub sliding: Option<SlidingWindow>,
+}
+
+/// Local attention: a layer marked local attends to the `window` latest positions only (its own included) and
+/// rotates by its own RoPE base.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlidingWindow {
+    pub window: usize,
+    pub rope_theta: f32,
+    /// One entry per layer: `true` where the layer is local.
+    pub local: Vec<bool>,
+}
+
+impl HParams {
+    /// The attention score scale of this model.
+    pub fn attention_scale(&self) -> f32 {
+        self.block
+            .attention_scale
+            .unwrap_or(1.0 / (self.head_dim as f32).sqrt())
+    }
+
+    /// Layer `l`'s attention window (`None`: the whole context) and RoPE base.
+    pub fn layer_attention(&self, l: usize) -> (Option<usize>, f32) {
+        match &self.block.sliding {
+            Some(s) if s.local[l] => (Some(s.window), s.rope_theta),
+            _ => (None, self.rope_theta),
+        }
+    }
 }
 
 /// The longest context a header may declare (16M tokens; the longest real models declare 10M): beyond it a
@@ -98,6 +144,25 @@ impl HParams {
                 self.rms_eps, self.rope_theta
             ));
         }
+        if let Some(s) = &self.block.sliding {
+            if s.window == 0
+                || s.local.len() != self.n_layers
+                || !(s.rope_theta > 0.0 && s.rope_theta.is_finite())
+            {
+                return bad(format!("sliding window {s:?} for {} layers", self.n_layers));
+            }
+        }
+        if self
+            .block
+            .attention_scale
+            .is_some_and(|a| !(a > 0.0 && a.is_finite()))
+            || self
+                .block
+                .embedding_scale
+                .is_some_and(|a| !(a > 0.0 && a.is_finite()))
+        {
+            return bad(format!("scales in {:?}", self.block));
+        }
         if self.context_len == 0 || self.context_len > MAX_CONTEXT {
             return bad(format!(
                 "context length {} (expected 1 to {MAX_CONTEXT})",
@@ -117,9 +182,10 @@ impl HParams {
             "llama" => (Arch::Llama, RopeStyle::Interleaved),
             "qwen2" => (Arch::Qwen2, RopeStyle::HalfSplit),
             "qwen3" => (Arch::Qwen3, RopeStyle::HalfSplit),
+            "gemma3" => (Arch::Gemma3, RopeStyle::HalfSplit),
             other => {
                 return Err(Error::Unsupported(format!(
-                    "{}: architecture {other:?} (verity runs llama, qwen2, qwen3)",
+                    "{}: architecture {other:?} (verity runs llama, qwen2, qwen3, gemma3)",
                     g.path.display()
                 )))
             }
@@ -175,9 +241,41 @@ impl HParams {
             }
         }
         let tied = g.tensor("output.weight").is_none();
+        let n_layers = int("block_count")?;
+        let block = match arch {
+            Arch::Gemma3 => {
+                if g.get(&key("rope.scaling.type"))
+                    .is_some_and(|v| v.as_str() != Some("none"))
+                {
+                    return Err(Error::Unsupported(format!(
+                        "{}: {} {:?} (verity runs unscaled RoPE)",
+                        g.path.display(),
+                        key("rope.scaling.type"),
+                        g.get(&key("rope.scaling.type"))
+                    )));
+                }
+                // What llama.cpp's gemma3 loader fixes rather than reads: every sixth layer global, the local
+                // layers' RoPE base 10,000, and queries scaled by 1/√head_dim except in the 27B model (62
+                // layers), whose `query_pre_attn_scalar` is hidden/heads.
+                let window = int("attention.sliding_window")?;
+                let attention_scale = if n_layers == 62 {
+                    1.0 / ((hidden / n_heads.max(1)) as f32).sqrt()
+                } else {
+                    1.0 / (head_dim as f32).sqrt()
+                };
+                gemma3_block(
+                    window,
+                    10_000.0,
+                    (0..n_layers).map(|l| (l + 1) % 6 != 0).collect(),
+                    attention_scale,
+                    hidden,
+                )
+            }
+            _ => BlockStyle::default(),
+        };
         let hp = HParams {
             arch,
-            n_layers: int("block_count")?,
+            n_layers,
             hidden,
             n_heads,
             n_kv_heads,
@@ -191,6 +289,7 @@ impl HParams {
             qkv_bias: g.tensor("blk.0.attn_q.bias").is_some(),
             qk_norm: g.tensor("blk.0.attn_q_norm.weight").is_some(),
             context_len: optional_int("context_length")?.unwrap_or(DEFAULT_CONTEXT),
+            block,
         };
         hp.check()
             .map_err(|m| Error::malformed(&g.path, format!("model hyper-parameters: {m}")))?;
@@ -202,12 +301,23 @@ impl HParams {
             Some("llama") | Some("mistral") => Arch::Llama,
             Some("qwen2") => Arch::Qwen2,
             Some("qwen3") => Arch::Qwen3,
+            Some("gemma3_text") => Arch::Gemma3,
+            Some("gemma3") => {
+                return Err(Error::Unsupported(
+                    "config.json model_type \"gemma3\" (the image-text model; verity runs its text model, \
+                     model_type \"gemma3_text\")"
+                        .into(),
+                ))
+            }
             other => {
                 return Err(Error::Unsupported(format!(
-                    "config.json model_type {other:?} (verity runs llama, mistral, qwen2, qwen3)"
+                    "config.json model_type {other:?} (verity runs llama, mistral, qwen2, qwen3, gemma3_text)"
                 )))
             }
         };
+        if arch == Arch::Gemma3 {
+            return Self::from_hf_gemma3(cfg);
+        }
         // transformers ≥ 5 writes `rope_parameters: {rope_theta, rope_type}`; older configs a top-level
         // `rope_theta` and an optional `rope_scaling`.
         let params = cfg.rope_parameters.as_ref();
@@ -264,9 +374,142 @@ impl HParams {
             },
             qk_norm: arch == Arch::Qwen3,
             context_len: cfg.max_position_embeddings.unwrap_or(DEFAULT_CONTEXT),
+            block: BlockStyle::default(),
         };
         hp.validate()?;
         Ok(hp)
+    }
+
+    /// A `gemma3_text` config: transformers 5 keeps one `rope_parameters` entry per layer type, older configs
+    /// `rope_theta` and `rope_local_base_freq`.
+    fn from_hf_gemma3(cfg: &HfConfig) -> Result<Self> {
+        let unsupported = |what: String| Err(Error::Unsupported(format!("config.json {what}")));
+        if cfg.use_bidirectional_attention == Some(true) {
+            return unsupported("use_bidirectional_attention (an embedding model)".into());
+        }
+        for (name, cap) in [
+            ("final_logit_softcapping", cfg.final_logit_softcapping),
+            ("attn_logit_softcapping", cfg.attn_logit_softcapping),
+        ] {
+            if let Some(c) = cap {
+                return unsupported(format!("{name} {c} (Gemma 2's soft-capping)"));
+            }
+        }
+        if let Some(act) = cfg
+            .hidden_activation
+            .as_deref()
+            .filter(|a| *a != "gelu_pytorch_tanh")
+        {
+            return unsupported(format!(
+                "hidden_activation {act:?} (Gemma 3 uses gelu_pytorch_tanh)"
+            ));
+        }
+        let n_layers = cfg.num_hidden_layers;
+        // (theta, rope type) of a layer type's entry in a transformers 5 config.
+        let entry = |kind: &str| -> Option<(Option<f64>, Option<&str>)> {
+            let e = cfg.rope_parameters.as_ref()?.get(kind)?;
+            Some((
+                e.get("rope_theta").and_then(|v| v.as_f64()),
+                e.get("rope_type").and_then(|v| v.as_str()),
+            ))
+        };
+        let (global, local) = (entry("full_attention"), entry("sliding_attention"));
+        let legacy_type = cfg
+            .rope_scaling
+            .as_ref()
+            .and_then(|s| s.get("rope_type").or_else(|| s.get("type")))
+            .and_then(|t| t.as_str());
+        for t in [
+            global.and_then(|g| g.1),
+            local.and_then(|l| l.1),
+            legacy_type,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if t != "default" {
+                return unsupported(format!("rope type {t:?} (verity runs unscaled RoPE)"));
+            }
+        }
+        let rope_theta = global
+            .and_then(|g| g.0)
+            .or(cfg.rope_theta)
+            .unwrap_or(1_000_000.0);
+        let local_theta = local
+            .and_then(|l| l.0)
+            .or(cfg.rope_local_base_freq)
+            .unwrap_or(10_000.0);
+        let local_layers: Vec<bool> = match &cfg.layer_types {
+            Some(types) => types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "sliding_attention" => Ok(true),
+                    "full_attention" => Ok(false),
+                    other => Err(Error::Unsupported(format!(
+                        "config.json layer type {other:?}"
+                    ))),
+                })
+                .collect::<Result<_>>()?,
+            None => {
+                let pattern = cfg
+                    .sliding_window_pattern
+                    .or(cfg.sliding_window_pattern_legacy)
+                    .unwrap_or(6)
+                    .max(1);
+                (0..n_layers).map(|l| (l + 1) % pattern != 0).collect()
+            }
+        };
+        let head_dim = cfg.head_dim.unwrap_or(256);
+        let n_heads = cfg.num_attention_heads;
+        let scalar = cfg.query_pre_attn_scalar.unwrap_or(head_dim as f64);
+        let window = cfg.sliding_window.unwrap_or(4096);
+        let hp = HParams {
+            arch: Arch::Gemma3,
+            n_layers,
+            hidden: cfg.hidden_size,
+            n_heads,
+            n_kv_heads: cfg.num_key_value_heads.unwrap_or(n_heads),
+            head_dim,
+            ffn_hidden: cfg.intermediate_size,
+            vocab: cfg.vocab_size,
+            rms_eps: cfg.rms_norm_eps.unwrap_or(1e-6) as f32,
+            rope_theta: rope_theta as f32,
+            rope_style: RopeStyle::HalfSplit,
+            tied_embeddings: cfg.tie_word_embeddings.unwrap_or(true),
+            qkv_bias: cfg.attention_bias.unwrap_or(false),
+            qk_norm: true,
+            context_len: cfg.max_position_embeddings.unwrap_or(DEFAULT_CONTEXT),
+            block: gemma3_block(
+                window,
+                local_theta as f32,
+                local_layers,
+                (1.0 / scalar.sqrt()) as f32,
+                cfg.hidden_size,
+            ),
+        };
+        hp.validate()?;
+        Ok(hp)
+    }
+}
+
+/// Gemma 3's blocks: GeGLU, post-norms, embeddings scaled by √hidden, local layers of `window` positions.
+fn gemma3_block(
+    window: usize,
+    local_theta: f32,
+    local: Vec<bool>,
+    attention_scale: f32,
+    hidden: usize,
+) -> BlockStyle {
+    BlockStyle {
+        glu: Glu::GeluTanh,
+        post_norms: true,
+        embedding_scale: Some((hidden as f32).sqrt()),
+        attention_scale: Some(attention_scale),
+        sliding: Some(SlidingWindow {
+            window,
+            rope_theta: local_theta,
+            local,
+        }),
     }
 }
 
@@ -299,4 +542,18 @@ pub struct HfConfig {
     pub num_nextn_predict_layers: Option<usize>,
     /// The same, as Qwen3.5-style configs name it.
     pub mtp_num_hidden_layers: Option<usize>,
+    // Gemma 3 (`gemma3_text`).
+    pub hidden_activation: Option<String>,
+    pub query_pre_attn_scalar: Option<f64>,
+    pub sliding_window: Option<usize>,
+    /// `sliding_attention` or `full_attention` per layer.
+    pub layer_types: Option<Vec<String>>,
+    pub rope_local_base_freq: Option<f64>,
+    pub sliding_window_pattern: Option<usize>,
+    /// What transformers 4.5x writes for `sliding_window_pattern`.
+    #[serde(rename = "_sliding_window_pattern")]
+    pub sliding_window_pattern_legacy: Option<usize>,
+    pub final_logit_softcapping: Option<f64>,
+    pub attn_logit_softcapping: Option<f64>,
+    pub use_bidirectional_attention: Option<bool>,
 }

@@ -20,7 +20,7 @@ pub use names::TensorKey;
 use crate::error::{Error, Result};
 use crate::quant::{GgmlType, MlxAffine, MlxScaleType, QMatrix};
 use gguf::GgufFile;
-use hparams::{HParams, HfConfig};
+use hparams::{Arch, HParams, HfConfig};
 use safetensors::{SafetensorsSet, StDtype};
 
 /// The on-disk form of a bundle.
@@ -180,14 +180,16 @@ impl Bundle {
     pub fn tensor_name(&self, key: TensorKey) -> String {
         match self.source {
             Source::Gguf(_) => key.gguf(),
-            Source::Safetensors { .. } => key.hf(),
+            Source::Safetensors { .. } => key.hf(self.hparams.arch),
         }
     }
 
     pub fn has(&self, key: TensorKey) -> bool {
         match &self.source {
             Source::Gguf(g) => g.tensor(&key.gguf()).is_some(),
-            Source::Safetensors { tensors, .. } => tensors.get(&key.hf()).is_some(),
+            Source::Safetensors { tensors, .. } => {
+                tensors.get(&key.hf(self.hparams.arch)).is_some()
+            }
         }
     }
 
@@ -212,8 +214,8 @@ impl Bundle {
             } => st_matrix(
                 tensors,
                 Some(config),
-                &key.hf_module(),
-                &key.hf(),
+                &key.hf_module(self.hparams.arch),
+                &key.hf(self.hparams.arch),
                 rows,
                 cols,
             ),
@@ -236,7 +238,15 @@ impl Bundle {
                 }
                 QMatrix::ggml(&name, t.ty, 1, len, g.tensor_bytes(t))?
             }
-            Source::Safetensors { tensors, .. } => return st_vector(tensors, &key.hf(), len),
+            Source::Safetensors { tensors, .. } => {
+                let mut v = st_vector(tensors, &key.hf(self.hparams.arch), len)?;
+                // Gemma's checkpoints store a norm's weight as w - 1 (its norm scales by 1 + w); GGUF
+                // converters store w.
+                if self.hparams.arch == Arch::Gemma3 && key.is_norm() {
+                    v.iter_mut().for_each(|x| *x += 1.0);
+                }
+                return Ok(v);
+            }
         };
         let mut out = vec![0.0; len];
         m.dequantize_row(0, &mut out);

@@ -1,5 +1,7 @@
 //! The tensors a decoder layer stack needs, and what each bundle format calls them.
 
+use super::hparams::Arch;
+
 /// A tensor of the model, named independently of the file format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TensorKey {
@@ -17,6 +19,10 @@ pub enum TensorKey {
     QNorm(usize),
     KNorm(usize),
     FfnNorm(usize),
+    /// Gemma: the norm of the attention output before the residual add.
+    AttnPostNorm(usize),
+    /// Gemma: the norm of the MLP output before the residual add.
+    FfnPostNorm(usize),
     Gate(usize),
     Up(usize),
     Down(usize),
@@ -41,6 +47,8 @@ impl TensorKey {
             QNorm(l) => format!("blk.{l}.attn_q_norm.weight"),
             KNorm(l) => format!("blk.{l}.attn_k_norm.weight"),
             FfnNorm(l) => format!("blk.{l}.ffn_norm.weight"),
+            AttnPostNorm(l) => format!("blk.{l}.post_attention_norm.weight"),
+            FfnPostNorm(l) => format!("blk.{l}.post_ffw_norm.weight"),
             Gate(l) => format!("blk.{l}.ffn_gate.weight"),
             Up(l) => format!("blk.{l}.ffn_up.weight"),
             Down(l) => format!("blk.{l}.ffn_down.weight"),
@@ -53,11 +61,13 @@ impl TensorKey {
         match self {
             TokenEmbedding | OutputNorm | Output => None,
             AttnNorm(l) | Q(l) | K(l) | V(l) | O(l) | QBias(l) | KBias(l) | VBias(l) | QNorm(l)
-            | KNorm(l) | FfnNorm(l) | Gate(l) | Up(l) | Down(l) => Some(l),
+            | KNorm(l) | FfnNorm(l) | AttnPostNorm(l) | FfnPostNorm(l) | Gate(l) | Up(l)
+            | Down(l) => Some(l),
         }
     }
 
-    /// The Hugging Face module path of a per-layer tensor inside its layer (`self_attn.q_proj`).
+    /// The Hugging Face module path of a per-layer tensor inside its layer (`self_attn.q_proj`), as Llama-family
+    /// models name them ([`TensorKey::hf_module`] has the names of any architecture).
     pub fn hf_layer_module(self) -> Option<&'static str> {
         use TensorKey::*;
         Some(match self {
@@ -70,15 +80,23 @@ impl TensorKey {
             QNorm(_) => "self_attn.q_norm",
             KNorm(_) => "self_attn.k_norm",
             FfnNorm(_) => "post_attention_layernorm",
+            AttnPostNorm(_) => "post_attention_layernorm",
+            FfnPostNorm(_) => "post_feedforward_layernorm",
             Gate(_) => "mlp.gate_proj",
             Up(_) => "mlp.up_proj",
             Down(_) => "mlp.down_proj",
         })
     }
 
-    /// The Hugging Face transformers name, without the `.weight`/`.bias` suffix (MLX adds `.scales`/`.biases`).
-    pub fn hf_module(self) -> String {
-        match (self, self.layer(), self.hf_layer_module()) {
+    /// The Hugging Face transformers name in a model of `arch`, without the `.weight`/`.bias` suffix (MLX adds
+    /// `.scales`/`.biases`). Gemma calls its norm before the MLP `pre_feedforward_layernorm` and gives Llama's
+    /// name for it to the norm after attention.
+    pub fn hf_module(self, arch: Arch) -> String {
+        let module = match (arch, self) {
+            (Arch::Gemma3, TensorKey::FfnNorm(_)) => Some("pre_feedforward_layernorm"),
+            _ => self.hf_layer_module(),
+        };
+        match (self, self.layer(), module) {
             (_, Some(l), Some(m)) => format!("model.layers.{l}.{m}"),
             (TensorKey::TokenEmbedding, ..) => "model.embed_tokens".into(),
             (TensorKey::OutputNorm, ..) => "model.norm".into(),
@@ -95,8 +113,23 @@ impl TensorKey {
         }
     }
 
-    /// The Hugging Face tensor name.
-    pub fn hf(self) -> String {
-        format!("{}.{}", self.hf_module(), self.hf_suffix())
+    /// The Hugging Face tensor name in a model of `arch`.
+    pub fn hf(self, arch: Arch) -> String {
+        format!("{}.{}", self.hf_module(arch), self.hf_suffix())
+    }
+
+    /// A norm weight (Gemma's checkpoints store these as `w - 1`).
+    pub fn is_norm(self) -> bool {
+        use TensorKey::*;
+        matches!(
+            self,
+            OutputNorm
+                | AttnNorm(_)
+                | QNorm(_)
+                | KNorm(_)
+                | FfnNorm(_)
+                | AttnPostNorm(_)
+                | FfnPostNorm(_)
+        )
     }
 }

@@ -18,11 +18,11 @@
 
 use std::sync::Arc;
 
-use super::llama::{Layer, Scratch};
+use super::decoder::{Layer, Scratch};
 use super::{drafting_cache, drafting_matrix, run_recorded, DraftVocab, Model};
 use crate::backend::{AttnMask, AttnShape, Backend, Rope, RopeStyle, StepInputs};
 use crate::bundle::drafter::{tensor_name, DRAFT_VOCAB};
-use crate::bundle::hparams::HParams;
+use crate::bundle::hparams::{BlockStyle, HParams};
 use crate::bundle::{st_vector, Bundle, DrafterSpec, DrafterStatus, TensorKey};
 use crate::cache::KvCache;
 use crate::error::{Error, Result};
@@ -81,6 +81,8 @@ impl<B: Backend> BlockDrafter<B> {
             rope_style: RopeStyle::HalfSplit,
             qkv_bias: false,
             qk_norm: spec.qk_norm,
+            // The DFlash layout's blocks are Qwen3's, whatever the target's are.
+            block: BlockStyle::default(),
             ..target.hp.clone()
         };
         hp.validate()?;
@@ -172,6 +174,7 @@ impl<B: Backend> BlockDrafter<B> {
             n_kv_heads: self.hp.n_kv_heads,
             head_dim: self.hp.head_dim,
             scale: 1.0 / (self.hp.head_dim as f32).sqrt(),
+            window: None,
         }
     }
 

@@ -4,12 +4,12 @@
 //! positions with an attention mask, appends their K/V to the cache, and returns logits for the rows asked for
 //! (and, on request, the hidden states after chosen layers).
 
+mod decoder;
 mod drafter;
-mod llama;
 mod mtp;
 
+pub use decoder::{Model, MAX_STATE_LAYERS};
 pub use drafter::BlockDrafter;
-pub use llama::{Model, MAX_STATE_LAYERS};
 pub use mtp::{HeadInput, HeadOutput, MtpHead, MAX_CHAIN};
 
 use std::hash::{Hash, Hasher};

@@ -17,7 +17,7 @@
 
 use std::sync::Arc;
 
-use super::llama::{Layer, Scratch};
+use super::decoder::{Layer, Scratch};
 use super::{drafting_cache, drafting_matrix, run_recorded, DraftVocab, Model};
 use crate::backend::RopeStyle;
 use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
@@ -453,6 +453,7 @@ impl<B: Backend> MtpHead<B> {
             n_kv_heads: hp.n_kv_heads,
             head_dim: hp.head_dim,
             scale: 1.0 / (hp.head_dim as f32).sqrt(),
+            window: None,
         };
         let rope = Rope {
             theta: hp.rope_theta,

@@ -28,6 +28,8 @@ pub const HF_BUNDLES: &[&str] = &[
     "mlx-llama-q4-g32",
     "mlx-llama-q4-g64",
     "mlx-llama-q8-g128",
+    "gemma3-f16",
+    "gemma3-gguf",
 ];
 
 /// SmolLM2-135M-Instruct Q4_1, fetched into verity's cache on first use (as `verity fetch` does).

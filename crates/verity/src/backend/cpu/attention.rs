@@ -9,6 +9,12 @@
 //! AVX2 paths compute the scores ([`score`]), the exponentials, their sum (eight lanes, slot `j` in lane `j % 8`,
 //! one fixed reduction) and the value sum (`o = fma(p, v, o)` per slot) with the same operations, so they agree
 //! bitwise.
+//!
+//! A local layer's window ([`AttnShape::window`]) hides the keys before a row's `position - window + 1`. Each
+//! score keeps its place in the row, numbered by key position (slot `j` of the cache holds position `j`, and a
+//! new row's ancestors follow at `base`, `base + 1`, ...), and a hidden key's weight is exactly 0: the sums
+//! then take the same values in the same lanes in the same order whichever earlier keys a batch also visits, so
+//! a row stays bitwise the same alone or in a batch. Whole groups of eight hidden keys are skipped.
 
 use super::math;
 use super::pool::{share, Pool, SharedOut};
@@ -23,10 +29,13 @@ pub fn attention(
     v_cache: &[f32],
     s: AttnShape,
     base: usize,
+    positions: &[usize],
     mask: &AttnMask,
     out: &mut [f32],
 ) {
     let (hd, group) = (s.head_dim, s.n_heads / s.n_kv_heads);
+    // The first key position row `i` sees.
+    let first_seen = |i: usize| s.window.map_or(0, |w| (positions[i] + 1).saturating_sub(w));
     let q_dim = s.n_heads * hd;
     let kv_dim = s.n_kv_heads * hd;
     assert!(q.len() >= s.rows * q_dim && out.len() >= s.rows * q_dim);
@@ -65,9 +74,18 @@ pub fn attention(
                     scratch.items.push(Query {
                         q: i * q_dim + h * hd,
                         extra: from..scratch.extra.len(),
+                        first_seen: first_seen(i),
                         out: out_ptr.at(i * q_dim + h * hd),
                     });
                 }
+                // The task's first visited key: whole groups of eight keys that no query sees are skipped.
+                let seen = scratch
+                    .items
+                    .iter()
+                    .map(|it| it.first_seen)
+                    .min()
+                    .unwrap_or(0);
+                let start = seen.min(base) / 8 * 8;
                 let Scratch {
                     items,
                     extra,
@@ -80,16 +98,17 @@ pub fn attention(
                     // SAFETY: Avx2 (with FMA) is reported only after runtime detection; every item's output is
                     // a disjoint `hd`-slice of `out` that this task alone writes.
                     Isa::Avx2 if hd.is_multiple_of(8) => unsafe {
-                        heads_avx2(&head, q, base, items, extra, scores, sums)
+                        heads_avx2(&head, q, start..base, items, extra, scores, sums)
                     },
                     _ => {
                         for it in items.iter() {
                             slots.clear();
-                            slots.extend(0..base);
+                            slots.extend(start..base);
                             slots.extend_from_slice(&extra[it.extra.clone()]);
                             // SAFETY: as above.
                             let o = unsafe { std::slice::from_raw_parts_mut(it.out, hd) };
-                            head_portable(&head, &q[it.q..it.q + hd], slots, scores, o);
+                            let hidden = it.first_seen - start;
+                            head_portable(&head, &q[it.q..it.q + hd], slots, hidden, scores, o);
                         }
                     }
                 }
@@ -99,10 +118,12 @@ pub fn attention(
 }
 
 /// One query of a task: its vector's offset in `q`, the new slots it sees (a range of the task's list; every
-/// query sees all the cached slots before them), and where its output goes.
+/// query sees the cached slots before them from `first_seen` on), the first key position its window shows, and
+/// where its output goes.
 struct Query {
     q: usize,
     extra: std::ops::Range<usize>,
+    first_seen: usize,
     out: *mut f32,
 }
 
@@ -163,17 +184,32 @@ fn score(q: &[f32], k: &[f32]) -> f32 {
     ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
 }
 
-fn head_portable(head: &Head, q: &[f32], slots: &[usize], scores: &mut Vec<f32>, o: &mut [f32]) {
+/// One query over `slots` (consecutive key positions from a multiple of eight), the first `hidden` of them
+/// outside its window (weight 0).
+fn head_portable(
+    head: &Head,
+    q: &[f32],
+    slots: &[usize],
+    hidden: usize,
+    scores: &mut Vec<f32>,
+    o: &mut [f32],
+) {
     scores.clear();
     let mut max = f32::NEG_INFINITY;
-    for &slot in slots {
+    for (j, &slot) in slots.iter().enumerate() {
         let sc = score(q, head.key(slot)) * head.scale;
-        max = max.max(sc);
+        if j >= hidden {
+            max = max.max(sc);
+        }
         scores.push(sc);
     }
     let mut lanes = [0f32; 8];
     for (j, sc) in scores.iter_mut().enumerate() {
-        *sc = math::exp(*sc - max);
+        *sc = if j < hidden {
+            0.0
+        } else {
+            math::exp(*sc - max)
+        };
         lanes[j % 8] += *sc;
     }
     let sum = hsum8(&lanes);
@@ -193,14 +229,15 @@ fn head_portable(head: &Head, q: &[f32], slots: &[usize], scores: &mut Vec<f32>,
 const CHUNK: usize = 32;
 
 /// [`head_portable`] for every query of a task on AVX2 (head sizes a multiple of 8), bitwise the same per query:
-/// the cached slots are visited in chunks of [`CHUNK`] with each query's scores, and later its value sums, taken
-/// chunk after chunk in slot order; each score is [`score`]'s arithmetic, eight slots at a time.
+/// the cached slots `cached` (from a multiple of eight) are visited in chunks of [`CHUNK`] with each query's
+/// scores, and later its value sums, taken chunk after chunk in slot order; each score is [`score`]'s
+/// arithmetic, eight slots at a time. A query's scores are stored from `cached.start` on.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn heads_avx2(
     head: &Head,
     q: &[f32],
-    base: usize,
+    cached: std::ops::Range<usize>,
     items: &[Query],
     extra: &[usize],
     scores: &mut Vec<f32>,
@@ -208,13 +245,16 @@ unsafe fn heads_avx2(
 ) {
     use std::arch::x86_64::*;
     let hd = head.hd;
-    let stride = base + items.iter().map(|it| it.extra.len()).max().unwrap_or(0);
+    let (start, base) = (cached.start, cached.end);
+    let stride = base - start + items.iter().map(|it| it.extra.len()).max().unwrap_or(0);
     scores.resize(items.len() * stride, 0.0);
+    // Row n's score of slot j is at `at(n, j)`.
     let sp = scores.as_mut_ptr();
+    let at = |n: usize, j: usize| sp.add(n * stride + j - start);
     let vscale = _mm256_set1_ps(head.scale);
     // Scores over the cached slots, chunk by chunk.
     let wide = wide_registers();
-    for c0 in (0..base).step_by(CHUNK) {
+    for c0 in (start..base).step_by(CHUNK) {
         let c1 = (c0 + CHUNK).min(base);
         let mut n = 0;
         if wide {
@@ -222,24 +262,24 @@ unsafe fn heads_avx2(
             while n + 2 <= items.len() {
                 let qa = &q[items[n].q..items[n].q + hd];
                 let qb = &q[items[n + 1].q..items[n + 1].q + hd];
-                let (ra, rb) = (sp.add(n * stride), sp.add((n + 1) * stride));
+                let (ra, rb) = (at(n, start), at(n + 1, start));
                 let mut j = c0;
                 while j + 8 <= c1 {
                     let (da, db) = scores8x2_wide(head, qa, qb, j);
-                    _mm256_storeu_ps(ra.add(j), _mm256_mul_ps(da, vscale));
-                    _mm256_storeu_ps(rb.add(j), _mm256_mul_ps(db, vscale));
+                    _mm256_storeu_ps(ra.add(j - start), _mm256_mul_ps(da, vscale));
+                    _mm256_storeu_ps(rb.add(j - start), _mm256_mul_ps(db, vscale));
                     j += 8;
                 }
                 for slot in j..c1 {
-                    *ra.add(slot) = score(qa, head.key(slot)) * head.scale;
-                    *rb.add(slot) = score(qb, head.key(slot)) * head.scale;
+                    *ra.add(slot - start) = score(qa, head.key(slot)) * head.scale;
+                    *rb.add(slot - start) = score(qb, head.key(slot)) * head.scale;
                 }
                 n += 2;
             }
         }
         for (n, it) in items.iter().enumerate().skip(n) {
             let qv = &q[it.q..it.q + hd];
-            let row = sp.add(n * stride);
+            let row = at(n, start);
             let mut j = c0;
             while j + 8 <= c1 {
                 // Fixed-size loops over raw pointers, so the accumulators stay in registers.
@@ -251,11 +291,11 @@ unsafe fn heads_avx2(
                         acc[s] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(keys[s].add(c)), acc[s]);
                     }
                 }
-                _mm256_storeu_ps(row.add(j), _mm256_mul_ps(reduce8(acc), vscale));
+                _mm256_storeu_ps(row.add(j - start), _mm256_mul_ps(reduce8(acc), vscale));
                 j += 8;
             }
             for slot in j..c1 {
-                *row.add(slot) = score(qv, head.key(slot)) * head.scale;
+                *row.add(slot - start) = score(qv, head.key(slot)) * head.scale;
             }
         }
     }
@@ -263,19 +303,20 @@ unsafe fn heads_avx2(
     sums.clear();
     for (n, it) in items.iter().enumerate() {
         let qv = &q[it.q..it.q + hd];
-        let row = std::slice::from_raw_parts_mut(sp.add(n * stride), base + it.extra.len());
+        let len = base - start + it.extra.len();
+        let row = std::slice::from_raw_parts_mut(at(n, start), len);
         for (e, &slot) in extra[it.extra.clone()].iter().enumerate() {
-            row[base + e] = score(qv, head.key(slot)) * head.scale;
+            row[base - start + e] = score(qv, head.key(slot)) * head.scale;
         }
-        sums.push(softmax_weights_avx2(row));
+        sums.push(softmax_weights_avx2(row, it.first_seen - start));
     }
     // Value sums, chunk by chunk, then the new slots, then the normalisation.
     for it in items {
         std::slice::from_raw_parts_mut(it.out, hd).fill(0.0);
     }
-    for c0 in (0..base).step_by(CHUNK) {
+    for c0 in (start..base).step_by(CHUNK) {
         let c1 = (c0 + CHUNK).min(base);
-        let weights = |n: usize| std::slice::from_raw_parts(sp.add(n * stride + c0), c1 - c0);
+        let weights = |n: usize| std::slice::from_raw_parts(at(n, c0), c1 - c0);
         let mut n = 0;
         if hd == 64 && wide_registers() {
             // Two queries per pass: each value row is loaded once for both.
@@ -290,7 +331,7 @@ unsafe fn heads_avx2(
         }
     }
     for ((n, it), &total) in items.iter().enumerate().zip(sums.iter()) {
-        let w = std::slice::from_raw_parts(sp.add(n * stride + base), it.extra.len());
+        let w = std::slice::from_raw_parts(at(n, base), it.extra.len());
         values_avx2(head, it.out, extra[it.extra.clone()].iter().copied(), w);
         let o = it.out;
         let inv = _mm256_set1_ps(1.0 / total);
@@ -300,12 +341,15 @@ unsafe fn heads_avx2(
     }
 }
 
-/// `row[j] = exp(row[j] - max)`, returning their sum in [`head_portable`]'s lanes.
+/// `row[j] = exp(row[j] - max)` with the max over `row[hidden..]` and the first `hidden` set to 0 (keys outside
+/// the window), returning their sum in [`head_portable`]'s lanes.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn softmax_weights_avx2(row: &mut [f32]) -> f32 {
+unsafe fn softmax_weights_avx2(row: &mut [f32], hidden: usize) -> f32 {
     use std::arch::x86_64::*;
     let n = row.len();
+    // The max over the visible scores: hidden ones are first set to -inf (their weights are set to 0 below).
+    row[..hidden].fill(f32::NEG_INFINITY);
     let full = n / 8 * 8;
     let p = row.as_mut_ptr();
     let mut vmax = _mm256_set1_ps(f32::NEG_INFINITY);
@@ -320,15 +364,24 @@ unsafe fn softmax_weights_avx2(row: &mut [f32]) -> f32 {
         .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
     let vmax = _mm256_set1_ps(max);
     let mut sum = _mm256_setzero_ps();
+    let zero_below = _mm256_set1_epi32(hidden.min(i32::MAX as usize) as i32);
+    let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for j in (0..full).step_by(8) {
         let e = math::exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(p.add(j)), vmax));
+        // Lanes below `hidden` hold exactly 0.
+        let idx = _mm256_add_epi32(lane, _mm256_set1_epi32(j as i32));
+        let keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+            _mm256_add_epi32(idx, _mm256_set1_epi32(1)),
+            zero_below,
+        ));
+        let e = _mm256_and_ps(e, keep);
         _mm256_storeu_ps(p.add(j), e);
         sum = _mm256_add_ps(sum, e);
     }
     let mut lanes = [0f32; 8];
     _mm256_storeu_ps(lanes.as_mut_ptr(), sum);
     for (j, v) in row.iter_mut().enumerate().skip(full) {
-        *v = math::exp(*v - max);
+        *v = if j < hidden { 0.0 } else { math::exp(*v - max) };
         lanes[j % 8] += *v;
     }
     hsum8(&lanes)
@@ -488,52 +541,60 @@ mod tests {
             hd,
             scale: 0.125,
         };
-        // Three queries over 21 cached slots, each seeing its own subset of the 8 new ones (a tree mask).
+        // Three queries over 21 cached slots, each seeing its own subset of the 8 new ones (a tree mask), without
+        // a window and with windows that hide different numbers of early keys.
         let base = 21;
         let q: Vec<f32> = (0..3 * hd).map(|_| next()).collect();
         let extras: Vec<Vec<usize>> = vec![vec![21], vec![21, 23, 26], (21..29).collect()];
-        let mut outs = vec![vec![0f32; hd]; 3];
-        let mut extra = Vec::new();
-        let items: Vec<Query> = outs
-            .iter_mut()
-            .enumerate()
-            .map(|(n, o)| {
-                let from = extra.len();
-                extra.extend_from_slice(&extras[n]);
-                Query {
-                    q: n * hd,
-                    extra: from..extra.len(),
-                    out: o.as_mut_ptr(),
-                }
-            })
-            .collect();
-        unsafe {
-            heads_avx2(
-                &head,
-                &q,
-                base,
-                &items,
-                &extra,
-                &mut Vec::new(),
-                &mut Vec::new(),
-            )
-        };
-        for (n, got) in outs.iter().enumerate() {
-            let slots: Vec<usize> = (0..base).chain(extras[n].iter().copied()).collect();
-            let mut want = vec![0f32; hd];
-            head_portable(
-                &head,
-                &q[n * hd..(n + 1) * hd],
-                &slots,
-                &mut Vec::new(),
-                &mut want,
-            );
-            assert_eq!(
-                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                "query {n}"
-            );
-            assert!(want.iter().any(|&x| x != 0.0));
+        for first_seen in [[0, 0, 0], [9, 3, 17], [20, 21, 22]] {
+            let start = first_seen.iter().min().unwrap() / 8 * 8;
+            let mut outs = vec![vec![0f32; hd]; 3];
+            let mut extra = Vec::new();
+            let items: Vec<Query> = outs
+                .iter_mut()
+                .enumerate()
+                .map(|(n, o)| {
+                    let from = extra.len();
+                    extra.extend_from_slice(&extras[n]);
+                    Query {
+                        q: n * hd,
+                        extra: from..extra.len(),
+                        first_seen: first_seen[n],
+                        out: o.as_mut_ptr(),
+                    }
+                })
+                .collect();
+            unsafe {
+                heads_avx2(
+                    &head,
+                    &q,
+                    start..base,
+                    &items,
+                    &extra,
+                    &mut Vec::new(),
+                    &mut Vec::new(),
+                )
+            };
+            for (n, got) in outs.iter().enumerate() {
+                // Alone, a query starts at its own first group of eight keys.
+                let own = first_seen[n] / 8 * 8;
+                let slots: Vec<usize> = (own..base).chain(extras[n].iter().copied()).collect();
+                let mut want = vec![0f32; hd];
+                head_portable(
+                    &head,
+                    &q[n * hd..(n + 1) * hd],
+                    &slots,
+                    first_seen[n] - own,
+                    &mut Vec::new(),
+                    &mut want,
+                );
+                assert_eq!(
+                    got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "query {n}, first seen {first_seen:?}"
+                );
+                assert!(want.iter().any(|&x| x != 0.0));
+            }
         }
     }
 }

@@ -12,6 +12,7 @@ use super::packed::Packed;
 use super::pool::{share, Pool, SharedOut};
 use super::qmatmul;
 use super::simd::{self, Isa};
+use crate::backend::Glu;
 use crate::quant::{QMatrix, RowDecoder};
 
 /// The precision of activations in the product.
@@ -64,19 +65,20 @@ pub fn matmuls<O: AsMut<[f32]>>(pool: &Pool, x: &[f32], rows: usize, outs: &mut 
     }
 }
 
-/// `out = silu(gate · x) ⊙ (up · x)` in one pool pass when both run the 8-bit path (see
-/// [`qmatmul::swiglu`]); `false` (nothing written) otherwise.
-pub fn swiglu_packed(
+/// `out = act(gate · x) ⊙ (up · x)` in one pool pass when both run the 8-bit path (see [`qmatmul::glu`]);
+/// `false` (nothing written) otherwise.
+pub fn glu_packed(
     pool: &Pool,
     x: &[f32],
     rows: usize,
     gate: &CpuMatrix,
     up: &CpuMatrix,
+    act: Glu,
     out: &mut [f32],
 ) -> bool {
     match (&gate.packed, &up.packed) {
         (Some(g), Some(u)) => {
-            qmatmul::swiglu(pool, x, rows, g, u, out);
+            qmatmul::glu(pool, x, rows, g, u, act, out);
             true
         }
         _ => false,

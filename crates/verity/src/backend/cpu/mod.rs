@@ -13,13 +13,13 @@ mod q8;
 mod qmatmul;
 pub mod simd;
 
-pub use math::silu_times;
+pub use math::{gelu_tanh_times, silu_times};
 pub use matmul::{Activations, CpuMatrix};
 use pool::Pool;
 
 use std::sync::Mutex;
 
-use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
+use crate::backend::{AttnMask, AttnShape, Backend, Glu, Rope, StepInputs};
 use crate::error::{Error, Result};
 use crate::quant::QMatrix;
 
@@ -57,12 +57,14 @@ pub struct CpuStep {
     rope: Mutex<RopeTable>,
 }
 
-/// `(cos, sin)` of every pair of every row, for one `(theta, head_dim)`.
+/// A rotation of a step's rows: `(theta's bits, head_dim, rows)`.
+type RopeKey = (u32, usize, usize);
+
+/// `(cos, sin)` of every pair of every row, per rotation the step's layers use (a model with local layers has
+/// two); cleared by `set_step`.
 #[derive(Default)]
 struct RopeTable {
-    /// `(theta's bits, head_dim, rows)`; cleared by `set_step`.
-    key: Option<(u32, usize, usize)>,
-    rotations: Vec<(f32, f32)>,
+    tables: Vec<(RopeKey, Vec<(f32, f32)>)>,
 }
 
 impl CpuBackend {
@@ -199,7 +201,11 @@ impl Backend for CpuBackend {
         step.positions.extend_from_slice(inputs.positions);
         step.base = inputs.base;
         step.mask.clone_from(inputs.mask);
-        step.rope.get_mut().unwrap_or_else(|e| e.into_inner()).key = None;
+        step.rope
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .tables
+            .clear();
     }
 
     fn embed(&self, table: &CpuMatrix, step: &CpuStep, rows: usize, out: &mut Vec<f32>) {
@@ -237,25 +243,42 @@ impl Backend for CpuBackend {
         matmul::matmuls(&self.pool, x, rows, outs);
     }
 
-    fn swiglu_matmul(
+    fn glu_matmul(
         &self,
         x: &Vec<f32>,
         norm: Option<(&Vec<f32>, f32)>,
         rows: usize,
         gate: &CpuMatrix,
         up: &CpuMatrix,
+        act: Glu,
         out: &mut Vec<f32>,
     ) {
         let n = rows * gate.stored.rows;
         let mut t = self.temps();
         let Temps { normed, a, b } = &mut *t;
         let x = Self::normed(x, norm, rows, normed);
-        if matmul::swiglu_packed(&self.pool, x, rows, gate, up, &mut out[..n]) {
+        if matmul::glu_packed(&self.pool, x, rows, gate, up, act, &mut out[..n]) {
             return;
         }
         let (g, u) = (&mut at_least(a, n)[..n], &mut at_least(b, n)[..n]);
         matmul::matmuls(&self.pool, x, rows, &mut [(gate, &mut *g), (up, &mut *u)]);
-        ops::swiglu(g, u, &mut out[..n]);
+        ops::glu(act, g, u, &mut out[..n]);
+    }
+
+    fn scale(&self, x: &mut Vec<f32>, len: usize, s: f32) {
+        x[..len].iter_mut().for_each(|v| *v *= s);
+    }
+
+    fn rms_norm_add(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Vec<f32>,
+    ) {
+        ops::rms_norm_add(x, w, rows, dim, eps, out)
     }
 
     fn add_bias(&self, x: &mut Vec<f32>, bias: &Vec<f32>, rows: usize, dim: usize) {
@@ -292,18 +315,23 @@ impl Backend for CpuBackend {
         let (rows, hd) = (shape.rows, shape.head_dim);
         let positions = &step.positions[..rows];
         let mut table = step.rope.lock().unwrap_or_else(|e| e.into_inner());
-        let key = Some((rope.theta.to_bits(), hd, rows));
-        if table.key != key {
-            table.rotations.clear();
-            for &pos in positions {
-                table.rotations.extend(
-                    (0..hd / 2).map(|i| crate::backend::rope_angle(pos, i, hd, rope.theta)),
-                );
+        let key = (rope.theta.to_bits(), hd, rows);
+        let at = match table.tables.iter().position(|(k, _)| *k == key) {
+            Some(at) => at,
+            None => {
+                let rotations = positions
+                    .iter()
+                    .flat_map(|&pos| {
+                        (0..hd / 2).map(move |i| crate::backend::rope_angle(pos, i, hd, rope.theta))
+                    })
+                    .collect();
+                table.tables.push((key, rotations));
+                table.tables.len() - 1
             }
-            table.key = key;
-        }
-        ops::rope(q, &table.rotations, rows, shape.n_heads, hd, rope.style);
-        ops::rope(k, &table.rotations, rows, shape.n_kv_heads, hd, rope.style);
+        };
+        let rotations = &table.tables[at].1;
+        ops::rope(q, rotations, rows, shape.n_heads, hd, rope.style);
+        ops::rope(k, rotations, rows, shape.n_kv_heads, hd, rope.style);
         let kv_dim = shape.n_kv_heads * hd;
         let slots = step.base * kv_dim..(step.base + rows) * kv_dim;
         k_cache[slots.clone()].copy_from_slice(&k[..rows * kv_dim]);
@@ -320,7 +348,17 @@ impl Backend for CpuBackend {
         step: &CpuStep,
         out: &mut Vec<f32>,
     ) {
-        attention::attention(&self.pool, q, k, v, shape, step.base, &step.mask, out)
+        attention::attention(
+            &self.pool,
+            q,
+            k,
+            v,
+            shape,
+            step.base,
+            &step.positions,
+            &step.mask,
+            out,
+        )
     }
 
     fn argmax(&self, x: &Vec<f32>, rows: usize, n: usize, out: &mut Vec<f32>) {

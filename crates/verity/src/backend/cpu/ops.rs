@@ -1,18 +1,33 @@
-//! Row-wise and elementwise CPU operations: RMS norm, RoPE, SwiGLU, residual adds. Each row is processed alone.
+//! Row-wise and elementwise CPU operations: RMS norm, RoPE, gated activations, residual adds. Each row is processed alone.
 
 use super::math;
 use super::simd::{self, dot};
-use crate::backend::RopeStyle;
+use crate::backend::{Glu, RopeStyle};
 
 pub fn rms_norm(x: &[f32], w: &[f32], rows: usize, dim: usize, eps: f32, out: &mut [f32]) {
     for r in 0..rows {
         let xr = &x[r * dim..(r + 1) * dim];
-        let ms = dot(xr, xr) / dim as f32;
-        let inv = 1.0 / (ms + eps).sqrt();
+        let inv = inverse_rms(xr, eps);
         for ((o, &a), &g) in out[r * dim..(r + 1) * dim].iter_mut().zip(xr).zip(w) {
             *o = a * inv * g;
         }
     }
+}
+
+/// `out += rms_norm(x) · w`, each normed value formed as [`rms_norm`] forms it.
+pub fn rms_norm_add(x: &[f32], w: &[f32], rows: usize, dim: usize, eps: f32, out: &mut [f32]) {
+    for r in 0..rows {
+        let xr = &x[r * dim..(r + 1) * dim];
+        let inv = inverse_rms(xr, eps);
+        for ((o, &a), &g) in out[r * dim..(r + 1) * dim].iter_mut().zip(xr).zip(w) {
+            *o += a * inv * g;
+        }
+    }
+}
+
+fn inverse_rms(x: &[f32], eps: f32) -> f32 {
+    let ms = dot(x, x) / x.len() as f32;
+    1.0 / (ms + eps).sqrt()
 }
 
 /// Rotate every head of row `r` by `rotations[r * head_dim / 2 + i]`, the `(cos, sin)` of pair `i` at the row's
@@ -43,8 +58,9 @@ pub fn rope(
     }
 }
 
-/// `out = silu(gate) ⊙ up` ([`math::silu_times`]; AVX2 eight at a time, bitwise the same).
-pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+/// `out = act(gate) ⊙ up` ([`math::silu_times`], [`math::gelu_tanh_times`]; AVX2 eight at a time, bitwise the
+/// same).
+pub fn glu(act: Glu, gate: &[f32], up: &[f32], out: &mut [f32]) {
     let n = out.len().min(gate.len()).min(up.len());
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
@@ -55,12 +71,20 @@ pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
             while done + 8 <= n {
                 let g = _mm256_loadu_ps(gate.as_ptr().add(done));
                 let u = _mm256_loadu_ps(up.as_ptr().add(done));
-                _mm256_storeu_ps(out.as_mut_ptr().add(done), math::silu_times_avx2(g, u));
+                let y = match act {
+                    Glu::Silu => math::silu_times_avx2(g, u),
+                    Glu::GeluTanh => math::gelu_tanh_times_avx2(g, u),
+                };
+                _mm256_storeu_ps(out.as_mut_ptr().add(done), y);
                 done += 8;
             }
         }
     }
+    let f = match act {
+        Glu::Silu => math::silu_times,
+        Glu::GeluTanh => math::gelu_tanh_times,
+    };
     for i in done..n {
-        out[i] = math::silu_times(gate[i], up[i]);
+        out[i] = f(gate[i], up[i]);
     }
 }

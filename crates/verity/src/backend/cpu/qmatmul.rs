@@ -10,6 +10,7 @@ use super::packed::{Packed, GROUP, ROWS};
 use super::pool::{share, Pool, SharedOut};
 use super::q8::{quantize_row, Q8Block, ZERO_BLOCK};
 use super::simd;
+use crate::backend::Glu;
 
 thread_local! {
     static QX: std::cell::RefCell<Vec<Q8Block>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -97,10 +98,19 @@ pub fn matmuls<O: AsMut<[f32]>>(pool: &Pool, x: &[f32], rows: usize, outs: &mut 
     });
 }
 
-/// `out = silu(gate · x) ⊙ (up · x)` in one pass of the pool: the thread that computes a group of gate columns
-/// computes the same group of up columns and writes their SwiGLU at once, so no serial pass over the
-/// intermediate follows. Each output is bitwise what `ops::swiglu` makes of the two products [`matmul`] gives.
-pub fn swiglu(pool: &Pool, x: &[f32], rows: usize, gate: &Packed, up: &Packed, out: &mut [f32]) {
+/// `out = act(gate · x) ⊙ (up · x)` in one pass of the pool: the thread that computes a group of gate columns
+/// computes the same group of up columns and writes their activation at once, so no serial pass over the
+/// intermediate follows. Each output is bitwise what `ops::glu` makes of the two products [`matmul`] gives.
+#[allow(clippy::too_many_arguments)]
+pub fn glu(
+    pool: &Pool,
+    x: &[f32],
+    rows: usize,
+    gate: &Packed,
+    up: &Packed,
+    act: Glu,
+    out: &mut [f32],
+) {
     let (k, n) = (gate.k, gate.n);
     let nb = k / 32;
     assert!(up.k == k && up.n == n && k.is_multiple_of(32));
@@ -120,7 +130,7 @@ pub fn swiglu(pool: &Pool, x: &[f32], rows: usize, gate: &Packed, up: &Packed, o
                         let o = unsafe {
                             std::slice::from_raw_parts_mut(dst.at((r0 + i) * n + g * GROUP), cols)
                         };
-                        ops::swiglu(&gr[..cols], &ur[..cols], o);
+                        ops::glu(act, &gr[..cols], &ur[..cols], o);
                     }
                 });
             }

@@ -1,5 +1,7 @@
-//! The Llama-family decoder (Llama, SmolLM, Mistral without sliding windows, Qwen2 with QKV biases, Qwen3 with
-//! per-head Q/K norms): pre-norm attention and SwiGLU MLP blocks over a residual stream.
+//! The decoder: pre-norm attention and gated-MLP blocks over a residual stream, with what sets each family apart
+//! taken from [`HParams`]: Llama and SmolLM (SwiGLU), Qwen2 (QKV biases), Qwen3 (per-head Q/K norms), Gemma 3
+//! (GeGLU, post-norms on both block outputs, Q/K norms, embeddings scaled by √hidden, its own query scale, and
+//! local sliding-window layers with their own RoPE base between the global ones).
 
 use std::sync::Arc;
 
@@ -19,6 +21,8 @@ pub(super) struct Layer<B: Backend> {
     qkv_bias: Option<[B::Buffer; 3]>,
     qk_norm: Option<[B::Buffer; 2]>,
     ffn_norm: B::Buffer,
+    /// Gemma: the norms of the attention and MLP outputs.
+    post_norms: Option<[B::Buffer; 2]>,
     gate: B::Matrix,
     up: B::Matrix,
     down: B::Matrix,
@@ -66,13 +70,9 @@ impl<B: Backend> Model<B> {
     pub fn load(bundle: &Bundle, backend: Arc<B>) -> Result<Self> {
         let hp = bundle.hparams.clone();
         let be = backend.as_ref();
-        be.prepare_attention(
-            hp.head_dim,
-            Rope {
-                theta: hp.rope_theta,
-                style: hp.rope_style,
-            },
-        )?;
+        for l in 0..hp.n_layers {
+            be.prepare_attention(hp.head_dim, layer_rope(&hp, l))?;
+        }
         let h = hp.hidden;
         // Tied: the embedding table is the output layer too, so it needs the projection layout.
         let tied = hp.tied_embeddings && !bundle.has(TensorKey::Output);
@@ -100,8 +100,11 @@ impl<B: Backend> Model<B> {
             .map(|l| Layer::load(&hp, l, &mut mat, &mut vec))
             .collect::<Result<Vec<_>>>()?;
         let output_norm = be.upload(&bundle.vector(TensorKey::OutputNorm, h)?);
-        if hp.arch == Arch::Qwen3 && !hp.qk_norm {
-            return Err(Error::Invalid("qwen3 without q/k norms".into()));
+        if matches!(hp.arch, Arch::Qwen3 | Arch::Gemma3) && !hp.qk_norm {
+            return Err(Error::Invalid(format!(
+                "{} without q/k norms",
+                hp.arch.name()
+            )));
         }
         Ok(Model {
             hp,
@@ -357,21 +360,15 @@ impl<B: Backend> Model<B> {
     ) {
         let be = self.backend.as_ref();
         let hp = &self.hp;
-        let (h, hd) = (hp.hidden, hp.head_dim);
-        let shape = AttnShape {
-            rows,
-            n_heads: hp.n_heads,
-            n_kv_heads: hp.n_kv_heads,
-            head_dim: hd,
-            scale: 1.0 / (hd as f32).sqrt(),
-        };
-        let rope = Rope {
-            theta: hp.rope_theta,
-            style: hp.rope_style,
-        };
+        let h = hp.hidden;
         be.embed(&self.embed, &s.step, rows, &mut s.x);
+        if let Some(scale) = hp.block.embedding_scale {
+            be.scale(&mut s.x, rows * h, scale);
+        }
         for (l, layer) in self.layers.iter().enumerate() {
             let (kc, vc) = (&mut cache.k[l], &mut cache.v[l]);
+            let shape = layer_shape(hp, l, rows);
+            let rope = layer_rope(hp, l);
             layer.run(be, hp, rope, s, [kc, vc, &mut cache.attn_work], shape);
             if let Some(j) = hidden_layers.iter().position(|&m| m == l) {
                 be.copy(&s.x, 0, &mut s.states, j * rows * h, rows * h);
@@ -412,6 +409,26 @@ impl<B: Backend> Model<B> {
                 be.matmuls(last, norm, 1, &mut [(output, &mut s.logits)]);
             }
         }
+    }
+}
+
+/// Layer `l`'s attention over `rows` new rows: its window, if local, and the model's score scale.
+pub(super) fn layer_shape(hp: &HParams, l: usize, rows: usize) -> AttnShape {
+    AttnShape {
+        rows,
+        n_heads: hp.n_heads,
+        n_kv_heads: hp.n_kv_heads,
+        head_dim: hp.head_dim,
+        scale: hp.attention_scale(),
+        window: hp.layer_attention(l).0,
+    }
+}
+
+/// Layer `l`'s rotation (local layers have their own base).
+pub(super) fn layer_rope(hp: &HParams, l: usize) -> Rope {
+    Rope {
+        theta: hp.layer_attention(l).1,
+        style: hp.rope_style,
     }
 }
 
@@ -478,6 +495,14 @@ impl<B: Backend> Layer<B> {
                 None
             },
             ffn_norm: vec(TensorKey::FfnNorm(l), h)?,
+            post_norms: if hp.block.post_norms {
+                Some([
+                    vec(TensorKey::AttnPostNorm(l), h)?,
+                    vec(TensorKey::FfnPostNorm(l), h)?,
+                ])
+            } else {
+                None
+            },
             gate: mat(TensorKey::Gate(l), f, h)?,
             up: mat(TensorKey::Up(l), f, h)?,
             down: mat(TensorKey::Down(l), h, f)?,
@@ -521,17 +546,40 @@ impl<B: Backend> Layer<B> {
             &s.step,
             &mut s.attn,
         );
-        be.matmul_add(&self.o, &s.attn, rows, &mut s.x);
-
-        be.swiglu_matmul(
+        self.add_output(be, hp, &self.o, &s.attn, 0, rows, &mut s.tmp, &mut s.x);
+        be.glu_matmul(
             &s.x,
             Some((&self.ffn_norm, hp.rms_eps)),
             rows,
             &self.gate,
             &self.up,
+            hp.block.glu,
             &mut s.act,
         );
-        be.matmul_add(&self.down, &s.act, rows, &mut s.x);
+        self.add_output(be, hp, &self.down, &s.act, 1, rows, &mut s.tmp, &mut s.x);
+    }
+
+    /// `x += w · input`, through the layer's post-norm `which` (0 attention, 1 MLP) where it has them; `tmp`
+    /// holds the projection then.
+    #[allow(clippy::too_many_arguments)]
+    fn add_output(
+        &self,
+        be: &B,
+        hp: &HParams,
+        w: &B::Matrix,
+        input: &B::Buffer,
+        which: usize,
+        rows: usize,
+        tmp: &mut B::Buffer,
+        x: &mut B::Buffer,
+    ) {
+        match &self.post_norms {
+            None => be.matmul_add(w, input, rows, x),
+            Some(norms) => {
+                be.matmul(w, input, rows, tmp);
+                be.rms_norm_add(tmp, &norms[which], rows, hp.hidden, hp.rms_eps, x);
+            }
+        }
     }
 
     /// The K/V of `shape.rows` rows of `x` that enter this layer's attention without its input norm (a block
