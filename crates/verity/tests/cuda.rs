@@ -11,7 +11,7 @@ use std::sync::Arc;
 use common::*;
 use verity::backend::cpu::CpuBackend;
 use verity::backend::cuda::{CudaBackend, CudaOptions};
-use verity::backend::{AttnMask, Backend};
+use verity::backend::{AttnMask, Backend, Glu};
 use verity::bundle::Bundle;
 use verity::chat::Message;
 use verity::engine::{Engine, GenerateRequest};
@@ -26,6 +26,8 @@ fn gpu() -> Arc<CudaBackend> {
 }
 
 /// The fixture bundles whose weight formats the CUDA backend runs.
+type GpuBuffer = <CudaBackend as Backend>::Buffer;
+
 const CUDA_BUNDLES: &[&str] = &[
     "llama-f32",
     "llama-bf16",
@@ -36,6 +38,8 @@ const CUDA_BUNDLES: &[&str] = &[
     "mlx-llama-q4-g32",
     "mlx-llama-q4-g64",
     "mlx-llama-q8-g128",
+    "gemma3-f16",
+    "gemma3-gguf",
 ];
 
 /// A `rows` × `cols` matrix of `ty` made of the fixture's real blocks (valid scales) drawn at random.
@@ -128,27 +132,26 @@ fn cuda_fused_norm_projections_are_bitwise_the_norm_then_the_projection() {
                 let (mut want, mut got) = (be.buffer(rows * n), be.buffer(rows * n));
                 be.matmul(&w, &xn, rows, &mut want);
                 be.matmuls(&x, Some((&nw, eps)), rows, &mut [(&w, &mut got)]);
-                let (want, got) = (be.download(&want, rows * n), be.download(&got, rows * n));
-                let bad = got
-                    .iter()
-                    .zip(&want)
-                    .position(|(a, b)| a.to_bits() != b.to_bits());
+                let first_difference = |want: &GpuBuffer, got: &GpuBuffer| {
+                    let (want, got) = (be.download(want, rows * n), be.download(got, rows * n));
+                    got.iter()
+                        .zip(&want)
+                        .position(|(a, b)| a.to_bits() != b.to_bits())
+                };
+                let bad = first_difference(&want, &got);
                 assert!(
                     bad.is_none(),
                     "{name} {n}×{k}, {rows} rows: projection output {bad:?} differs"
                 );
-                let (mut want, mut got) = (be.buffer(rows * n), be.buffer(rows * n));
-                be.swiglu_matmul(&xn, None, rows, &w, &u, &mut want);
-                be.swiglu_matmul(&x, Some((&nw, eps)), rows, &w, &u, &mut got);
-                let (want, got) = (be.download(&want, rows * n), be.download(&got, rows * n));
-                let bad = got
-                    .iter()
-                    .zip(&want)
-                    .position(|(a, b)| a.to_bits() != b.to_bits());
-                assert!(
-                    bad.is_none(),
-                    "{name} {n}×{k}, {rows} rows: SwiGLU output {bad:?} differs"
-                );
+                for act in [Glu::Silu, Glu::GeluTanh] {
+                    be.glu_matmul(&xn, None, rows, &w, &u, act, &mut want);
+                    be.glu_matmul(&x, Some((&nw, eps)), rows, &w, &u, act, &mut got);
+                    let bad = first_difference(&want, &got);
+                    assert!(
+                        bad.is_none(),
+                        "{name} {n}×{k}, {rows} rows: {act:?} output {bad:?} differs"
+                    );
+                }
             }
         }
     }

@@ -86,6 +86,61 @@ fn a_displaced_conversation_restores_from_the_prefix_cache_and_answers_like_a_co
     }
 }
 
+/// Gemma 3 270M past its 512-token window: a 560-token prompt's checkpoint, restored from RAM and (after a
+/// restart) from disk for a longer prompt, answers exactly like a cold run, and its cache is the cold run's bit
+/// for bit.
+#[test]
+fn a_gemma3_checkpoint_past_the_window_restores_like_a_cold_run_from_ram_and_disk() {
+    let path = gemma3_270m();
+    let root = scratch("prefix-gemma3");
+    let generate = |e: &mut Engine<CpuBackend>, prompt: &[u32], store: Option<usize>| {
+        let mut sess = e.new_session();
+        let req = GenerateRequest {
+            store_prefix: store,
+            ignore_eos: true,
+            ..GenerateRequest::greedy(24)
+        };
+        let mut ids = Vec::new();
+        let stats = e
+            .generate(&mut sess, prompt, &req, |_, t| {
+                ids.push(t.id);
+                true
+            })
+            .unwrap();
+        let cache = sess.cache.checkpoint(e.model.backend()).layers().to_vec();
+        (ids, stats.restored_tokens, cache)
+    };
+    let mut e = Engine::load(&path, backend(), &SpecMode::Off).unwrap();
+    let long = gemma3_prompt(&e.tokenizer, 640);
+    let (first, second) = (&long[..560], &long[..640]);
+    e.set_prefix_cache_budget(256 << 20);
+    assert!(e.set_prefix_cache_dir(&root, 1 << 30));
+    generate(&mut e, first, Some(first.len()));
+    let mut cold_engine = Engine::load(&path, backend(), &SpecMode::Off).unwrap();
+    let cold = generate(&mut cold_engine, second, None);
+    assert_eq!(cold.1, 0);
+    let warm = generate(&mut e, second, None);
+    // At least the stored prompt (the first turn's answer, when it continues the text, is stored too).
+    assert!(warm.1 >= first.len(), "restored {} from RAM", warm.1);
+    drop(e);
+    let mut restarted = Engine::load(&path, backend(), &SpecMode::Off).unwrap();
+    assert!(restarted.set_prefix_cache_dir(&root, 1 << 30));
+    let disk = generate(&mut restarted, second, None);
+    assert!(disk.1 >= first.len(), "restored {} from disk", disk.1);
+    for (label, run) in [("RAM", &warm), ("disk", &disk)] {
+        assert_eq!(run.0, cold.0, "{label}: tokens differ from the cold run");
+        assert!(
+            run.2.len() == cold.2.len()
+                && run.2.iter().zip(&cold.2).all(|((ka, va), (kb, vb))| {
+                    ka.iter().zip(kb).all(|(a, b)| a.to_bits() == b.to_bits())
+                        && va.iter().zip(vb).all(|(a, b)| a.to_bits() == b.to_bits())
+                }),
+            "{label}: cache differs from the cold run's"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
 /// The disk tier: a new engine (a restart) restores from the folder; corrupted, truncated, foreign and
 /// half-written files are rejected (and removed), and the answer is still identical to a cold run.
 #[test]

@@ -11,7 +11,7 @@ use verity::model::{Batch, LogitRows, Model};
 /// Teacher-forced: prefill `prefix`, then compare a W-row forward of `cont[..w]` with W 1-row steps.
 fn assert_row_exact(model: &mut Model<CpuBackend>, prefix: &[u32], cont: &[u32], label: &str) {
     let vocab = model.hp.vocab;
-    let mut cache = model.new_cache(512);
+    let mut cache = model.new_cache(prefix.len() + cont.len());
     model
         .forward(&mut cache, &Batch::causal(prefix, 0), LogitRows::None, &[])
         .unwrap();
@@ -67,6 +67,23 @@ fn assert_row_exact(model: &mut Model<CpuBackend>, prefix: &[u32], cont: &[u32],
             .collect();
         assert_eq!(greedy, want, "{label}: W={w} greedy rows");
     }
+}
+
+/// Gemma 3 270M (Q4_K_M with Q5_0, Q8_0 and Q6_K tensors; local layers of a 512-token window): verify rows
+/// that run across the window edge are bitwise the one-row steps.
+#[test]
+fn gemma3_verify_rows_across_the_window_edge_are_bitwise_equal_to_single_steps() {
+    let path = gemma3_270m();
+    let mut model = load_model(&path);
+    let bundle = verity::bundle::Bundle::open(&path).unwrap();
+    let tokenizer = verity::chat::Tokenizer::from_bundle(&bundle).unwrap();
+    let tokens = gemma3_prompt(&tokenizer, 520);
+    assert_row_exact(
+        &mut model,
+        &tokens[..504],
+        &tokens[504..520],
+        "gemma3 Q4_K_M",
+    );
 }
 
 #[test]

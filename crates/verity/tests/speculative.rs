@@ -276,6 +276,36 @@ fn adversarial_proposers_never_change_smollm2_greedy_output_or_cache() {
     }
 }
 
+/// Gemma 3 270M, whose local layers see a 512-token window: from a 480-token prompt, 96 tokens run past the
+/// window edge. The copy route and adversarial proposers (rejected drafts rolled back across position 512, trees
+/// whose kept path moves down) leave AR's greedy tokens and cache unchanged.
+#[test]
+fn copying_and_adversaries_reproduce_gemma3_ar_output_across_its_sliding_window() {
+    let path = gemma3_270m();
+    let mut e = Engine::load(&path, backend(), &SpecMode::Off).unwrap();
+    assert_eq!(e.model.hp.layer_attention(0).0, Some(512));
+    let vocab = e.model.hp.vocab;
+    let prompt = gemma3_prompt(&e.tokenizer, 480);
+    let req = no_eos(96);
+    e.set_proposer(None);
+    let base = run(&mut e, &prompt, &req, None);
+    let mut copy = Engine::load(&path, backend(), &SpecMode::Copy).unwrap();
+    let r = run(&mut copy, &prompt, &req, None);
+    assert_same(&base, &r, "copy");
+    assert!(r.stats.accepted > 0, "copying found nothing to draft");
+    let oracle: Vec<u32> = prompt.iter().chain(&base.tokens).copied().collect();
+    for kind in [
+        Adversary::AlwaysWrong,
+        Adversary::RightThenWrong(2),
+        Adversary::Random(9),
+        Adversary::Tree(9),
+    ] {
+        e.set_proposer(Some(scripted(kind.clone(), &oracle, vocab)));
+        let r = run(&mut e, &prompt, &req, None);
+        assert_same(&base, &r, &format!("gemma3 {kind:?}"));
+    }
+}
+
 fn sampled(max_tokens: usize, temperature: f32, seed: u64) -> GenerateRequest {
     GenerateRequest {
         sampling: SamplerConfig {

@@ -43,6 +43,27 @@ pub fn gemma3_270m() -> PathBuf {
     verity_registry::resolve("gemma3-270m", &mut |_, _| {}).expect("fetching gemma3-270m")
 }
 
+/// A raw-text prompt of `n` tokens for Gemma 3 270M (a base model): prose and code, with the repetition real
+/// documents have (so copying finds matches), long enough to run past the 512-token window of its local layers.
+pub fn gemma3_prompt(tokenizer: &verity::chat::Tokenizer, n: usize) -> Vec<u32> {
+    const TEXT: &str = "The river starts in the mountains as a thin stream of melted snow. It runs through \
+        pine forests, past small villages with stone bridges, and into a wide valley where farmers grow wheat and \
+        barley. In spring the water rises and covers the lower fields; in late summer it falls so low that \
+        children walk across it on the stones.\n\ndef flow(volume, width):\n    \"\"\"Return the speed of the \
+        river for a volume and a width.\"\"\"\n    if width <= 0:\n        raise ValueError(\"width must be \
+        positive\")\n    return volume / width\n\nThe town at the mouth of the river keeps a record of every \
+        flood since the year 1700. The record says that the river rose above the bridge eleven times, and that \
+        each time the people moved their boats to the high meadow. ";
+    let mut ids = tokenizer.encode(&TEXT.repeat(8), true).unwrap();
+    assert!(
+        ids.len() >= n,
+        "{} tokens of text, {n} asked for",
+        ids.len()
+    );
+    ids.truncate(n);
+    ids
+}
+
 /// SmolLM2-135M-Instruct with verity's trained MTP head: the bundle folder `verity fetch smollm2-135m-mtp`
 /// assembles.
 pub fn smollm2_mtp() -> PathBuf {

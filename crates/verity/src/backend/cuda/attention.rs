@@ -119,6 +119,7 @@ impl CudaBackend {
                 Arg::I32(nkv),
                 Arg::I32(hd),
                 Arg::F32(shape.scale),
+                Arg::I32(shape.window.map_or(0, |w| w.min(i32::MAX as usize) as i32)),
                 self.at(&step.dev, 0),
                 Arg::I32(cap),
                 self.at(work, 0),

@@ -600,10 +600,17 @@ __device__ __forceinline__ void column_any(int ty, const u8* w, int col, int til
     else column_rows<8>(ty, COLUMN_ARGS);
 }
 
+// A gated MLP's activation of gate g times up u: `glu` 1 SwiGLU, silu(g) u = g / (1 + e^-g) u; 2 GeGLU with GELU's
+// tanh form, which equals g / (1 + e^(-sqrt(8/pi) g (1 + 0.044715 g^2))) u (the CPU backend's definition).
+__device__ __forceinline__ float glu_of(int glu, float g, float u) {
+    float z = glu == 2 ? -1.5957692f * (g * fmaf(0.044715f, g * g, 1.f)) : -g;
+    return g / (1.f + __expf(z)) * u;
+}
+
 // One to three projections of the same input x (`rows` rows of k values), or of its RMS norm when
 // norm_w is non-null (its scale from `norm_scales`, as the rms_norm kernel computes it):
 // o_m[r * n_m + c] (+)= sum_kk x[r * k + kk] * w_m[c, kk], with `accumulate` adding the finished sum to o_m.
-// With `glu`, w0 and w1 are the gate and up projections (n0 == n1) and o0[r * n0 + c] = silu(gate) * up.
+// With `glu`, w0 and w1 are the gate and up projections (n0 == n1) and o0[r * n0 + c] = glu_of(glu, gate, up).
 // Grid: (column tiles of MM_WARPS * cols_per_warp columns, row groups). A row's arithmetic never depends on
 // `rows` or on the grid.
 extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumulate, const float* norm_w,
@@ -662,7 +669,7 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
             float up[ROWS_PER_GROUP];
             column_any(ty1, w1, col, t1, nb, lane, xs, rn, up);
 #pragma unroll
-            for (int r = 0; r < ROWS_PER_GROUP; r++) acc[r] = acc[r] / (1.f + __expf(-acc[r])) * up[r];
+            for (int r = 0; r < ROWS_PER_GROUP; r++) acc[r] = glu_of(glu, acc[r], up[r]);
         }
         if (lane == 0) {
 #pragma unroll
@@ -1047,7 +1054,8 @@ struct TileOf {
     const u8* w;
     int ty, tiles, n, lt;
     float* o;
-    int m;  // which of the launch's matrices
+    int m;    // which of the launch's matrices
+    int glu;  // the launch's gated activation (`glu_of`)
 };
 
 __device__ __forceinline__ bool tile_of(int tile, int glu, const u8* w0, int ty0, int n0, float* o0,
@@ -1055,11 +1063,11 @@ __device__ __forceinline__ bool tile_of(int tile, int glu, const u8* w0, int ty0
                                         int n2, float* o2, TileOf* t) {
     int t0 = (n0 + 15) / 16, t1 = glu ? 0 : (n1 + 15) / 16, t2 = (n2 + 15) / 16;
     if (tile < t0) {
-        *t = {w0, ty0, t0, n0, tile, o0, 0};
+        *t = {w0, ty0, t0, n0, tile, o0, 0, glu};
     } else if (tile < t0 + t1) {
-        *t = {w1, ty1, t1, n1, tile - t0, o1, 1};
+        *t = {w1, ty1, t1, n1, tile - t0, o1, 1, glu};
     } else if (tile < t0 + t1 + t2) {
-        *t = {w2, ty2, t2, n2, tile - t0 - t1, o2, 2};
+        *t = {w2, ty2, t2, n2, tile - t0 - t1, o2, 2, glu};
     } else {
         return false;
     }
@@ -1239,7 +1247,7 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
         return;
     }
     if (chains && col < t.n) {
-        float v = MATS == 2 ? acc[0] / (1.f + __expf(-acc[0])) * acc[1] : acc[0];
+        float v = MATS == 2 ? glu_of(t.glu, acc[0], acc[1]) : acc[0];
         t.o[(size_t)r * t.n + col] = accumulate ? prior + v : v;
     }
 }
@@ -1319,7 +1327,7 @@ __device__ void wide_tile(const TileOf& t, bool mine, const u8* up, const float*
             int r = 8 * nt + i2 + (j & 1), col = t.lt * 16 + g + 8 * (j >> 1);
             if (nt < ntiles && r < rows && col < t.n) {
                 float v = acc[0][nt][j];
-                if (MATS == 2) v = v / (1.f + __expf(-v)) * acc[1][nt][j];
+                if (MATS == 2) v = glu_of(t.glu, v, acc[1][nt][j]);
                 store_out(t.o, t.n, col, r, v, accumulate);
             }
         }
@@ -1379,7 +1387,7 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
 
 // One to three tiled projections of the same x (`rows` <= 16 rows of k values, RMS-normed first when norm_w is
 // non-null), as `matmuls` computes them but with 8-bit activations: o_m[r * n_m + c] (+)= ..., or with `glu`
-// (gate w0 and up w1 of one type) o0 = silu(gate) * up.
+// (gate w0 and up w1 of one type) o0 = glu_of(glu, gate, up).
 // - qmatmuls_narrow: a CTA per tile (grid: the tile count), exchange chunks of `chunk` blocks (at most 64), x
 //   staged `window` blocks at a time (a multiple of chunk); shared memory: `stage_bytes(rows_pad, window)`, then
 //   the tile's scales and chunk * rows_pad * QM_STRIDE ints per integer sum (`tile_sums`), per matrix.
@@ -1428,10 +1436,12 @@ extern "C" __global__ void embed(const u8* w, int ty, int k, int tiles, const in
     }
 }
 
-// RMS norm of each dim-long row (a block per row; dynamic shared memory: dim / 32 floats of scratch). Rows of
+// RMS norm of each dim-long row (a block per row; dynamic shared memory: dim / 32 floats of scratch), written or,
+// with `accumulate`, added to `out` (a post-norm's residual add). Rows of
 // a multiple of 32 values take `norm_scales`, as the fused norms do; shorter or ragged ones (per-head Q/K norms)
 // a warp's lane-strided sums and butterfly.
-extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, float eps, float* out) {
+extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, float eps, int accumulate,
+                                    float* out) {
     FLOOR_EXIT
     extern __shared__ float ss[];
     __shared__ float scale;
@@ -1451,7 +1461,20 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, flo
         }
         __syncthreads();
     }
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[(size_t)r * dim + i] = xr[i] * scale * w[i];
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = xr[i] * scale * w[i];
+        float* o = out + (size_t)r * dim + i;
+        *o = accumulate ? *o + v : v;
+    }
+}
+
+// x[i] *= s for i < n (Gemma's embedding scale).
+extern "C" __global__ void scale(float* x, float s, int n) {
+    FLOOR_EXIT
+    wait_inputs();
+    release_dependents();
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= s;
 }
 
 // RoPE of every Q head (in place) and K head (into the cache slot step.base + r), and V copied to its slot.
@@ -1500,7 +1523,8 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
 }
 
 // Attention of each (row, head) over committed slots [0, base) and the batch rows the row sees (causal, or the
-// step's tree mask), split over the slots for parallelism (flash-decoding), deterministically:
+// step's tree mask; with a local layer's `window` > 0, only keys at positions qpos - window + 1 ..= qpos, slot j
+// < base holding position j), split over the slots for parallelism (flash-decoding), deterministically:
 // - a block serves HEADS query heads of one KV head in one row (the host's choice per launch): each K and V
 //   value it loads feeds every one of those heads, so a chunk is read once per block rather than per head;
 // - slots are cut into chunks of ATT_CHUNK by absolute index; gridDim.x blocks per (row, head block) (the
@@ -1523,7 +1547,8 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
 template <bool AHEAD, int HEADS>
 __device__ __forceinline__ void attention_body(const float* q, const float* kc, const float* vc, int row0,
                                                int n_heads, int n_kv_heads, int head_dim, float scale,
-                                               const int* step, int cap, float* work, int chunks, float* out) {
+                                               int window, const int* step, int cap, float* work, int chunks,
+                                               float* out) {
     __shared__ __align__(16) float sc[HEADS][ATT_CHUNK];
     __shared__ float red[HEADS][2];  // each head's chunk max and exp-sum
     __shared__ int last;
@@ -1546,6 +1571,10 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
     int kv_dim = n_kv_heads * head_dim;
     int rec = head_dim + 2;
     const float* qv = q + ((size_t)i * n_heads + h0) * head_dim;  // head h0 + g at qv + g * head_dim
+    // A local layer's window: keys before position qpos - window + 1 are not seen; chunks wholly before it are
+    // neither computed nor combined (their records would add exact zeros).
+    int qpos = st.positions[i];
+    int c_lo = window > 0 ? max(0, qpos - window + 1) / ATT_CHUNK : 0;
     const float* kh = kc + kvh * head_dim;
     const float* vh = vc + kvh * head_dim;
     unsigned int* counters = (unsigned int*)work;
@@ -1578,12 +1607,14 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
     wait_inputs();
     release_dependents();
     for (int c = blockIdx.x; c * ATT_CHUNK < n; c += gridDim.x) {
+        if (c < c_lo) continue;  // uniform across the block
         int j0 = c * ATT_CHUNK;
         bool first = c == (int)blockIdx.x;
         // Scores: four threads per slot, each a quarter of the head's dims (every head from the same loaded K),
         // then a fixed butterfly.
         int js = t >> 2, sub = t & 3, j = j0 + js;
         bool sees = j < n && (j < base || (st.tree ? st.mask[i * rows + (j - base)] != 0 : (j - base) <= i));
+        if (window > 0 && sees) sees = qpos - (j < base ? j : st.positions[j - base]) < window;
         float d[HEADS];
 #pragma unroll
         for (int g = 0; g < HEADS; g++) d[g] = 0.f;
@@ -1707,9 +1738,9 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
 #endif
         const float* rg = records + (size_t)g * chunks * rec;
         float big = NEG_INF;
-        for (int c = 0; c < nc; c++) big = fmaxf(big, __ldcg(rg + (size_t)c * rec));
+        for (int c = c_lo; c < nc; c++) big = fmaxf(big, __ldcg(rg + (size_t)c * rec));
         float den = 0.f, num = 0.f;
-        for (int c = 0; c < nc; c++) {
+        for (int c = c_lo; c < nc; c++) {
             float mc = __ldcg(rg + (size_t)c * rec);
             float f = mc == NEG_INF ? 0.f : __expf(mc - big);
             den = fmaf(f, __ldcg(rg + (size_t)c * rec + 1), den);
@@ -1724,8 +1755,8 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
 // (`attention_*`: fewer registers, so wide verifies keep their blocks per SM).
 #define ATT_PARAMS                                                                                             \
     const float *q, const float *kc, const float *vc, int row0, int n_heads, int n_kv_heads, int head_dim,     \
-        float scale, const int *step, int cap, float *work, int chunks, float *out
-#define ATT_ARGS q, kc, vc, row0, n_heads, n_kv_heads, head_dim, scale, step, cap, work, chunks, out
+        float scale, int window, const int *step, int cap, float *work, int chunks, float *out
+#define ATT_ARGS q, kc, vc, row0, n_heads, n_kv_heads, head_dim, scale, window, step, cap, work, chunks, out
 
 #ifdef KO_ATT
 #define ATT_EXIT WAIT_AND_RETURN

@@ -82,7 +82,7 @@ use recorded::Recorded;
 use rope::{RopeKey, RopeTable};
 
 use crate::backend::RopeStyle;
-use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
+use crate::backend::{AttnMask, AttnShape, Backend, Glu, Rope, StepInputs};
 use crate::error::{Error, Result};
 use crate::quant::QMatrix;
 use module::{nvrtc_options, nvrtc_version, source, Kernels};
@@ -262,6 +262,35 @@ fn grid(n: usize, block: u32) -> LaunchConfig {
 }
 
 impl CudaBackend {
+    /// The RMS norm of `rows` rows of `dim` values, written to `out` or (`accumulate`) added to it.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_rms_norm(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        accumulate: bool,
+        out: &mut CudaSlice<f32>,
+    ) {
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: (dim / 32 * 4) as u32,
+        };
+        let args = [
+            self.at(x, 0),
+            self.at(w, 0),
+            Arg::I32(dim as i32),
+            Arg::F32(eps),
+            Arg::I32(i32::from(accumulate)),
+            self.at(out, 0),
+        ];
+        // SAFETY: x and out hold rows × dim values, w dim.
+        unsafe { self.go("rms_norm", &self.k.rms_norm, cfg, &args) };
+    }
+
     /// Open GPU `ordinal` with the settings the environment asks for ([`CudaOptions::from_env`]).
     pub fn new(ordinal: usize) -> Result<Self> {
         Self::with_options(ordinal, CudaOptions::from_env())
@@ -621,7 +650,7 @@ impl Backend for CudaBackend {
     }
 
     fn matmul(&self, w: &CudaMatrix, x: &CudaSlice<f32>, rows: usize, out: &mut CudaSlice<f32>) {
-        self.matmuls_chunked(x, None, rows, false, false, &[w], &mut [out], None);
+        self.matmuls_chunked(x, None, rows, false, None, &[w], &mut [out], None);
     }
 
     fn matmul_add(
@@ -631,7 +660,7 @@ impl Backend for CudaBackend {
         rows: usize,
         out: &mut CudaSlice<f32>,
     ) {
-        self.matmuls_chunked(x, None, rows, true, false, &[w], &mut [out], None);
+        self.matmuls_chunked(x, None, rows, true, None, &[w], &mut [out], None);
     }
 
     fn matmuls(
@@ -645,21 +674,49 @@ impl Backend for CudaBackend {
             let mats: Vec<&CudaMatrix> = chunk.iter().map(|(w, _)| *w).collect();
             let mut bufs: Vec<&mut CudaSlice<f32>> =
                 chunk.iter_mut().map(|(_, o)| &mut **o).collect();
-            self.matmuls_chunked(x, norm, rows, false, false, &mats, &mut bufs, None);
+            self.matmuls_chunked(x, norm, rows, false, None, &mats, &mut bufs, None);
         }
     }
 
-    fn swiglu_matmul(
+    fn glu_matmul(
         &self,
         x: &CudaSlice<f32>,
         norm: Option<(&CudaSlice<f32>, f32)>,
         rows: usize,
         gate: &CudaMatrix,
         up: &CudaMatrix,
+        act: Glu,
         out: &mut CudaSlice<f32>,
     ) {
         assert_eq!(gate.rows, up.rows, "gate and up projections of one width");
-        self.matmuls_chunked(x, norm, rows, false, true, &[gate, up], &mut [out], None);
+        self.matmuls_chunked(
+            x,
+            norm,
+            rows,
+            false,
+            Some(act),
+            &[gate, up],
+            &mut [out],
+            None,
+        );
+    }
+
+    fn scale(&self, x: &mut CudaSlice<f32>, len: usize, s: f32) {
+        let args = [self.at(x, 0), Arg::F32(s), Arg::I32(len as i32)];
+        // SAFETY: x holds at least len values; one thread per value.
+        unsafe { self.go("scale", &self.k.scale, grid(len, 256), &args) };
+    }
+
+    fn rms_norm_add(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut CudaSlice<f32>,
+    ) {
+        self.launch_rms_norm(x, w, rows, dim, eps, true, out);
     }
 
     fn qkv_rope_and_cache(
@@ -707,7 +764,7 @@ impl Backend for CudaBackend {
             norm,
             shape.rows,
             false,
-            false,
+            None,
             &mats,
             &mut [q, k, v],
             Some(&fusion),
@@ -730,21 +787,7 @@ impl Backend for CudaBackend {
         eps: f32,
         out: &mut CudaSlice<f32>,
     ) {
-        let d = dim as i32;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: (dim / 32 * 4) as u32,
-        };
-        let args = [
-            self.at(x, 0),
-            self.at(w, 0),
-            Arg::I32(d),
-            Arg::F32(eps),
-            self.at(out, 0),
-        ];
-        // SAFETY: x and out hold rows × dim values, w dim.
-        unsafe { self.go("rms_norm", &self.k.rms_norm, cfg, &args) };
+        self.launch_rms_norm(x, w, rows, dim, eps, false, out);
     }
 
     fn rope_and_cache(

@@ -28,6 +28,7 @@ pub(super) struct Kernels {
     pub(super) qmatmuls_wide: CudaFunction,
     pub(super) embed: CudaFunction,
     pub(super) rms_norm: CudaFunction,
+    pub(super) scale: CudaFunction,
     pub(super) rope_and_cache: CudaFunction,
     /// Attention for blocks of 1 ..= ATT_HEADS query heads (index: heads - 1), without and with the early load.
     pub(super) attention: Vec<CudaFunction>,
@@ -55,6 +56,7 @@ impl Kernels {
             qmatmuls_wide: f("qmatmuls_wide")?,
             embed: f("embed")?,
             rms_norm: f("rms_norm")?,
+            scale: f("scale")?,
             rope_and_cache: f("rope_and_cache")?,
             attention: (1..=ATT_HEADS)
                 .map(|h| f(&format!("attention_{h}")))

@@ -11,7 +11,7 @@ use super::launch::Arg;
 use super::types::Tag;
 use super::{affine, lock, tiles, CudaBackend, CudaMatrix, CudaStep};
 use super::{MAX_ROWS, MM_WARPS, NARROW_ROWS_FROM, QM_WIDE_TILES, WIDE_COLUMNS};
-use crate::backend::Backend;
+use crate::backend::{Backend, Glu};
 use crate::error::{Error, Result};
 use crate::quant::{QMatrix, WeightFormat};
 
@@ -178,8 +178,8 @@ impl CudaBackend {
     }
 
     /// One launch of the `matmuls` kernel over up to three matrices that share `x` (`rows` ≤ `MAX_ROWS`, row
-    /// offset `r0` into `x` and every output): `outs[m]` receives `mats[m]`'s projection; with `glu`, `mats` are
-    /// the gate and up projections and their SwiGLU goes to the one output.
+    /// offset `r0` into `x` and every output): `outs[m]` receives `mats[m]`'s projection; with an activation
+    /// `act`, `mats` are the gate and up projections and their gated product goes to the one output.
     #[allow(clippy::too_many_arguments)]
     fn launch_matmuls(
         &self,
@@ -188,11 +188,12 @@ impl CudaBackend {
         r0: usize,
         rows: usize,
         accumulate: bool,
-        glu: bool,
+        act: Option<Glu>,
         mats: &[&CudaMatrix],
         outs: &mut [&mut CudaSlice<f32>],
         rope: Option<&RopeFusion>,
     ) {
+        let glu = act.is_some();
         debug_assert!((1..=3).contains(&mats.len()) && rows <= MAX_ROWS);
         debug_assert!(mats.iter().all(|m| rows <= m.launch_rows));
         debug_assert_eq!(outs.len(), if glu { 1 } else { mats.len() });
@@ -201,7 +202,13 @@ impl CudaBackend {
             mats.iter().all(|w| w.cols == k),
             "projections of one input must share its width"
         );
-        let (acc, glu_i) = (i32::from(accumulate), i32::from(glu));
+        // The kernels' `glu`: 0 none, 1 SwiGLU, 2 GeGLU (tanh form).
+        let glu_i = match act {
+            None => 0,
+            Some(Glu::Silu) => 1,
+            Some(Glu::GeluTanh) => 2,
+        };
+        let acc = i32::from(accumulate);
         let mut args = vec![
             self.at(x, r0 * k),
             Arg::I32(k as i32),
@@ -334,20 +341,20 @@ impl CudaBackend {
         norm: Option<(&CudaSlice<f32>, f32)>,
         rows: usize,
         accumulate: bool,
-        glu: bool,
+        act: Option<Glu>,
         mats: &[&CudaMatrix],
         outs: &mut [&mut CudaSlice<f32>],
         rope: Option<&RopeFusion>,
     ) {
         let mut per_launch = mats.iter().map(|m| m.launch_rows).min().unwrap_or(1);
-        if !Self::int8_launch(glu, mats) {
+        if !Self::int8_launch(act.is_some(), mats) {
             // Tiled matrices beside untiled ones run the float kernel, whose staging caps the rows of long ones.
             per_launch = per_launch.min(self.float_rows(mats[0].cols));
         }
         let mut r0 = 0;
         while r0 < rows {
             let take = (rows - r0).min(per_launch);
-            self.launch_matmuls(x, norm, r0, take, accumulate, glu, mats, outs, rope);
+            self.launch_matmuls(x, norm, r0, take, accumulate, act, mats, outs, rope);
             r0 += take;
         }
     }
@@ -381,7 +388,7 @@ impl CudaBackend {
         let x = self.upload(&x);
         let mut one = self.buffer(MAX_ROWS * n);
         for r in 0..MAX_ROWS {
-            self.launch_matmuls(&x, None, r, 1, false, false, &[m], &mut [&mut one], None);
+            self.launch_matmuls(&x, None, r, 1, false, None, &[m], &mut [&mut one], None);
         }
         let one = self.download(&one, MAX_ROWS * n);
         let mut wide = self.buffer(MAX_ROWS * n);
@@ -390,7 +397,7 @@ impl CudaBackend {
             if w > m.launch_rows {
                 continue;
             }
-            self.launch_matmuls(&x, None, r0, w, false, false, &[m], &mut [&mut wide], None);
+            self.launch_matmuls(&x, None, r0, w, false, None, &[m], &mut [&mut wide], None);
             let got = self.download(&wide, MAX_ROWS * n);
             let span = r0 * n..(r0 + w) * n;
             exact &= got[span.clone()]
