@@ -25,6 +25,29 @@ pub fn main(a: Args) -> Result<()> {
         "rope          theta {}, {:?}; rms eps {}; tied embeddings {}; qkv bias {}; qk norm {}",
         hp.rope_theta, hp.rope_style, hp.rms_eps, hp.tied_embeddings, hp.qkv_bias, hp.qk_norm
     );
+    let block = &hp.block;
+    if block != &Default::default() {
+        let mut parts = vec![format!("{:?} MLP", block.glu)];
+        if block.post_norms {
+            parts.push("post-norms".into());
+        }
+        if let Some(s) = block.embedding_scale {
+            parts.push(format!("embeddings × {s}"));
+        }
+        if block.attention_scale.is_some() {
+            parts.push(format!("attention scale {}", hp.attention_scale()));
+        }
+        println!("block         {}", parts.join("; "));
+    }
+    if let Some(s) = &block.sliding {
+        let local = s.local.iter().filter(|&&l| l).count();
+        println!(
+            "attention     {local} local layers (window {}, rope theta {}), {} global",
+            s.window,
+            s.rope_theta,
+            hp.n_layers - local
+        );
+    }
     // Quantization per tensor kind: the kind is the name with layer numbers removed.
     let mut kinds: BTreeMap<String, BTreeMap<String, usize>> = BTreeMap::new();
     let mut total_bytes = 0usize;

@@ -86,9 +86,9 @@ fn a_displaced_conversation_restores_from_the_prefix_cache_and_answers_like_a_co
     }
 }
 
-/// Gemma 3 270M past its 512-token window: a 560-token prompt's checkpoint, restored from RAM and (after a
-/// restart) from disk for a longer prompt, answers exactly like a cold run, and its cache is the cold run's bit
-/// for bit.
+/// Gemma 3 270M past its 512-token window and its rings' first wrap: an 800-token prompt's checkpoint (its
+/// local layers' last windows, the global layers' everything), restored from RAM and (after a restart) from
+/// disk for a longer prompt, answers exactly like a cold run, and its cache is the cold run's bit for bit.
 #[test]
 fn a_gemma3_checkpoint_past_the_window_restores_like_a_cold_run_from_ram_and_disk() {
     let path = gemma3_270m();
@@ -111,8 +111,8 @@ fn a_gemma3_checkpoint_past_the_window_restores_like_a_cold_run_from_ram_and_dis
         (ids, stats.restored_tokens, cache)
     };
     let mut e = Engine::load(&path, backend(), &SpecMode::Off).unwrap();
-    let long = gemma3_prompt(&e.tokenizer, 640);
-    let (first, second) = (&long[..560], &long[..640]);
+    let long = gemma3_prompt(&e.tokenizer, 900);
+    let (first, second) = (&long[..800], &long[..900]);
     e.set_prefix_cache_budget(256 << 20);
     assert!(e.set_prefix_cache_dir(&root, 1 << 30));
     generate(&mut e, first, Some(first.len()));

@@ -276,16 +276,17 @@ fn adversarial_proposers_never_change_smollm2_greedy_output_or_cache() {
     }
 }
 
-/// Gemma 3 270M, whose local layers see a 512-token window: from a 480-token prompt, 96 tokens run past the
-/// window edge. The copy route and adversarial proposers (rejected drafts rolled back across position 512, trees
-/// whose kept path moves down) leave AR's greedy tokens and cache unchanged.
+/// Gemma 3 270M, whose local layers see a 512-token window and keep a ring of 768 slots: from a 720-token
+/// prompt, 96 tokens run past the ring's first wrap. The copy route and adversarial proposers (rejected drafts
+/// rolled back, trees whose kept path moves down, both across the wrap) leave AR's greedy tokens and cache
+/// unchanged.
 #[test]
 fn copying_and_adversaries_reproduce_gemma3_ar_output_across_its_sliding_window() {
     let path = gemma3_270m();
     let mut e = Engine::load(&path, backend(), &SpecMode::Off).unwrap();
     assert_eq!(e.model.hp.layer_attention(0).0, Some(512));
     let vocab = e.model.hp.vocab;
-    let prompt = gemma3_prompt(&e.tokenizer, 480);
+    let prompt = gemma3_prompt(&e.tokenizer, 720);
     let req = no_eos(96);
     e.set_proposer(None);
     let base = run(&mut e, &prompt, &req, None);

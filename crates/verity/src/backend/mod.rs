@@ -200,7 +200,8 @@ pub trait Backend: Send + Sync + 'static {
         out: &mut Self::Buffer,
     );
     /// Rotate each head of `q` (in place) and of `k` by its row's position, and write the rotated `k` and `v`
-    /// into the cache slots `step.base..` (`k` is scratch afterwards).
+    /// into the cache slots `step.base..` (`k` is scratch afterwards). A cache buffer of `s` slots is a ring:
+    /// slot `j` is stored at `j mod s` (a local layer's cache holds its window, not the whole context).
     #[allow(clippy::too_many_arguments)]
     fn rope_and_cache(
         &self,
@@ -250,7 +251,8 @@ pub trait Backend: Send + Sync + 'static {
         0
     }
     /// Scaled-dot-product attention of the batch's queries over the cache (committed slots plus the batch, as
-    /// the step's mask allows), with the cache's scratch `work`.
+    /// the step's mask and the shape's window allow; slot `j` at `j mod` the buffer's slots), with the cache's
+    /// scratch `work`.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -287,9 +289,9 @@ pub trait Backend: Send + Sync + 'static {
         dst_off: usize,
         len: usize,
     );
-    /// Copy `len` values within `buf` from `src_off..` to an earlier, disjoint `dst_off..` (`dst_off + len ≤
-    /// src_off`): a draft tree's accepted path moved down over the rejected slots.
-    fn copy_down(&self, buf: &mut Self::Buffer, src_off: usize, dst_off: usize, len: usize);
+    /// Copy `len` values within `buf` from `src_off..` to a disjoint `dst_off..`: a draft tree's accepted path
+    /// moved down over the rejected slots (in a ring of slots, possibly to a higher offset).
+    fn copy_within(&self, buf: &mut Self::Buffer, src_off: usize, dst_off: usize, len: usize);
 
     /// The first device error since the last call, if any. Operations cannot fail one by one (a forward is a
     /// few hundred of them, recorded and replayed as a whole); a backend whose device can fail keeps the error,

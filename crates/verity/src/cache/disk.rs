@@ -19,8 +19,9 @@
 //! person can write any file. It is XXH3-128, which runs at memory speed (FNV-1a, the checksum of `VRTYKV01`,
 //! took ~40 % of a store and of a restore).
 //!
-//! File layout (`VRTYKV04`): the magic, a little-endian u32 header length, a JSON header (model fingerprint,
-//! numerics, token ids, shapes, which target states it holds), each layer's K and V as little-endian f32, then,
+//! File layout (`VRTYKV05`): the magic, a little-endian u32 header length, a JSON header (model fingerprint,
+//! numerics, token ids, shapes, each layer's first position held — a local attention layer keeps its last
+//! window only —, which target states it holds), each layer's K and V of its positions as little-endian f32, then,
 //! where the checkpoint kept them, the target's states of every position that the route's proposer conditions
 //! on (f32, `hidden` wide: an MTP head's final states, or a block drafter's layers, as `features` names them),
 //! then the XXH3-128 of all the bytes before it, little-endian. Written by hand because no crate stores this.
@@ -37,7 +38,7 @@ use super::temp_file::{temp_in_progress, TempFile, TEMP_PREFIX};
 use super::KvCheckpoint;
 use crate::model::TargetFeatures;
 
-const MAGIC: &[u8; 8] = b"VRTYKV04";
+const MAGIC: &[u8; 8] = b"VRTYKV05";
 const EXT: &str = "vkv";
 /// The magic and the header length.
 const PREFIX: usize = 12;
@@ -58,6 +59,8 @@ struct Header {
     tokens: Vec<u32>,
     kv_dim: usize,
     n_layers: usize,
+    /// Per layer, the first position its K/V hold (the rest from there to the last token).
+    firsts: Vec<usize>,
     /// Width of the hidden states after the K/V, 0 when there are none.
     hidden: usize,
     /// Which target states they are ([`TargetFeatures::tag`]; empty when there are none).
@@ -297,14 +300,19 @@ impl DiskTier {
             return Err(Rejected::Foreign);
         }
         let n = h.tokens.len() as u64;
-        let want = n
-            .checked_mul(h.kv_dim as u64)
+        // Positions held by all layers together (each at most all of them).
+        let held = h
+            .firsts
+            .iter()
+            .try_fold(0u64, |sum, &f| sum.checked_add(n.checked_sub(f as u64)?));
+        let want = held
+            .and_then(|p| p.checked_mul(h.kv_dim as u64))
             .and_then(|b| b.checked_mul(8))
-            .and_then(|b| b.checked_mul(h.n_layers as u64))
             .and_then(|b| b.checked_add(n.checked_mul(h.hidden as u64)?.checked_mul(4)?));
         let features = TargetFeatures::from_tag(&h.features);
         let shapes_ok = h.dtype == "f32"
             && h.n_layers == self.n_layers
+            && h.firsts.len() == h.n_layers
             && h.kv_dim == self.kv_dim
             && features.is_some_and(|f| f.width(self.hidden) == h.hidden)
             && h.kv_dim > 0
@@ -364,13 +372,17 @@ impl DiskTier {
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect()
         };
-        let per = h.tokens.len() * h.kv_dim * 4;
-        let (kv, hidden) = body[start..].split_at(2 * per * h.n_layers);
-        let layers = kv
-            .chunks_exact(2 * per)
-            .map(|l| (floats(&l[..per]), floats(&l[per..])))
-            .collect();
-        let ckpt = KvCheckpoint::from_parts(h.tokens.len(), h.kv_dim, layers);
+        let n = h.tokens.len();
+        let mut at = start;
+        let mut layers = Vec::with_capacity(h.n_layers);
+        for &first in &h.firsts {
+            let per = (n - first) * h.kv_dim * 4;
+            let (k, v) = body[at..at + 2 * per].split_at(per);
+            layers.push((floats(k), floats(v)));
+            at += 2 * per;
+        }
+        let hidden = &body[at..];
+        let ckpt = KvCheckpoint::from_parts(n, h.kv_dim, h.firsts.clone(), layers);
         let features = TargetFeatures::from_tag(&h.features).expect("checked with the header");
         Ok(if h.hidden > 0 {
             ckpt.with_hidden(features, h.hidden, floats(hidden))
@@ -405,6 +417,7 @@ impl DiskTier {
             tokens: tokens.to_vec(),
             kv_dim: self.kv_dim,
             n_layers: self.n_layers,
+            firsts: ckpt.firsts().to_vec(),
             hidden: ckpt.hidden().map_or(0, |h| h.width),
             features: ckpt.hidden().map_or(String::new(), |h| h.features.tag()),
             data_bytes: ckpt.bytes() as u64,

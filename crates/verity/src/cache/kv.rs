@@ -4,6 +4,14 @@
 //! (never a logical position without rows behind it). A forward appends its rows at `len..len + W`; a speculative
 //! cycle keeps a prefix of them with [`KvCache::truncate`]. Capacity grows by whole-buffer copies, never
 //! silently drops rows.
+//!
+//! A local attention layer (one that sees only the latest `window` positions) keeps a ring instead: slot `j`
+//! lives at `j mod ring`, with `ring ≥ window + W + 136` for the widest forward `W` asked for so far, so a
+//! forward's rows never overwrite a position its queries (or a rollback to any of its rows, or 64 positions
+//! further back) still need, and what the attention reads before a window (to align its blocks) stays finite. Its memory is bounded by the window, not the
+//! context. What the ring has overwritten is tracked (`oldest`): a truncation to a point whose window is gone
+//! empties the cache instead (the caller prefills again), a checkpoint holds only each ring's last `window`
+//! positions, and a restore writes them back where they belong.
 
 use crate::backend::{buffer_set_id, Backend};
 use crate::error::{Error, Result};
@@ -18,6 +26,12 @@ pub struct CacheShape {
     pub head_dim: usize,
 }
 
+/// Slots a ring keeps beyond a window and the forward's rows: the CPU attention's blocks of eight keys start up
+/// to seven positions before a window, the GPU's chunks of 64 keys need a ring of at least two chunks more
+/// than a window and the rows span (its chunk records are kept per chunk of the ring), and a draft model's
+/// rollback spans the one-row steps that drafted.
+const RING_MARGIN: usize = 136;
+
 pub struct KvCache<B: Backend> {
     pub(crate) k: Vec<B::Buffer>,
     pub(crate) v: Vec<B::Buffer>,
@@ -29,28 +43,55 @@ pub struct KvCache<B: Backend> {
     len: usize,
     capacity: usize,
     max_capacity: usize,
+    /// Per layer, the window of a local attention layer (`None`: the layer sees the whole context).
+    windows: Vec<Option<usize>>,
+    /// Slots of the local layers' buffers: `capacity` until the context outgrows their ring.
+    ring: usize,
+    /// The oldest position every local layer still holds (0 while no ring has wrapped).
+    oldest: usize,
     /// Changes whenever the buffers are reallocated (see [`buffer_set_id`]).
     buffers_id: u64,
 }
 
 impl<B: Backend> KvCache<B> {
-    /// An empty cache of `shape`, holding at most `max_capacity` slots.
+    /// An empty cache of `shape` whose layers all see the whole context, holding at most `max_capacity` slots.
     pub fn new(backend: &B, shape: CacheShape, max_capacity: usize) -> Self {
+        Self::with_windows(backend, shape, max_capacity, vec![None; shape.n_layers])
+    }
+
+    /// An empty cache of `shape` whose layer `l` sees the latest `windows[l]` positions (`None`: all of them).
+    pub fn with_windows(
+        backend: &B,
+        shape: CacheShape,
+        max_capacity: usize,
+        windows: Vec<Option<usize>>,
+    ) -> Self {
+        assert_eq!(windows.len(), shape.n_layers, "a window entry per layer");
         let capacity = 256.min(max_capacity);
+        let ring = windows
+            .iter()
+            .flatten()
+            .max()
+            .map_or(capacity, |&w| capacity.min(ring_slots(w, 0)));
         let kv_dim = shape.n_kv_heads * shape.head_dim;
+        let buffers = || -> Vec<B::Buffer> {
+            windows
+                .iter()
+                .map(|w| backend.buffer(if w.is_some() { ring } else { capacity } * kv_dim))
+                .collect()
+        };
         KvCache {
-            k: (0..shape.n_layers)
-                .map(|_| backend.buffer(capacity * kv_dim))
-                .collect(),
-            v: (0..shape.n_layers)
-                .map(|_| backend.buffer(capacity * kv_dim))
-                .collect(),
+            k: buffers(),
+            v: buffers(),
             attn_work: Self::attention_work(backend, shape, capacity),
             shape,
             kv_dim,
             len: 0,
             capacity,
             max_capacity,
+            windows,
+            ring,
+            oldest: 0,
             buffers_id: buffer_set_id(),
         }
     }
@@ -68,9 +109,29 @@ impl<B: Backend> KvCache<B> {
         self.max_capacity
     }
 
-    /// Slots the buffers hold now (they grow up to [`KvCache::max_capacity`]).
+    /// Slots the buffers of the whole-context layers hold now (they grow up to [`KvCache::max_capacity`]).
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// Bytes of K/V the buffers hold (what the cache costs in device memory).
+    pub fn bytes(&self) -> usize {
+        let slots: usize = (0..self.windows.len()).map(|l| self.slots(l)).sum();
+        2 * slots * self.kv_dim * 4
+    }
+
+    /// Slots of layer `l`'s buffers.
+    fn slots(&self, l: usize) -> usize {
+        if self.windows[l].is_some() {
+            self.ring
+        } else {
+            self.capacity
+        }
+    }
+
+    /// The widest window of the local layers, if there are any.
+    fn window(&self) -> Option<usize> {
+        self.windows.iter().flatten().max().copied()
     }
 
     fn attention_work(backend: &B, shape: CacheShape, capacity: usize) -> B::Buffer {
@@ -82,7 +143,7 @@ impl<B: Backend> KvCache<B> {
         self.buffers_id
     }
 
-    /// Make room for `extra` more slots after `len`.
+    /// Make room for a forward of `extra` rows after `len`.
     pub(crate) fn reserve(&mut self, backend: &B, extra: usize) -> Result<()> {
         let need = self.len + extra;
         if need > self.max_capacity {
@@ -91,21 +152,62 @@ impl<B: Backend> KvCache<B> {
                 self.max_capacity
             )));
         }
-        if need <= self.capacity {
-            return Ok(());
+        self.grow(backend, need, extra);
+        // The rows' slots are about to be written: in a ring, what they replace is gone.
+        if self.ring < need {
+            self.oldest = self.oldest.max(need - self.ring);
         }
-        let new_cap = need.next_power_of_two().min(self.max_capacity);
-        for bufs in [&mut self.k, &mut self.v] {
-            for buf in bufs.iter_mut() {
-                let mut grown = backend.buffer(new_cap * self.kv_dim);
-                backend.copy(buf, 0, &mut grown, 0, self.len * self.kv_dim);
-                *buf = grown;
+        Ok(())
+    }
+
+    /// Buffers for `need` slots, with rings wide enough for forwards of `rows` rows.
+    fn grow(&mut self, backend: &B, need: usize, rows: usize) {
+        let capacity = if need <= self.capacity {
+            self.capacity
+        } else {
+            need.next_power_of_two().min(self.max_capacity)
+        };
+        // A ring never shrinks (that would drop what it holds); until the context outgrows it, the local
+        // layers are as long as the others.
+        let ring = match self.window() {
+            Some(w) => capacity.min(self.ring.max(ring_slots(w, rows))),
+            None => capacity,
+        };
+        if capacity == self.capacity && ring == self.ring {
+            return;
+        }
+        // Every position each buffer holds, moved to where the new buffer keeps it.
+        let held = |slots: usize, len: usize| len.saturating_sub(slots)..len;
+        for l in 0..self.windows.len() {
+            let (old, new) = (
+                self.slots(l),
+                if self.windows[l].is_some() {
+                    ring
+                } else {
+                    capacity
+                },
+            );
+            if old == new {
+                continue;
+            }
+            let positions = held(old, self.len);
+            let d = self.kv_dim;
+            for bufs in [&mut self.k, &mut self.v] {
+                let mut grown = backend.buffer(new * d);
+                for (p, n) in ring_pieces(positions.clone(), old) {
+                    for (q, m) in ring_pieces(p..p + n, new) {
+                        backend.copy(&bufs[l], (q % old) * d, &mut grown, (q % new) * d, m * d);
+                    }
+                }
+                bufs[l] = grown;
             }
         }
-        self.attn_work = Self::attention_work(backend, self.shape, new_cap);
-        self.capacity = new_cap;
+        if capacity != self.capacity {
+            self.attn_work = Self::attention_work(backend, self.shape, capacity);
+        }
+        self.capacity = capacity;
+        self.ring = ring;
         self.buffers_id = buffer_set_id();
-        Ok(())
     }
 
     /// Mark `rows` appended slots as committed (called by the forward after writing them).
@@ -114,18 +216,38 @@ impl<B: Backend> KvCache<B> {
         self.len += rows;
     }
 
+    /// The positions a checkpoint keeps of layer `l`: a local layer's last window, every other layer's all.
+    fn kept(&self, l: usize) -> std::ops::Range<usize> {
+        match self.windows[l] {
+            Some(w) => self.len.saturating_sub(w)..self.len,
+            None => 0..self.len,
+        }
+    }
+
     /// A copy of the committed state, to restore later (the prefix cache stores these).
     pub fn checkpoint(&self, backend: &B) -> KvCheckpoint {
-        let n = self.len * self.kv_dim;
+        let d = self.kv_dim;
+        let mut layers = Vec::with_capacity(self.k.len());
+        let mut firsts = Vec::with_capacity(self.k.len());
+        for l in 0..self.k.len() {
+            let (kept, slots) = (self.kept(l), self.slots(l));
+            let read = |buf: &B::Buffer| -> Vec<f32> {
+                let mut out = Vec::with_capacity(kept.len() * d);
+                for (p, n) in ring_pieces(kept.clone(), slots) {
+                    let at = (p % slots) * d;
+                    let all = backend.download(buf, at + n * d);
+                    out.extend_from_slice(&all[at..]);
+                }
+                out
+            };
+            firsts.push(kept.start);
+            layers.push((read(&self.k[l]), read(&self.v[l])));
+        }
         KvCheckpoint {
             len: self.len,
-            kv_dim: self.kv_dim,
-            layers: self
-                .k
-                .iter()
-                .zip(&self.v)
-                .map(|(k, v)| (backend.download(k, n), backend.download(v, n)))
-                .collect(),
+            kv_dim: d,
+            firsts,
+            layers,
             hidden: None,
         }
     }
@@ -135,14 +257,41 @@ impl<B: Backend> KvCache<B> {
         if ckpt.kv_dim != self.kv_dim || ckpt.layers.len() != self.k.len() {
             return Err(Error::Invalid("checkpoint of another model shape".into()));
         }
+        // A local layer needs its last window; any other layer everything.
+        let enough = (0..self.k.len()).all(|l| {
+            let need = match self.windows[l] {
+                Some(w) => ckpt.len.saturating_sub(w),
+                None => 0,
+            };
+            ckpt.firsts[l] <= need
+        });
+        if ckpt.len > self.max_capacity || !enough {
+            return Err(Error::Invalid(
+                "checkpoint does not hold what this cache's layers need".into(),
+            ));
+        }
         self.len = 0;
-        self.reserve(backend, ckpt.len)?;
-        for ((k, v), (ck, cv)) in self.k.iter_mut().zip(self.v.iter_mut()).zip(&ckpt.layers) {
-            let (ku, vu) = (backend.upload(ck), backend.upload(cv));
-            backend.copy(&ku, 0, k, 0, ck.len());
-            backend.copy(&vu, 0, v, 0, cv.len());
+        self.oldest = 0;
+        self.grow(backend, ckpt.len, 0);
+        let d = self.kv_dim;
+        for l in 0..self.k.len() {
+            let slots = self.slots(l);
+            let first = ckpt.firsts[l].max(ckpt.len.saturating_sub(slots));
+            let (ck, cv) = &ckpt.layers[l];
+            let skip = (first - ckpt.firsts[l]) * d;
+            for (buf, data) in [(&mut self.k[l], ck), (&mut self.v[l], cv)] {
+                let up = backend.upload(&data[skip..]);
+                let mut at = 0;
+                for (p, n) in ring_pieces(first..ckpt.len, slots) {
+                    backend.copy(&up, at, buf, (p % slots) * d, n * d);
+                    at += n * d;
+                }
+            }
         }
         self.len = ckpt.len;
+        if self.ring < self.len {
+            self.oldest = self.len - self.ring;
+        }
         Ok(())
     }
 
@@ -164,9 +313,22 @@ impl<B: Backend> KvCache<B> {
             let mut moved = 0;
             while src > dst && moved < run {
                 let n = (run - moved).min(src - dst);
-                for bufs in [&mut self.k, &mut self.v] {
-                    for buf in bufs.iter_mut() {
-                        backend.copy_down(buf, (src + moved) * d, (dst + moved) * d, n * d);
+                for l in 0..self.k.len() {
+                    let slots = self.slots(l);
+                    // In a ring a piece may wrap: split it where either end does.
+                    for (p, m) in ring_pieces(src + moved..src + moved + n, slots) {
+                        let to = p - src + dst;
+                        for (q, k) in ring_pieces(to..to + m, slots) {
+                            let from = q - dst + src;
+                            for buf in [&mut self.k[l], &mut self.v[l]] {
+                                backend.copy_within(
+                                    buf,
+                                    (from % slots) * d,
+                                    (q % slots) * d,
+                                    k * d,
+                                );
+                            }
+                        }
                     }
                 }
                 moved += n;
@@ -176,10 +338,40 @@ impl<B: Backend> KvCache<B> {
         self.len = self.len.min(base + rows.len());
     }
 
-    /// Roll back to the first `len` slots (a rejected speculative suffix, or a new conversation sharing a prefix).
-    pub fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
+    /// Roll back to the first `len` slots (a rejected speculative suffix, or a new conversation sharing a
+    /// prefix), and return the fill kept: `len`, or 0 where a ring no longer holds the window before `len` (the
+    /// caller prefills again from the start).
+    pub fn truncate(&mut self, len: usize) -> usize {
+        let len = self.len.min(len);
+        let window_kept = self
+            .window()
+            .is_none_or(|w| len.saturating_sub(w) >= self.oldest);
+        if window_kept {
+            self.len = len;
+        } else {
+            self.len = 0;
+            self.oldest = 0;
+        }
+        self.len
     }
+}
+
+/// The ring a local layer of `window` positions needs for forwards of `rows` rows.
+fn ring_slots(window: usize, rows: usize) -> usize {
+    (window + rows + RING_MARGIN).next_multiple_of(64)
+}
+
+/// `positions` cut where a ring of `slots` slots wraps: `(first position, count)` pieces, each contiguous in the
+/// ring.
+fn ring_pieces(positions: std::ops::Range<usize>, slots: usize) -> Vec<(usize, usize)> {
+    let mut pieces = Vec::new();
+    let mut p = positions.start;
+    while p < positions.end {
+        let n = (slots - p % slots).min(positions.end - p);
+        pieces.push((p, n));
+        p += n;
+    }
+    pieces
 }
 
 /// The committed K/V of every layer at some fill, held in host memory.
@@ -187,6 +379,9 @@ impl<B: Backend> KvCache<B> {
 pub struct KvCheckpoint {
     len: usize,
     kv_dim: usize,
+    /// Per layer, the first position it holds (a local layer keeps only its last window).
+    firsts: Vec<usize>,
+    /// Each layer's K and V of positions `firsts[l]..len`.
     layers: Vec<(Vec<f32>, Vec<f32>)>,
     /// The target's hidden states of every slot that the route's proposer conditions on (an MTP head's final
     /// states, a block drafter's layers; `len × width` values), where they were kept: a restore then hands the
@@ -203,13 +398,31 @@ pub struct HiddenRows {
 }
 
 impl KvCheckpoint {
-    pub(crate) fn from_parts(len: usize, kv_dim: usize, layers: Vec<(Vec<f32>, Vec<f32>)>) -> Self {
+    /// A checkpoint of `len` positions whose layer `l` holds positions `firsts[l]..len` (`kv_dim` values each
+    /// in K and V).
+    pub(crate) fn from_parts(
+        len: usize,
+        kv_dim: usize,
+        firsts: Vec<usize>,
+        layers: Vec<(Vec<f32>, Vec<f32>)>,
+    ) -> Self {
+        debug_assert!(firsts.len() == layers.len());
+        debug_assert!(layers
+            .iter()
+            .zip(&firsts)
+            .all(|((k, v), &f)| k.len() == (len - f) * kv_dim && v.len() == k.len()));
         KvCheckpoint {
             len,
             kv_dim,
+            firsts,
             layers,
             hidden: None,
         }
+    }
+
+    /// Per layer, the first position it holds.
+    pub fn firsts(&self) -> &[usize] {
+        &self.firsts
     }
 
     /// Attach the hidden states (`features`) of slots `0..len` (`rows`: `len × width` values).
@@ -233,7 +446,7 @@ impl KvCheckpoint {
         self.hidden.as_ref()
     }
 
-    /// Each layer's K and V, `len × kv_dim` values each.
+    /// Each layer's K and V of the positions it holds ([`KvCheckpoint::firsts`]), `kv_dim` values per position.
     pub fn layers(&self) -> &[(Vec<f32>, Vec<f32>)] {
         &self.layers
     }
@@ -265,10 +478,11 @@ impl KvCheckpoint {
                 .map(|i| seed + (l * 100 + i) as f32 * 0.25)
                 .collect()
         };
+        let firsts = vec![0; layers];
         let layers = (0..layers)
             .map(|l| (layer(2 * l), layer(2 * l + 1)))
             .collect();
-        KvCheckpoint::from_parts(len, kv_dim, layers)
+        KvCheckpoint::from_parts(len, kv_dim, firsts, layers)
     }
 }
 

@@ -79,7 +79,7 @@ impl<B: Backend> Engine<B> {
             sess.tokens.extend_from_slice(&body[..m]);
             common = m;
         }
-        sess.truncate(common);
+        let common = sess.truncate(common);
         let store_at = store_at.filter(|&b| b > common && b <= body.len() && self.prefix.enabled());
         let mut store_s = 0.0;
         let mut pos = common;

@@ -23,11 +23,13 @@ impl<B: Backend> Session<B> {
         }
     }
 
-    /// Forget everything from position `pos` on: cache, tokens and hidden states.
-    pub(super) fn truncate(&mut self, pos: usize) {
-        self.cache.truncate(pos);
-        self.tokens.truncate(pos);
-        self.hidden.truncate(pos);
+    /// Forget everything from position `pos` on: cache, tokens and hidden states; returns the fill kept (`pos`,
+    /// or 0 where the cache's rings no longer hold the window before `pos`).
+    pub(super) fn truncate(&mut self, pos: usize) -> usize {
+        let kept = self.cache.truncate(pos);
+        self.tokens.truncate(kept);
+        self.hidden.truncate(kept);
+        kept
     }
 }
 

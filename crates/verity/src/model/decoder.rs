@@ -127,10 +127,14 @@ impl<B: Backend> Model<B> {
         self.weight_bytes
     }
 
-    /// A fresh KV cache for this model holding up to `max_tokens` slots (capped by the context length).
+    /// A fresh KV cache for this model holding up to `max_tokens` slots (capped by the context length); local
+    /// layers keep rings of their window.
     pub fn new_cache(&self, max_tokens: usize) -> KvCache<B> {
         let cap = max_tokens.min(self.hp.context_len).max(1);
-        KvCache::new(
+        let windows = (0..self.hp.n_layers)
+            .map(|l| self.hp.layer_attention(l).0)
+            .collect();
+        KvCache::with_windows(
             self.backend.as_ref(),
             CacheShape {
                 n_layers: self.hp.n_layers,
@@ -139,6 +143,7 @@ impl<B: Backend> Model<B> {
                 head_dim: self.hp.head_dim,
             },
             cap,
+            windows,
         )
     }
 

@@ -81,7 +81,7 @@ impl<B: Backend> Proposer for DraftModel<B> {
             .take_while(|(a, b)| a == b)
             .count()
             .min(context.len() - 1);
-        self.cache.truncate(common);
+        let common = self.cache.truncate(common);
         self.cached.truncate(common);
         let room = self.cache.max_capacity().saturating_sub(context.len() + k);
         if room == 0 {
@@ -133,7 +133,7 @@ impl<B: Backend> Proposer for DraftModel<B> {
             .take_while(|&(i, &d)| i == d)
             .count();
         let keep = (self.base + accepted).min(self.cached.len());
-        self.cache.truncate(keep);
+        let keep = self.cache.truncate(keep);
         self.cached.truncate(keep);
     }
 }

@@ -39,7 +39,10 @@ pub fn attention(
     let q_dim = s.n_heads * hd;
     let kv_dim = s.n_kv_heads * hd;
     assert!(q.len() >= s.rows * q_dim && out.len() >= s.rows * q_dim);
-    assert!(k_cache.len() >= (base + s.rows) * kv_dim && v_cache.len() >= (base + s.rows) * kv_dim);
+    // A cache buffer of `slots` slots is a ring (a local layer's): slot j at j mod slots.
+    let slots = k_cache.len() / kv_dim;
+    assert!(slots > 0 && v_cache.len() == k_cache.len());
+    assert!(s.window.is_some() || slots >= base + s.rows);
     let out_ptr = SharedOut::new(out);
     let isa = simd::isa();
     // A task is a run of one KV head's queries (its `group` heads × the rows): they share that head's keys and
@@ -56,6 +59,7 @@ pub fn attention(
                 let head = Head {
                     k: k_cache,
                     v: v_cache,
+                    slots,
                     stride: kv_dim,
                     offset: kvh * hd,
                     hd,
@@ -141,10 +145,12 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
-/// One KV head of the cache: slot `j`'s key is `k[j * stride + offset..][..head_dim]`, likewise its value.
+/// One KV head of the cache: slot `j`'s key is `k[(j mod slots) * stride + offset..][..head_dim]`, likewise
+/// its value.
 struct Head<'a> {
     k: &'a [f32],
     v: &'a [f32],
+    slots: usize,
     stride: usize,
     offset: usize,
     hd: usize,
@@ -153,11 +159,11 @@ struct Head<'a> {
 
 impl Head<'_> {
     fn key(&self, slot: usize) -> &[f32] {
-        &self.k[slot * self.stride + self.offset..][..self.hd]
+        &self.k[(slot % self.slots) * self.stride + self.offset..][..self.hd]
     }
 
     fn value(&self, slot: usize) -> &[f32] {
-        &self.v[slot * self.stride + self.offset..][..self.hd]
+        &self.v[(slot % self.slots) * self.stride + self.offset..][..self.hd]
     }
 }
 
@@ -536,6 +542,7 @@ mod tests {
         let head = Head {
             k: &k,
             v: &v,
+            slots: n_slots,
             stride: hd,
             offset: 0,
             hd,

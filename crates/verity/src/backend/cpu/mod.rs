@@ -333,9 +333,14 @@ impl Backend for CpuBackend {
         ops::rope(q, rotations, rows, shape.n_heads, hd, rope.style);
         ops::rope(k, rotations, rows, shape.n_kv_heads, hd, rope.style);
         let kv_dim = shape.n_kv_heads * hd;
-        let slots = step.base * kv_dim..(step.base + rows) * kv_dim;
-        k_cache[slots.clone()].copy_from_slice(&k[..rows * kv_dim]);
-        v_cache[slots].copy_from_slice(&v[..rows * kv_dim]);
+        // A ring's slot j is at j mod its slots (a local layer's cache).
+        let slots = k_cache.len() / kv_dim;
+        for r in 0..rows {
+            let at = (step.base + r) % slots * kv_dim;
+            let row = r * kv_dim..(r + 1) * kv_dim;
+            k_cache[at..at + kv_dim].copy_from_slice(&k[row.clone()]);
+            v_cache[at..at + kv_dim].copy_from_slice(&v[row]);
+        }
     }
 
     fn attention(
@@ -387,8 +392,11 @@ impl Backend for CpuBackend {
         dst[dst_off..dst_off + len].copy_from_slice(&src[src_off..src_off + len]);
     }
 
-    fn copy_down(&self, buf: &mut Vec<f32>, src_off: usize, dst_off: usize, len: usize) {
-        assert!(dst_off + len <= src_off, "copy_down ranges overlap");
+    fn copy_within(&self, buf: &mut Vec<f32>, src_off: usize, dst_off: usize, len: usize) {
+        assert!(
+            dst_off + len <= src_off || src_off + len <= dst_off,
+            "copy_within ranges overlap"
+        );
         buf.copy_within(src_off..src_off + len, dst_off);
     }
 }

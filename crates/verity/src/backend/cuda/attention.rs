@@ -80,7 +80,8 @@ impl CudaBackend {
         out: &mut CudaSlice<f32>,
     ) {
         // Chunk records for every chunk of the cache's capacity (fixed while its buffers live, so a recorded
-        // launch stays valid).
+        // launch stays valid). A local layer's cache may be a ring of that many slots; its window keeps every
+        // chunk a row reads within the step's positions.
         let capacity = k_cache.len() / (shape.n_kv_heads * shape.head_dim);
         let chunks = capacity.div_ceil(ATT_CHUNK);
         assert!(work.len() >= self.attention_work_len(shape.n_heads, shape.head_dim, capacity));
@@ -120,6 +121,7 @@ impl CudaBackend {
                 Arg::I32(hd),
                 Arg::F32(shape.scale),
                 Arg::I32(shape.window.map_or(0, |w| w.min(i32::MAX as usize) as i32)),
+                Arg::I32(capacity as i32),
                 self.at(&step.dev, 0),
                 Arg::I32(cap),
                 self.at(work, 0),

@@ -1477,12 +1477,13 @@ extern "C" __global__ void scale(float* x, float s, int n) {
     if (i < n) x[i] *= s;
 }
 
-// RoPE of every Q head (in place) and K head (into the cache slot step.base + r), and V copied to its slot.
+// RoPE of every Q head (in place) and K head (into the cache slot step.base + r), and V copied to its slot; a
+// cache of `slots` slots is a ring (slot j at j mod slots: a local layer's).
 // Threads [0, rows * (n_heads + n_kv_heads) * half) rotate one pair each; the next rows * kv_dim copy V. The
 // (cos, sin) pairs are the step's table at f32 offset `table` (the host's `rope_angle` values).
 extern "C" __global__ void rope_and_cache(float* q, const float* k, const float* v, float* kc, float* vc,
                                           int rows, int n_heads, int n_kv_heads, int head_dim, int table,
-                                          int interleaved, const int* step, int cap) {
+                                          int interleaved, const int* step, int cap, int slots) {
     FLOOR_EXIT
     wait_inputs();
     release_dependents();
@@ -1496,7 +1497,7 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
         t -= rotations;
         if (t < rows * kv_dim) {
             int r = t / kv_dim;
-            vc[(size_t)(st.base + r) * kv_dim + t % kv_dim] = v[t];
+            vc[(size_t)((st.base + r) % slots) * kv_dim + t % kv_dim] = v[t];
         }
         return;
     }
@@ -1515,7 +1516,7 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
     } else {
         h -= n_heads;
         const float* head = k + ((size_t)r * n_kv_heads + h) * head_dim;
-        float* dst = kc + (size_t)(st.base + r) * kv_dim + h * head_dim;
+        float* dst = kc + (size_t)((st.base + r) % slots) * kv_dim + h * head_dim;
         float x0 = head[ia], x1 = head[ib];
         dst[ia] = x0 * c - x1 * s;
         dst[ib] = x0 * s + x1 * c;
@@ -1524,7 +1525,7 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
 
 // Attention of each (row, head) over committed slots [0, base) and the batch rows the row sees (causal, or the
 // step's tree mask; with a local layer's `window` > 0, only keys at positions qpos - window + 1 ..= qpos, slot j
-// < base holding position j), split over the slots for parallelism (flash-decoding), deterministically:
+// < base holding position j; a cache of `slots` slots is a ring, slot j at j mod slots), split over the slots for parallelism (flash-decoding), deterministically:
 // - a block serves HEADS query heads of one KV head in one row (the host's choice per launch): each K and V
 //   value it loads feeds every one of those heads, so a chunk is read once per block rather than per head;
 // - slots are cut into chunks of ATT_CHUNK by absolute index; gridDim.x blocks per (row, head block) (the
@@ -1547,8 +1548,8 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
 template <bool AHEAD, int HEADS>
 __device__ __forceinline__ void attention_body(const float* q, const float* kc, const float* vc, int row0,
                                                int n_heads, int n_kv_heads, int head_dim, float scale,
-                                               int window, const int* step, int cap, float* work, int chunks,
-                                               float* out) {
+                                               int window, int slots, const int* step, int cap, float* work,
+                                               int chunks, float* out) {
     __shared__ __align__(16) float sc[HEADS][ATT_CHUNK];
     __shared__ float red[HEADS][2];  // each head's chunk max and exp-sum
     __shared__ int last;
@@ -1578,7 +1579,8 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
     const float* kh = kc + kvh * head_dim;
     const float* vh = vc + kvh * head_dim;
     unsigned int* counters = (unsigned int*)work;
-    // Head h0 + g's records at records + g * chunks * rec.
+    // Head h0 + g's records at records + g * chunks * rec; chunk c's at c mod chunks (`chunks` covers the cache's
+    // slots: in a local layer's ring, more than the chunks a row's window and the step's rows span).
     float* records = work + 16 * n_heads + (size_t)(ri * n_heads + h0) * chunks * rec;
     // The first chunk's committed K (this thread's quarter of its slot) and V (this thread's first value-sum
     // item's 16 slots), for heads of up to ATT_AHEAD_DIM values (more would cost occupancy in registers).
@@ -1589,7 +1591,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
     {
         int j0 = blockIdx.x * ATT_CHUNK, j = j0 + (t >> 2), w = head_dim / 16;
         if (ahead && vec && j < base) {
-            const float4* k4 = (const float4*)(kh + (size_t)j * kv_dim) + (t & 3) * w;
+            const float4* k4 = (const float4*)(kh + (size_t)(j % slots) * kv_dim) + (t & 3) * w;
 #pragma unroll
             for (int e = 0; e < ATT_AHEAD_DIM / 16; e++)
                 if (e < w) kq[e] = k4[e];
@@ -1598,7 +1600,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
             int jq = j0 + t / head_dim * (ATT_CHUNK / 4), e = t % head_dim;
 #pragma unroll
             for (int jj = 0; jj < ATT_CHUNK / 4; jj++)
-                if (jq + jj < base) vq[jj] = vh[(size_t)(jq + jj) * kv_dim + e];
+                if (jq + jj < base) vq[jj] = vh[(size_t)((jq + jj) % slots) * kv_dim + e];
         }
     }
     // A recorded launch serves every context its cache holds: blocks past the step's chunks have no work (and
@@ -1619,7 +1621,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
 #pragma unroll
         for (int g = 0; g < HEADS; g++) d[g] = 0.f;
         if (sees) {
-            const float* kv = kh + (size_t)j * kv_dim;
+            const float* kv = kh + (size_t)(j % slots) * kv_dim;
             if (vec) {
                 int w = head_dim / 16;  // float4s per quarter
                 const float4* k4 = (const float4*)kv + sub * w;
@@ -1695,7 +1697,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
                     int jj = 4 * j4 + i;
                     if (jq + jj < n) {
                         float v = AHEAD && held && jq + jj < base ? vq[AHEAD ? jj : 0]
-                                                                  : vh[(size_t)(jq + jj) * kv_dim + e];
+                                                                  : vh[(size_t)((jq + jj) % slots) * kv_dim + e];
 #pragma unroll
                         for (int g = 0; g < HC; g++) {
                             float w = i == 0 ? p[g].x : i == 1 ? p[g].y : i == 2 ? p[g].z : p[g].w;
@@ -1711,11 +1713,11 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
         for (int u = t; u < HEADS * head_dim; u += blockDim.x) {
             int g = u / head_dim, e = u % head_dim;
             const float* qg = quarter + g * 4 * head_dim;
-            records[((size_t)g * chunks + c) * rec + 2 + e] =
+            records[((size_t)g * chunks + c % chunks) * rec + 2 + e] =
                 ((qg[e] + qg[head_dim + e]) + qg[2 * head_dim + e]) + qg[3 * head_dim + e];
         }
         if (t < HEADS) {
-            float* r = records + ((size_t)t * chunks + c) * rec;
+            float* r = records + ((size_t)t * chunks + c % chunks) * rec;
             r[0] = red[t][0];
             r[1] = red[t][1];
         }
@@ -1738,13 +1740,14 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
 #endif
         const float* rg = records + (size_t)g * chunks * rec;
         float big = NEG_INF;
-        for (int c = c_lo; c < nc; c++) big = fmaxf(big, __ldcg(rg + (size_t)c * rec));
+        for (int c = c_lo; c < nc; c++) big = fmaxf(big, __ldcg(rg + (size_t)(c % chunks) * rec));
         float den = 0.f, num = 0.f;
         for (int c = c_lo; c < nc; c++) {
-            float mc = __ldcg(rg + (size_t)c * rec);
+            const float* rc = rg + (size_t)(c % chunks) * rec;
+            float mc = __ldcg(rc);
             float f = mc == NEG_INF ? 0.f : __expf(mc - big);
-            den = fmaf(f, __ldcg(rg + (size_t)c * rec + 1), den);
-            num = fmaf(f, __ldcg(rg + (size_t)c * rec + 2 + e), num);
+            den = fmaf(f, __ldcg(rc + 1), den);
+            num = fmaf(f, __ldcg(rc + 2 + e), num);
         }
         out[((size_t)i * n_heads + h0 + g) * head_dim + e] = num / den;
     }
@@ -1755,8 +1758,8 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
 // (`attention_*`: fewer registers, so wide verifies keep their blocks per SM).
 #define ATT_PARAMS                                                                                             \
     const float *q, const float *kc, const float *vc, int row0, int n_heads, int n_kv_heads, int head_dim,     \
-        float scale, int window, const int *step, int cap, float *work, int chunks, float *out
-#define ATT_ARGS q, kc, vc, row0, n_heads, n_kv_heads, head_dim, scale, window, step, cap, work, chunks, out
+        float scale, int window, int slots, const int *step, int cap, float *work, int chunks, float *out
+#define ATT_ARGS q, kc, vc, row0, n_heads, n_kv_heads, head_dim, scale, window, slots, step, cap, work, chunks, out
 
 #ifdef KO_ATT
 #define ATT_EXIT WAIT_AND_RETURN

@@ -732,12 +732,13 @@ impl Backend for CudaBackend {
     ) {
         // Fused where a tile never splits a rotated pair (interleaved pairs, an even head size) and the
         // projections run the narrow integer schedule, whose epilogue holds a column and its neighbour in
-        // neighbouring threads.
+        // neighbouring threads; not for local layers, whose cache may be a ring.
         let n_tiles: usize = mats.iter().map(|m| tiles::tiles(m.rows)).sum();
         let fused = self.fuse_rope
             && mats.iter().all(|m| m.form.is_some())
             && n_tiles < QM_WIDE_TILES
             && rope.style == RopeStyle::Interleaved
+            && shape.window.is_none()
             && shape.head_dim.is_multiple_of(2)
             && mats[0].rows == shape.n_heads * shape.head_dim
             && mats[1].rows == shape.n_kv_heads * shape.head_dim
@@ -826,9 +827,11 @@ impl Backend for CudaBackend {
             Arg::I32(il),
             self.at(&step.dev, 0),
             Arg::I32(cap),
+            Arg::I32((k_cache.len() / (shape.n_kv_heads * hd)) as i32),
         ];
         // SAFETY: q holds rows × n_heads × head_dim values, k and v rows × kv_dim, the caches room for the
-        // step's slots (reserved by the model); one thread per rotated pair and per copied V value.
+        // step's slots (reserved by the model; a ring's slots wrap); one thread per rotated pair and per copied
+        // V value.
         unsafe {
             self.go(
                 "rope_and_cache",
@@ -932,15 +935,25 @@ impl Backend for CudaBackend {
         self.check("copy", r);
     }
 
-    fn copy_down(&self, buf: &mut CudaSlice<f32>, src_off: usize, dst_off: usize, len: usize) {
-        assert!(dst_off + len <= src_off, "copy_down ranges overlap");
+    fn copy_within(&self, buf: &mut CudaSlice<f32>, src_off: usize, dst_off: usize, len: usize) {
+        assert!(
+            dst_off + len <= src_off || src_off + len <= dst_off,
+            "copy_within ranges overlap"
+        );
         if len == 0 {
             return;
         }
-        let (mut lo, hi) = buf.split_at_mut(src_off);
-        let s = hi.slice(0..len);
-        let mut d = lo.slice_mut(dst_off..dst_off + len);
-        let r = self.stream.memcpy_dtod(&s, &mut d);
+        let r = if dst_off < src_off {
+            let (mut lo, hi) = buf.split_at_mut(src_off);
+            let s = hi.slice(0..len);
+            let mut d = lo.slice_mut(dst_off..dst_off + len);
+            self.stream.memcpy_dtod(&s, &mut d)
+        } else {
+            let (lo, mut hi) = buf.split_at_mut(dst_off);
+            let s = lo.slice(src_off..src_off + len);
+            let mut d = hi.slice_mut(0..len);
+            self.stream.memcpy_dtod(&s, &mut d)
+        };
         self.check("copy", r);
     }
 }
