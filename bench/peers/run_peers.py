@@ -166,22 +166,25 @@ class LlamaCppArm:
                          n_gpu_layers=-1 if gpu else 0, flash_attn=flash_attn, verbose=False)
         meta = self.llm.metadata
         template = meta.get("tokenizer.chat_template")
-        if not template:
-            raise SystemExit("error: the GGUF has no tokenizer.chat_template")
 
         def tok_str(key: str) -> str:
             tid = meta.get(key)
             return self.llm._model.token_get_text(int(tid)) if tid is not None else ""
 
         eos, bos = tok_str("tokenizer.ggml.eos_token_id"), tok_str("tokenizer.ggml.bos_token_id")
-        self.formatter = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
+        # A base model (no template) takes raw-text prompts only.
+        self.formatter = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos) if template else None
         # End-of-generation tokens as llama.cpp defines them (EOS, EOT, <|im_end|>, ...).
         vocab = self.llm._model.vocab
         self.eog = {t for t in range(self.llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)}
 
     def prompt_tokens(self, prompt: dict) -> list[int]:
-        rendered = self.formatter(messages=prompt["messages"]).prompt
         # add_bos=True lets llama.cpp add BOS only if the GGUF asks for it (tokenizer.ggml.add_bos_token).
+        if "prompt" in prompt:  # raw text, as verity tokenizes it: no control tokens inside
+            return self.llm.tokenize(prompt["prompt"].encode("utf-8"), add_bos=True, special=False)
+        if self.formatter is None:
+            raise SystemExit(f"error: {prompt['id']} is a chat prompt but the GGUF has no tokenizer.chat_template")
+        rendered = self.formatter(messages=prompt["messages"]).prompt
         return self.llm.tokenize(rendered.encode("utf-8"), add_bos=True, special=True)
 
     def _generate(self, tokens: list[int], max_tokens: int):
@@ -394,14 +397,14 @@ def main() -> int:
             if not line.strip():
                 continue
             p = json.loads(line)
-            if "messages" not in p:  # multi-turn `turns` prompts are not run for peers
+            if "messages" not in p and "prompt" not in p:  # multi-turn `turns` prompts are not run for peers
                 skipped += 1
                 continue
             if only and p["id"] not in only and p.get("category") not in only:
                 continue
             prompts.append(p)
     if not prompts:
-        ap.error("no single-turn (`messages`) prompts selected")
+        ap.error("no single-turn (`messages` or raw `prompt`) prompts selected")
     log(f"{len(prompts)} prompts ({skipped} multi-turn skipped), arms {arms}, threads {args.threads}, "
         f"max_tokens {args.max_tokens}, repeat {args.repeat}")
 

@@ -85,6 +85,9 @@ impl WithBackend for Args {
     fn run<B: Backend>(self, backend: Arc<B>, _: Device) -> Result<()> {
         let a = self;
         let mut engine = crate::load::engine_on(&a.gen.model, backend, &a.gen.speculation)?;
+        if !engine.has_chat_template() {
+            eprintln!("[no chat template (a base model): the prompt is continued as raw text]");
+        }
         let mut messages = a.gen.first_messages();
         messages.push(Message::new("user", &a.prompt));
         let prompt = engine.chat_prompt(&messages)?;

@@ -13,6 +13,7 @@ use verity::backend::cpu::CpuBackend;
 use verity::backend::cuda::{CudaBackend, CudaOptions};
 use verity::backend::{AttnMask, Backend, Glu};
 use verity::bundle::Bundle;
+use verity::cache::{CacheShape, KvCache};
 use verity::chat::Message;
 use verity::engine::{Engine, GenerateRequest};
 use verity::model::{Batch, HeadInput, LogitRows, Model, MtpHead};
@@ -809,4 +810,50 @@ fn recorded_mtp_head_steps_replay_bitwise_what_direct_launches_compute() {
             "head step {i}: replay differs"
         );
     }
+}
+
+/// Local layers' ring caches on the GPU (the tiny Gemma 3, window 8, allowed a longer context so its rings wrap
+/// many times): forwards of many widths, some rolled back in part, give bitwise the logits that whole-context
+/// caches give, and the ring cache holds fewer bytes.
+#[test]
+fn cuda_ring_caches_compute_what_whole_context_caches_compute() {
+    let be = gpu();
+    let bundle = Bundle::open(&hf_bundle("gemma3-f16")).unwrap();
+    let mut m = Model::load(&bundle, be.clone()).unwrap();
+    m.hp.context_len = 2048;
+    let shape = CacheShape {
+        n_layers: m.hp.n_layers,
+        n_heads: m.hp.n_heads,
+        n_kv_heads: m.hp.n_kv_heads,
+        head_dim: m.hp.head_dim,
+    };
+    let mut ring = m.new_cache(2048);
+    let mut whole = KvCache::new(be.as_ref(), shape, 2048);
+    let tokens: Vec<u32> = (0..900u32).map(|i| (i * 7919 + 13) % 320).collect();
+    let mut pos = 0;
+    for (step, &w) in [64usize, 1, 3, 16, 7, 1, 33, 16, 2]
+        .iter()
+        .cycle()
+        .enumerate()
+    {
+        if pos + w > tokens.len() {
+            break;
+        }
+        let batch = Batch::causal(&tokens[pos..pos + w], pos);
+        let a = m.forward(&mut ring, &batch, LogitRows::All, &[]).unwrap();
+        let b = m.forward(&mut whole, &batch, LogitRows::All, &[]).unwrap();
+        assert!(
+            a.logits
+                .iter()
+                .zip(&b.logits)
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{w} rows at {pos}"
+        );
+        let keep = if step % 3 == 1 { w.div_ceil(2) } else { w };
+        assert_eq!(ring.truncate(pos + keep), pos + keep);
+        whole.truncate(pos + keep);
+        pos += keep;
+    }
+    assert!(pos > 800);
+    assert!(ring.bytes() <= whole.bytes() / 2);
 }

@@ -30,6 +30,11 @@ impl<B: Backend> Engine<B> {
         Ok(self.render_chat(messages, &TemplateArgs::default())?.tokens)
     }
 
+    /// Whether the bundle has a chat template (without one, a base model's, prompts are raw text).
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
     /// Whether the model writes reasoning blocks (`<think>`), which the answer then returns separately.
     pub fn reasoning_tags(&self) -> bool {
         self.template.as_ref().is_some_and(|t| t.knows_reasoning())
