@@ -491,6 +491,35 @@ mod tests {
     use super::*;
     use crate::backend::cpu::CpuBackend;
 
+    /// Gemma 3 270M's layout (18 layers, 15 local of a 512 window, one KV head of 256) filled to 8,192 tokens in
+    /// prefill chunks of 64: the global layers hold every position, the local ones a ring of 768.
+    #[test]
+    fn local_layers_hold_a_ring_of_their_window_at_any_context() {
+        let be = CpuBackend::new(1).unwrap();
+        let shape = CacheShape {
+            n_layers: 18,
+            n_heads: 4,
+            n_kv_heads: 1,
+            head_dim: 256,
+        };
+        let windows: Vec<Option<usize>> = (0..18)
+            .map(|l| ((l + 1) % 6 != 0).then_some(512))
+            .collect();
+        let mut rings = KvCache::with_windows(&be, shape, 32_768, windows);
+        let mut whole = KvCache::new(&be, shape, 32_768);
+        for cache in [&mut rings, &mut whole] {
+            while cache.len() < 8192 {
+                cache.reserve(&be, 64).unwrap();
+                cache.advance(64);
+            }
+        }
+        let per_slot = 2 * 256 * 4;
+        assert_eq!(whole.bytes(), 18 * 8192 * per_slot);
+        assert_eq!(rings.bytes(), (3 * 8192 + 15 * 768) * per_slot);
+        assert_eq!(rings.truncate(8192 - 200), 8192 - 200);
+        assert_eq!(rings.truncate(8192 - 400), 0, "the ring no longer holds that window");
+    }
+
     #[test]
     fn keep_rows_moves_the_kept_path_down_and_drops_the_rest() {
         let be = CpuBackend::new(1).unwrap();
