@@ -502,9 +502,8 @@ mod tests {
             n_kv_heads: 1,
             head_dim: 256,
         };
-        let windows: Vec<Option<usize>> = (0..18)
-            .map(|l| ((l + 1) % 6 != 0).then_some(512))
-            .collect();
+        let windows: Vec<Option<usize>> =
+            (0..18).map(|l| ((l + 1) % 6 != 0).then_some(512)).collect();
         let mut rings = KvCache::with_windows(&be, shape, 32_768, windows);
         let mut whole = KvCache::new(&be, shape, 32_768);
         for cache in [&mut rings, &mut whole] {
@@ -517,7 +516,11 @@ mod tests {
         assert_eq!(whole.bytes(), 18 * 8192 * per_slot);
         assert_eq!(rings.bytes(), (3 * 8192 + 15 * 768) * per_slot);
         assert_eq!(rings.truncate(8192 - 200), 8192 - 200);
-        assert_eq!(rings.truncate(8192 - 400), 0, "the ring no longer holds that window");
+        assert_eq!(
+            rings.truncate(8192 - 400),
+            0,
+            "the ring no longer holds that window"
+        );
     }
 
     #[test]
