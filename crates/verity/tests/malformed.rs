@@ -511,6 +511,50 @@ fn non_finite_or_inconsistent_gguf_hyper_parameters_are_rejected_with_the_file_n
         needles.push(&file);
         assert_err(&path, &needles);
     }
+    // Scaled rotations are refused by name, never run as plain RoPE.
+    for (name, key, value, needle) in [
+        (
+            "rope-linear",
+            "llama.rope.scaling.type",
+            V::Str("linear"),
+            "rope.scaling.type",
+        ),
+        (
+            "rope-yarn",
+            "llama.rope.scaling.type",
+            V::Str("yarn"),
+            "yarn",
+        ),
+        (
+            "rope-factor",
+            "llama.rope.scaling.factor",
+            V::F32(8.0),
+            "rope.scaling.factor 8",
+        ),
+    ] {
+        let file = format!("{name}.gguf");
+        let kvs = with(tiny_llama_kvs("llama"), key, value);
+        let path = write(&dir, &file, &gguf(&kvs, &tiny_llama_tensors()));
+        assert_err(&path, &[needle, &file, "unscaled RoPE"]);
+    }
+    let mut tensors = tiny_llama_tensors();
+    tensors.push(f32_tensor("rope_freqs.weight", &[8]));
+    let path = write(
+        &dir,
+        "rope-freqs.gguf",
+        &gguf(&tiny_llama_kvs("llama"), &tensors),
+    );
+    assert_err(&path, &["rope_freqs.weight", "rope-freqs.gguf"]);
+    let kvs = with(
+        tiny_llama_kvs("llama"),
+        "llama.rope.scaling.type",
+        V::Str("none"),
+    );
+    let path = write(&dir, "rope-none.gguf", &gguf(&kvs, &tiny_llama_tensors()));
+    assert!(
+        Bundle::open(&path).is_ok(),
+        "scaling type none is plain RoPE"
+    );
     // The limits themselves are fine: a whole-head rotation and the longest context.
     let kvs = with(
         tiny_llama_kvs("llama"),

@@ -240,20 +240,34 @@ impl HParams {
                 ));
             }
         }
+        // Scaled rotations (linear, YaRN, Llama 3's per-frequency factors) change every position's angle:
+        // refused by name rather than computed as plain RoPE.
+        let scaling = g.get(&key("rope.scaling.type"));
+        if scaling.is_some_and(|v| v.as_str() != Some("none")) {
+            return Err(Error::Unsupported(format!(
+                "{}: {} {scaling:?} (verity implements unscaled RoPE only)",
+                g.path.display(),
+                key("rope.scaling.type")
+            )));
+        }
+        if float("rope.scaling.factor", 1.0)? != 1.0 {
+            return Err(Error::Unsupported(format!(
+                "{}: {} {} (verity implements unscaled RoPE only)",
+                g.path.display(),
+                key("rope.scaling.factor"),
+                float("rope.scaling.factor", 1.0)?
+            )));
+        }
+        if g.tensor("rope_freqs.weight").is_some() {
+            return Err(Error::Unsupported(format!(
+                "{}: rope_freqs.weight (per-frequency RoPE factors, Llama 3.1-style scaling, are not implemented)",
+                g.path.display()
+            )));
+        }
         let tied = g.tensor("output.weight").is_none();
         let n_layers = int("block_count")?;
         let block = match arch {
             Arch::Gemma3 => {
-                if g.get(&key("rope.scaling.type"))
-                    .is_some_and(|v| v.as_str() != Some("none"))
-                {
-                    return Err(Error::Unsupported(format!(
-                        "{}: {} {:?} (verity runs unscaled RoPE)",
-                        g.path.display(),
-                        key("rope.scaling.type"),
-                        g.get(&key("rope.scaling.type"))
-                    )));
-                }
                 // What llama.cpp's gemma3 loader fixes rather than reads: every sixth layer global, the local
                 // layers' RoPE base 10,000, and queries scaled by 1/√head_dim except in the 27B model (62
                 // layers), whose `query_pre_attn_scalar` is hidden/heads.
