@@ -41,6 +41,9 @@ const CUDA_BUNDLES: &[&str] = &[
     "mlx-llama-q8-g128",
     "gemma3-f16",
     "gemma3-gguf",
+    "llama-rope-llama3",
+    "llama-rope-llama3-gguf",
+    "gemma3-rope-linear",
 ];
 
 /// A `rows` × `cols` matrix of `ty` made of the fixture's real blocks (valid scales) drawn at random.

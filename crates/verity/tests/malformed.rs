@@ -511,14 +511,8 @@ fn non_finite_or_inconsistent_gguf_hyper_parameters_are_rejected_with_the_file_n
         needles.push(&file);
         assert_err(&path, &needles);
     }
-    // Scaled rotations are refused by name, never run as plain RoPE.
+    // Scaled rotations verity does not implement are refused by name, never run as plain RoPE.
     for (name, key, value, needle) in [
-        (
-            "rope-linear",
-            "llama.rope.scaling.type",
-            V::Str("linear"),
-            "rope.scaling.type",
-        ),
         (
             "rope-yarn",
             "llama.rope.scaling.type",
@@ -529,14 +523,21 @@ fn non_finite_or_inconsistent_gguf_hyper_parameters_are_rejected_with_the_file_n
             "rope-factor",
             "llama.rope.scaling.factor",
             V::F32(8.0),
-            "rope.scaling.factor 8",
+            "factor Some(8.0)",
+        ),
+        (
+            "rope-bad-factor",
+            "llama.rope.scaling.factor",
+            V::F32(-1.0),
+            "not a positive number",
         ),
     ] {
         let file = format!("{name}.gguf");
         let kvs = with(tiny_llama_kvs("llama"), key, value);
         let path = write(&dir, &file, &gguf(&kvs, &tiny_llama_tensors()));
-        assert_err(&path, &[needle, &file, "unscaled RoPE"]);
+        assert_err(&path, &[needle, &file]);
     }
+    // Per-frequency factors that do not follow Llama 3's rule.
     let mut tensors = tiny_llama_tensors();
     tensors.push(f32_tensor("rope_freqs.weight", &[8]));
     let path = write(
@@ -544,17 +545,34 @@ fn non_finite_or_inconsistent_gguf_hyper_parameters_are_rejected_with_the_file_n
         "rope-freqs.gguf",
         &gguf(&tiny_llama_kvs("llama"), &tensors),
     );
-    assert_err(&path, &["rope_freqs.weight", "rope-freqs.gguf"]);
-    let kvs = with(
-        tiny_llama_kvs("llama"),
-        "llama.rope.scaling.type",
-        V::Str("none"),
+    assert_err(
+        &path,
+        &["rope_freqs.weight", "Llama 3's rule", "rope-freqs.gguf"],
     );
-    let path = write(&dir, "rope-none.gguf", &gguf(&kvs, &tiny_llama_tensors()));
-    assert!(
-        Bundle::open(&path).is_ok(),
-        "scaling type none is plain RoPE"
-    );
+    for (name, value) in [("none", "none"), ("linear", "linear")] {
+        let kvs = with(
+            tiny_llama_kvs("llama"),
+            "llama.rope.scaling.type",
+            V::Str(value),
+        );
+        let kvs = with(
+            kvs,
+            "llama.rope.scaling.factor",
+            V::F32(if name == "none" { 1.0 } else { 4.0 }),
+        );
+        let path = write(
+            &dir,
+            &format!("rope-{name}.gguf"),
+            &gguf(&kvs, &tiny_llama_tensors()),
+        );
+        let hp = Bundle::open(&path).unwrap().hparams;
+        let want = if name == "none" {
+            verity::backend::RopeScaling::None
+        } else {
+            verity::backend::RopeScaling::Linear { factor: 4.0 }
+        };
+        assert_eq!(hp.rope_scaling, want);
+    }
     // The limits themselves are fine: a whole-head rotation and the longest context.
     let kvs = with(
         tiny_llama_kvs("llama"),

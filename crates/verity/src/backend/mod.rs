@@ -51,15 +51,6 @@ impl AttnMask {
     }
 }
 
-/// The RoPE rotation `(cos, sin)` of pair `i` of a `head_dim`-wide head at `pos`, for `i < head_dim / 2`. Every
-/// backend uses it: the angle is computed in f64 and rounded once, so it is as accurate as f32 allows and the
-/// same for a position in any batch.
-pub fn rope_angle(pos: usize, i: usize, head_dim: usize, theta: f32) -> (f32, f32) {
-    let inv_freq = (theta as f64).powf(-2.0 * i as f64 / head_dim as f64);
-    let a = pos as f64 * inv_freq;
-    (a.cos() as f32, a.sin() as f32)
-}
-
 /// A process-unique id for a set of device buffers (one scratch, one cache allocation). Replay keys include
 /// it, so a recording is never replayed over buffers other than those it was made with.
 pub fn buffer_set_id() -> u64 {
@@ -81,10 +72,98 @@ pub struct AttnShape {
 }
 
 /// A model's rotary position embedding.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Rope {
     pub theta: f32,
     pub style: RopeStyle,
+    pub scaling: RopeScaling,
+}
+
+/// How a model stretches its rotations beyond the context it was trained on: each pair's frequency
+/// `theta^(-2i/d)` divided by a factor.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum RopeScaling {
+    #[default]
+    None,
+    /// Every frequency divided by `factor` (positions scaled down).
+    Linear { factor: f32 },
+    /// Llama 3: frequencies whose wavelength exceeds `original_context / low_freq_factor` divided by `factor`,
+    /// those shorter than `original_context / high_freq_factor` kept, a smooth blend between.
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_context: f32,
+    },
+}
+
+impl RopeScaling {
+    /// What frequency `inv_freq` is divided by.
+    pub fn divisor(&self, inv_freq: f64) -> f64 {
+        match *self {
+            RopeScaling::None => 1.0,
+            RopeScaling::Linear { factor } => factor as f64,
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_context,
+            } => {
+                let (factor, low, high, ctx) = (
+                    factor as f64,
+                    low_freq_factor as f64,
+                    high_freq_factor as f64,
+                    original_context as f64,
+                );
+                let wavelen = 2.0 * std::f64::consts::PI / inv_freq;
+                if wavelen < ctx / high {
+                    1.0
+                } else if wavelen > ctx / low {
+                    factor
+                } else {
+                    let smooth = (ctx / wavelen - low) / (high - low);
+                    1.0 / ((1.0 - smooth) / factor + smooth)
+                }
+            }
+        }
+    }
+}
+
+impl Rope {
+    /// The rotation `(cos, sin)` of pair `i` of a `head_dim`-wide head at `pos`, for `i < head_dim / 2`. Every
+    /// backend uses it: the angle is computed in f64 and rounded once, so it is as accurate as f32 allows and
+    /// the same for a position in any batch.
+    pub fn angle(&self, pos: usize, i: usize, head_dim: usize) -> (f32, f32) {
+        let inv_freq = (self.theta as f64).powf(-2.0 * i as f64 / head_dim as f64);
+        let a = pos as f64 * inv_freq / self.scaling.divisor(inv_freq);
+        (a.cos() as f32, a.sin() as f32)
+    }
+
+    /// A key that tells rotations apart (their tables of angles differ).
+    pub fn key(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        self.theta.to_bits().hash(&mut h);
+        (self.style == RopeStyle::Interleaved).hash(&mut h);
+        match self.scaling {
+            RopeScaling::None => 0u8.hash(&mut h),
+            RopeScaling::Linear { factor } => (1u8, factor.to_bits()).hash(&mut h),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_context,
+            } => (
+                2u8,
+                factor.to_bits(),
+                low_freq_factor.to_bits(),
+                high_freq_factor.to_bits(),
+                original_context.to_bits(),
+            )
+                .hash(&mut h),
+        }
+        h.finish()
+    }
 }
 
 /// One forward's per-call inputs.

@@ -3,7 +3,7 @@
 use serde::Deserialize;
 
 use super::gguf::GgufFile;
-use crate::backend::{Glu, RopeStyle};
+use crate::backend::{Glu, RopeScaling, RopeStyle};
 use crate::error::{Error, Result};
 
 /// The architectures verity implements.
@@ -39,6 +39,8 @@ pub struct HParams {
     pub rms_eps: f32,
     pub rope_theta: f32,
     pub rope_style: RopeStyle,
+    /// How the rotations are stretched (a model with local layers stretches its global layers' only).
+    pub rope_scaling: RopeScaling,
     pub tied_embeddings: bool,
     /// Qwen2: biases on the Q, K and V projections.
     pub qkv_bias: bool,
@@ -240,30 +242,7 @@ impl HParams {
                 ));
             }
         }
-        // Scaled rotations (linear, YaRN, Llama 3's per-frequency factors) change every position's angle:
-        // refused by name rather than computed as plain RoPE.
-        let scaling = g.get(&key("rope.scaling.type"));
-        if scaling.is_some_and(|v| v.as_str() != Some("none")) {
-            return Err(Error::Unsupported(format!(
-                "{}: {} {scaling:?} (verity implements unscaled RoPE only)",
-                g.path.display(),
-                key("rope.scaling.type")
-            )));
-        }
-        if float("rope.scaling.factor", 1.0)? != 1.0 {
-            return Err(Error::Unsupported(format!(
-                "{}: {} {} (verity implements unscaled RoPE only)",
-                g.path.display(),
-                key("rope.scaling.factor"),
-                float("rope.scaling.factor", 1.0)?
-            )));
-        }
-        if g.tensor("rope_freqs.weight").is_some() {
-            return Err(Error::Unsupported(format!(
-                "{}: rope_freqs.weight (per-frequency RoPE factors, Llama 3.1-style scaling, are not implemented)",
-                g.path.display()
-            )));
-        }
+        let rope_scaling = gguf_rope_scaling(g, &key, head_dim, float("rope.freq_base", 10000.0)?)?;
         let tied = g.tensor("output.weight").is_none();
         let n_layers = int("block_count")?;
         let block = match arch {
@@ -299,6 +278,7 @@ impl HParams {
             rms_eps: float("attention.layer_norm_rms_epsilon", 1e-5)?,
             rope_theta: float("rope.freq_base", 10000.0)?,
             rope_style,
+            rope_scaling,
             tied_embeddings: tied,
             qkv_bias: g.tensor("blk.0.attn_q.bias").is_some(),
             qk_norm: g.tensor("blk.0.attn_q_norm.weight").is_some(),
@@ -343,11 +323,10 @@ impl HParams {
                     .and_then(|s| s.get("rope_type").or_else(|| s.get("type")))
             })
             .and_then(|t| t.as_str());
-        if rope_type.is_some_and(|t| t != "default") {
-            return Err(Error::Unsupported(format!(
-                "rope type {rope_type:?} in config.json (only default RoPE)"
-            )));
-        }
+        let scaling_params = params
+            .filter(|p| p.get("rope_type").is_some())
+            .or(cfg.rope_scaling.as_ref());
+        let rope_scaling = hf_rope_scaling(rope_type, scaling_params)?;
         let rope_theta = match (cfg.rope_theta, params.and_then(|p| p.get("rope_theta"))) {
             (Some(theta), _) => Some(theta),
             (None, None) => None,
@@ -381,6 +360,7 @@ impl HParams {
             rms_eps: cfg.rms_norm_eps.unwrap_or(1e-6) as f32,
             rope_theta: rope_theta.unwrap_or(10000.0) as f32,
             rope_style: RopeStyle::HalfSplit,
+            rope_scaling,
             tied_embeddings: cfg.tie_word_embeddings.unwrap_or(false),
             qkv_bias: match arch {
                 Arch::Qwen2 => true,
@@ -419,32 +399,33 @@ impl HParams {
             ));
         }
         let n_layers = cfg.num_hidden_layers;
-        // (theta, rope type) of a layer type's entry in a transformers 5 config.
-        let entry = |kind: &str| -> Option<(Option<f64>, Option<&str>)> {
+        // (theta, rope type, the entry) of a layer type's entry in a transformers 5 config.
+        type Entry<'a> = (Option<f64>, Option<&'a str>, &'a serde_json::Value);
+        let entry = |kind: &str| -> Option<Entry<'_>> {
             let e = cfg.rope_parameters.as_ref()?.get(kind)?;
             Some((
                 e.get("rope_theta").and_then(|v| v.as_f64()),
                 e.get("rope_type").and_then(|v| v.as_str()),
+                e,
             ))
         };
         let (global, local) = (entry("full_attention"), entry("sliding_attention"));
-        let legacy_type = cfg
-            .rope_scaling
-            .as_ref()
-            .and_then(|s| s.get("rope_type").or_else(|| s.get("type")))
-            .and_then(|t| t.as_str());
-        for t in [
-            global.and_then(|g| g.1),
-            local.and_then(|l| l.1),
-            legacy_type,
-        ]
-        .into_iter()
-        .flatten()
-        {
-            if t != "default" {
-                return unsupported(format!("rope type {t:?} (verity runs unscaled RoPE)"));
-            }
+        if let Some(t) = local.and_then(|l| l.1).filter(|t| *t != "default") {
+            return unsupported(format!(
+                "rope type {t:?} on the sliding-window layers (verity scales the global layers' only)"
+            ));
         }
+        // The global layers' scaling (Gemma 3 4B and larger: linear).
+        let rope_scaling = match global {
+            Some((_, t, e)) => hf_rope_scaling(t, Some(e))?,
+            None => {
+                let legacy = cfg.rope_scaling.as_ref();
+                let t = legacy
+                    .and_then(|s| s.get("rope_type").or_else(|| s.get("type")))
+                    .and_then(|t| t.as_str());
+                hf_rope_scaling(t, legacy)?
+            }
+        };
         let rope_theta = global
             .and_then(|g| g.0)
             .or(cfg.rope_theta)
@@ -489,6 +470,7 @@ impl HParams {
             rms_eps: cfg.rms_norm_eps.unwrap_or(1e-6) as f32,
             rope_theta: rope_theta as f32,
             rope_style: RopeStyle::HalfSplit,
+            rope_scaling,
             tied_embeddings: cfg.tie_word_embeddings.unwrap_or(true),
             qkv_bias: cfg.attention_bias.unwrap_or(false),
             qk_norm: true,
@@ -504,6 +486,145 @@ impl HParams {
         hp.validate()?;
         Ok(hp)
     }
+}
+
+/// A GGUF's RoPE scaling: `rope.scaling.type` linear with its factor, or Llama 3's per-frequency factors as
+/// llama.cpp's converter stores them (`rope_freqs.weight`), recognised as Llama 3's rule with the original
+/// context the header names (8,192 where it names none) and the low/high frequency factors 1 and 4 — those of
+/// every Llama 3.1–3.3 release — or refused. Anything else scaled (YaRN, LongRoPE) is refused by name rather
+/// than computed as plain RoPE.
+fn gguf_rope_scaling(
+    g: &GgufFile,
+    key: &dyn Fn(&str) -> String,
+    head_dim: usize,
+    theta: f32,
+) -> Result<RopeScaling> {
+    let unsupported = |what: String| {
+        Err(Error::Unsupported(format!(
+            "{}: {what} (verity implements unscaled, linear and Llama 3 RoPE)",
+            g.path.display()
+        )))
+    };
+    let kind = g.get(&key("rope.scaling.type")).map(|v| v.as_str());
+    let factor = match g.get(&key("rope.scaling.factor")) {
+        None => None,
+        Some(v) => Some(
+            v.as_f64()
+                .filter(|f| f.is_finite() && *f > 0.0)
+                .ok_or_else(|| {
+                    Error::malformed(
+                        &g.path,
+                        format!(
+                            "{} is not a positive number: {v:?}",
+                            key("rope.scaling.factor")
+                        ),
+                    )
+                })? as f32,
+        ),
+    };
+    let scaling = match (kind, factor) {
+        (None | Some(Some("none")), None) => RopeScaling::None,
+        (None | Some(Some("none")), Some(1.0)) => RopeScaling::None,
+        (Some(Some("linear")), Some(factor)) => RopeScaling::Linear { factor },
+        (Some(Some("linear")), None) => RopeScaling::None,
+        (kind, factor) => {
+            return unsupported(format!(
+                "{} {kind:?} with factor {factor:?}",
+                key("rope.scaling.type")
+            ))
+        }
+    };
+    let Some(t) = g.tensor("rope_freqs.weight") else {
+        return Ok(scaling);
+    };
+    if scaling != RopeScaling::None
+        || t.dims != [head_dim / 2]
+        || t.ty != crate::quant::GgmlType::F32
+    {
+        return unsupported(format!(
+            "rope_freqs.weight of shape {:?} ({}) with {} {kind:?}",
+            t.dims,
+            t.ty.name(),
+            key("rope.scaling.type")
+        ));
+    }
+    let stored: Vec<f32> = g
+        .tensor_bytes(t)
+        .as_slice()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let original_context = match g.get(&key("rope.scaling.original_context_length")) {
+        Some(v) => v.as_f64().unwrap_or(0.0) as f32,
+        None => 8192.0,
+    };
+    let llama3 = RopeScaling::Llama3 {
+        factor: stored.iter().copied().fold(1.0, f32::max),
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_context,
+    };
+    let follows = stored.iter().enumerate().all(|(i, &f)| {
+        let inv_freq = (theta as f64).powf(-2.0 * i as f64 / head_dim as f64);
+        let want = llama3.divisor(inv_freq);
+        (f as f64 - want).abs() <= 1e-5 * want
+    });
+    if !follows {
+        return unsupported("rope_freqs.weight that does not follow Llama 3's rule".into());
+    }
+    Ok(llama3)
+}
+
+/// The scaling a config's `rope_type` (`None`/`default`: none) asks for, with its parameters from `params`.
+fn hf_rope_scaling(
+    rope_type: Option<&str>,
+    params: Option<&serde_json::Value>,
+) -> Result<RopeScaling> {
+    let num = |k: &str| -> Result<f32> {
+        params
+            .and_then(|p| p.get(k))
+            .and_then(|v| v.as_f64())
+            .map(|v| v as f32)
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "config.json rope scaling {rope_type:?} without a positive {k}"
+                ))
+            })
+    };
+    Ok(match rope_type {
+        None | Some("default") => RopeScaling::None,
+        Some("linear") => RopeScaling::Linear {
+            factor: num("factor")?,
+        },
+        Some("llama3") => {
+            let scaling = RopeScaling::Llama3 {
+                factor: num("factor")?,
+                low_freq_factor: num("low_freq_factor")?,
+                high_freq_factor: num("high_freq_factor")?,
+                original_context: num("original_max_position_embeddings")?,
+            };
+            if let RopeScaling::Llama3 {
+                low_freq_factor,
+                high_freq_factor,
+                ..
+            } = scaling
+            {
+                if high_freq_factor <= low_freq_factor {
+                    return Err(Error::Invalid(
+                        "config.json llama3 rope scaling with high_freq_factor ≤ low_freq_factor"
+                            .into(),
+                    ));
+                }
+            }
+            scaling
+        }
+        Some(other) => {
+            return Err(Error::Unsupported(format!(
+                "rope type {other:?} in config.json (verity implements default, linear and llama3)"
+            )));
+        }
+    })
 }
 
 /// Gemma 3's blocks: GeGLU, post-norms, embeddings scaled by √hidden, local layers of `window` positions.

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use super::{run_recorded, Batch, ForwardOutput, LogitRows, TargetFeatures};
-use crate::backend::{buffer_set_id, AttnMask, AttnShape, Backend, Rope, StepInputs};
+use crate::backend::{buffer_set_id, AttnMask, AttnShape, Backend, Rope, RopeScaling, StepInputs};
 use crate::bundle::hparams::{Arch, HParams};
 use crate::bundle::{Bundle, TensorKey};
 use crate::cache::{CacheShape, KvCache};
@@ -429,11 +429,17 @@ pub(super) fn layer_shape(hp: &HParams, l: usize, rows: usize) -> AttnShape {
     }
 }
 
-/// Layer `l`'s rotation (local layers have their own base).
+/// Layer `l`'s rotation (local layers have their own base and are not stretched).
 pub(super) fn layer_rope(hp: &HParams, l: usize) -> Rope {
+    let (window, theta) = hp.layer_attention(l);
     Rope {
-        theta: hp.layer_attention(l).1,
+        theta,
         style: hp.rope_style,
+        scaling: if window.is_some() {
+            RopeScaling::None
+        } else {
+            hp.rope_scaling
+        },
     }
 }
 

@@ -319,5 +319,6 @@ fn rope(hp: &HParams) -> Rope {
     Rope {
         theta: hp.rope_theta,
         style: RopeStyle::HalfSplit,
+        scaling: hp.rope_scaling,
     }
 }

@@ -458,6 +458,7 @@ impl<B: Backend> MtpHead<B> {
         let rope = Rope {
             theta: hp.rope_theta,
             style: self.rope,
+            scaling: hp.rope_scaling,
         };
         for (i, block) in self.blocks.iter().enumerate() {
             let (kc, vc) = (&mut cache.k[i], &mut cache.v[i]);

@@ -30,6 +30,10 @@ pub const HF_BUNDLES: &[&str] = &[
     "mlx-llama-q8-g128",
     "gemma3-f16",
     "gemma3-gguf",
+    "llama-rope-llama3",
+    "llama-rope-llama3-gguf",
+    "llama-rope-linear",
+    "gemma3-rope-linear",
 ];
 
 /// SmolLM2-135M-Instruct Q4_1, fetched into verity's cache on first use (as `verity fetch` does).

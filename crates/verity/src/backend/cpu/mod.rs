@@ -57,8 +57,8 @@ pub struct CpuStep {
     rope: Mutex<RopeTable>,
 }
 
-/// A rotation of a step's rows: `(theta's bits, head_dim, rows)`.
-type RopeKey = (u32, usize, usize);
+/// A rotation of a step's rows: `(Rope::key, head_dim, rows)`.
+type RopeKey = (u64, usize, usize);
 
 /// `(cos, sin)` of every pair of every row, per rotation the step's layers use (a model with local layers has
 /// two); cleared by `set_step`.
@@ -315,15 +315,13 @@ impl Backend for CpuBackend {
         let (rows, hd) = (shape.rows, shape.head_dim);
         let positions = &step.positions[..rows];
         let mut table = step.rope.lock().unwrap_or_else(|e| e.into_inner());
-        let key = (rope.theta.to_bits(), hd, rows);
+        let key = (rope.key(), hd, rows);
         let at = match table.tables.iter().position(|(k, _)| *k == key) {
             Some(at) => at,
             None => {
                 let rotations = positions
                     .iter()
-                    .flat_map(|&pos| {
-                        (0..hd / 2).map(move |i| crate::backend::rope_angle(pos, i, hd, rope.theta))
-                    })
+                    .flat_map(|&pos| (0..hd / 2).map(move |i| rope.angle(pos, i, hd)))
                     .collect();
                 table.tables.push((key, rotations));
                 table.tables.len() - 1

@@ -852,7 +852,7 @@ impl Backend for CudaBackend {
         let key = rope::key(rope, head_dim);
         let mut tables = lock(&self.ropes);
         if !tables.iter().any(|t| t.key == key) {
-            tables.push(RopeTable::new(key));
+            tables.push(RopeTable::new(rope, head_dim));
         }
         Ok(())
     }
