@@ -44,6 +44,7 @@ const CUDA_BUNDLES: &[&str] = &[
     "llama-rope-llama3",
     "llama-rope-llama3-gguf",
     "gemma3-rope-linear",
+    "gemma3-image-text",
 ];
 
 /// A `rows` × `cols` matrix of `ty` made of the fixture's real blocks (valid scales) drawn at random.

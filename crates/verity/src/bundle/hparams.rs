@@ -296,13 +296,6 @@ impl HParams {
             Some("qwen2") => Arch::Qwen2,
             Some("qwen3") => Arch::Qwen3,
             Some("gemma3_text") => Arch::Gemma3,
-            Some("gemma3") => {
-                return Err(Error::Unsupported(
-                    "config.json model_type \"gemma3\" (the image-text model; verity runs its text model, \
-                     model_type \"gemma3_text\")"
-                        .into(),
-                ))
-            }
             other => {
                 return Err(Error::Unsupported(format!(
                     "config.json model_type {other:?} (verity runs llama, mistral, qwen2, qwen3, gemma3_text)"
@@ -646,6 +639,39 @@ fn gemma3_block(
             local,
         }),
     }
+}
+
+/// The decoder's config of a `config.json`, and whether it was nested: an image-text Gemma 3 checkpoint
+/// (`model_type: gemma3`) keeps its text model's config in `text_config`, which names only what differs from
+/// `Gemma3TextConfig`'s defaults — filled in here as transformers fills them. Any other config as it is.
+pub fn text_model_config(config: serde_json::Value) -> (serde_json::Value, bool) {
+    let nested = config.get("model_type").and_then(|t| t.as_str()) == Some("gemma3")
+        && config.get("text_config").is_some_and(|t| t.is_object());
+    if !nested {
+        return (config, false);
+    }
+    let mut text = config["text_config"].clone();
+    let defaults = serde_json::json!({
+        "model_type": "gemma3_text",
+        "vocab_size": 262208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 131072,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": config.get("tie_word_embeddings").cloned().unwrap_or(serde_json::Value::Bool(true)),
+    });
+    let obj = text.as_object_mut().expect("checked above");
+    for (k, v) in defaults.as_object().expect("a literal object") {
+        obj.entry(k.clone()).or_insert_with(|| v.clone());
+    }
+    (text, true)
 }
 
 /// The fields of a Hugging Face `config.json` that verity reads.

@@ -31,7 +31,35 @@ pub enum Source {
         dir: PathBuf,
         config: Box<HfConfig>,
         tensors: SafetensorsSet,
+        /// Where the decoder's tensors sit in the files (an image-text checkpoint nests them).
+        layout: HfLayout,
     },
+}
+
+/// Where a safetensors bundle keeps the decoder's tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HfLayout {
+    /// `model.layers.N…`, `model.embed_tokens`, `lm_head` (a causal LM).
+    Plain,
+    /// The text model of an image-text checkpoint, as Hugging Face publishes Gemma 3 4B and larger:
+    /// `language_model.model.layers.N…`, `language_model.lm_head`.
+    LanguageModel,
+    /// The same as transformers 5 holds it: `model.language_model.layers.N…`, `lm_head`.
+    ModelLanguageModel,
+}
+
+impl HfLayout {
+    /// `name` (as a causal LM names it) where this layout keeps it.
+    fn place(self, name: String) -> String {
+        match self {
+            HfLayout::Plain => name,
+            HfLayout::LanguageModel => format!("language_model.{name}"),
+            HfLayout::ModelLanguageModel => match name.strip_prefix("model.") {
+                Some(rest) => format!("model.language_model.{rest}"),
+                None => name,
+            },
+        }
+    }
 }
 
 /// An opened model bundle.
@@ -58,12 +86,27 @@ impl Bundle {
         } else if path.join("config.json").is_file() {
             let cfg_path = path.join("config.json");
             let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
-            let config: HfConfig = serde_json::from_str(&text)
+            let value: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| Error::malformed(&cfg_path, format!("invalid config.json: {e}")))?;
+            let (value, nested) = hparams::text_model_config(value);
+            let config: HfConfig = serde_json::from_value(value)
+                .map_err(|e| Error::malformed(&cfg_path, format!("invalid config.json: {e}")))?;
+            let tensors = SafetensorsSet::open(path)?;
+            let layout = if !nested {
+                HfLayout::Plain
+            } else if tensors
+                .get("model.language_model.embed_tokens.weight")
+                .is_some()
+            {
+                HfLayout::ModelLanguageModel
+            } else {
+                HfLayout::LanguageModel
+            };
             Source::Safetensors {
                 dir: path.to_path_buf(),
                 config: Box::new(config),
-                tensors: SafetensorsSet::open(path)?,
+                tensors,
+                layout,
             }
         } else {
             let ggufs: Vec<PathBuf> = std::fs::read_dir(path)
@@ -178,18 +221,16 @@ impl Bundle {
 
     /// The name of a tensor in this bundle's format.
     pub fn tensor_name(&self, key: TensorKey) -> String {
-        match self.source {
+        match &self.source {
             Source::Gguf(_) => key.gguf(),
-            Source::Safetensors { .. } => key.hf(self.hparams.arch),
+            Source::Safetensors { layout, .. } => layout.place(key.hf(self.hparams.arch)),
         }
     }
 
     pub fn has(&self, key: TensorKey) -> bool {
         match &self.source {
             Source::Gguf(g) => g.tensor(&key.gguf()).is_some(),
-            Source::Safetensors { tensors, .. } => {
-                tensors.get(&key.hf(self.hparams.arch)).is_some()
-            }
+            Source::Safetensors { tensors, .. } => tensors.get(&self.tensor_name(key)).is_some(),
         }
     }
 
@@ -210,12 +251,15 @@ impl Bundle {
                 QMatrix::ggml(&name, t.ty, rows, cols, g.tensor_bytes(t))
             }
             Source::Safetensors {
-                config, tensors, ..
+                config,
+                tensors,
+                layout,
+                ..
             } => st_matrix(
                 tensors,
                 Some(config),
-                &key.hf_module(self.hparams.arch),
-                &key.hf(self.hparams.arch),
+                &layout.place(key.hf_module(self.hparams.arch)),
+                &self.tensor_name(key),
                 rows,
                 cols,
             ),
@@ -239,7 +283,7 @@ impl Bundle {
                 QMatrix::ggml(&name, t.ty, 1, len, g.tensor_bytes(t))?
             }
             Source::Safetensors { tensors, .. } => {
-                let mut v = st_vector(tensors, &key.hf(self.hparams.arch), len)?;
+                let mut v = st_vector(tensors, &self.tensor_name(key), len)?;
                 // Gemma's checkpoints store a norm's weight as w - 1 (its norm scales by 1 + w); GGUF
                 // converters store w.
                 if self.hparams.arch == Arch::Gemma3 && key.is_norm() {

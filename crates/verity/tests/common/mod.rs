@@ -34,6 +34,7 @@ pub const HF_BUNDLES: &[&str] = &[
     "llama-rope-llama3-gguf",
     "llama-rope-linear",
     "gemma3-rope-linear",
+    "gemma3-image-text",
 ];
 
 /// SmolLM2-135M-Instruct Q4_1, fetched into verity's cache on first use (as `verity fetch` does).
