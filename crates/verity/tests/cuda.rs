@@ -45,6 +45,8 @@ const CUDA_BUNDLES: &[&str] = &[
     "llama-rope-llama3-gguf",
     "gemma3-rope-linear",
     "gemma3-image-text",
+    "mistral-window",
+    "qwen2-window",
 ];
 
 /// A `rows` × `cols` matrix of `ty` made of the fixture's real blocks (valid scales) drawn at random.

@@ -361,7 +361,10 @@ impl HParams {
             },
             qk_norm: arch == Arch::Qwen3,
             context_len: cfg.max_position_embeddings.unwrap_or(DEFAULT_CONTEXT),
-            block: BlockStyle::default(),
+            block: BlockStyle {
+                sliding: hf_sliding_window(cfg, rope_theta.unwrap_or(10000.0) as f32)?,
+                ..BlockStyle::default()
+            },
         };
         hp.validate()?;
         Ok(hp)
@@ -568,6 +571,35 @@ fn gguf_rope_scaling(
     Ok(llama3)
 }
 
+/// The local attention layers of a Llama-family config, as transformers reads them: `layer_types` where the
+/// config lists them; else Mistral's `sliding_window` on every layer; else Qwen2/Qwen3's `use_sliding_window` on
+/// the layers from `max_window_layers` on. Local layers rotate like the others.
+fn hf_sliding_window(cfg: &HfConfig, rope_theta: f32) -> Result<Option<SlidingWindow>> {
+    let n = cfg.num_hidden_layers;
+    let local: Vec<bool> = match (&cfg.layer_types, cfg.model_type.as_deref()) {
+        (Some(types), _) => types.iter().map(|t| t == "sliding_attention").collect(),
+        (None, Some("mistral")) => vec![cfg.sliding_window.is_some(); n],
+        (None, _) if cfg.use_sliding_window == Some(true) => {
+            let from = cfg.max_window_layers.unwrap_or(28);
+            (0..n).map(|l| l >= from).collect()
+        }
+        (None, _) => vec![false; n],
+    };
+    if !local.contains(&true) {
+        return Ok(None);
+    }
+    // Qwen2 and Qwen3 configs keep a `sliding_window` value with `use_sliding_window: false`; only layers
+    // marked local use it.
+    let window = cfg.sliding_window.ok_or_else(|| {
+        Error::Invalid("config.json marks sliding-window layers but has no sliding_window".into())
+    })?;
+    Ok(Some(SlidingWindow {
+        window,
+        rope_theta,
+        local,
+    }))
+}
+
 /// The scaling a config's `rope_type` (`None`/`default`: none) asks for, with its parameters from `params`.
 fn hf_rope_scaling(
     rope_type: Option<&str>,
@@ -717,4 +749,7 @@ pub struct HfConfig {
     pub final_logit_softcapping: Option<f64>,
     pub attn_logit_softcapping: Option<f64>,
     pub use_bidirectional_attention: Option<bool>,
+    /// Qwen2/Qwen3: whether layers from `max_window_layers` on attend to a sliding window.
+    pub use_sliding_window: Option<bool>,
+    pub max_window_layers: Option<usize>,
 }

@@ -35,6 +35,8 @@ pub const HF_BUNDLES: &[&str] = &[
     "llama-rope-linear",
     "gemma3-rope-linear",
     "gemma3-image-text",
+    "mistral-window",
+    "qwen2-window",
 ];
 
 /// SmolLM2-135M-Instruct Q4_1, fetched into verity's cache on first use (as `verity fetch` does).
