@@ -117,6 +117,37 @@ fn fetch_is_idempotent_and_inspect_describes_the_default_model() {
     }
 }
 
+/// A base model (Gemma 3 270M, no chat template): `inspect` describes its local and global layers, and `run`
+/// continues the prompt as raw text and says so.
+#[test]
+fn a_base_model_continues_raw_text_and_says_so() {
+    let out = verity(&["inspect", "gemma3-270m"]);
+    let s = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    for needle in [
+        "architecture  gemma3",
+        "15 local layers (window 512, rope theta 10000), 3 global",
+        "GeluTanh MLP; post-norms",
+        "chat template none",
+    ] {
+        assert!(s.contains(needle), "inspect output lacks {needle:?}:\n{s}");
+    }
+    let out = verity(&[
+        "--threads",
+        "2",
+        "run",
+        "--model",
+        "gemma3-270m",
+        "--max-tokens",
+        "8",
+        "The capital of France is",
+    ]);
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("no chat template"), "{err}");
+    assert!(!text(&out.stdout).trim().is_empty(), "no text continued");
+}
+
 #[test]
 fn bad_input_exits_nonzero_with_the_file_and_problem_named() {
     let dir = std::env::temp_dir().join(format!("verity-cli-{}", std::process::id()));
