@@ -159,11 +159,22 @@ struct Head<'a> {
 
 impl Head<'_> {
     fn key(&self, slot: usize) -> &[f32] {
-        &self.k[(slot % self.slots) * self.stride + self.offset..][..self.hd]
+        &self.k[self.at(slot)..][..self.hd]
     }
 
     fn value(&self, slot: usize) -> &[f32] {
-        &self.v[(slot % self.slots) * self.stride + self.offset..][..self.hd]
+        &self.v[self.at(slot)..][..self.hd]
+    }
+
+    /// Where slot `slot` starts: a whole-context cache never wraps, so only a ring pays for the division.
+    #[inline(always)]
+    fn at(&self, slot: usize) -> usize {
+        let s = if slot < self.slots {
+            slot
+        } else {
+            slot % self.slots
+        };
+        s * self.stride + self.offset
     }
 }
 
