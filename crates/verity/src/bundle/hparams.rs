@@ -242,7 +242,8 @@ impl HParams {
                 ));
             }
         }
-        let rope_scaling = gguf_rope_scaling(g, &key, head_dim, float("rope.freq_base", 10000.0)?)?;
+        let rope_theta = float("rope.freq_base", 10000.0)?;
+        let rope_scaling = gguf_rope_scaling(g, &key, head_dim, rope_theta)?;
         let tied = g.tensor("output.weight").is_none();
         let n_layers = int("block_count")?;
         let block = match arch {
@@ -276,7 +277,7 @@ impl HParams {
             ffn_hidden: int("feed_forward_length")?,
             vocab,
             rms_eps: float("attention.layer_norm_rms_epsilon", 1e-5)?,
-            rope_theta: float("rope.freq_base", 10000.0)?,
+            rope_theta,
             rope_style,
             rope_scaling,
             tied_embeddings: tied,
