@@ -12,7 +12,7 @@ bundles from this script and a small GGUF that lends its tokenizer; no multi-gig
         --out /tmp/bundles/smollm2-tokenizer.gguf          # 2 MB: what --tokenizer needs, for carrying
 
 Shapes (layers, d_model, ffn, heads, kv heads, head dim): tiny 2/256/512/4/2/64 (quick tests),
-1b 16/2048/8192/32/8/64, 3b 28/3072/8192/24/8/128, 8b 32/4096/14336/32/8/128 (the Llama 3.2 1B/3B and
+135m 30/576/1536/9/3/64 (SmolLM2-135M's, where its real weights cannot be carried), 1b 16/2048/8192/32/8/64, 3b 28/3072/8192/24/8/128, 8b 32/4096/14336/32/8/128 (the Llama 3.2 1B/3B and
 Llama 3.1 8B shapes). RoPE base 500000, RMS epsilon 1e-5, context 8192 (--context). The output matrix is
 untied from the embedding. The vocabulary, and so the embedding and output shapes, are the tokenizer's.
 
@@ -54,6 +54,7 @@ from gguf import GGMLQuantizationType as QT
 
 SHAPES = {  # layers, d_model, ffn, heads, kv_heads, head_dim
     "tiny": (2, 256, 512, 4, 2, 64),
+    "135m": (30, 576, 1536, 9, 3, 64),
     "1b": (16, 2048, 8192, 32, 8, 64),
     "3b": (28, 3072, 8192, 24, 8, 128),
     "8b": (32, 4096, 14336, 32, 8, 128),

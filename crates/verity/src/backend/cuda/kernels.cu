@@ -828,34 +828,28 @@ __device__ __forceinline__ u32 pack_q8(float v0, float v1, float v2, float v3) {
 }
 
 // Quantization with L = 4 or 2 threads per 32-value block, 32 / L values each: log2(L) butterfly steps instead
-// of three, and the block's scale divided out once per 32 / L values instead of once per 4 — the staging is
-// bound by its instructions, not its loads (copying x to shared memory first changed nothing; fewer lanes per
-// block made it faster at every width, most at 8 rows; measured: BENCHMARKS.md, "Verify cost by width"). The
-// same arithmetic per value (max is exact in any order, the integer sums exact), so the same bits as the
-// eight-lane loop.
+// of three, and the block's scale divided out once per 32 / L values instead of once per 4 — quantization is
+// bound by its instructions, not its loads (fewer lanes per block were faster at every width; measured:
+// BENCHMARKS.md, "Verify cost by width"). Max is exact in any order and the integer sums are exact, so L changes
+// no bit.
 //
 // With `norm_once` (a norm, and every item in one pass: the caller checks) the RMS norm's sums come from the
-// values this pass loads: x is read once, not once for the norm and again for the quantization, faster at every
-// width measured (BENCHMARKS.md, "Verify cost by width"). The sums keep `norm_scales`' order: each
-// block's 4-value partials t_0..t_7 reduced as ((t0 + t4) + (t2 + t6)) + ((t1 + t5) + (t3 + t7)), the blocks
-// then added in order, so the same bits.
+// values this pass loads: x is read once, not once for the norm and again for the quantization. The sums keep
+// `norm_scales`' order: each block's 4-value partials t_0..t_7 reduced as ((t0 + t4) + (t2 + t6)) + ((t1 + t5)
+// + (t3 + t7)), the blocks then added in order, so the same bits.
 template <int L>
-__device__ __forceinline__ void quantize_lanes(const float* x, int k, int kw, int rows, const float* norm_w,
-                                               bool norm_once, float eps, float* rscale, signed char* xq,
-                                               int xstride, float* xd, float* xs) {
+__device__ __forceinline__ void quantize_row(const float* x, int k, const float* norm_w, bool norm_once, float eps,
+                                             float* ss, float* rscale, signed char* xq, float* xd, float* xs) {
     constexpr int V = 32 / L;
-    // kw values of each row (x and norm_w point at the window's first; rows are k apart); norm_once only for a
-    // window of the whole row.
-    int nb = kw / 32, items = rows * nb * L;
+    int nb = k / 32, items = nb * L;
     for (int item0 = 0; item0 < items; item0 += blockDim.x) {  // uniform: every lane reaches the shuffles
-        int item = item0 + threadIdx.x, rb = item / L, h = item % L;
+        int item = item0 + threadIdx.x, b = item / L, h = item % L;
         bool live = item < items;
-        int r = live ? rb / nb : 0, b = rb - r * nb;
         float q[V];
 #pragma unroll
         for (int e = 0; e < V; e++) q[e] = 0.f;
         if (live) {
-            const float4* src = (const float4*)(x + (size_t)r * k + b * 32 + h * V);
+            const float4* src = (const float4*)(x + b * 32 + h * V);
 #pragma unroll
             for (int u = 0; u < V / 4; u++) {
                 float4 v = src[u];
@@ -887,19 +881,19 @@ __device__ __forceinline__ void quantize_lanes(const float* x, int k, int kw, in
                 for (int p = 0; p < 4; p++) w[p] = t[p % (V / 4)] + __shfl_xor_sync(0xffffffffu, t[p % (V / 4)], 1);
                 sum = (w[0] + w[2]) + (w[1] + w[3]);
             }
-            if (live && h == 0) xd[rb] = sum;  // the norm's scratch: xd is written below, after two barriers
+            if (live && h == 0) ss[b] = sum;
             __syncthreads();
-            if ((int)threadIdx.x < rows) {
+            if (threadIdx.x == 0) {
                 float tt = 0.f;
 #pragma unroll 8
-                for (int bb = 0; bb < nb; bb++) tt += xd[threadIdx.x * nb + bb];
-                rscale[threadIdx.x] = rsqrtf(tt / k + eps);
+                for (int bb = 0; bb < nb; bb++) tt += ss[bb];
+                *rscale = rsqrtf(tt / k + eps);
             }
             __syncthreads();
         }
         if (live && norm_w) {
             const float4* wv = (const float4*)(norm_w + b * 32 + h * V);
-            float sc = rscale[r];
+            float sc = *rscale;
 #pragma unroll
             for (int u = 0; u < V / 4; u++) {
                 float4 w = wv[u];
@@ -917,7 +911,7 @@ __device__ __forceinline__ void quantize_lanes(const float* x, int k, int kw, in
         float d = amax / 127.f;
         float id = d > 0.f ? 1.f / d : 0.f;
         int sum = 0;
-        u32* dst = (u32*)(xq + (size_t)r * xstride + b * 32 + h * V);
+        u32* dst = (u32*)(xq + b * 32 + h * V);
 #pragma unroll
         for (int u = 0; u < V / 4; u++) {
             u32 word = pack_q8(q[4 * u] * id, q[4 * u + 1] * id, q[4 * u + 2] * id, q[4 * u + 3] * id);
@@ -927,124 +921,56 @@ __device__ __forceinline__ void quantize_lanes(const float* x, int k, int kw, in
 #pragma unroll
         for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
         if (live && h == 0) {
-            xd[rb] = d;
-            xs[rb] = d * (float)sum;
+            xd[b] = d;
+            xs[b] = d * (float)sum;
         }
     }
 }
 
-// Stage blocks [w0, w0 + wn) of `rows` rows of x (RMS-normed with norm_w when non-null), quantized; `wmax` is the
-// largest window of the launch, which sets the layout (so the norm scales, computed once at the first window,
-// stay put). Rows up to `rows_pad` are left as they are: their MMA columns and chains are computed and never
-// stored, and no valid row reads them. Shared memory from `smem`: xq (rows_pad rows of wmax * 32 + 16 bytes),
-// then xd and xs (rows_pad * wmax floats each), then 16 norm scales. Four threads quantize a block, eight values
-// each, or two threads, sixteen values each, where four would take more than one item per thread
-// (`quantize_lanes`); with `eight_lanes` (the previous staging, for side-by-side measurements) eight threads,
-// four values each (max and sum are exact, so every variant's butterflies give the serial results).
+// The integer projections' input: row blockIdx.x of x (k values; RMS-normed with norm_w when non-null)
+// quantized to 8 bits per 32-value block, once per launch for all the projection's CTAs — xq holds k bytes per
+// row, xd and xs (the blocks' scales d and d * sum q) k / 32 floats per row. Four threads per block, or two
+// where four would take more than one pass of the CTA's threads. Dynamic shared memory: k / 32 floats (the
+// norm's scratch).
+extern "C" __global__ void quantize_x(const float* x, int k, const float* norm_w, float eps, signed char* xq,
+                                      float* xd, float* xs) {
+    FLOOR_EXIT
+    extern __shared__ float ss[];
+    __shared__ float rscale;
+    wait_inputs();
+    release_dependents();
+#ifdef KO_STAGE
+    return;
+#endif
+    int r = blockIdx.x, nb = k / 32;
+    x += (size_t)r * k;
+    xq += (size_t)r * k;
+    xd += (size_t)r * nb;
+    xs += (size_t)r * nb;
+    bool two = nb * 4 > (int)blockDim.x;
+    bool once = norm_w && nb * (two ? 2 : 4) <= (int)blockDim.x;
+    if (norm_w && !once) norm_scales(x, k, 1, eps, ss, &rscale, nb);
+    if (two) quantize_row<2>(x, k, norm_w, once, eps, ss, &rscale, xq, xd, xs);
+    else quantize_row<4>(x, k, norm_w, once, eps, ss, &rscale, xq, xd, xs);
+}
+
+// A projection launch's quantized x (`quantize_x`'s output, from the launch's first row): k bytes per row, k / 32
+// scales and sums per row. Rows past the launch's are read (their MMA columns and chains computed, never stored):
+// the host's buffer has room for them.
 struct Staged {
     const signed char* xq;
-    int xstride;
     const float* xd;
     const float* xs;
-    int b0, nb;  // the staged window's first block and block count
+    int k, nb;
 };
 
-__device__ __forceinline__ void stage_q8(const float* x, int k, int rows, int rows_pad, const float* norm_w,
-                                         float eps, u8* smem, Staged* st, int eight_lanes, int w0, int wn,
-                                         int wmax) {
-    int nb = wn, xstride = wmax * 32 + 16;
-    signed char* xq = (signed char*)smem;
-    float* xd = (float*)(smem + (size_t)rows_pad * xstride);
-    float* xs = xd + rows_pad * wmax;
-    float* rscale = xs + rows_pad * wmax;
-    int lane = threadIdx.x & 31;
-    bool whole = w0 == 0 && wn == k / 32;
-    // The norm's scratch is xd (free until the quantized blocks are written, after the norm's last barrier).
-#ifdef KO_STAGE
-    norm_w = nullptr;
-    eight_lanes = 1;
-    rows = 0;
-#endif
-    bool two = rows * nb * 4 > (int)blockDim.x;
-    // The norm from quantize_lanes' own loads where the window is the row and its items fit one pass
-    // (NORM_TWO_PASS: always `norm_scales` first, for side-by-side measurements).
-#ifdef NORM_TWO_PASS
-    bool once = false;
-#else
-    bool once = whole && norm_w && !eight_lanes && rows * nb * (two ? 2 : 4) <= (int)blockDim.x;
-#endif
-    if (norm_w && !once && w0 == 0) norm_scales(x, k, rows, eps, xd, rscale, wmax);
-    x += w0 * 32;
-    if (norm_w) norm_w += w0 * 32;
-    int items = rows * nb * 8;
-    if (!eight_lanes) {
-        if (two) quantize_lanes<2>(x, k, nb * 32, rows, norm_w, once, eps, rscale, xq, xstride, xd, xs);
-        else quantize_lanes<4>(x, k, nb * 32, rows, norm_w, once, eps, rscale, xq, xstride, xd, xs);
-        items = 0;  // skips the eight-lane loop
-    }
-    unsigned group = 0xffu << (lane & 24);
-    for (int item0 = 0; item0 < items; item0 += blockDim.x * 4) {
-        float4 v[4], w[4];
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            int item = item0 + u * blockDim.x + threadIdx.x;
-            if (item < items) {
-                int rb = item >> 3, r = rb / nb, b = rb % nb, j = item & 7;
-                v[u] = ((const float4*)(x + (size_t)r * k + b * 32))[j];
-                if (norm_w) w[u] = ((const float4*)(norm_w + b * 32))[j];
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            int item = item0 + u * blockDim.x + threadIdx.x;
-            if (item >= items) continue;  // whole 8-lane groups: items and blockDim are multiples of 8
-            int rb = item >> 3, r = rb / nb, b = rb % nb, j = item & 7;
-            float q4[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-            if (norm_w) {
-                float sc = rscale[r];
-                q4[0] = q4[0] * sc * w[u].x;
-                q4[1] = q4[1] * sc * w[u].y;
-                q4[2] = q4[2] * sc * w[u].z;
-                q4[3] = q4[3] * sc * w[u].w;
-            }
-            float amax = fmaxf(fmaxf(fabsf(q4[0]), fabsf(q4[1])), fmaxf(fabsf(q4[2]), fabsf(q4[3])));
-#pragma unroll
-            for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(group, amax, off));
-            float d = amax / 127.f;
-            float id = d > 0.f ? 1.f / d : 0.f;
-            int sum = 0;
-            u32 word = 0;
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int q = (int)fminf(fmaxf(rintf(q4[e] * id), -127.f), 127.f);
-                sum += q;
-                word |= (u32)(q & 0xff) << (8 * e);
-            }
-            ((u32*)(xq + (size_t)r * xstride + b * 32))[j] = word;
-#pragma unroll
-            for (int off = 4; off > 0; off >>= 1) sum += __shfl_xor_sync(group, sum, off);
-            if (j == 0) {
-                xd[rb] = d;
-                xs[rb] = d * (float)sum;
-            }
-        }
-    }
-    __syncthreads();
-    *st = {xq, xstride, xd, xs, w0, nb};
-}
-
-// The staged scale and d * sum of (row r, block b) (b inside the staged window).
-__device__ __forceinline__ float staged_d(const Staged& st, int r, int b) { return st.xd[r * st.nb + b - st.b0]; }
-__device__ __forceinline__ float staged_s(const Staged& st, int r, int b) { return st.xs[r * st.nb + b - st.b0]; }
-
-// Shared bytes of a staging window of wmax blocks (`stage_q8`'s layout).
-__device__ __forceinline__ int stage_bytes(int rows_pad, int wmax) {
-    return rows_pad * (wmax * 32 + 16) + 2 * rows_pad * wmax * 4 + 64;
-}
+// The scale and d * sum of (row r, block b).
+__device__ __forceinline__ float staged_d(const Staged& st, int r, int b) { return st.xd[r * st.nb + b]; }
+__device__ __forceinline__ float staged_s(const Staged& st, int r, int b) { return st.xs[r * st.nb + b]; }
 
 // The B fragment of n-tile `nt` (rows 8 nt .. 8 nt + 7) for block b.
 __device__ __forceinline__ void x_fragment(const Staged& st, int nt, int b, int lane, u32* b0, u32* b1) {
-    const signed char* p = st.xq + (size_t)(8 * nt + (lane >> 2)) * st.xstride + (b - st.b0) * 32 + (lane & 3) * 4;
+    const signed char* p = st.xq + (size_t)(8 * nt + (lane >> 2)) * st.k + b * 32 + (lane & 3) * 4;
     *b0 = *(const u32*)p;
     *b1 = *(const u32*)(p + 16);
 }
@@ -1136,18 +1062,16 @@ __device__ __forceinline__ void copies_done() {
 
 // Narrow schedule: this CTA's tile (`up`: the up projection for glu, gate in t; MATS = 1 or 2). The tile's scales
 // (copied asynchronously into shared memory) and the quants of its first chunk are fetched before the grid
-// before has finished. x is staged `window` blocks at a time (a multiple of `chunk`; the whole row where it
-// fits the shared memory), so a row of any length runs: each block's arithmetic is the same either way.
+// before has finished; x's fragments come quantized (`quantize_x`), so a row of any length runs.
 template <int TY, int MATS, int WARPS>
-__device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k, int rows, const float* norm_w,
-                            float eps, int chunk, int window, u8* smem, int accumulate, const RopeFusion& rope,
-                            int eight_lanes) {
+__device__ void narrow_tile(const TileOf& t, const u8* up, const Staged& st, int rows, int chunk, u8* smem,
+                            int accumulate, const RopeFusion& rope) {
     constexpr int PER_WARP = (64 + WARPS - 1) / WARPS;  // blocks a warp takes per exchange chunk (at most 64)
     constexpr int SUMS = tile_sums(TY);
-    int nb = k / 32, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int nb = st.nb, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int rows_pad = rows <= 8 ? 8 : 16, ntiles = rows_pad / 8;
     int sbytes = tile_scale_bytes(TY, nb);
-    u8* ssc = smem + stage_bytes(rows_pad, window);
+    u8* ssc = smem;
     int* iex = (int*)(ssc + MATS * sbytes);
     int per_chunk = chunk * rows_pad * QM_STRIDE;
     const u8* wq[2] = {t.w, up};
@@ -1177,17 +1101,13 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
     wait_inputs();
     release_dependents();
     // An accumulated output's prior value is read now (the grid before has finished), its latency hidden
-    // behind the staging.
+    // behind the first chunk.
     float prior = 0.f;
     if (accumulate && chains && col < t.n) prior = t.o[(size_t)r * t.n + col];
-    copies_done();  // this thread's scale copies land before stage_q8's barriers
-    Staged st;
+    copies_done();  // this thread's scale copies land before the first chunk's barrier
     float acc[2] = {0.f, 0.f};
     for (int c0 = 0; c0 < nb; c0 += chunk) {
         int c1 = min(nb, c0 + chunk);
-        // A new window: the barrier ending the chunk before has let every chain read the last one.
-        if (c0 % window == 0) stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st, eight_lanes, c0,
-                                       min(window, nb - c0), window);
 #pragma unroll
         for (int m = 0; m < MATS; m++) {
 #pragma unroll
@@ -1235,7 +1155,7 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
             }
         }
 #endif
-        if (c1 < nb) __syncthreads();  // the next chunk's sums (and window) reuse the exchange (and staging)
+        if (c1 < nb) __syncthreads();  // the next chunk's sums reuse the exchange
     }
     if (MATS == 1 && rope.hd > 0) {
         if (chains) {
@@ -1254,12 +1174,11 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const float* x, int k
 
 // Wide schedule: this warp's tile (when `mine`), its chains in registers (n-tile nt, column g / g + 8, row
 // 2i / 2i + 1); QM_AHEAD blocks' quants and scales loaded at a time, the first ones before the grid before has
-// finished. x is staged whole (the host takes this schedule only where it fits).
+// finished.
 template <int TY, int MATS>
-__device__ void wide_tile(const TileOf& t, bool mine, const u8* up, const float* x, int k, int rows,
-                          const float* norm_w, float eps, u8* smem, int accumulate, int eight_lanes) {
+__device__ void wide_tile(const TileOf& t, const u8* up, const Staged& st, int rows, int accumulate) {
     constexpr int SUMS = tile_sums(TY);
-    int nb = k / 32, lane = threadIdx.x & 31, g = lane >> 2, i2 = 2 * (lane & 3);
+    int nb = st.nb, lane = threadIdx.x & 31, g = lane >> 2, i2 = 2 * (lane & 3);
     int rows_pad = rows <= 8 ? 8 : 16, ntiles = rows_pad / 8;
     const u8* wq[2] = {t.w, up};
     u32 raw[QM_AHEAD][4];
@@ -1277,12 +1196,9 @@ __device__ void wide_tile(const TileOf& t, bool mine, const u8* up, const float*
             }
         }
     };
-    if (mine) load_group(0, 0);
+    load_group(0, 0);
     wait_inputs();
     release_dependents();
-    Staged st;
-    stage_q8(x, k, rows, rows_pad, norm_w, eps, smem, &st, eight_lanes, 0, nb, nb);
-    if (!mine) return;  // after the CTA's last barrier
     float acc[2][2][4];
 #pragma unroll
     for (int m = 0; m < 2; m++)
@@ -1335,44 +1251,49 @@ __device__ void wide_tile(const TileOf& t, bool mine, const u8* up, const float*
 }
 
 template <bool WIDE, int WARPS>
-__device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, int accumulate,
-                                              const float* norm_w, float eps, int glu, int chunk, int window,
-                                              const u8* w0, int ty0, int n0, float* o0, const u8* w1, int ty1,
-                                              int n1, float* o1, const u8* w2, int ty2, int n2, float* o2,
-                                              const RopeFusion& rope, int eight_lanes) {
+__device__ __forceinline__ void qmatmuls_body(const signed char* xq, const float* xd, const float* xs, int k,
+                                              int rows, int accumulate, int glu, int chunk, const u8* w0, int ty0,
+                                              int n0, float* o0, const u8* w1, int ty1, int n1, float* o1,
+                                              const u8* w2, int ty2, int n2, float* o2, const RopeFusion& rope) {
     extern __shared__ __align__(16) u8 smem[];
-    int warp = threadIdx.x >> 5;
+    int warp = threadIdx.x >> 5, nb = k / 32;
     RopeFusion rp = rope;
     if (!WIDE && gridDim.y > 1) {
         // Row group blockIdx.y: rows [lo, lo + per) of the launch, as a launch of its own.
         int per = (rows + gridDim.y - 1) / gridDim.y, lo = blockIdx.y * per;
-        if (lo >= rows) return;  // the whole CTA, before any barrier
+        if (lo >= rows) {  // the whole CTA, before any barrier
+            wait_inputs();
+            release_dependents();
+            return;
+        }
         rows = min(rows, lo + per) - lo;
-        x += (size_t)lo * k;
+        xq += (size_t)lo * k;
+        xd += (size_t)lo * nb;
+        xs += (size_t)lo * nb;
         o0 += (size_t)lo * n0;
         if (o1) o1 += (size_t)lo * n1;
         if (o2) o2 += (size_t)lo * n2;
         rp.r0 += lo;
     }
+    Staged st = {xq, xd, xs, k, nb};
     TileOf t;
-    bool mine = tile_of(WIDE ? blockIdx.x * QM_WARPS + warp : blockIdx.x, glu, w0, ty0, n0, o0, w1, ty1, n1, o1,
-                        w2, ty2, n2, o2, &t);
-    // A narrow CTA always has a tile (the grid is the tile count); a wide CTA's warps past the last tile still
-    // stage x with the others. Every warp of a CTA runs the same type's code: the host takes the wide schedule
-    // only for matrices of one type.
-    int ty = mine ? t.ty : ty0;
-    const u8* up = glu ? w1 : nullptr;
-#define QM_RUN(TY)                                                                                               \
-    if (WIDE) {                                                                                                  \
-        if (glu) wide_tile<TY, 2>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate, eight_lanes);          \
-        else wide_tile<TY, 1>(t, mine, up, x, k, rows, norm_w, eps, smem, accumulate, eight_lanes);              \
-    } else {                                                                                                     \
-        if (glu) narrow_tile<TY, 2, WARPS>(t, up, x, k, rows, norm_w, eps, chunk, window, smem, accumulate, rp, \
-                                           eight_lanes);                                                        \
-        else narrow_tile<TY, 1, WARPS>(t, up, x, k, rows, norm_w, eps, chunk, window, smem, accumulate, rp,     \
-                                       eight_lanes);                                                            \
+    if (!tile_of(WIDE ? blockIdx.x * QM_WARPS + warp : blockIdx.x, glu, w0, ty0, n0, o0, w1, ty1, n1, o1, w2, ty2,
+                 n2, o2, &t)) {
+        // A wide CTA's warps past the last tile (a narrow CTA always has one: the grid is the tile count).
+        wait_inputs();
+        release_dependents();
+        return;
     }
-    switch (ty) {
+    const u8* up = glu ? w1 : nullptr;
+#define QM_RUN(TY)                                                                                   \
+    if (WIDE) {                                                                                      \
+        if (glu) wide_tile<TY, 2>(t, up, st, rows, accumulate);                                      \
+        else wide_tile<TY, 1>(t, up, st, rows, accumulate);                                          \
+    } else {                                                                                         \
+        if (glu) narrow_tile<TY, 2, WARPS>(t, up, st, rows, chunk, smem, accumulate, rp);            \
+        else narrow_tile<TY, 1, WARPS>(t, up, st, rows, chunk, smem, accumulate, rp);                \
+    }
+    switch (t.ty) {
         case T_TQ4_0: QM_RUN(T_TQ4_0); break;
         case T_TQ4_1: QM_RUN(T_TQ4_1); break;
         case T_TQ5_0: QM_RUN(T_TQ5_0); break;
@@ -1385,40 +1306,37 @@ __device__ __forceinline__ void qmatmuls_body(const float* x, int k, int rows, i
 #undef QM_RUN
 }
 
-// One to three tiled projections of the same x (`rows` <= 16 rows of k values, RMS-normed first when norm_w is
-// non-null), as `matmuls` computes them but with 8-bit activations: o_m[r * n_m + c] (+)= ..., or with `glu`
+// One to three tiled projections of the same x (`rows` <= 16 rows of k values, quantized by `quantize_x` into
+// xq, xd, xs), as `matmuls` computes them but with 8-bit activations: o_m[r * n_m + c] (+)= ..., or with `glu`
 // (gate w0 and up w1 of one type) o0 = glu_of(glu, gate, up).
-// - qmatmuls_narrow: a CTA per tile (grid: the tile count), exchange chunks of `chunk` blocks (at most 64), x
-//   staged `window` blocks at a time (a multiple of chunk); shared memory: `stage_bytes(rows_pad, window)`, then
-//   the tile's scales and chunk * rows_pad * QM_STRIDE ints per integer sum (`tile_sums`), per matrix.
-// - qmatmuls_wide: a warp per tile (grid: tiles / QM_WARPS), shared memory as `stage_q8` for the whole row;
-//   `chunk` and `window` unused. Its
-//   grids are large: two CTAs per SM where they have 8 warps or fewer.
+// - qmatmuls_narrow: a CTA per tile (grid: the tile count), exchange chunks of `chunk` blocks (at most 64);
+//   shared memory: the tile's scales, then chunk * rows_pad * QM_STRIDE ints per integer sum (`tile_sums`),
+//   per matrix.
+// - qmatmuls_wide: a warp per tile (grid: tiles / QM_WARPS), no shared memory; `chunk` unused. Its grids are
+//   large: two CTAs per SM where they have 8 warps or fewer.
 #define QM_PARAMS                                                                                              \
-    const float *x, int k, int rows, int accumulate, const float *norm_w, float eps, int glu, int chunk,        \
-        int window,                                                                                            \
-        const u8 *w0, int ty0, int n0, float *o0, const u8 *w1, int ty1, int n1, float *o1, const u8 *w2,       \
-        int ty2, int n2, float *o2, int rope_table, int rope_hd, float *kc, float *vc, const int *step,       \
-        int cap, int r0, int eight_lanes
-#define QM_ARGS x, k, rows, accumulate, norm_w, eps, glu, chunk, window, w0, ty0, n0, o0, w1, ty1, n1, o1, w2, ty2, n2, o2
+    const signed char *xq, const float *xd, const float *xs, int k, int rows, int accumulate, int glu,          \
+        int chunk, const u8 *w0, int ty0, int n0, float *o0, const u8 *w1, int ty1, int n1, float *o1,         \
+        const u8 *w2, int ty2, int n2, float *o2, int rope_table, int rope_hd, float *kc, float *vc,            \
+        const int *step, int cap, int r0
+#define QM_ARGS xq, xd, xs, k, rows, accumulate, glu, chunk, w0, ty0, n0, o0, w1, ty1, n1, o1, w2, ty2, n2, o2
 
 // The last parameters fuse RoPE and the cache write into a narrow Q/K/V launch (w0, w1, w2 = q, k, v; see
 // `RopeFusion`); rope_hd = 0 for every other launch.
 extern "C" __global__ void __launch_bounds__(NQ_WARPS * 32) qmatmuls_narrow(QM_PARAMS) {
     FLOOR_EXIT
-    qmatmuls_body<false, NQ_WARPS>(QM_ARGS, RopeFusion{rope_table, rope_hd, kc, vc, step, cap, r0}, eight_lanes);
+    qmatmuls_body<false, NQ_WARPS>(QM_ARGS, RopeFusion{rope_table, rope_hd, kc, vc, step, cap, r0});
 }
 
 // The same with NQ_WARPS_ROWS warps, for launches of many rows (the host's choice; no bits depend on it).
 extern "C" __global__ void __launch_bounds__(NQ_WARPS_ROWS * 32) qmatmuls_narrow_rows(QM_PARAMS) {
     FLOOR_EXIT
-    qmatmuls_body<false, NQ_WARPS_ROWS>(QM_ARGS, RopeFusion{rope_table, rope_hd, kc, vc, step, cap, r0},
-                                        eight_lanes);
+    qmatmuls_body<false, NQ_WARPS_ROWS>(QM_ARGS, RopeFusion{rope_table, rope_hd, kc, vc, step, cap, r0});
 }
 
 extern "C" __global__ void __launch_bounds__(QM_WARPS * 32, QM_WARPS <= 8 ? 2 : 1) qmatmuls_wide(QM_PARAMS) {
     FLOOR_EXIT
-    qmatmuls_body<true, QM_WARPS>(QM_ARGS, RopeFusion{0, 0, nullptr, nullptr, nullptr, 0, 0}, eight_lanes);
+    qmatmuls_body<true, QM_WARPS>(QM_ARGS, RopeFusion{0, 0, nullptr, nullptr, nullptr, 0, 0});
 }
 
 // out[r, :] = table row step.tokens[r] (one block of threads per row, one thread per 32-value block).

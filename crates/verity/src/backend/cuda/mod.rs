@@ -10,8 +10,9 @@
 //!   (`tiles.rs`), x quantized to 8 bits per 32-value block, each block's integer dot product from an int8 MMA
 //!   (Q6_K: one per 16-value half), then per (column, row) the blocks accumulated in index order — operation
 //!   for operation the CPU backend's 8-bit contract, so a row's result is bitwise the CPU's, and one MMA serves
-//!   8 rows, so a W-row verify costs little more than a one-row step. Rows too long for the shared memory are
-//!   staged in windows (`geometry.rs`), so any row length runs.
+//!   8 rows, so a W-row verify costs little more than a one-row step. x is quantized once per launch
+//!   (`quantize_x`, with the fused RMS norm) into a buffer every CTA reads, so no CTA repeats that work and any
+//!   row length runs.
 //! - every other format (F32, F16, BF16, Q2_K, the IQ4 grids, MLX affine; and launches mixing tiled and untiled
 //!   matrices) (`matmuls`): f32 activations staged in shared memory, a warp per output column whose lanes
 //!   decode each weight block once and apply it to every staged row, each row's sums in a fixed order.
@@ -35,8 +36,8 @@
 //! in one, the final norm with the output projection, and the output projections adding into the residual
 //! stream. With graphs and PDL the launches' own cost is a small part of a forward (a forward whose kernels
 //! return at once, `-DLAUNCH_FLOOR`, takes a fraction of a real one): what remains is the kernels' bodies — by
-//! knockouts (`-DKO_STAGE`, `-DKO_ATT`, `-DKO_CHAIN`) chiefly the staging of x into the projections and
-//! attention, then the per-(column, row) chains.
+//! knockouts (`-DKO_STAGE`, `-DKO_ATT`, `-DKO_CHAIN`) the projections' quantization of x, their
+//! per-(column, row) chains, and attention.
 //!
 //! Attention (`attention.rs`) is split over 64-slot chunks (a block per chunk of the cache's capacity, of which as many work as
 //! the step's context has chunks; fewer blocks, each taking chunks in turn, where a wave would not hold them)
@@ -194,6 +195,9 @@ pub struct CudaBackend {
     narrow_warps: [usize; 2],
     /// Warps (tiles) of a wide-schedule projection CTA (`kernels.cu`'s `QM_WARPS`, set at compilation).
     wide_warps: usize,
+    /// The tile count from which an integer launch takes the wide schedule (`QM_WIDE_TILES`; for
+    /// side-by-side measurements `VERITY_CUDA_WIDE_TILES`).
+    wide_tiles: usize,
     /// Attention blocks per (row, head) forced by `VERITY_CUDA_ATT_SPLIT` (side-by-side measurements); `None`:
     /// [`CudaBackend::att_split`]'s rule.
     att_split: Option<usize>,
@@ -209,9 +213,8 @@ pub struct CudaBackend {
     /// Narrow launches of 8 rows or fewer split their rows in two groups where [`CudaBackend::row_groups`]'s
     /// rule says so (`VERITY_CUDA_SPLIT_ROWS=0`: never, for side-by-side measurements).
     split_rows: bool,
-    /// x is quantized with eight threads per 32-value block, as before the four- and two-lane staging
-    /// (`VERITY_CUDA_STAGE_LANES=8`, for side-by-side measurements).
-    eight_lanes: bool,
+    /// `quantize_x`'s output, read by the integer projections (the last is current; see [`StagedX`]).
+    staged: Mutex<Vec<StagedX>>,
     /// The argmax kernel's per-row records and counters (`Backend::argmax`).
     argmax_work: CudaSlice<f32>,
     /// Streaming multiprocessors of the device.
@@ -229,6 +232,20 @@ pub struct CudaBackend {
     /// The next launch fails as a driver error would (`fail_next_launch`).
     fail_next: std::sync::atomic::AtomicBool,
 }
+
+/// The integer projections' quantized input (`kernels.cu`'s `quantize_x`): `STAGED_ROWS` rows of `k` bytes,
+/// and per row `k / 32` scales and sums. Sized at load for the longest tiled row; a longer one loaded later gets
+/// a new buffer and the old one is kept, since recorded forwards still address it.
+struct StagedX {
+    k: usize,
+    xq: CudaSlice<u8>,
+    xd: CudaSlice<f32>,
+    xs: CudaSlice<f32>,
+}
+
+/// Rows of a `StagedX`: a launch's rows, and those a row group of the kernel reads past them (a group pads its
+/// rows to 8 or 16 and starts at most `MAX_ROWS - 1` rows in).
+const STAGED_ROWS: usize = 2 * MAX_ROWS;
 
 /// A mutex's guard, also after a panic elsewhere (the guarded tables stay consistent: every update is one push
 /// or insert).
@@ -397,13 +414,14 @@ impl CudaBackend {
             att_ahead_per_sm: opts.att_ahead_per_sm,
             narrow_warps,
             wide_warps,
+            wide_tiles: opts.wide_tiles,
             att_split: opts.att_split,
             att_heads: opts.att_heads,
             att_split_by_context: opts.att_split_by_context,
             row_groups: opts.row_groups,
             split_rows: opts.split_rows,
             argmax_work,
-            eight_lanes: opts.eight_lanes,
+            staged: Mutex::new(Vec::new()),
             sms,
             admitted: Mutex::new(HashMap::new()),
             knockout,
@@ -736,7 +754,7 @@ impl Backend for CudaBackend {
         let n_tiles: usize = mats.iter().map(|m| tiles::tiles(m.rows)).sum();
         let fused = self.fuse_rope
             && mats.iter().all(|m| m.form.is_some())
-            && n_tiles < QM_WIDE_TILES
+            && n_tiles < self.wide_tiles
             && rope.style == RopeStyle::Interleaved
             && shape.window.is_none()
             && shape.head_dim.is_multiple_of(2)

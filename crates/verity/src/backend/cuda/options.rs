@@ -4,7 +4,7 @@
 
 use super::{
     ATT_AHEAD_PER_SM, ATT_HEADS, ATT_SPLIT_MAX, MAX_ROWS, NARROW_WARPS, NARROW_WARPS_ROWS,
-    WIDE_WARPS,
+    QM_WIDE_TILES, WIDE_WARPS,
 };
 
 /// Every setting of a CUDA backend.
@@ -21,6 +21,9 @@ pub struct CudaOptions {
     pub narrow_warps: [usize; 2],
     /// Warps of a wide-schedule CTA (`VERITY_CUDA_WIDE_WARPS`: 4 to 16).
     pub wide_warps: usize,
+    /// The tile count from which an integer launch takes the wide schedule (`VERITY_CUDA_WIDE_TILES`: 1 to
+    /// 65,536).
+    pub wide_tiles: usize,
     /// Int8 tensor-core tiles where the card has them (`VERITY_CUDA_INT8=0`: off; changes bits: the float path
     /// computes in f32).
     pub int8: bool,
@@ -42,9 +45,6 @@ pub struct CudaOptions {
     pub row_groups: Option<usize>,
     /// Multi-row launches split into row groups (`VERITY_CUDA_SPLIT_ROWS=0`: off).
     pub split_rows: bool,
-    /// Quantize staged activations with eight lanes per block, the earlier staging
-    /// (`VERITY_CUDA_STAGE_LANES=8`).
-    pub eight_lanes: bool,
 }
 
 impl Default for CudaOptions {
@@ -55,6 +55,7 @@ impl Default for CudaOptions {
             nvrtc: Vec::new(),
             narrow_warps: [NARROW_WARPS, NARROW_WARPS_ROWS],
             wide_warps: WIDE_WARPS,
+            wide_tiles: QM_WIDE_TILES,
             int8: true,
             pdl: true,
             fuse_rope: true,
@@ -65,7 +66,6 @@ impl Default for CudaOptions {
             att_split_by_context: true,
             row_groups: None,
             split_rows: true,
-            eight_lanes: false,
         }
     }
 }
@@ -95,6 +95,7 @@ impl CudaOptions {
                 count("VERITY_CUDA_NARROW_WARPS_ROWS", 4..=32).unwrap_or(d.narrow_warps[1]),
             ],
             wide_warps: count("VERITY_CUDA_WIDE_WARPS", 4..=16).unwrap_or(d.wide_warps),
+            wide_tiles: count("VERITY_CUDA_WIDE_TILES", 1..=65_536).unwrap_or(d.wide_tiles),
             int8: on("VERITY_CUDA_INT8"),
             pdl: on("VERITY_CUDA_PDL"),
             fuse_rope: on("VERITY_CUDA_FUSE_ROPE"),
@@ -106,7 +107,6 @@ impl CudaOptions {
             att_split_by_context: on("VERITY_CUDA_ATT_SPLIT_BY_CONTEXT"),
             row_groups: count("VERITY_CUDA_ROW_GROUPS", 1..=MAX_ROWS),
             split_rows: on("VERITY_CUDA_SPLIT_ROWS"),
-            eight_lanes: var("VERITY_CUDA_STAGE_LANES").as_deref() == Some("8"),
         }
     }
 
@@ -148,7 +148,6 @@ mod tests {
             ("VERITY_CUDA_NARROW_WARPS_ROWS", "x"),
             ("VERITY_CUDA_ATT_SPLIT", "0"),
             ("VERITY_CUDA_ROW_GROUPS", "3"),
-            ("VERITY_CUDA_STAGE_LANES", "8"),
         ]);
         assert!(!o.graphs && o.pdl, "only 0 turns a switch off");
         assert_eq!(o.wide_warps, 8);
@@ -158,7 +157,6 @@ mod tests {
             "out of range or not a number"
         );
         assert_eq!((o.att_split, o.row_groups), (None, Some(3)));
-        assert!(o.eight_lanes);
     }
 
     #[test]

@@ -9,8 +9,8 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 use super::geometry::{q_geometry, staged_bytes, QGeometry, QMats, ROWS_PER_GROUP};
 use super::launch::Arg;
 use super::types::Tag;
-use super::{affine, lock, tiles, CudaBackend, CudaMatrix, CudaStep};
-use super::{MAX_ROWS, MM_WARPS, NARROW_ROWS_FROM, QM_WIDE_TILES, WIDE_COLUMNS};
+use super::{affine, dev, lock, tiles, CudaBackend, CudaMatrix, CudaStep, StagedX, STAGED_ROWS};
+use super::{MAX_ROWS, MM_WARPS, NARROW_ROWS_FROM, WIDE_COLUMNS};
 use crate::backend::{Backend, Glu};
 use crate::error::{Error, Result};
 use crate::quant::{QMatrix, WeightFormat};
@@ -25,32 +25,19 @@ pub(super) struct RopeFusion<'a> {
     pub(super) step: &'a CudaStep,
 }
 
-/// Row groups of a narrow projection launch of `tiles` CTAs and `rows` rows of `k` values (`threads` per
-/// many-row CTA, `sms` on the device), each group's rows a launch of their own (`kernels.cu`'s
-/// `qmatmuls_body`). Past 8 rows, where one CTA would pad its rows to 16 (two MMA n-tiles, twice the exchange),
-/// as many groups as leave no CTA waiting for an SM, which is faster at 16 rows. At 8 rows or fewer (unless
-/// `split_rows` is false), two groups where both CTAs of a tile fit the SMs together, each group keeps the
-/// many-row kernel and stages its rows in one pass of four threads per block (shorter staging and chains per
-/// CTA), and the launch is not a Q/K/V projection with RoPE fused (attention's blocks start while it runs,
-/// loading their first chunk, on the SMs it leaves free). Splitting o and down at 7-8 rows makes 8-row verifies
-/// faster and one-row steps no slower; splitting the Q/K/V launch too, or groups of three rows (at 5-6 rows, in
-/// the few-row kernel), is slower (measured: BENCHMARKS.md, "Verify cost by width"). No bits depend on it: a
-/// (column, row)'s arithmetic is the same in any group (`rowexact`, the admission).
-fn row_groups(
-    tiles: usize,
-    rows: usize,
-    k: usize,
-    rope: bool,
-    sms: usize,
-    threads: usize,
-    split_rows: bool,
-) -> usize {
+/// Row groups of a narrow projection launch of `tiles` CTAs and `rows` rows (`sms` on the device), each group's
+/// rows a launch of their own (`kernels.cu`'s `qmatmuls_body`). Past 8 rows, where one CTA would pad its rows
+/// to 16 (two MMA n-tiles, twice the exchange), as many groups as leave no CTA waiting for an SM, which is
+/// faster at 16 rows. At 8 rows or fewer (unless `split_rows` is false), two groups where both CTAs of a tile fit
+/// the SMs together, each group keeps the many-row kernel (shorter chains per CTA), and the launch is not a
+/// Q/K/V projection with RoPE fused (attention's blocks start while it runs, loading their first chunk, on the
+/// SMs it leaves free). Splitting o and down at 7-8 rows makes 8-row verifies faster and one-row steps no
+/// slower; splitting the Q/K/V launch too, or groups of three rows (at 5-6 rows, in the few-row kernel), is
+/// slower (measured: BENCHMARKS.md, "Verify cost by width"). No bits depend on it: a (column, row)'s arithmetic
+/// is the same in any group (`rowexact`, the admission).
+fn row_groups(tiles: usize, rows: usize, rope: bool, sms: usize, split_rows: bool) -> usize {
     let half = rows.div_ceil(2);
-    let split = split_rows
-        && half >= NARROW_ROWS_FROM
-        && half * (k / 32) * 4 <= threads
-        && 2 * tiles <= sms
-        && !rope;
+    let split = split_rows && half >= NARROW_ROWS_FROM && 2 * tiles <= sms && !rope;
     let want = if rows > 8 {
         sms / tiles.max(1)
     } else if split {
@@ -116,8 +103,11 @@ impl CudaBackend {
             data,
             launch_rows: 0,
         };
-        // The integer kernels stage long rows in windows, so only a shared memory without room for one
-        // exchange chunk caps their rows; the float kernel stages whole rows.
+        // The integer kernels read x quantized (any row length runs: only a shared memory without room for a
+        // tile's scales and one exchange chunk caps their rows); the float kernel stages whole rows.
+        if form.is_some() {
+            self.reserve_staged(m.cols);
+        }
         let fits = |r: usize| match form {
             Some(_) => [false, true].iter().all(|&glu| {
                 self.q_geometry(r, m.cols, false, glu, &[&matrix, &matrix])
@@ -137,12 +127,63 @@ impl CudaBackend {
 
     /// Row groups of a narrow projection launch (see [`row_groups`]), or the count `VERITY_CUDA_ROW_GROUPS`
     /// forces.
-    fn row_groups(&self, tiles: usize, rows: usize, k: usize, rope: bool) -> usize {
-        let threads = self.narrow_warps[1] * 32;
+    fn row_groups(&self, tiles: usize, rows: usize, rope: bool) -> usize {
         match self.row_groups {
             Some(forced) => nonempty_groups(rows, forced),
-            None => row_groups(tiles, rows, k, rope, self.sms, threads, self.split_rows),
+            None => row_groups(tiles, rows, rope, self.sms, self.split_rows),
         }
+    }
+
+    /// Room in the quantized-input buffer for rows of `k` values (see [`StagedX`]).
+    fn reserve_staged(&self, k: usize) {
+        let mut staged = lock(&self.staged);
+        if staged.last().is_some_and(|s| s.k >= k) {
+            return;
+        }
+        staged.push(StagedX {
+            k,
+            xq: dev("alloc", self.stream.alloc_zeros::<u8>(STAGED_ROWS * k)),
+            xd: self.buffer(STAGED_ROWS * k / 32),
+            xs: self.buffer(STAGED_ROWS * k / 32),
+        });
+    }
+
+    /// `rows` rows of x from row `r0` (RMS-normed first with `norm`) quantized for an integer projection launch
+    /// (`kernels.cu`'s `quantize_x`); returns the addresses of the quantized rows, scales and sums.
+    fn quantize_x(
+        &self,
+        x: &CudaSlice<f32>,
+        norm: Option<(&CudaSlice<f32>, f32)>,
+        r0: usize,
+        rows: usize,
+        k: usize,
+    ) -> [Arg; 3] {
+        let staged = lock(&self.staged);
+        let s = staged
+            .last()
+            .expect("reserved when a tiled matrix was loaded");
+        debug_assert!(s.k >= k && rows <= MAX_ROWS);
+        let staged_args = [self.at(&s.xq, 0), self.at(&s.xd, 0), self.at(&s.xs, 0)];
+        // Four threads per 32-value block in one pass where the CTA's 1,024 threads allow, else two.
+        let threads = (k / 32 * 4).clamp(32, 1024).next_multiple_of(32);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: (k / 32 * 4) as u32,
+        };
+        let args = [
+            self.at(x, r0 * k),
+            Arg::I32(k as i32),
+            norm.map_or(Arg::Ptr(0), |(w, _)| self.at(w, 0)),
+            Arg::F32(norm.map_or(0.0, |n| n.1)),
+            staged_args[0],
+            staged_args[1],
+            staged_args[2],
+        ];
+        // SAFETY: x holds rows × k values from r0, the norm weight k; the buffer has room for STAGED_ROWS ≥ rows
+        // rows of k values; the shared memory holds the norm's k / 32 floats of scratch.
+        unsafe { self.go("quantize", &self.k.quantize_x, cfg, &args) };
+        staged_args
     }
 
     /// Whether a launch of `mats` runs the integer kernels: every matrix tiled, and gate and up of one type.
@@ -209,31 +250,33 @@ impl CudaBackend {
             Some(Glu::GeluTanh) => 2,
         };
         let acc = i32::from(accumulate);
-        let mut args = vec![
-            self.at(x, r0 * k),
-            Arg::I32(k as i32),
-            Arg::I32(rows as i32),
-            Arg::I32(acc),
-            norm.map_or(Arg::Ptr(0), |(w, _)| self.at(w, 0)),
-            Arg::F32(norm.map_or(0.0, |n| n.1)),
-            Arg::I32(glu_i),
-        ];
         let int8 = Self::int8_launch(glu, mats);
+        let mut args = if int8 {
+            let [xq, xd, xs] = self.quantize_x(x, norm, r0, rows, k);
+            vec![xq, xd, xs, Arg::I32(k as i32)]
+        } else {
+            vec![self.at(x, r0 * k), Arg::I32(k as i32)]
+        };
+        args.extend([Arg::I32(rows as i32), Arg::I32(acc)]);
+        if !int8 {
+            args.extend([
+                norm.map_or(Arg::Ptr(0), |(w, _)| self.at(w, 0)),
+                Arg::F32(norm.map_or(0.0, |n| n.1)),
+            ]);
+        }
+        args.push(Arg::I32(glu_i));
         let (f, cfg) = if int8 {
             let n_tiles: usize = if glu {
                 tiles::tiles(mats[0].rows)
             } else {
                 mats.iter().map(|m| tiles::tiles(m.rows)).sum()
             };
-            // The wide schedule's CTAs may straddle matrices, so it needs them of one type (`kernels.cu`), and
-            // it stages whole rows.
-            let wide = n_tiles >= QM_WIDE_TILES
-                && mats.iter().all(|m| m.ty == mats[0].ty)
-                && self.q_geometry(rows, k, true, glu, mats).is_some();
+            // The wide schedule's CTAs may straddle matrices, so it needs them of one type (`kernels.cu`).
+            let wide = n_tiles >= self.wide_tiles && mats.iter().all(|m| m.ty == mats[0].ty);
             let (ctas, groups) = if wide {
                 (n_tiles.div_ceil(self.wide_warps), 1)
             } else {
-                (n_tiles, self.row_groups(n_tiles, rows, k, rope.is_some()))
+                (n_tiles, self.row_groups(n_tiles, rows, rope.is_some()))
             };
             // The rows one CTA takes (the kernel's own split).
             let cta_rows = rows.div_ceil(groups);
@@ -241,7 +284,6 @@ impl CudaBackend {
                 .q_geometry(cta_rows, k, wide, glu, mats)
                 .expect("capped by `launch_rows`");
             args.push(Arg::I32(geometry.chunk as i32));
-            args.push(Arg::I32(geometry.window as i32));
             let bytes = geometry.bytes;
             // Both narrow kernels give every (column, row) the same arithmetic: which one a launch takes by its
             // row count changes no bits (the admission crosses them: MAX_ROWS rows against one).
@@ -322,15 +364,14 @@ impl CudaBackend {
                     Arg::I32(0),
                 ]),
             }
-            args.push(Arg::I32(i32::from(self.eight_lanes)));
         } else {
             assert!(rope.is_none(), "RoPE fuses only into the integer kernel");
         }
         // SAFETY: the arguments follow the kernel's signature (null pointers for an absent norm, unused outputs
-        // and an absent RoPE fusion, which the kernel never touches); x holds rows × k values from r0, the norm
-        // weight k, each output rows × its columns from r0, a fused RoPE's caches room for the step's slots; the
-        // grid covers every column (tile) and row group once, and the staged rows fit the dynamic shared memory
-        // asked for.
+        // and an absent RoPE fusion, which the kernel never touches); x (or its quantized rows) holds rows × k
+        // values from r0, the norm weight k, each output rows × its columns from r0, a fused RoPE's caches room
+        // for the step's slots; the grid covers every column (tile) and row group once, and what a CTA keeps in
+        // shared memory fits the dynamic shared memory asked for.
         unsafe { self.go("matmul", f, cfg, &args) };
     }
 
@@ -428,28 +469,25 @@ mod tests {
     fn o_and_down_take_two_row_groups_at_seven_and_eight_rows_but_qkv_keeps_one() {
         // SmolLM2 on an H200 (132 SMs, 24-warp many-row CTAs): o 576 -> 576 (36 tiles), down 1536 -> 576 (36),
         // Q/K/V 576 -> 960 (60, RoPE fused), gate/up 576 -> 1536 (96).
-        let groups = |tiles, rows, k, rope| row_groups(tiles, rows, k, rope, 132, 768, true);
-        assert_eq!(groups(36, 8, 576, false), 2);
-        assert_eq!(groups(36, 8, 1536, false), 2);
-        assert_eq!(groups(36, 7, 1536, false), 2);
-        assert_eq!(groups(60, 8, 576, true), 1);
-        assert_eq!(groups(96, 8, 576, false), 1); // 192 CTAs would not fit the SMs together
-        assert_eq!(row_groups(36, 8, 576, false, 132, 768, false), 1);
+        let groups = |tiles, rows, rope| row_groups(tiles, rows, rope, 132, true);
+        assert_eq!(groups(36, 8, false), 2);
+        assert_eq!(groups(36, 7, false), 2);
+        assert_eq!(groups(60, 8, true), 1);
+        assert_eq!(groups(96, 8, false), 1); // 192 CTAs would not fit the SMs together
+        assert_eq!(row_groups(36, 8, false, 132, false), 1);
     }
     #[test]
     fn groups_of_fewer_than_four_rows_are_never_made_up_to_eight_rows() {
-        let groups = |rows| row_groups(36, rows, 1536, false, 132, 768, true);
+        let groups = |rows| row_groups(36, rows, false, 132, true);
         for rows in 1..=6 {
             assert_eq!(groups(rows), 1, "{rows} rows");
         }
-        // Halves whose staging would not fit one pass of the CTA's threads stay whole.
-        assert_eq!(row_groups(36, 8, 4096, false, 132, 768, true), 1);
     }
     #[test]
     fn past_eight_rows_the_groups_fill_the_sms_and_none_is_empty() {
-        assert_eq!(row_groups(36, 16, 576, false, 132, 768, true), 3); // 132 / 36 = 3 groups of 6, 6, 4
-        assert_eq!(row_groups(60, 16, 576, true, 132, 768, true), 2);
-        assert_eq!(row_groups(96, 16, 576, false, 132, 768, true), 1);
-        assert_eq!(row_groups(4, 10, 576, false, 132, 768, true), 10); // 33 wanted, one row each
+        assert_eq!(row_groups(36, 16, false, 132, true), 3); // 132 / 36 = 3 groups of 6, 6, 4
+        assert_eq!(row_groups(60, 16, true, 132, true), 2);
+        assert_eq!(row_groups(96, 16, false, 132, true), 1);
+        assert_eq!(row_groups(4, 10, false, 132, true), 10); // 33 wanted, one row each
     }
 }
