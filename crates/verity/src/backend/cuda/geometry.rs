@@ -4,11 +4,13 @@
 /// The float projection kernel (`matmuls`): rows staged per block, floats per staged 32-value block.
 pub const ROWS_PER_GROUP: usize = 8;
 pub const XPAD: usize = 36;
-/// The integer projection kernels (`qmatmuls_*`): ints per (block, row) of exchanged sums, the most blocks per
-/// exchange chunk, and the shared memory the exchange may take.
+/// The integer projection kernels (`qmatmuls_*`): ints per (block, row) of exchanged sums; the most blocks per
+/// chunk, and the fewest a chunk takes before a CTA gives up sharing its SM; the shared-memory stages a
+/// narrow-schedule CTA streams its quants through (`kernels.cu`'s `QM_STAGES`, set from here).
 pub const QM_STRIDE: usize = 20;
 pub const QM_CHUNK_MAX: usize = 64;
-pub const QM_EXCHANGE_BYTES: usize = 48 * 1024;
+pub const QM_CHUNK_MIN: usize = 8;
+pub const QM_STAGES: usize = 4;
 
 /// Shared memory a `matmuls` launch of `rows` rows of `k` values stages x in: the kernel computes a
 /// power-of-two number of rows per group (reading, never storing, those past the group's), so room for that
@@ -36,12 +38,16 @@ pub struct QMats {
     pub sums: usize,
     /// The most scale bytes of one of their tiles.
     pub scale_bytes: usize,
+    /// The most quant bytes of one of their (tile, block)s.
+    pub quant_bytes: usize,
 }
 
 /// The geometry of a `qmatmuls_*` launch of `rows` rows of `k` values within `budget` bytes of shared memory,
 /// or `None` where it does not fit. x is not staged (`quantize_x` has quantized it once for the launch): the wide
-/// schedule keeps nothing in shared memory; the narrow one keeps its tile's scales and the exchange of integer
-/// sums, in chunks of as many blocks as the exchange's budget holds.
+/// schedule keeps nothing in shared memory; the narrow one keeps its tiles' scales, `QM_STAGES` chunks of
+/// quants and the exchange of one chunk's integer sums for its rows. A chunk takes as many blocks as leave room
+/// for a second CTA on the SM (two CTAs keep twice the copies in flight), at least `QM_CHUNK_MIN`; failing
+/// that, as many as the whole budget holds. A chunk is the whole row, or a multiple of 8 blocks where it can be.
 pub fn q_geometry(
     rows: usize,
     k: usize,
@@ -52,13 +58,28 @@ pub fn q_geometry(
     if wide {
         return Some(QGeometry { bytes: 0, chunk: 0 });
     }
-    let rows_pad = if rows <= 8 { 8 } else { 16 };
-    let per_block = rows_pad * QM_STRIDE * 4 * mats.per_tile * mats.sums;
-    let chunk = (k / 32)
-        .min(QM_CHUNK_MAX)
-        .min((QM_EXCHANGE_BYTES / per_block).max(1));
-    let bytes = mats.per_tile * mats.scale_bytes + chunk * per_block;
-    (bytes <= budget).then_some(QGeometry { bytes, chunk })
+    let nb = k / 32;
+    let fixed = mats.per_tile * mats.scale_bytes;
+    let per_block =
+        mats.per_tile * (QM_STAGES * mats.quant_bytes + mats.sums * rows * QM_STRIDE * 4);
+    let blocks = |room: usize| {
+        let c = (room.checked_sub(fixed)? / per_block).min(QM_CHUNK_MAX);
+        Some(if c >= nb {
+            nb
+        } else if c >= 8 {
+            c / 8 * 8
+        } else {
+            c
+        })
+    };
+    let chunk = match blocks(budget / 2) {
+        Some(c) if c >= QM_CHUNK_MIN.min(nb) => c,
+        _ => blocks(budget).filter(|&c| c >= 1)?,
+    };
+    Some(QGeometry {
+        bytes: fixed + chunk * per_block,
+        chunk,
+    })
 }
 
 #[cfg(test)]
@@ -67,56 +88,66 @@ mod tests {
 
     const H200: usize = 227 * 1024 - 1024;
 
-    fn legacy(k: usize, per_tile: usize) -> QMats {
+    fn q4_k(k: usize, per_tile: usize) -> QMats {
         QMats {
             per_tile,
             sums: 1,
-            scale_bytes: k / 32 * 64,
+            scale_bytes: k / 32 * 40,
+            quant_bytes: 256,
         }
     }
 
     #[test]
-    fn the_exchange_takes_whole_blocks_within_its_budget() {
-        // SmolLM2's down projection at 16 rows: chunks of 64 blocks capped by the exchange.
-        let g = q_geometry(16, 1536, false, legacy(1536, 1), H200).unwrap();
-        assert_eq!(g.chunk, 38); // 48 KiB of exchange at 1,280 bytes a block
-        assert_eq!(g.bytes, 48 * 64 + g.chunk * 16 * 20 * 4);
-        // One row of gate and up: 8 padded rows, two matrices, 1,280 bytes a block again; one matrix, 640 bytes
-        // a block, up to the 64-block cap.
+    fn chunks_leave_room_for_a_second_cta_on_the_sm() {
+        // An 8B model's gate/up (4,096 values, two matrices) at one row: 10 KiB of scales, 2,208 bytes a
+        // block (four stages of 256 bytes and 80 bytes of sums, per matrix): 47 blocks fit half the budget,
+        // 40 as a multiple of 8.
+        let g = q_geometry(1, 4096, false, q4_k(4096, 2), H200).unwrap();
+        assert_eq!(g.chunk, 40);
+        assert_eq!(g.bytes, 2 * 128 * 40 + 40 * 2208);
+        assert!(2 * g.bytes <= H200);
+        // Its down projection (14,336 values): the 64-block cap.
         assert_eq!(
-            q_geometry(1, 4096, false, legacy(4096, 2), H200)
-                .unwrap()
-                .chunk,
-            38
-        );
-        assert_eq!(
-            q_geometry(1, 4096, false, legacy(4096, 1), H200)
+            q_geometry(1, 14_336, false, q4_k(14_336, 1), H200)
                 .unwrap()
                 .chunk,
             64
         );
+        // Short rows: a chunk is the whole row.
+        assert_eq!(
+            q_geometry(16, 576, false, q4_k(576, 1), H200)
+                .unwrap()
+                .chunk,
+            18
+        );
+        assert_eq!(
+            q_geometry(1, 192, false, q4_k(192, 1), H200).unwrap().chunk,
+            6
+        );
     }
 
     #[test]
-    fn long_rows_run_and_only_their_scales_grow() {
-        // An 8B model's down projection (14,336 values) and a 70B one's (28,672), at 1, 8 and 16 rows.
+    fn long_rows_and_many_rows_run_in_smaller_chunks() {
         for k in [14_336, 28_672] {
             for rows in [1, 8, 16] {
-                for mats in [legacy(k, 1), legacy(k, 2)] {
+                for mats in [q4_k(k, 1), q4_k(k, 2)] {
                     let g = q_geometry(rows, k, false, mats, H200).unwrap();
                     assert!(g.bytes <= H200, "{k} {rows}: {g:?}");
-                    assert!(g.chunk >= 1);
+                    assert!(g.chunk >= QM_CHUNK_MIN, "{k} {rows}: {g:?}");
                 }
             }
         }
         assert_eq!(
-            q_geometry(16, 28_672, true, legacy(28_672, 2), H200),
+            q_geometry(16, 28_672, true, q4_k(28_672, 2), H200),
             Some(QGeometry { bytes: 0, chunk: 0 })
         );
     }
 
     #[test]
-    fn a_budget_without_room_for_the_scales_and_one_chunk_is_refused() {
-        assert!(q_geometry(16, 4096, false, legacy(4096, 1), 20_000).is_none());
+    fn a_budget_without_room_for_the_scales_and_one_block_is_refused() {
+        assert!(q_geometry(16, 4096, false, q4_k(4096, 1), 5_000).is_none());
+        // Room for fewer than QM_CHUNK_MIN blocks in half the budget: the whole budget is used.
+        let g = q_geometry(1, 4096, false, q4_k(4096, 1), 2 * (5_120 + 4 * 1104)).unwrap();
+        assert_eq!(g.chunk, 8);
     }
 }

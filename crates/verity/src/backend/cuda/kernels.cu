@@ -693,31 +693,24 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
 // cost hardly grows with the rows: one MMA serves 8 of them.
 //
 // Two schedules, chosen by the host per launch (neither changes any row's arithmetic):
-// - narrow (a CTA per 16-column tile): its warps take the tile's blocks in turn and leave their integer
-//   sums in shared memory, chunk by chunk; one thread per (column, row) then runs the sequential chain. Many
-//   warps per tile for the small projections, whose tiles are few (16 rather than 8: fewer blocks per warp and
-//   one staging pass for twice the items, faster at every row count measured: BENCHMARKS.md, "Verify cost by
-//   width").
+// - narrow (a CTA per 16-column tile): its quants stream through shared-memory stages; its warps take the
+//   blocks in turn and leave their integer sums in shared memory, chunk by chunk; one thread per (column, row)
+//   then runs the sequential chain.
 // - wide (a warp per tile): each warp runs its tile's blocks in order and keeps the chains in its MMA fragment
-//   registers. For the output layer, whose tiles are many. QM_WARPS (16) warps per CTA, one CTA per SM: each
-//   CTA stages x once for 16 tiles, in one pass of its 512 threads up to 8 rows (8 warps take three passes at 8
-//   rows: 16 are faster there, no slower at one row; measured: BENCHMARKS.md, "Verify cost by width").
+//   registers. For the output layer, whose tiles are many. QM_WARPS (16) warps per CTA, one CTA per SM.
 #ifndef QM_WARPS
 #define QM_WARPS 16  // warps (tiles) of a wide-schedule CTA (set by the host: its `wide_warps`)
 #endif
 #define QM_STRIDE 20      // ints per (block, row) of exchanged sums: 16 columns, padded against bank conflicts
-// Warps of a narrow-schedule CTA: NQ_WARPS for launches of up to 3 rows, NQ_WARPS_ROWS for more (set by the
-// host at compilation: 16 and 24, or 4..32 for side-by-side measurements; past 16 the registers spill a little).
-// More warps take fewer blocks each, which pays once the rows make each block's work longer; at one row the
-// extra warps gain nothing, hence two counts (measured: BENCHMARKS.md, "Verify cost by width").
+// Warps of a narrow-schedule CTA (set by the host at compilation: 16, or 4..32 for side-by-side measurements).
 #ifndef NQ_WARPS
 #define NQ_WARPS 16
 #endif
-#ifndef NQ_WARPS_ROWS
-#define NQ_WARPS_ROWS 24
-#endif
 #ifndef QM_AHEAD
 #define QM_AHEAD 6  // blocks a wide-schedule warp loads ahead
+#endif
+#ifndef QM_STAGES
+#define QM_STAGES 4  // a narrow-schedule CTA's shared-memory stages of quants (set by the host: geometry.rs)
 #endif
 
 __device__ __forceinline__ void mma_s8(int (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
@@ -755,17 +748,20 @@ __device__ __forceinline__ void block_dots(const u32 (&a)[4], u32 b0, u32 b1, in
 }
 
 // This lane's share of a (tile, block)'s quants, as loaded: Q8_0's 16 bytes, or 8 bytes of nibbles (rows g and
-// g + 8) and the lane's high bits (a u16 for the 5-bit formats, a word for the 6-bit ones) in raw[2].
-template <int TY>
+// g + 8) and the lane's high bits (a u16 for the 5-bit formats, a word for the 6-bit ones) in raw[2]; from global
+// memory through the read-only cache, or (GLOBAL false) from shared memory.
+template <int TY, bool GLOBAL = true>
 __device__ __forceinline__ void load_quants(const u8* q, int lane, u32 (&raw)[4]) {
     if (TY == T_TQ8_0) {
-        uint4 v = __ldg((const uint4*)q + lane);
+        uint4 v = GLOBAL ? __ldg((const uint4*)q + lane) : ((const uint4*)q)[lane];
         raw[0] = v.x; raw[1] = v.y; raw[2] = v.z; raw[3] = v.w;
     } else {
-        uint2 v = __ldg((const uint2*)q + lane);
+        uint2 v = GLOBAL ? __ldg((const uint2*)q + lane) : ((const uint2*)q)[lane];
         raw[0] = v.x; raw[1] = v.y; raw[3] = 0;
-        raw[2] = tile_planes(TY) == 1 ? (u32)__ldg((const unsigned short*)(q + 256) + lane)
-               : tile_planes(TY) == 2 ? __ldg((const u32*)(q + 256) + lane)
+        const unsigned short* h16 = (const unsigned short*)(q + 256) + lane;
+        const u32* h32 = (const u32*)(q + 256) + lane;
+        raw[2] = tile_planes(TY) == 1 ? (u32)(GLOBAL ? __ldg(h16) : *h16)
+               : tile_planes(TY) == 2 ? (GLOBAL ? __ldg(h32) : *h32)
                                       : 0u;
     }
 }
@@ -1046,7 +1042,8 @@ __device__ __forceinline__ void store_qkv(const RopeFusion& f, const TileOf& t, 
     else (t.m == 1 ? f.kc : f.vc)[(size_t)(in.base + row) * t.n + col] = out;
 }
 
-// 16 bytes global -> shared without holding a register or the thread (sm_80+), and the wait for all of them.
+// 16 bytes global -> shared without holding a register or the thread (sm_80+); the end of a commit group of
+// such copies; the wait for them.
 __device__ __forceinline__ void copy_async16(void* dst, const void* src) {
 #if __CUDA_ARCH__ >= 800
     unsigned a = (unsigned)__cvta_generic_to_shared(dst);
@@ -1054,46 +1051,60 @@ __device__ __forceinline__ void copy_async16(void* dst, const void* src) {
 #endif
 }
 
-__device__ __forceinline__ void copies_done() {
+__device__ __forceinline__ void copies_commit() {
 #if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;\ncp.async.wait_all;" ::: "memory");
+    asm volatile("cp.async.commit_group;" ::: "memory");
 #endif
 }
 
-// Narrow schedule: this CTA's tile (`up`: the up projection for glu, gate in t; MATS = 1 or 2). The tile's scales
-// (copied asynchronously into shared memory) and the quants of its first chunk are fetched before the grid
-// before has finished; x's fragments come quantized (`quantize_x`), so a row of any length runs.
+// Wait until at most N of this thread's most recent commit groups are still in flight.
+template <int N>
+__device__ __forceinline__ void copies_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+// Narrow schedule: this CTA's tile (`up`: the up projection for glu, gate in t; MATS = 1 or 2), `chunk` blocks
+// at a time. The tile's quants stream through QM_STAGES shared-memory stages by asynchronous copies (a tile's
+// blocks are contiguous, so a chunk is one run of bytes): QM_STAGES - 1 chunks are in flight while one is
+// computed, and the first ones (with the tile's scales) are fetched before the grid before has finished. Per
+// chunk, the warps take its blocks in turn and leave their integer sums for the launch's real rows in the
+// exchange; then one thread per (column, row) runs the chain. In flight, the copies cost no registers, so two
+// CTAs share an SM.
+// Shared memory (`q_geometry`): MATS * tile_scale_bytes, then QM_STAGES * MATS * chunk * tile_quant_bytes, then
+// MATS * SUMS * chunk * rows * QM_STRIDE ints.
 template <int TY, int MATS, int WARPS>
 __device__ void narrow_tile(const TileOf& t, const u8* up, const Staged& st, int rows, int chunk, u8* smem,
                             int accumulate, const RopeFusion& rope) {
-    constexpr int PER_WARP = (64 + WARPS - 1) / WARPS;  // blocks a warp takes per exchange chunk (at most 64)
-    constexpr int SUMS = tile_sums(TY);
+    constexpr int SUMS = tile_sums(TY), QB = tile_quant_bytes(TY);
     int nb = st.nb, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int rows_pad = rows <= 8 ? 8 : 16, ntiles = rows_pad / 8;
+    int ntiles = rows <= 8 ? 1 : 2;
     int sbytes = tile_scale_bytes(TY, nb);
     u8* ssc = smem;
-    int* iex = (int*)(ssc + MATS * sbytes);
-    int per_chunk = chunk * rows_pad * QM_STRIDE;
+    u8* sq = ssc + MATS * sbytes;
+    int* iex = (int*)(sq + QM_STAGES * MATS * chunk * QB);
+    int per_chunk = chunk * rows * QM_STRIDE;
     const u8* wq[2] = {t.w, up};
     const u8* qbase[2];
 #pragma unroll
     for (int m = 0; m < MATS; m++) {
-        qbase[m] = wq[m] + (size_t)t.lt * nb * tile_quant_bytes(TY);
+        qbase[m] = wq[m] + (size_t)t.lt * nb * QB;
         const u8* sc = tile_scales(TY, wq[m], t.tiles, nb, t.lt);
         for (int i = threadIdx.x; i < sbytes / 16; i += blockDim.x) copy_async16(ssc + m * sbytes + 16 * i, sc + 16 * i);
     }
-    u32 raw[MATS][PER_WARP][4];
-    auto load_chunk = [&](int c0) {
-        int c1 = min(nb, c0 + chunk);
+    // Chunk ci's copies into stage ci % QM_STAGES, one commit group per chunk (empty past the last).
+    auto fetch = [&](int ci) {
+        int c0 = ci * chunk, len = (min(nb, c0 + chunk) - c0) * QB;
+        u8* dst = sq + (ci % QM_STAGES) * MATS * chunk * QB;
 #pragma unroll
         for (int m = 0; m < MATS; m++)
-#pragma unroll
-            for (int i = 0; i < PER_WARP; i++) {
-                int b = c0 + warp + WARPS * i;
-                if (b < c1) load_quants<TY>(qbase[m] + (size_t)b * tile_quant_bytes(TY), lane, raw[m][i]);
-            }
+            for (int i = threadIdx.x; i < len / 16; i += blockDim.x)
+                copy_async16(dst + m * chunk * QB + 16 * i, qbase[m] + (size_t)c0 * QB + 16 * i);
+        copies_commit();
     };
-    load_chunk(0);
+#pragma unroll
+    for (int ci = 0; ci < QM_STAGES - 1; ci++) fetch(ci);
     int c = threadIdx.x & 15, r = threadIdx.x >> 4, col = t.lt * 16 + c;
     bool chains = r < rows;
     QkvStore qkv = {};
@@ -1104,39 +1115,38 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const Staged& st, int
     // behind the first chunk.
     float prior = 0.f;
     if (accumulate && chains && col < t.n) prior = t.o[(size_t)r * t.n + col];
-    copies_done();  // this thread's scale copies land before the first chunk's barrier
     float acc[2] = {0.f, 0.f};
-    for (int c0 = 0; c0 < nb; c0 += chunk) {
+    for (int ci = 0, c0 = 0; c0 < nb; ci++, c0 += chunk) {
         int c1 = min(nb, c0 + chunk);
+        // This thread's copies of chunk ci have landed; the barrier makes everyone's visible, and ends every
+        // read of the stage the next fetch refills (chunk ci - 1's) and of the exchange (its chains).
+        copies_wait<QM_STAGES - 2>();
+        __syncthreads();
+        fetch(ci + QM_STAGES - 1);
+        const u8* stage = sq + (ci % QM_STAGES) * MATS * chunk * QB;
 #pragma unroll
         for (int m = 0; m < MATS; m++) {
+            for (int b = c0 + warp; b < c1; b += WARPS) {
+                u32 raw[4], a[4];
+                load_quants<TY, false>(stage + m * chunk * QB + (b - c0) * QB, lane, raw);
+                fragment<TY>(raw, a);
+                for (int nt = 0; nt < ntiles; nt++) {
+                    u32 b0, b1;
+                    x_fragment(st, nt, b, lane, &b0, &b1);
+                    int d[SUMS][4];
+                    block_dots<TY>(a, b0, b1, d[0], d[SUMS - 1]);
+                    // Sums of the launch's rows only: lane (g, i) holds rows 8 nt + 2i and 8 nt + 2i + 1 of
+                    // columns g and g + 8.
+                    int row = 8 * nt + 2 * (lane & 3);
 #pragma unroll
-            for (int i = 0; i < PER_WARP; i++) {
-                int b = c0 + warp + WARPS * i;
-                if (b < c1) {
-                    u32 a[4];
-                    fragment<TY>(raw[m][i], a);
-                    for (int nt = 0; nt < ntiles; nt++) {
-                        u32 b0, b1;
-                        x_fragment(st, nt, b, lane, &b0, &b1);
-                        int d[SUMS][4];
-                        block_dots<TY>(a, b0, b1, d[0], d[SUMS - 1]);
-#pragma unroll
-                        for (int h = 0; h < SUMS; h++) {
-                            int* e = iex + (m * SUMS + h) * per_chunk
-                                     + ((b - c0) * rows_pad + 8 * nt + 2 * (lane & 3)) * QM_STRIDE + (lane >> 2);
-                            e[0] = d[h][0];
-                            e[QM_STRIDE] = d[h][1];
-                            e[8] = d[h][2];
-                            e[QM_STRIDE + 8] = d[h][3];
-                        }
+                    for (int h = 0; h < SUMS; h++) {
+                        int* e = iex + (m * SUMS + h) * per_chunk + ((b - c0) * rows + row) * QM_STRIDE + (lane >> 2);
+                        if (row < rows) e[0] = d[h][0], e[8] = d[h][2];
+                        if (row + 1 < rows) e[QM_STRIDE] = d[h][1], e[QM_STRIDE + 8] = d[h][3];
                     }
                 }
             }
         }
-        // The next chunk's quants are in flight through the barrier, the chains and any restaging (the MMAs
-        // above have consumed this chunk's registers).
-        if (c1 < nb) load_chunk(c1);
         __syncthreads();
 #ifdef KO_CHAIN
         if (chains && c0 == 0) acc[0] = acc[1] = (float)iex[r * QM_STRIDE + c];
@@ -1148,15 +1158,15 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const Staged& st, int
                 const u8* ts = ssc + m * sbytes;
 #pragma unroll 4
                 for (int b = c0; b < c1; b++) {
-                    int at = (b - c0) * rows_pad * QM_STRIDE;
+                    int at = (b - c0) * rows * QM_STRIDE;
                     acc[m] = chain_step<TY>(acc[m], block_scale<TY>(scale_raw<TY>(ts, b, c)), staged_d(st, r, b),
                                             staged_s(st, r, b), e[at], e[(SUMS - 1) * per_chunk + at]);
                 }
             }
         }
 #endif
-        if (c1 < nb) __syncthreads();  // the next chunk's sums reuse the exchange
     }
+    copies_wait<0>();  // no copy outlives the CTA (the groups past the last chunk are empty)
     if (MATS == 1 && rope.hd > 0) {
         if (chains) {
             // The pair partner is the neighbouring column, the neighbouring thread (both active: a row's 16
@@ -1309,9 +1319,8 @@ __device__ __forceinline__ void qmatmuls_body(const signed char* xq, const float
 // One to three tiled projections of the same x (`rows` <= 16 rows of k values, quantized by `quantize_x` into
 // xq, xd, xs), as `matmuls` computes them but with 8-bit activations: o_m[r * n_m + c] (+)= ..., or with `glu`
 // (gate w0 and up w1 of one type) o0 = glu_of(glu, gate, up).
-// - qmatmuls_narrow: a CTA per tile (grid: the tile count), exchange chunks of `chunk` blocks (at most 64);
-//   shared memory: the tile's scales, then chunk * rows_pad * QM_STRIDE ints per integer sum (`tile_sums`),
-//   per matrix.
+// - qmatmuls_narrow: a CTA per tile (grid: the tile count, times the row groups), chunks of `chunk` blocks (at
+//   most 64); shared memory as `narrow_tile` lays it out.
 // - qmatmuls_wide: a warp per tile (grid: tiles / QM_WARPS), no shared memory; `chunk` unused. Its grids are
 //   large: two CTAs per SM where they have 8 warps or fewer.
 #define QM_PARAMS                                                                                              \
@@ -1323,15 +1332,10 @@ __device__ __forceinline__ void qmatmuls_body(const signed char* xq, const float
 
 // The last parameters fuse RoPE and the cache write into a narrow Q/K/V launch (w0, w1, w2 = q, k, v; see
 // `RopeFusion`); rope_hd = 0 for every other launch.
-extern "C" __global__ void __launch_bounds__(NQ_WARPS * 32) qmatmuls_narrow(QM_PARAMS) {
+// Up to 16 warps, two CTAs share an SM (their registers capped to fit).
+extern "C" __global__ void __launch_bounds__(NQ_WARPS * 32, NQ_WARPS <= 16 ? 2 : 1) qmatmuls_narrow(QM_PARAMS) {
     FLOOR_EXIT
     qmatmuls_body<false, NQ_WARPS>(QM_ARGS, RopeFusion{rope_table, rope_hd, kc, vc, step, cap, r0});
-}
-
-// The same with NQ_WARPS_ROWS warps, for launches of many rows (the host's choice; no bits depend on it).
-extern "C" __global__ void __launch_bounds__(NQ_WARPS_ROWS * 32) qmatmuls_narrow_rows(QM_PARAMS) {
-    FLOOR_EXIT
-    qmatmuls_body<false, NQ_WARPS_ROWS>(QM_ARGS, RopeFusion{rope_table, rope_hd, kc, vc, step, cap, r0});
 }
 
 extern "C" __global__ void __launch_bounds__(QM_WARPS * 32, QM_WARPS <= 8 ? 2 : 1) qmatmuls_wide(QM_PARAMS) {

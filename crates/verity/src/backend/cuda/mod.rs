@@ -102,11 +102,11 @@ const WIDE_COLUMNS: usize = 16_384;
 const QM_WIDE_TILES: usize = WIDE_COLUMNS / tiles::TILE_ROWS;
 /// Warps (tiles) of a wide-schedule CTA (`kernels.cu`'s `QM_WARPS`).
 const WIDE_WARPS: usize = 16;
-/// Warps of a narrow-schedule CTA (`kernels.cu`'s `NQ_WARPS` and `NQ_WARPS_ROWS`): for launches of fewer than
-/// `NARROW_ROWS_FROM` rows, and for the others.
+/// Warps of a narrow-schedule CTA (`kernels.cu`'s `NQ_WARPS`): 16 beat 8 at one row and 24 at 4 to 16 rows, at
+/// every size measured (BENCHMARKS.md, "Real model sizes on the GPU").
 const NARROW_WARPS: usize = 16;
-const NARROW_WARPS_ROWS: usize = 24;
-const NARROW_ROWS_FROM: usize = 4;
+/// The fewest rows a row group split off a launch of 8 rows or fewer takes (`projections.rs`'s `row_groups`).
+const GROUP_ROWS_MIN: usize = 4;
 /// The attention kernel's slots per chunk, blocks per (row, head) (the default split) and largest head
 /// (`kernels.cu`).
 const ATT_CHUNK: usize = 64;
@@ -190,9 +190,8 @@ pub struct CudaBackend {
     /// The largest attention grid, in blocks per SM, that runs the early-load variant (`ATT_AHEAD_PER_SM`;
     /// for side-by-side measurements `VERITY_CUDA_ATT_AHEAD_PER_SM`).
     att_ahead_per_sm: usize,
-    /// Warps of a narrow-schedule projection CTA for launches of fewer than `NARROW_ROWS_FROM` rows and for the
-    /// others (`kernels.cu`'s `NQ_WARPS`, `NQ_WARPS_ROWS`, set at compilation).
-    narrow_warps: [usize; 2],
+    /// Warps of a narrow-schedule projection CTA (`kernels.cu`'s `NQ_WARPS`, set at compilation).
+    narrow_warps: usize,
     /// Warps (tiles) of a wide-schedule projection CTA (`kernels.cu`'s `QM_WARPS`, set at compilation).
     wide_warps: usize,
     /// The tile count from which an integer launch takes the wide schedule (`QM_WIDE_TILES`; for
@@ -349,11 +348,16 @@ impl CudaBackend {
         let (narrow_warps, wide_warps, knockout) =
             (opts.narrow_warps, opts.wide_warps, opts.knockout());
         let options = nvrtc_options(&opts);
-        // The warp counts change no bit (`rowexact` under each); other options may (a knockout, a constant).
+        // The warp and stage counts change no bit (`rowexact` under each); other options may (a knockout, a
+        // constant).
         let bit_options: Vec<&str> = options
             .iter()
             .map(String::as_str)
-            .filter(|o| !o.starts_with("-DQM_WARPS=") && !o.starts_with("-DNQ_WARPS"))
+            .filter(|o| {
+                !["-DQM_WARPS=", "-DNQ_WARPS", "-DQM_STAGES="]
+                    .iter()
+                    .any(|p| o.starts_with(p))
+            })
             .collect();
         let kernels_numerics = format!(
             "{arch} {} kernels {:016x} options [{}]",
@@ -369,12 +373,7 @@ impl CudaBackend {
         let sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| err("device", &e))? as usize;
-        for f in [
-            &k.matmuls,
-            &k.qmatmuls_narrow,
-            &k.qmatmuls_narrow_rows,
-            &k.qmatmuls_wide,
-        ] {
+        for f in [&k.matmuls, &k.qmatmuls_narrow, &k.qmatmuls_wide] {
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 matmul_shared as i32,

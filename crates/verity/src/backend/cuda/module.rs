@@ -24,7 +24,6 @@ pub(super) fn source() -> String {
 pub(super) struct Kernels {
     pub(super) matmuls: CudaFunction,
     pub(super) qmatmuls_narrow: CudaFunction,
-    pub(super) qmatmuls_narrow_rows: CudaFunction,
     pub(super) qmatmuls_wide: CudaFunction,
     pub(super) quantize_x: CudaFunction,
     pub(super) embed: CudaFunction,
@@ -53,7 +52,6 @@ impl Kernels {
         Ok(Kernels {
             matmuls: f("matmuls")?,
             qmatmuls_narrow: f("qmatmuls_narrow")?,
-            qmatmuls_narrow_rows: f("qmatmuls_narrow_rows")?,
             qmatmuls_wide: f("qmatmuls_wide")?,
             quantize_x: f("quantize_x")?,
             embed: f("embed")?,
@@ -77,8 +75,8 @@ impl Kernels {
 pub(super) fn nvrtc_options(opts: &CudaOptions) -> Vec<String> {
     let mut options = opts.nvrtc.clone();
     options.push(format!("-DQM_WARPS={}", opts.wide_warps));
-    options.push(format!("-DNQ_WARPS={}", opts.narrow_warps[0]));
-    options.push(format!("-DNQ_WARPS_ROWS={}", opts.narrow_warps[1]));
+    options.push(format!("-DNQ_WARPS={}", opts.narrow_warps));
+    options.push(format!("-DQM_STAGES={}", super::geometry::QM_STAGES));
     options
 }
 

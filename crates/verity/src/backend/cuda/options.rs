@@ -3,8 +3,7 @@
 //! its doc says so (the backend's numerics name the ones that do).
 
 use super::{
-    ATT_AHEAD_PER_SM, ATT_HEADS, ATT_SPLIT_MAX, MAX_ROWS, NARROW_WARPS, NARROW_WARPS_ROWS,
-    QM_WIDE_TILES, WIDE_WARPS,
+    ATT_AHEAD_PER_SM, ATT_HEADS, ATT_SPLIT_MAX, MAX_ROWS, NARROW_WARPS, QM_WIDE_TILES, WIDE_WARPS,
 };
 
 /// Every setting of a CUDA backend.
@@ -16,9 +15,8 @@ pub struct CudaOptions {
     /// (`-DQM_AHEAD=9`), source lines for the profiler (`-lineinfo`), knockouts (`-DKO_*`, `-DLAUNCH_FLOOR`,
     /// which compute garbage by design). These may change bits.
     pub nvrtc: Vec<String>,
-    /// Warps of a narrow-schedule CTA for launches of few rows and of many (`VERITY_CUDA_NARROW_WARPS`,
-    /// `VERITY_CUDA_NARROW_WARPS_ROWS`: 4 to 32).
-    pub narrow_warps: [usize; 2],
+    /// Warps of a narrow-schedule CTA (`VERITY_CUDA_NARROW_WARPS`: 4 to 32).
+    pub narrow_warps: usize,
     /// Warps of a wide-schedule CTA (`VERITY_CUDA_WIDE_WARPS`: 4 to 16).
     pub wide_warps: usize,
     /// The tile count from which an integer launch takes the wide schedule (`VERITY_CUDA_WIDE_TILES`: 1 to
@@ -53,7 +51,7 @@ impl Default for CudaOptions {
         CudaOptions {
             graphs: true,
             nvrtc: Vec::new(),
-            narrow_warps: [NARROW_WARPS, NARROW_WARPS_ROWS],
+            narrow_warps: NARROW_WARPS,
             wide_warps: WIDE_WARPS,
             wide_tiles: QM_WIDE_TILES,
             int8: true,
@@ -90,10 +88,7 @@ impl CudaOptions {
             nvrtc: var("VERITY_CUDA_NVRTC")
                 .map(|o| o.split_whitespace().map(String::from).collect())
                 .unwrap_or_default(),
-            narrow_warps: [
-                count("VERITY_CUDA_NARROW_WARPS", 4..=32).unwrap_or(d.narrow_warps[0]),
-                count("VERITY_CUDA_NARROW_WARPS_ROWS", 4..=32).unwrap_or(d.narrow_warps[1]),
-            ],
+            narrow_warps: count("VERITY_CUDA_NARROW_WARPS", 4..=32).unwrap_or(d.narrow_warps),
             wide_warps: count("VERITY_CUDA_WIDE_WARPS", 4..=16).unwrap_or(d.wide_warps),
             wide_tiles: count("VERITY_CUDA_WIDE_TILES", 1..=65_536).unwrap_or(d.wide_tiles),
             int8: on("VERITY_CUDA_INT8"),
@@ -145,15 +140,15 @@ mod tests {
             ("VERITY_CUDA_PDL", "no"),
             ("VERITY_CUDA_WIDE_WARPS", "8"),
             ("VERITY_CUDA_NARROW_WARPS", "64"),
-            ("VERITY_CUDA_NARROW_WARPS_ROWS", "x"),
+            ("VERITY_CUDA_WIDE_TILES", "x"),
             ("VERITY_CUDA_ATT_SPLIT", "0"),
             ("VERITY_CUDA_ROW_GROUPS", "3"),
         ]);
         assert!(!o.graphs && o.pdl, "only 0 turns a switch off");
         assert_eq!(o.wide_warps, 8);
         assert_eq!(
-            o.narrow_warps,
-            [NARROW_WARPS, NARROW_WARPS_ROWS],
+            (o.narrow_warps, o.wide_tiles),
+            (NARROW_WARPS, QM_WIDE_TILES),
             "out of range or not a number"
         );
         assert_eq!((o.att_split, o.row_groups), (None, Some(3)));

@@ -10,7 +10,7 @@ use super::geometry::{q_geometry, staged_bytes, QGeometry, QMats, ROWS_PER_GROUP
 use super::launch::Arg;
 use super::types::Tag;
 use super::{affine, dev, lock, tiles, CudaBackend, CudaMatrix, CudaStep, StagedX, STAGED_ROWS};
-use super::{MAX_ROWS, MM_WARPS, NARROW_ROWS_FROM, WIDE_COLUMNS};
+use super::{GROUP_ROWS_MIN, MAX_ROWS, MM_WARPS, WIDE_COLUMNS};
 use crate::backend::{Backend, Glu};
 use crate::error::{Error, Result};
 use crate::quant::{QMatrix, WeightFormat};
@@ -29,7 +29,7 @@ pub(super) struct RopeFusion<'a> {
 /// rows a launch of their own (`kernels.cu`'s `qmatmuls_body`). Past 8 rows, where one CTA would pad its rows
 /// to 16 (two MMA n-tiles, twice the exchange), as many groups as leave no CTA waiting for an SM, which is
 /// faster at 16 rows. At 8 rows or fewer (unless `split_rows` is false), two groups where both CTAs of a tile fit
-/// the SMs together, each group keeps the many-row kernel (shorter chains per CTA), and the launch is not a
+/// the SMs together, each group has at least `GROUP_ROWS_MIN` rows (shorter chains per CTA), and the launch is not a
 /// Q/K/V projection with RoPE fused (attention's blocks start while it runs, loading their first chunk, on the
 /// SMs it leaves free). Splitting o and down at 7-8 rows makes 8-row verifies faster and one-row steps no
 /// slower; splitting the Q/K/V launch too, or groups of three rows (at 5-6 rows, in the few-row kernel), is
@@ -37,7 +37,7 @@ pub(super) struct RopeFusion<'a> {
 /// is the same in any group (`rowexact`, the admission).
 fn row_groups(tiles: usize, rows: usize, rope: bool, sms: usize, split_rows: bool) -> usize {
     let half = rows.div_ceil(2);
-    let split = split_rows && half >= NARROW_ROWS_FROM && 2 * tiles <= sms && !rope;
+    let split = split_rows && half >= GROUP_ROWS_MIN && 2 * tiles <= sms && !rope;
     let want = if rows > 8 {
         sms / tiles.max(1)
     } else if split {
@@ -213,7 +213,8 @@ impl CudaBackend {
         let q = QMats {
             per_tile: if glu { 2 } else { 1 },
             sums: forms.clone().map(|f| f.sums_per_block()).max()?,
-            scale_bytes: forms.map(|f| f.scale_bytes(k / 32)).max()?,
+            scale_bytes: forms.clone().map(|f| f.scale_bytes(k / 32)).max()?,
+            quant_bytes: forms.map(|f| f.quant_bytes()).max()?,
         };
         q_geometry(rows, k, wide, q, self.matmul_shared)
     }
@@ -285,14 +286,12 @@ impl CudaBackend {
                 .expect("capped by `launch_rows`");
             args.push(Arg::I32(geometry.chunk as i32));
             let bytes = geometry.bytes;
-            // Both narrow kernels give every (column, row) the same arithmetic: which one a launch takes by its
-            // row count changes no bits (the admission crosses them: MAX_ROWS rows against one).
+            // Both schedules give every (column, row) the same arithmetic: which one a launch takes changes no
+            // bits.
             let (f, warps) = if wide {
                 (&self.k.qmatmuls_wide, self.wide_warps)
-            } else if cta_rows >= NARROW_ROWS_FROM {
-                (&self.k.qmatmuls_narrow_rows, self.narrow_warps[1])
             } else {
-                (&self.k.qmatmuls_narrow, self.narrow_warps[0])
+                (&self.k.qmatmuls_narrow, self.narrow_warps)
             };
             let cfg = LaunchConfig {
                 grid_dim: (ctas as u32, groups as u32, 1),
@@ -467,7 +466,7 @@ mod tests {
 
     #[test]
     fn o_and_down_take_two_row_groups_at_seven_and_eight_rows_but_qkv_keeps_one() {
-        // SmolLM2 on an H200 (132 SMs, 24-warp many-row CTAs): o 576 -> 576 (36 tiles), down 1536 -> 576 (36),
+        // SmolLM2 on an H200 (132 SMs): o 576 -> 576 (36 tiles), down 1536 -> 576 (36),
         // Q/K/V 576 -> 960 (60, RoPE fused), gate/up 576 -> 1536 (96).
         let groups = |tiles, rows, rope| row_groups(tiles, rows, rope, 132, true);
         assert_eq!(groups(36, 8, false), 2);
