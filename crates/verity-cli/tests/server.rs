@@ -787,3 +787,47 @@ fn openai_python_client_suite_passes() {
     );
     assert!(out.status.success(), "{text}");
 }
+
+/// The official `anthropic` client suite against `POST /v1/messages` (skipped, loudly, when Python lacks the
+/// package; CI installs it and sets VERITY_REQUIRE_ANTHROPIC).
+#[test]
+fn anthropic_python_client_suite_passes() {
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/python/test_anthropic.py"
+    );
+    let has_client = Command::new("python3")
+        .args(["-c", "import anthropic"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_client {
+        assert!(
+            std::env::var_os("VERITY_REQUIRE_ANTHROPIC").is_none(),
+            "python3 has no `anthropic` package"
+        );
+        eprintln!(
+            "SKIPPED: python3 has no `anthropic` package (pip install anthropic); .ci/run installs it"
+        );
+        return;
+    }
+    // With a key: the client sends it as x-api-key.
+    let srv = Server::start(&["--api-key", "verity-test"]);
+    let out = Command::new("python3")
+        .args([
+            script,
+            "--base-url",
+            &format!("http://{}", srv.addr),
+            "--model",
+            "smollm2-135m",
+            "--api-key",
+            "verity-test",
+        ])
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+}

@@ -182,18 +182,25 @@ impl Access {
         if req.uri().path() == "/health" {
             return Ok(());
         }
-        let given = req
+        // OpenAI clients send `Authorization: Bearer <key>`, Anthropic clients `x-api-key: <key>`.
+        let bearer = req
             .headers()
             .get(AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.split_once(' '))
             .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
             .map(|(_, token)| token.trim());
+        let given = bearer.or_else(|| {
+            req.headers()
+                .get("x-api-key")
+                .and_then(|v| v.to_str().ok())
+                .map(str::trim)
+        });
         match given {
             Some(token) if same_secret(token.as_bytes(), key) => Ok(()),
             Some(_) => Err(unauthorized("the API key is not valid")),
             None => Err(unauthorized(
-                "this server needs an API key: send Authorization: Bearer <key>",
+                "this server needs an API key: send Authorization: Bearer <key> (or x-api-key: <key>)",
             )),
         }
     }
@@ -248,22 +255,30 @@ pub(crate) async fn enforce(
     req: Request,
     next: Next,
 ) -> Response {
+    // Refusals in the shape of the API the request came for.
+    let messages_api = req.uri().path() == "/v1/messages";
+    let refuse = |e: ApiError| {
+        if messages_api {
+            crate::anthropic::error_response(&e)
+        } else {
+            e.into_response()
+        }
+    };
     if let Err(e) = access.check_host(req.headers(), req.uri()) {
-        return e.into_response();
+        return refuse(e);
     }
     let allowed = match req.headers().get(ORIGIN) {
         None => None,
         Some(origin) => match access.allow_origin(origin) {
             Some(allowed) => Some(allowed),
             None => {
-                return ApiError::new(
+                return refuse(ApiError::new(
                     StatusCode::FORBIDDEN,
                     "invalid_request_error",
                     format!(
                         "cross-origin requests from {origin:?} are not allowed (allow them with --cors-origin)"
                     ),
-                )
-                .into_response()
+                ))
             }
         },
     };
@@ -276,7 +291,7 @@ pub(crate) async fn enforce(
             .and_then(|()| check_content_type(&req))
         {
             Ok(()) => next.run(req).await,
-            Err(e) => e.into_response(),
+            Err(e) => refuse(e),
         },
     };
     if let Some(allowed) = allowed {

@@ -1,13 +1,15 @@
-//! verity's OpenAI-compatible HTTP server (axum + tokio).
+//! verity's HTTP server (axum + tokio), speaking the OpenAI and Anthropic APIs.
 //!
-//! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (both streaming over SSE or not),
-//! `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text), `POST /v1/cache/reset`.
+//! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/messages` (Anthropic; see
+//! [`anthropic`]), each streaming over SSE or not, `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus
+//! text), `POST /v1/cache/reset`.
 //! Requests are validated in [`api`] and run one at a time by the engine thread in [`worker`]; a full queue
 //! answers 503, a disconnected client cancels its generation. Before a request reaches its handler, [`access`]
 //! checks who sends it and [`limits`] reads its body within a deadline; `transport` runs the connections
 //! (timeouts, a connection cap, and JSON bodies for hyper's own protocol errors).
 
 pub mod access;
+pub mod anthropic;
 pub mod api;
 pub mod error;
 pub mod grammar;
@@ -69,6 +71,7 @@ pub fn router<B: Backend>(engine: Engine<B>, model_id: &str, queue: usize) -> Ro
         .route("/metrics", get(metrics_text))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(messages))
         .route("/v1/cache/reset", post(reset_cache))
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
@@ -185,17 +188,40 @@ async fn handle(s: &Arc<AppState>, body: Result<Bytes, BytesRejection>, kind: Ki
     })
 }
 
+/// An Anthropic Messages request: validated as the chat endpoint validates its OpenAI equivalent, answered
+/// in the Messages API's shapes.
+async fn messages(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    s.metrics.requests.fetch_add(1, Relaxed);
+    let r = async {
+        let body = body_bytes(body)?;
+        api::check_model(api::model_field(&body).as_deref(), &s.model_id)?;
+        let (messages, params) = anthropic::parse_messages(&body)?;
+        let stream = params.stream;
+        let (first, rx) = start(&s, Input::Chat(messages), params).await?;
+        let reply = anthropic::Reply {
+            id: format!("msg_{:x}", rand_id()),
+            model: s.model_id.clone(),
+        };
+        Ok(if stream {
+            reply.stream(first, rx).into_response()
+        } else {
+            Json(reply.whole(first, rx).await?).into_response()
+        })
+    }
+    .await;
+    r.unwrap_or_else(|e: ApiError| {
+        s.metrics.errors.fetch_add(1, Relaxed);
+        anthropic::error_response(&e)
+    })
+}
+
 /// Queue the job and wait for its first event: an error before any token is an HTTP error, not a stream.
-async fn generate(
+async fn start(
     s: &Arc<AppState>,
     input: Input,
     params: Params,
-    kind: Kind,
-) -> Result<Response, ApiError> {
+) -> Result<(Event, UnboundedReceiver<Event>), ApiError> {
     let (tx, mut rx) = unbounded_channel();
-    let stream = params.stream;
-    let include_usage = params.include_usage;
-    let want_logprobs = params.logprobs.is_some();
     s.worker.submit(
         Job {
             input,
@@ -211,6 +237,20 @@ async fn generate(
     if let Event::Error(e) = first {
         return Err(e);
     }
+    Ok((first, rx))
+}
+
+/// Run an OpenAI request and render its answer.
+async fn generate(
+    s: &Arc<AppState>,
+    input: Input,
+    params: Params,
+    kind: Kind,
+) -> Result<Response, ApiError> {
+    let stream = params.stream;
+    let include_usage = params.include_usage;
+    let want_logprobs = params.logprobs.is_some();
+    let (first, rx) = start(s, input, params).await?;
     let id = format!(
         "{}-{:x}",
         if kind == Kind::Chat {
@@ -327,6 +367,7 @@ impl Reply {
                     finish_reason,
                     stats,
                     tool_calls,
+                    ..
                 } => {
                     let logprobs = if self.want_logprobs {
                         json!({"content": lps})
@@ -456,6 +497,7 @@ impl Reply {
                 finish_reason,
                 stats,
                 tool_calls,
+                ..
             } => {
                 let mut v = Vec::new();
                 if !tool_calls.is_empty() {

@@ -50,6 +50,8 @@ pub enum Event {
     },
     Done {
         finish_reason: &'static str,
+        /// The stop string that ended the answer, if one did.
+        stop_sequence: Option<String>,
         stats: GenerationStats,
         /// Tool calls parsed from the answer.
         tool_calls: Vec<ToolCall>,
@@ -147,18 +149,20 @@ struct StopScan {
 }
 
 impl StopScan {
-    /// Returns the text that is safe to emit and whether a stop string was reached.
-    fn push(&mut self, text: &str) -> (String, bool) {
+    /// Returns the text that is safe to emit and the stop string reached, if one was (the earliest in the
+    /// text; of two starting there, the first listed).
+    fn push(&mut self, text: &str) -> (String, Option<String>) {
         self.held.push_str(text);
-        if let Some(cut) = self
+        if let Some((cut, stop)) = self
             .stops
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min()
+            .filter_map(|s| Some((self.held.find(s.as_str())?, s)))
+            .min_by_key(|&(at, _)| at)
         {
             let out = self.held[..cut].to_string();
+            let stop = stop.clone();
             self.held.clear();
-            return (out, true);
+            return (out, Some(stop));
         }
         // Keep the longest suffix that is a proper prefix of a stop string.
         let mut keep = 0;
@@ -173,7 +177,7 @@ impl StopScan {
         let emit_to = self.held.len() - keep;
         let out = self.held[..emit_to].to_string();
         self.held.drain(..emit_to);
-        (out, false)
+        (out, None)
     }
 
     fn flush(&mut self) -> String {
@@ -305,7 +309,7 @@ fn run<B: Backend>(
         job.params.tools.is_some(),
     );
     let mut tool_calls = Vec::new();
-    let mut hit_stop = false;
+    let mut hit_stop = None;
     let mut failure = None;
     let events = &job.events;
     let stats = engine
@@ -337,14 +341,15 @@ fn run<B: Backend>(
             if events.send(delta).is_err() {
                 return false; // the client went away: cancel
             }
+            let stopped = stop.is_some();
             hit_stop = stop;
-            !stop
+            !stopped
         })
         .map_err(|e| ApiError::invalid(e.to_string(), None))?;
     if let Some(e) = failure {
         return Err(e);
     }
-    let tail = if hit_stop {
+    let tail = if hit_stop.is_some() {
         String::new()
     } else {
         scan.flush()
@@ -361,7 +366,7 @@ fn run<B: Backend>(
     }
     let finish_reason = match stats.stop {
         StopReason::Stop | StopReason::MaxTokens if !tool_calls.is_empty() => "tool_calls",
-        _ if hit_stop => "stop",
+        _ if hit_stop.is_some() => "stop",
         StopReason::Stop => "stop",
         StopReason::MaxTokens | StopReason::ContextFull => "length",
         StopReason::Cancelled => {
@@ -374,6 +379,7 @@ fn run<B: Backend>(
     metrics.record(&stats);
     let _ = events.send(Event::Done {
         finish_reason,
+        stop_sequence: hit_stop,
         stats,
         tool_calls,
     });
@@ -390,14 +396,26 @@ mod tests {
             stops: vec!["END".into()],
             held: String::new(),
         };
-        assert_eq!(s.push("hello E"), ("hello ".to_string(), false));
-        assert_eq!(s.push("N"), (String::new(), false));
-        assert_eq!(s.push("D more"), (String::new(), true));
+        assert_eq!(s.push("hello E"), ("hello ".to_string(), None));
+        assert_eq!(s.push("N"), (String::new(), None));
+        assert_eq!(s.push("D more"), (String::new(), Some("END".to_string())));
         let mut s = StopScan {
             stops: vec!["END".into()],
             held: String::new(),
         };
-        assert_eq!(s.push("hello E"), ("hello ".to_string(), false));
-        assert_eq!(s.push("x"), ("Ex".to_string(), false));
+        assert_eq!(s.push("hello E"), ("hello ".to_string(), None));
+        assert_eq!(s.push("x"), ("Ex".to_string(), None));
+    }
+
+    #[test]
+    fn the_stop_string_reached_first_is_the_one_reported() {
+        let mut s = StopScan {
+            stops: vec!["two".into(), "one".into(), "on".into()],
+            held: String::new(),
+        };
+        assert_eq!(
+            s.push("zero one two"),
+            ("zero ".to_string(), Some("one".to_string()))
+        );
     }
 }
