@@ -744,33 +744,31 @@ fn web_pages_cannot_drive_the_server_uninvited() {
     assert_eq!(http(addr, "GET", "/v1/models", "").0, 200);
 }
 
-/// The official `openai` client suite (skipped, loudly, when Python lacks the package; CI installs it).
-#[test]
-fn openai_python_client_suite_passes() {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/test_server.py");
-    if !std::path::Path::new(script).exists() {
-        panic!("{script} is missing");
-    }
-    let has_openai = Command::new("python3")
-        .args(["-c", "import openai"])
+/// Run one of the official-client suites (`tests/python/<script>`) against a keyed server; skipped, loudly,
+/// when Python lacks `module`, unless `require` is set (CI installs the clients and sets it).
+fn client_suite_passes(script: &str, module: &str, require: &str) {
+    let script = format!("{}/tests/python/{script}", env!("CARGO_MANIFEST_DIR"));
+    assert!(
+        std::path::Path::new(&script).exists(),
+        "{script} is missing"
+    );
+    let has_client = Command::new("python3")
+        .args(["-c", &format!("import {module}")])
         .status()
         .is_ok_and(|s| s.success());
-    if !has_openai {
-        // CI sets VERITY_REQUIRE_OPENAI so that a missing client fails instead of skipping.
+    if !has_client {
         assert!(
-            std::env::var_os("VERITY_REQUIRE_OPENAI").is_none(),
-            "python3 has no `openai` package"
+            std::env::var_os(require).is_none(),
+            "python3 has no `{module}` package"
         );
-        eprintln!(
-            "SKIPPED: python3 has no `openai` package (pip install openai); .ci/run installs it"
-        );
+        eprintln!("SKIPPED: python3 has no `{module}` package (pip install {module}); .ci/run installs it");
         return;
     }
-    // With a key, so that the official client's own authentication is exercised too.
+    // With a key, so that the client's own authentication is exercised too.
     let srv = Server::start(&["--api-key", "verity-test"]);
     let out = Command::new("python3")
         .args([
-            script,
+            &script,
             "--base-url",
             &format!("http://{}", srv.addr),
             "--model",
@@ -788,46 +786,14 @@ fn openai_python_client_suite_passes() {
     assert!(out.status.success(), "{text}");
 }
 
-/// The official `anthropic` client suite against `POST /v1/messages` (skipped, loudly, when Python lacks the
-/// package; CI installs it and sets VERITY_REQUIRE_ANTHROPIC).
+/// The official `openai` client suite.
+#[test]
+fn openai_python_client_suite_passes() {
+    client_suite_passes("test_server.py", "openai", "VERITY_REQUIRE_OPENAI");
+}
+
+/// The official `anthropic` client suite against `POST /v1/messages` (the client sends the key as x-api-key).
 #[test]
 fn anthropic_python_client_suite_passes() {
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/python/test_anthropic.py"
-    );
-    let has_client = Command::new("python3")
-        .args(["-c", "import anthropic"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !has_client {
-        assert!(
-            std::env::var_os("VERITY_REQUIRE_ANTHROPIC").is_none(),
-            "python3 has no `anthropic` package"
-        );
-        eprintln!(
-            "SKIPPED: python3 has no `anthropic` package (pip install anthropic); .ci/run installs it"
-        );
-        return;
-    }
-    // With a key: the client sends it as x-api-key.
-    let srv = Server::start(&["--api-key", "verity-test"]);
-    let out = Command::new("python3")
-        .args([
-            script,
-            "--base-url",
-            &format!("http://{}", srv.addr),
-            "--model",
-            "smollm2-135m",
-            "--api-key",
-            "verity-test",
-        ])
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "{text}");
+    client_suite_passes("test_anthropic.py", "anthropic", "VERITY_REQUIRE_ANTHROPIC");
 }

@@ -13,21 +13,18 @@
 //! `top_p`, `top_k`, which current clients send through their extra body) and verity's `seed` and
 //! `speculation` are accepted as in the OpenAI API, with its defaults.
 
-use std::convert::Infallible;
-
 use axum::http::StatusCode;
-use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
-use tokio_stream::wrappers::UnboundedReceiverStream;
 use verity::chat::{Message, ToolCall};
 use verity::engine::GenerationStats;
 
 use crate::api::{self, Params};
 use crate::error::ApiError;
+use crate::events::{Events, SseBody};
 use crate::worker::Event;
 
 /// A Messages request, as far as verity reads it; any other field is refused rather than ignored.
@@ -369,22 +366,10 @@ pub struct Reply {
 
 impl Reply {
     /// The whole answer as one message.
-    pub async fn whole(
-        &self,
-        first: Event,
-        mut rx: UnboundedReceiver<Event>,
-    ) -> Result<Value, ApiError> {
+    pub async fn whole(&self, mut events: Events) -> Result<Value, ApiError> {
         let (mut text, mut thinking) = (String::new(), String::new());
-        let mut next = Some(first);
         loop {
-            let ev = match next.take() {
-                Some(e) => e,
-                None => rx
-                    .recv()
-                    .await
-                    .ok_or_else(|| ApiError::internal("the engine dropped the request"))?,
-            };
-            match ev {
+            match events.next().await? {
                 Event::Delta {
                     text: t,
                     reasoning: r,
@@ -429,44 +414,14 @@ impl Reply {
     }
 
     /// The answer as the Messages stream: `message_start`, each content block's `content_block_start`,
-    /// deltas and `content_block_stop`, then `message_delta` (stop reason, usage) and `message_stop`. A
-    /// forwarding task owns the engine's receiver, so a client that goes away cancels the generation.
-    pub fn stream(
-        self,
-        first: Event,
-        mut rx: UnboundedReceiver<Event>,
-    ) -> Sse<UnboundedReceiverStream<Result<SseEvent, Infallible>>> {
-        let (out, sse_rx) = unbounded_channel::<Result<SseEvent, Infallible>>();
-        tokio::spawn(async move {
-            let mut blocks = Blocks::default();
-            let start = json!({"type": "message_start", "message": {
-                "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                "stop_reason": null, "stop_sequence": null,
-                "usage": {"input_tokens": 0, "output_tokens": 0}}});
-            if out.send(Ok(event(&start))).is_err() {
-                return;
-            }
-            let mut next = Some(first);
-            loop {
-                let ev = match next.take() {
-                    Some(e) => e,
-                    None => match rx.recv().await {
-                        Some(e) => e,
-                        None => return,
-                    },
-                };
-                let (events, last) = self.render(&mut blocks, ev);
-                for e in events {
-                    if out.send(Ok(e)).is_err() {
-                        return; // client gone: dropping `rx` cancels the generation
-                    }
-                }
-                if last {
-                    return;
-                }
-            }
-        });
-        Sse::new(UnboundedReceiverStream::new(sse_rx))
+    /// deltas and `content_block_stop`, then `message_delta` (stop reason, usage) and `message_stop`.
+    pub fn stream(self, events: Events) -> SseBody {
+        let start = json!({"type": "message_start", "message": {
+            "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+            "stop_reason": null, "stop_sequence": null,
+            "usage": {"input_tokens": 0, "output_tokens": 0}}});
+        let mut blocks = Blocks::default();
+        events.into_sse(vec![event(&start)], move |ev| self.render(&mut blocks, ev))
     }
 
     fn render(&self, blocks: &mut Blocks, ev: Event) -> (Vec<SseEvent>, bool) {

@@ -12,13 +12,13 @@ pub mod access;
 pub mod anthropic;
 pub mod api;
 pub mod error;
+mod events;
 pub mod grammar;
 pub mod limits;
 pub mod metrics;
 mod transport;
 pub mod worker;
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -29,19 +29,19 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::StatusCode;
 use axum::middleware;
-use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
-use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio::sync::mpsc::unbounded_channel;
 use verity::backend::Backend;
 use verity::engine::{Engine, GenerationStats};
 
 use access::Access;
 use api::Params;
 use error::ApiError;
+use events::{Events, SseBody};
 use limits::Limits;
 use metrics::Metrics;
 use worker::{Event, Input, Job, TokenLogprob, Worker};
@@ -197,15 +197,15 @@ async fn messages(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejec
         api::check_model(api::model_field(&body).as_deref(), &s.model_id)?;
         let (messages, params) = anthropic::parse_messages(&body)?;
         let stream = params.stream;
-        let (first, rx) = start(&s, Input::Chat(messages), params).await?;
+        let events = start(&s, Input::Chat(messages), params).await?;
         let reply = anthropic::Reply {
             id: format!("msg_{:x}", rand_id()),
             model: s.model_id.clone(),
         };
         Ok(if stream {
-            reply.stream(first, rx).into_response()
+            reply.stream(events).into_response()
         } else {
-            Json(reply.whole(first, rx).await?).into_response()
+            Json(reply.whole(events).await?).into_response()
         })
     }
     .await;
@@ -216,11 +216,7 @@ async fn messages(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejec
 }
 
 /// Queue the job and wait for its first event: an error before any token is an HTTP error, not a stream.
-async fn start(
-    s: &Arc<AppState>,
-    input: Input,
-    params: Params,
-) -> Result<(Event, UnboundedReceiver<Event>), ApiError> {
+async fn start(s: &Arc<AppState>, input: Input, params: Params) -> Result<Events, ApiError> {
     let (tx, mut rx) = unbounded_channel();
     s.worker.submit(
         Job {
@@ -237,7 +233,7 @@ async fn start(
     if let Event::Error(e) = first {
         return Err(e);
     }
-    Ok((first, rx))
+    Ok(Events::new(first, rx))
 }
 
 /// Run an OpenAI request and render its answer.
@@ -250,7 +246,7 @@ async fn generate(
     let stream = params.stream;
     let include_usage = params.include_usage;
     let want_logprobs = params.logprobs.is_some();
-    let (first, rx) = start(s, input, params).await?;
+    let events = start(s, input, params).await?;
     let id = format!(
         "{}-{:x}",
         if kind == Kind::Chat {
@@ -268,9 +264,9 @@ async fn generate(
         want_logprobs,
     };
     if stream {
-        Ok(ctx.stream(first, rx, include_usage).into_response())
+        Ok(ctx.stream(events, include_usage).into_response())
     } else {
-        ctx.whole(first, rx).await.map(|v| Json(v).into_response())
+        ctx.whole(events).await.map(|v| Json(v).into_response())
     }
 }
 
@@ -333,24 +329,12 @@ fn logprob_json(lp: &TokenLogprob) -> Value {
 }
 
 impl Reply {
-    async fn whole(
-        &self,
-        first: Event,
-        mut rx: UnboundedReceiver<Event>,
-    ) -> Result<Value, ApiError> {
+    async fn whole(&self, mut events: Events) -> Result<Value, ApiError> {
         let mut text = String::new();
         let mut reasoning = String::new();
         let mut lps = Vec::new();
-        let mut next = Some(first);
         loop {
-            let ev = match next.take() {
-                Some(e) => e,
-                None => rx
-                    .recv()
-                    .await
-                    .ok_or_else(|| ApiError::internal("the engine dropped the request"))?,
-            };
-            match ev {
+            match events.next().await? {
                 Event::Delta {
                     text: t,
                     reasoning: r,
@@ -420,44 +404,14 @@ impl Reply {
         SseEvent::default().data(v.to_string())
     }
 
-    /// Turn engine events into SSE chunks. A forwarding task owns the engine's receiver: when the client goes
-    /// away the SSE stream is dropped, the forwarder's sends fail, it drops the receiver, and the engine's next
-    /// send fails, which cancels the generation.
-    fn stream(
-        self,
-        first: Event,
-        mut rx: UnboundedReceiver<Event>,
-        include_usage: bool,
-    ) -> Sse<UnboundedReceiverStream<Result<SseEvent, Infallible>>> {
-        let (out, sse_rx) = unbounded_channel::<Result<SseEvent, Infallible>>();
-        tokio::spawn(async move {
-            if self.kind == Kind::Chat {
-                let role = json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
-                if out.send(Ok(self.chunk(role, None))).is_err() {
-                    return;
-                }
-            }
-            let mut next = Some(first);
-            loop {
-                let ev = match next.take() {
-                    Some(e) => e,
-                    None => match rx.recv().await {
-                        Some(e) => e,
-                        None => return,
-                    },
-                };
-                let (chunks, last) = self.render(ev, include_usage);
-                for c in chunks {
-                    if out.send(Ok(c)).is_err() {
-                        return; // client gone: dropping `rx` cancels the generation
-                    }
-                }
-                if last {
-                    return;
-                }
-            }
-        });
-        Sse::new(UnboundedReceiverStream::new(sse_rx))
+    /// The answer as SSE chunks (a first chunk with the assistant role, for chat).
+    fn stream(self, events: Events, include_usage: bool) -> SseBody {
+        let mut opening = Vec::new();
+        if self.kind == Kind::Chat {
+            let role = json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
+            opening.push(self.chunk(role, None));
+        }
+        events.into_sse(opening, move |ev| self.render(ev, include_usage))
     }
 
     /// The SSE events for one engine event, and whether it ends the stream.
