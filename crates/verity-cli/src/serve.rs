@@ -61,6 +61,10 @@ pub struct Args {
     /// Connections served at once; more are answered 503.
     #[arg(long, default_value_t = Limits::default().max_connections)]
     max_connections: usize,
+    /// On Ctrl-C or SIGTERM: seconds the generation in progress may take to finish before it is cancelled
+    /// (new and queued requests are refused at once).
+    #[arg(long, default_value_t = 10.0)]
+    shutdown_grace_s: f64,
 }
 
 /// More connections than any file-descriptor limit allows.
@@ -118,11 +122,16 @@ pub fn main(a: Args, device: Device, threads: usize) -> Result<()> {
     // Refuse a bad bind or limit before loading anything.
     let limits = a.limits()?;
     let (addrs, access) = a.access()?;
+    let g = a.shutdown_grace_s;
+    if !(g.is_finite() && (0.0..=86_400.0).contains(&g)) {
+        bail!("--shutdown-grace-s must be a number of seconds in [0, 86400], not {g}");
+    }
     let checked = Checked {
         args: a,
         limits,
         addrs,
         access,
+        shutdown_grace: Duration::from_secs_f64(g),
     };
     with_backend(device, threads, checked)
 }
@@ -133,6 +142,7 @@ struct Checked {
     limits: Limits,
     addrs: Vec<SocketAddr>,
     access: Access,
+    shutdown_grace: Duration,
 }
 
 impl WithBackend for Checked {
@@ -156,12 +166,18 @@ fn serve<B: Backend>(c: Checked, backend: Arc<B>) -> Result<()> {
             .file_stem()
             .map_or(a.model.clone(), |s| s.to_string_lossy().into_owned())
     };
-    let router = verity_server::router(engine, &model_id, a.queue.max(1));
+    let app = verity_server::app(engine, &model_id, a.queue.max(1));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    rt.block_on(verity_server::serve(router, &c.addrs, c.limits, c.access))
-        .with_context(|| format!("serving on {}:{}", a.host, a.port))
+    rt.block_on(verity_server::serve(
+        app,
+        &c.addrs,
+        c.limits,
+        c.access,
+        c.shutdown_grace,
+    ))
+    .with_context(|| format!("serving on {}:{}", a.host, a.port))
 }

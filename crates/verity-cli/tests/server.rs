@@ -250,21 +250,27 @@ fn serves_chat_and_rejects_bad_input_with_openai_errors() {
     assert_eq!(http(&srv.addr, "GET", "/health", "").0, 200);
 }
 
-#[test]
-fn a_disconnected_stream_is_cancelled_and_a_full_queue_answers_503() {
-    let srv = Server::start(&["--queue", "1"]);
-    // Start a long stream, read a little, hang up.
-    let mut s = TcpStream::connect(&srv.addr).unwrap();
+/// A streaming request for a 4000-token story, its response begun (the status line read).
+fn long_stream(addr: &str) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     let body = chat_body(
         "Write a very long story about the sea.",
         4000,
         r#","stream":true,"speculation":"off""#,
     );
     write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
-    let mut buf = [0u8; 2048];
-    let n = s.read(&mut buf).unwrap();
-    assert!(String::from_utf8_lossy(&buf[..n]).contains("200"));
-    drop(s);
+    let mut first = [0u8; 512];
+    let n = s.read(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).contains("200"));
+    s
+}
+
+#[test]
+fn a_disconnected_stream_is_cancelled_and_a_full_queue_answers_503() {
+    let srv = Server::start(&["--queue", "1"]);
+    // Start a long stream, read a little, hang up.
+    drop(long_stream(&srv.addr));
     // The engine must be free again soon: a short request completes well before 4000 tokens could.
     let t = Instant::now();
     let (st, body) = http(
@@ -305,6 +311,84 @@ fn a_disconnected_stream_is_cancelled_and_a_full_queue_answers_503() {
     assert_eq!(st, 503, "{body}");
     assert_eq!(a.join().unwrap(), 200);
     assert_eq!(b.join().unwrap(), 200);
+}
+
+/// Send SIGTERM to the server and wait (up to `patience`) for it to exit; returns whether it exited cleanly.
+#[cfg(unix)]
+fn terminate(srv: &mut Server, patience: Duration) -> bool {
+    let pid = srv.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let t = Instant::now();
+    while t.elapsed() < patience {
+        if let Some(status) = srv.child.try_wait().unwrap() {
+            return status.success();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("the server did not exit within {patience:?} of SIGTERM");
+}
+
+#[cfg(unix)]
+#[test]
+fn sigterm_lets_the_request_in_progress_finish_then_exits() {
+    let mut srv = Server::start(&["--shutdown-grace-s", "60"]);
+    let addr = srv.addr.clone();
+    let body = chat_body(
+        "Write a very long story about the sea.",
+        300,
+        r#","speculation":"off""#,
+    );
+    let running = std::thread::spawn(move || http(&addr, "POST", "/v1/chat/completions", &body));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !running.is_finished(),
+        "the request ended before the signal"
+    );
+    assert!(terminate(&mut srv, Duration::from_secs(60)));
+    let (st, body) = running.join().unwrap();
+    assert_eq!(st, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{body}");
+    assert_eq!(v["usage"]["completion_tokens"], 300, "{body}");
+    assert!(
+        TcpStream::connect(&srv.addr).is_err(),
+        "the server still accepts connections"
+    );
+}
+
+#[cfg(unix)]
+#[test]
+fn past_the_shutdown_grace_the_generation_is_cancelled_and_queued_requests_get_503() {
+    let mut srv = Server::start(&["--shutdown-grace-s", "0.5"]);
+    // A long stream in progress, and a request waiting behind it.
+    let mut s = long_stream(&srv.addr);
+    let addr = srv.addr.clone();
+    let queued = std::thread::spawn(move || {
+        http(
+            &addr,
+            "POST",
+            "/v1/chat/completions",
+            &chat_body("Say hi.", 4, ""),
+        )
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    assert!(terminate(&mut srv, Duration::from_secs(30)));
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "a 4000-token generation was not cut at the grace"
+    );
+    let mut rest = String::new();
+    let _ = s.read_to_string(&mut rest);
+    assert!(rest.contains(r#""finish_reason":"cancelled""#), "{rest}");
+    assert!(rest.contains("data: [DONE]"), "{rest}");
+    let (st, body) = queued.join().unwrap();
+    assert_eq!(st, 503, "{body}");
+    assert!(body.contains("server_shutting_down"), "{body}");
 }
 
 #[test]

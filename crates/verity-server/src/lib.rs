@@ -56,16 +56,23 @@ pub struct AppState {
     created: u64,
 }
 
-/// Build the router around an engine; `queue` is how many requests may wait.
-pub fn router<B: Backend>(engine: Engine<B>, model_id: &str, queue: usize) -> Router {
+/// The server around an engine: its routes, and its engine thread's handle (for shutting down).
+pub struct App {
+    pub router: Router,
+    worker: Worker,
+}
+
+/// Build the server around an engine; `queue` is how many requests may wait.
+pub fn app<B: Backend>(engine: Engine<B>, model_id: &str, queue: usize) -> App {
     let metrics = Arc::new(Metrics::default());
+    let worker = Worker::start(engine, queue, metrics.clone());
     let state = Arc::new(AppState {
         model_id: model_id.to_string(),
-        worker: Worker::start(engine, queue, metrics.clone()),
+        worker: worker.clone(),
         metrics,
         created: now(),
     });
-    Router::new()
+    let router = Router::new()
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics_text))
@@ -84,21 +91,39 @@ pub fn router<B: Backend>(engine: Engine<B>, model_id: &str, queue: usize) -> Ro
             )
         })
         .layer(DefaultBodyLimit::max(MAX_BODY))
-        .with_state(state)
+        .with_state(state);
+    App { router, worker }
 }
 
-/// Serve `router` on `addrs` (the first that binds) until Ctrl-C, then let the requests in progress finish.
-/// Prints the bound address (useful with port 0) on stdout.
+/// Serve `app` on `addrs` (the first that binds) until Ctrl-C or SIGTERM; then stop accepting connections,
+/// answer queued requests 503, give the generation in progress up to `grace` to finish (it is cancelled after
+/// that, its answer ending as `cancelled`), and return once every connection has closed. Prints the bound
+/// address (useful with port 0) on stdout.
 pub async fn serve(
-    router: Router,
+    app: App,
     addrs: &[SocketAddr],
     limits: Limits,
     access: Access,
+    grace: std::time::Duration,
 ) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(addrs).await?;
     println!("listening on http://{}", listener.local_addr()?);
+    let worker = app.worker;
+    let shutdown = async move {
+        shutdown_signal().await;
+        eprintln!(
+            "shutting down: new requests are refused; the one in progress has {} s to finish",
+            grace.as_secs_f32()
+        );
+        worker.drain();
+        tokio::spawn(async move {
+            tokio::time::sleep(grace).await;
+            worker.cancel_in_flight();
+        });
+    };
     // The last layer added runs first: access is checked before the body is read.
-    let app = router
+    let app = app
+        .router
         .layer(middleware::from_fn_with_state(
             limits,
             limits::bounded_request,
@@ -107,10 +132,30 @@ pub async fn serve(
             Arc::new(access),
             access::enforce,
         ));
-    transport::run(listener, app, limits, async {
+    transport::run(listener, app, limits, shutdown).await
+}
+
+/// Ctrl-C, or (on Unix) SIGTERM, which service managers and container runtimes send.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
         let _ = tokio::signal::ctrl_c().await;
-    })
-    .await
+    }
 }
 
 fn now() -> u64 {

@@ -6,6 +6,7 @@
 //! 503 when it is full. The worker keeps one session, so a follow-up turn of the last conversation reuses its
 //! cached prefix. A request is cancelled as soon as its client goes away (its event channel closes).
 
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Arc;
 
@@ -69,6 +70,24 @@ enum Task {
 #[derive(Clone)]
 pub struct Worker {
     queue: SyncSender<Task>,
+    shutdown: Arc<Shutdown>,
+}
+
+/// How far a shutdown has gone: draining (no new requests; queued ones answered 503 as the engine reaches
+/// them) and then cancelling (the generation in progress stops at its next token, its answer ending as
+/// `cancelled`).
+#[derive(Default)]
+struct Shutdown {
+    draining: AtomicBool,
+    cancelling: AtomicBool,
+}
+
+fn shutting_down() -> ApiError {
+    ApiError::new(
+        axum::http::StatusCode::SERVICE_UNAVAILABLE,
+        "server_shutting_down",
+        "the server is shutting down",
+    )
 }
 
 impl Worker {
@@ -79,6 +98,8 @@ impl Worker {
         metrics: Arc<Metrics>,
     ) -> Self {
         let (tx, rx) = sync_channel::<Task>(capacity);
+        let shutdown = Arc::new(Shutdown::default());
+        let flags = shutdown.clone();
         std::thread::Builder::new()
             .name("verity-engine".into())
             .spawn(move || {
@@ -101,18 +122,47 @@ impl Worker {
                     if job.events.is_closed() {
                         continue; // the client left while queued
                     }
+                    if flags.draining.load(Relaxed) {
+                        let _ = job.events.send(Event::Error(shutting_down()));
+                        continue;
+                    }
                     let events = job.events.clone();
-                    if let Err(e) = run(&mut engine, &mut session, &mut grammars, job, &metrics) {
+                    let cancel = &flags.cancelling;
+                    if let Err(e) = run(
+                        &mut engine,
+                        &mut session,
+                        &mut grammars,
+                        job,
+                        cancel,
+                        &metrics,
+                    ) {
                         let _ = events.send(Event::Error(e));
                     }
                 }
             })
             .expect("spawning the engine thread");
-        Worker { queue: tx }
+        Worker {
+            queue: tx,
+            shutdown,
+        }
     }
 
     pub fn submit(&self, job: Job, metrics: &Metrics) -> Result<(), ApiError> {
+        if self.shutdown.draining.load(Relaxed) {
+            return Err(shutting_down());
+        }
         self.send(Task::Generate(Box::new(job)), metrics)
+    }
+
+    /// The first phase of a shutdown: no new requests, and the queued ones are answered 503; the one in
+    /// progress goes on.
+    pub fn drain(&self) {
+        self.shutdown.draining.store(true, Relaxed);
+    }
+
+    /// The second phase: the generation in progress stops at its next token.
+    pub fn cancel_in_flight(&self) {
+        self.shutdown.cancelling.store(true, Relaxed);
     }
 
     /// Forget the cached conversation; runs after the requests already queued.
@@ -239,6 +289,7 @@ fn run<B: Backend>(
     session: &mut verity::engine::Session<B>,
     grammars: &mut Option<Grammars>,
     job: Job,
+    cancel: &AtomicBool,
     metrics: &Metrics,
 ) -> Result<(), ApiError> {
     let (prompt, boundary, opens_reasoning) = match &job.input {
@@ -338,8 +389,8 @@ fn run<B: Backend>(
                 reasoning: split.reasoning,
                 logprob,
             };
-            if events.send(delta).is_err() {
-                return false; // the client went away: cancel
+            if events.send(delta).is_err() || cancel.load(Relaxed) {
+                return false; // the client went away, or the server is shutting down: cancel
             }
             let stopped = stop.is_some();
             hit_stop = stop;
