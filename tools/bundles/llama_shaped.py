@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Llama-shaped model bundles with random weights, for speed tables at real model sizes.
+"""Llama-shaped (and Gemma-3-shaped) model bundles with random weights, for speed tables at real model sizes.
 
 Decode speed depends on a model's shapes and weight format, not on its weight values, so a bundle of the
 right shape filled with random numbers measures what the real model would. Anyone can rebuild these
@@ -12,7 +12,9 @@ bundles from this script and a small GGUF that lends its tokenizer; no multi-gig
         --out /tmp/bundles/smollm2-tokenizer.gguf          # 2 MB: what --tokenizer needs, for carrying
 
 Shapes (layers, d_model, ffn, heads, kv heads, head dim): tiny 2/256/512/4/2/64 (quick tests),
-135m 30/576/1536/9/3/64 (SmolLM2-135M's, where its real weights cannot be carried), 1b 16/2048/8192/32/8/64, 3b 28/3072/8192/24/8/128, 8b 32/4096/14336/32/8/128 (the Llama 3.2 1B/3B and
+135m 30/576/1536/9/3/64 (SmolLM2-135M's, where its real weights cannot be carried), gemma3-270m
+18/640/2048/4/1/256 (Gemma 3 270M's, GGUF only: architecture gemma3, Q/K norms and post-norms, tied embeddings,
+local layers with a 512-token window, RoPE base 1e6, RMS epsilon 1e-6; pass its tokenizer), 1b 16/2048/8192/32/8/64, 3b 28/3072/8192/24/8/128, 8b 32/4096/14336/32/8/128 (the Llama 3.2 1B/3B and
 Llama 3.1 8B shapes). RoPE base 500000, RMS epsilon 1e-5, context 8192 (--context). The output matrix is
 untied from the embedding. The vocabulary, and so the embedding and output shapes, are the tokenizer's.
 
@@ -55,12 +57,15 @@ from gguf import GGMLQuantizationType as QT
 SHAPES = {  # layers, d_model, ffn, heads, kv_heads, head_dim
     "tiny": (2, 256, 512, 4, 2, 64),
     "135m": (30, 576, 1536, 9, 3, 64),
+    "gemma3-270m": (18, 640, 2048, 4, 1, 256),
     "1b": (16, 2048, 8192, 32, 8, 64),
     "3b": (28, 3072, 8192, 24, 8, 128),
     "8b": (32, 4096, 14336, 32, 8, 128),
 }
 ROPE_THETA = 500000.0
 RMS_EPS = 1e-5
+# Gemma 3's: the global layers' RoPE base, its RMS epsilon, the local layers' window.
+GEMMA3 = {"rope_theta": 1e6, "rms_eps": 1e-6, "sliding_window": 512}
 STD = 0.02
 ROWS_PER_CHUNK = 1024  # generation granularity: bounds the float32 scratch for a large vocabulary
 
@@ -226,8 +231,9 @@ def write_gguf(args, shape, tok, vocab: int, zero_rows: set[int]) -> None:
             cache[rows, cols] = random_matrix(rows, cols, args.seed, encode)
         return cache[rows, cols]
 
-    w = gguf.GGUFWriter(args.out, "llama")
-    w.add_name(f"random llama-shaped {args.shape}")
+    gemma = args.shape.startswith("gemma3")
+    w = gguf.GGUFWriter(args.out, "gemma3" if gemma else "llama")
+    w.add_name(f"random {args.shape}-shaped")
     w.add_block_count(n_layers)
     w.add_context_length(args.context)
     w.add_embedding_length(d)
@@ -236,10 +242,15 @@ def write_gguf(args, shape, tok, vocab: int, zero_rows: set[int]) -> None:
     w.add_head_count_kv(kv)
     w.add_key_length(hd)
     w.add_value_length(hd)
-    w.add_rope_dimension_count(hd)
-    w.add_rope_freq_base(ROPE_THETA)
-    w.add_layer_norm_rms_eps(RMS_EPS)
-    w.add_vocab_size(vocab)
+    if gemma:
+        w.add_rope_freq_base(GEMMA3["rope_theta"])
+        w.add_layer_norm_rms_eps(GEMMA3["rms_eps"])
+        w.add_uint32("gemma3.attention.sliding_window", GEMMA3["sliding_window"])
+    else:
+        w.add_rope_dimension_count(hd)
+        w.add_rope_freq_base(ROPE_THETA)
+        w.add_layer_norm_rms_eps(RMS_EPS)
+        w.add_vocab_size(vocab)
     w.add_file_type(ftype)
     if qtype != QT.F16:
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -249,14 +260,23 @@ def write_gguf(args, shape, tok, vocab: int, zero_rows: set[int]) -> None:
     # The writer keeps references, not copies: a matrix shared by every layer is held once.
     raw = None if qtype == QT.F16 else qtype
     ones = np.ones(d, dtype=np.float32)
-    w.add_tensor("token_embd.weight", matrix(vocab, d), raw_dtype=raw)
+    # Gemma ties the output to the embedding, so the embedding carries the zero rows.
+    embedding = random_matrix(vocab, d, args.seed, encode, zero_rows) if gemma else matrix(vocab, d)
+    w.add_tensor("token_embd.weight", embedding, raw_dtype=raw)
     for layer in range(n_layers):
         w.add_tensor(f"blk.{layer}.attn_norm.weight", ones)
         w.add_tensor(f"blk.{layer}.ffn_norm.weight", ones)
+        if gemma:
+            head_ones = np.ones(hd, dtype=np.float32)
+            w.add_tensor(f"blk.{layer}.attn_q_norm.weight", head_ones)
+            w.add_tensor(f"blk.{layer}.attn_k_norm.weight", head_ones)
+            w.add_tensor(f"blk.{layer}.post_attention_norm.weight", ones)
+            w.add_tensor(f"blk.{layer}.post_ffw_norm.weight", ones)
         for suffix, _, rows, cols in layer_shapes(shape):
             w.add_tensor(f"blk.{layer}.{suffix}.weight", matrix(rows, cols), raw_dtype=raw)
     w.add_tensor("output_norm.weight", ones)
-    w.add_tensor("output.weight", random_matrix(vocab, d, args.seed, encode, zero_rows), raw_dtype=raw)
+    if not gemma:
+        w.add_tensor("output.weight", random_matrix(vocab, d, args.seed, encode, zero_rows), raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -391,6 +411,8 @@ def main() -> None:
         log(f"wrote {args.out} (the tokenizer of {args.tokenizer})")
         return
     shape = SHAPES[args.shape]
+    if args.shape.startswith("gemma3") and args.format in MLX_BITS:
+        ap.error("the Gemma 3 shape is written as GGUF only")
     vocab = len(tok["tokenizer.ggml.tokens"][0])
     zero_rows = control_ids(tok)
 
