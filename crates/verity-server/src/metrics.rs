@@ -17,6 +17,13 @@ pub struct Metrics {
     pub rejected: AtomicU64,
     pub cancelled: AtomicU64,
     pub queue_depth: AtomicI64,
+    /// Generations running now (one at most: requests run one at a time).
+    pub active: AtomicI64,
+    /// Bytes of K/V the engine's conversation cache holds, and the prefix cache's RAM checkpoints and their
+    /// bytes, as of the last request's end.
+    pub kv_bytes: AtomicU64,
+    pub prefix_entries: AtomicU64,
+    pub prefix_bytes: AtomicU64,
     inner: Mutex<Inner>,
 }
 
@@ -109,6 +116,29 @@ impl Metrics {
             o,
             "verity_queue_depth {}",
             self.queue_depth.load(Relaxed).max(0)
+        );
+        let mut gauge = |name: &str, help: &str, v: String| {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        };
+        gauge(
+            "verity_active_generations",
+            "Generations running now.",
+            self.active.load(Relaxed).max(0).to_string(),
+        );
+        gauge(
+            "verity_kv_cache_bytes",
+            "Bytes of K/V held by the conversation cache (as of the last request's end).",
+            self.kv_bytes.load(Relaxed).to_string(),
+        );
+        gauge(
+            "verity_prefix_cache_ram_entries",
+            "Prefix-cache checkpoints held in RAM.",
+            self.prefix_entries.load(Relaxed).to_string(),
+        );
+        gauge(
+            "verity_prefix_cache_ram_bytes",
+            "Bytes of the prefix-cache checkpoints held in RAM.",
+            self.prefix_bytes.load(Relaxed).to_string(),
         );
         let tps = if m.decode_s > 0.0 {
             m.completion_tokens as f64 / m.decode_s

@@ -128,14 +128,23 @@ impl Worker {
                     }
                     let events = job.events.clone();
                     let cancel = &flags.cancelling;
-                    if let Err(e) = run(
+                    metrics.active.store(1, Relaxed);
+                    let result = run(
                         &mut engine,
                         &mut session,
                         &mut grammars,
                         job,
                         cancel,
                         &metrics,
-                    ) {
+                    );
+                    metrics.active.store(0, Relaxed);
+                    let (entries, bytes) = engine.prefix_cache_ram();
+                    metrics
+                        .kv_bytes
+                        .store(session.cache.bytes() as u64, Relaxed);
+                    metrics.prefix_entries.store(entries as u64, Relaxed);
+                    metrics.prefix_bytes.store(bytes as u64, Relaxed);
+                    if let Err(e) = result {
                         let _ = events.send(Event::Error(e));
                     }
                 }

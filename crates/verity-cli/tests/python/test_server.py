@@ -29,7 +29,8 @@ Covered (the contract of `verity serve`):
     route "ar" for "off".
   * Prefix cache: multi-turn reuse (cached_tokens > 0), POST /v1/cache/reset.
   * POST /v1/completions (legacy), non-streaming and streaming.
-  * GET /metrics: Prometheus text with the required verity_* series, counters move.
+  * GET /metrics: Prometheus text with the required verity_* series, counters move, the gauges of active
+    generations, K/V bytes and prefix-cache checkpoints.
   * Structured output: response_format json_object and json_schema (llguidance
     grammar; streamed too), tools with tool_choice auto, required and a named
     function (grammar-forced calls parsed into `tool_calls`, finish_reason
@@ -502,6 +503,12 @@ class TestService(ServerTestCase):
         self.assertGreaterEqual(metric_sum(samples, "verity_completion_tokens_total"),
                                 metric_sum(old, "verity_completion_tokens_total") + 4,
                                 "verity_completion_tokens_total did not count 4 tokens")
+        # Gauges: nothing runs between requests; the conversation's K/V and the prefix cache's checkpoints are
+        # held after one.
+        self.assertEqual(metric_sum(samples, "verity_active_generations"), 0)
+        self.assertGreater(metric_sum(samples, "verity_kv_cache_bytes"), 0)
+        self.assertGreaterEqual(metric_sum(samples, "verity_prefix_cache_ram_entries"), 1)
+        self.assertGreater(metric_sum(samples, "verity_prefix_cache_ram_bytes"), 0)
 
 
 # --------------------------------------------------------------------------

@@ -49,6 +49,11 @@ impl PrefixTiers {
         })
     }
 
+    /// The RAM tier's checkpoints and their bytes.
+    pub fn ram_usage(&self) -> (usize, usize) {
+        (self.ram.len(), self.ram.bytes())
+    }
+
     /// Whether either tier keeps checkpoints.
     pub fn enabled(&self) -> bool {
         self.ram.budget() > 0 || self.disk.is_some()

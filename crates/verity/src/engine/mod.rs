@@ -117,6 +117,11 @@ impl<B: Backend> Engine<B> {
         self.prefix.set_disk(None);
     }
 
+    /// The prefix cache's RAM tier: checkpoints held and their bytes.
+    pub fn prefix_cache_ram(&self) -> (usize, usize) {
+        self.prefix.ram_usage()
+    }
+
     /// The disk tier, if one is set, once every checkpoint handed to it has been written.
     pub fn prefix_disk(&self) -> Option<std::sync::MutexGuard<'_, DiskTier>> {
         self.prefix.disk()
