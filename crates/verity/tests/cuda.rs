@@ -41,6 +41,7 @@ const CUDA_BUNDLES: &[&str] = &[
     "mlx-llama-q8-g128",
     "gemma3-f16",
     "gemma3-gguf",
+    "qwen3-moe-f16",
     "llama-rope-llama3",
     "llama-rope-llama3-gguf",
     "gemma3-rope-linear",

@@ -179,6 +179,30 @@ fn assert_same(ar: &Run, other: &Run, label: &str) {
     );
 }
 
+/// AR's run of `req` on `prompt`, then one run per proposer of `kinds` drafting from AR's own output (so that
+/// right, wrong and partly right drafts all occur), each asserted equal to AR's; returns those runs.
+fn against_adversaries(
+    e: &mut Engine<CpuBackend>,
+    prompt: &[u32],
+    req: &GenerateRequest,
+    kinds: &[Adversary],
+    label: &str,
+) -> Vec<(Adversary, Run)> {
+    let vocab = e.model.hp.vocab;
+    e.set_proposer(None);
+    let base = run(e, prompt, req, None);
+    let oracle: Vec<u32> = prompt.iter().chain(&base.tokens).copied().collect();
+    kinds
+        .iter()
+        .map(|kind| {
+            e.set_proposer(Some(scripted(kind.clone(), &oracle, vocab)));
+            let r = run(e, prompt, req, None);
+            assert_same(&base, &r, &format!("{label} {kind:?}"));
+            (kind.clone(), r)
+        })
+        .collect()
+}
+
 fn no_eos(max_tokens: usize) -> GenerateRequest {
     GenerateRequest {
         ignore_eos: true,
@@ -244,25 +268,18 @@ fn every_route_reproduces_ar_greedy_output_on_smollm2_over_256_tokens() {
 fn adversarial_proposers_never_change_smollm2_greedy_output_or_cache() {
     let path = smollm2();
     let mut e = Engine::load(&path, backend(), &SpecMode::Off).unwrap();
-    let vocab = e.model.hp.vocab;
     let prompt = e
         .chat_prompt(&[Message::new("user", "Explain what a prime number is.")])
         .unwrap();
-    let req = no_eos(64);
-    e.set_proposer(None);
-    let base = run(&mut e, &prompt, &req, None);
-    let oracle: Vec<u32> = prompt.iter().chain(&base.tokens).copied().collect();
-    for kind in [
+    let kinds = [
         Adversary::AlwaysRight,
         Adversary::AlwaysWrong,
         Adversary::RightThenWrong(3),
         Adversary::Random(5),
         Adversary::Tree(5),
         Adversary::Tree(6),
-    ] {
-        e.set_proposer(Some(scripted(kind.clone(), &oracle, vocab)));
-        let r = run(&mut e, &prompt, &req, None);
-        assert_same(&base, &r, &format!("{kind:?}"));
+    ];
+    for (kind, r) in against_adversaries(&mut e, &prompt, &no_eos(64), &kinds, "smollm2") {
         if let Adversary::AlwaysRight = kind {
             // How wide the controller drafts depends on this machine's measured verify costs; that every draft
             // is kept and cycles carry several tokens each does not.
@@ -414,6 +431,24 @@ fn adversarial_proposers_never_change_smollm2_sampled_output_or_cache() {
                 assert!(r.stats.cycles < 48 / 2, "{} cycles", r.stats.cycles);
             }
         }
+    }
+}
+
+/// A mixture of experts under every kind of proposer (verifies whose rows route to different experts, rollbacks
+/// after wrong drafts, trees), greedy and sampled: the tokens and the cache equal AR's.
+#[test]
+fn adversarial_proposers_never_change_mixture_of_experts_output_or_cache() {
+    let mut e = Engine::load(&hf_bundle("qwen3-moe-f16"), backend(), &SpecMode::Off).unwrap();
+    let prompt: Vec<u32> = (3..40).collect();
+    let kinds = [
+        Adversary::AlwaysRight,
+        Adversary::AlwaysWrong,
+        Adversary::RightThenWrong(3),
+        Adversary::Random(11),
+        Adversary::Tree(12),
+    ];
+    for req in [no_eos(40), sampled(40, 0.8, 5)] {
+        against_adversaries(&mut e, &prompt, &req, &kinds, "qwen3-moe");
     }
 }
 

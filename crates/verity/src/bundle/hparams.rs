@@ -64,6 +64,21 @@ pub struct BlockStyle {
     pub attention_scale: Option<f32>,
     /// Local (sliding-window) attention layers, where the model has them.
     pub sliding: Option<SlidingWindow>,
+    /// Sparse mixture-of-experts MLPs, where the model has them.
+    pub moe: Option<Moe>,
+}
+
+/// A mixture-of-experts MLP (Qwen3-MoE): a router scores `experts` gated MLPs of `ffn` hidden units per token,
+/// the `top_k` best run, and their outputs are summed weighted by the router's softmax (renormalized over the
+/// chosen ones when `norm_top_k`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Moe {
+    pub experts: usize,
+    pub top_k: usize,
+    pub ffn: usize,
+    pub norm_top_k: bool,
+    /// Per layer: whether its MLP is the mixture (the others are dense, of `ffn_hidden` units).
+    pub sparse: Vec<bool>,
 }
 
 /// Local attention: a layer marked local attends to the `window` latest positions only (its own included) and
@@ -134,6 +149,23 @@ impl HParams {
             || self.vocab > 1 << 24
         {
             return bad(format!("sizes out of range in {self:?}"));
+        }
+        if let Some(m) = &self.block.moe {
+            if m.experts == 0
+                || m.experts > 1024
+                || m.top_k == 0
+                || m.top_k > m.experts
+                || m.ffn == 0
+            {
+                return bad(format!("mixture of experts {m:?}"));
+            }
+            if m.sparse.len() != self.n_layers {
+                return bad(format!(
+                    "{} layers but {} sparse flags",
+                    self.n_layers,
+                    m.sparse.len()
+                ));
+            }
         }
         // Written so that NaN fails too; an infinite base would make every rotation angle 0 or NaN.
         let in_range = self.rms_eps > 0.0
@@ -295,13 +327,19 @@ impl HParams {
         let arch = match cfg.model_type.as_deref() {
             Some("llama") | Some("mistral") => Arch::Llama,
             Some("qwen2") => Arch::Qwen2,
-            Some("qwen3") => Arch::Qwen3,
+            Some("qwen3") | Some("qwen3_moe") => Arch::Qwen3,
             Some("gemma3_text") => Arch::Gemma3,
             other => {
                 return Err(Error::Unsupported(format!(
-                    "config.json model_type {other:?} (verity runs llama, mistral, qwen2, qwen3, gemma3_text)"
+                    "config.json model_type {other:?} (verity runs llama, mistral, qwen2, qwen3, qwen3_moe, \
+                     gemma3_text)"
                 )))
             }
+        };
+        let moe = if cfg.model_type.as_deref() == Some("qwen3_moe") {
+            Some(hf_moe(cfg)?)
+        } else {
+            None
         };
         if arch == Arch::Gemma3 {
             return Self::from_hf_gemma3(cfg);
@@ -364,6 +402,7 @@ impl HParams {
             context_len: cfg.max_position_embeddings.unwrap_or(DEFAULT_CONTEXT),
             block: BlockStyle {
                 sliding: hf_sliding_window(cfg, rope_theta.unwrap_or(10000.0) as f32)?,
+                moe,
                 ..BlockStyle::default()
             },
         };
@@ -654,6 +693,43 @@ fn hf_rope_scaling(
 }
 
 /// Gemma 3's blocks: GeGLU, post-norms, embeddings scaled by √hidden, local layers of `window` positions.
+/// A `qwen3_moe` config's mixture: which layers are sparse (transformers' rule: not in `mlp_only_layers`, and
+/// every `decoder_sparse_step`-th layer), how many experts, how many per token, their size.
+fn hf_moe(cfg: &HfConfig) -> Result<Moe> {
+    let missing = |k: &str| Error::Invalid(format!("config.json: a qwen3_moe model needs {k}"));
+    let experts = cfg
+        .num_experts
+        .or(cfg.num_local_experts)
+        .ok_or_else(|| missing("num_experts"))?;
+    let top_k = cfg
+        .num_experts_per_tok
+        .ok_or_else(|| missing("num_experts_per_tok"))?;
+    let ffn = cfg
+        .moe_intermediate_size
+        .ok_or_else(|| missing("moe_intermediate_size"))?;
+    if cfg.shared_expert_intermediate_size.is_some_and(|s| s > 0) {
+        return Err(Error::Unsupported(
+            "config.json: shared experts (Qwen2-MoE style) are not supported".into(),
+        ));
+    }
+    if experts == 0 || top_k == 0 || top_k > experts {
+        return Err(Error::Invalid(format!(
+            "config.json: {top_k} experts per token of {experts}"
+        )));
+    }
+    let step = cfg.decoder_sparse_step.unwrap_or(1).max(1);
+    let dense = cfg.mlp_only_layers.clone().unwrap_or_default();
+    Ok(Moe {
+        experts,
+        top_k,
+        ffn,
+        norm_top_k: cfg.norm_topk_prob.unwrap_or(false),
+        sparse: (0..cfg.num_hidden_layers)
+            .map(|l| !dense.contains(&l) && (l + 1) % step == 0)
+            .collect(),
+    })
+}
+
 fn gemma3_block(
     window: usize,
     local_theta: f32,
@@ -671,6 +747,7 @@ fn gemma3_block(
             rope_theta: local_theta,
             local,
         }),
+        moe: None,
     }
 }
 
@@ -748,9 +825,63 @@ pub struct HfConfig {
     #[serde(rename = "_sliding_window_pattern")]
     pub sliding_window_pattern_legacy: Option<usize>,
     pub final_logit_softcapping: Option<f64>,
+    // Qwen3-MoE (`num_experts` in published configs, `num_local_experts` as transformers 5 writes it).
+    pub num_experts: Option<usize>,
+    pub num_local_experts: Option<usize>,
+    pub num_experts_per_tok: Option<usize>,
+    pub moe_intermediate_size: Option<usize>,
+    pub norm_topk_prob: Option<bool>,
+    pub decoder_sparse_step: Option<usize>,
+    pub mlp_only_layers: Option<Vec<usize>>,
+    pub shared_expert_intermediate_size: Option<usize>,
     pub attn_logit_softcapping: Option<f64>,
     pub use_bidirectional_attention: Option<bool>,
     /// Qwen2/Qwen3: whether layers from `max_window_layers` on attend to a sliding window.
     pub use_sliding_window: Option<bool>,
     pub max_window_layers: Option<usize>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn moe_config(extra: serde_json::Value) -> Result<HParams> {
+        let mut cfg = serde_json::json!({
+            "model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 320,
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            cfg[k] = v.clone();
+        }
+        HParams::from_hf(&serde_json::from_value(cfg).unwrap())
+    }
+
+    #[test]
+    fn qwen3_moe_layers_are_sparse_as_transformers_decides() {
+        let hp = moe_config(serde_json::json!({"decoder_sparse_step": 2, "mlp_only_layers": [3]}))
+            .unwrap();
+        let m = hp.block.moe.unwrap();
+        assert_eq!((m.experts, m.top_k, m.ffn, m.norm_top_k), (8, 2, 32, false));
+        // Every second layer (1, 3, 5), but not layer 3.
+        assert_eq!(m.sparse, vec![false, true, false, false, false, true]);
+        assert!(hp.qk_norm);
+        // transformers 5 writes `num_local_experts`.
+        let v5 = serde_json::json!({"num_experts": null, "num_local_experts": 4, "norm_topk_prob": true});
+        let m = moe_config(v5).unwrap().block.moe.unwrap();
+        assert_eq!((m.experts, m.norm_top_k), (4, true));
+    }
+
+    #[test]
+    fn an_incomplete_or_foreign_mixture_is_refused() {
+        let err = |extra| moe_config(extra).unwrap_err().to_string();
+        assert!(
+            err(serde_json::json!({"num_experts_per_tok": null})).contains("num_experts_per_tok")
+        );
+        assert!(err(serde_json::json!({"num_experts_per_tok": 9})).contains("9 experts per token"));
+        assert!(
+            err(serde_json::json!({"shared_expert_intermediate_size": 64}))
+                .contains("shared experts")
+        );
+    }
 }

@@ -26,6 +26,12 @@ pub enum TensorKey {
     Gate(usize),
     Up(usize),
     Down(usize),
+    /// A mixture-of-experts layer's router (one row per expert).
+    Router(usize),
+    /// Expert `e`'s gate, up and down projections in layer `l`: (l, e).
+    ExpertGate(usize, usize),
+    ExpertUp(usize, usize),
+    ExpertDown(usize, usize),
 }
 
 impl TensorKey {
@@ -52,6 +58,12 @@ impl TensorKey {
             Gate(l) => format!("blk.{l}.ffn_gate.weight"),
             Up(l) => format!("blk.{l}.ffn_up.weight"),
             Down(l) => format!("blk.{l}.ffn_down.weight"),
+            Router(l) => format!("blk.{l}.ffn_gate_inp.weight"),
+            // llama.cpp stacks the experts into one 3-D tensor per projection, which verity does not read:
+            // its GGUF loader refuses MoE architectures before any expert is looked up.
+            ExpertGate(l, e) => format!("blk.{l}.ffn_gate_exps.weight[{e}]"),
+            ExpertUp(l, e) => format!("blk.{l}.ffn_up_exps.weight[{e}]"),
+            ExpertDown(l, e) => format!("blk.{l}.ffn_down_exps.weight[{e}]"),
         }
     }
 
@@ -62,7 +74,8 @@ impl TensorKey {
             TokenEmbedding | OutputNorm | Output => None,
             AttnNorm(l) | Q(l) | K(l) | V(l) | O(l) | QBias(l) | KBias(l) | VBias(l) | QNorm(l)
             | KNorm(l) | FfnNorm(l) | AttnPostNorm(l) | FfnPostNorm(l) | Gate(l) | Up(l)
-            | Down(l) => Some(l),
+            | Down(l) | Router(l) => Some(l),
+            ExpertGate(l, _) | ExpertUp(l, _) | ExpertDown(l, _) => Some(l),
         }
     }
 
@@ -85,6 +98,8 @@ impl TensorKey {
             Gate(_) => "mlp.gate_proj",
             Up(_) => "mlp.up_proj",
             Down(_) => "mlp.down_proj",
+            Router(_) => "mlp.gate",
+            ExpertGate(..) | ExpertUp(..) | ExpertDown(..) => return None,
         })
     }
 
@@ -92,6 +107,13 @@ impl TensorKey {
     /// `.scales`/`.biases`). Gemma calls its norm before the MLP `pre_feedforward_layernorm` and gives Llama's
     /// name for it to the norm after attention.
     pub fn hf_module(self, arch: Arch) -> String {
+        let expert = |l: usize, e: usize, p: &str| format!("model.layers.{l}.mlp.experts.{e}.{p}");
+        match self {
+            TensorKey::ExpertGate(l, e) => return expert(l, e, "gate_proj"),
+            TensorKey::ExpertUp(l, e) => return expert(l, e, "up_proj"),
+            TensorKey::ExpertDown(l, e) => return expert(l, e, "down_proj"),
+            _ => {}
+        }
         let module = match (arch, self) {
             (Arch::Gemma3, TensorKey::FfnNorm(_)) => Some("pre_feedforward_layernorm"),
             _ => self.hf_layer_module(),

@@ -23,9 +23,21 @@ pub(super) struct Layer<B: Backend> {
     ffn_norm: B::Buffer,
     /// Gemma: the norms of the attention and MLP outputs.
     post_norms: Option<[B::Buffer; 2]>,
-    gate: B::Matrix,
-    up: B::Matrix,
-    down: B::Matrix,
+    mlp: Mlp<B>,
+}
+
+/// A layer's MLP: one gated MLP, or a mixture of experts.
+enum Mlp<B: Backend> {
+    Dense {
+        gate: B::Matrix,
+        up: B::Matrix,
+        down: B::Matrix,
+    },
+    /// A router (a row per expert) and each expert's gate, up and down projections.
+    Experts {
+        router: B::Matrix,
+        experts: Vec<[B::Matrix; 3]>,
+    },
 }
 
 /// Activation buffers for up to `rows` rows, reused across forwards.
@@ -42,6 +54,9 @@ pub(super) struct Scratch<B: Backend> {
     pub(super) tmp: B::Buffer,
     pub(super) attn: B::Buffer,
     pub(super) act: B::Buffer,
+    /// A mixture's router logits (rows × experts) and the rows gathered for one expert.
+    pub(super) router: B::Buffer,
+    pub(super) gathered: B::Buffer,
     pub(super) logits: B::Buffer,
     /// Each row's argmax, as exact f32 ([`LogitRows::Greedy`]).
     pub(super) greedy: B::Buffer,
@@ -97,7 +112,10 @@ impl<B: Backend> Model<B> {
             Ok(be.upload(&bundle.vector(key, len)?))
         };
         let layers = (0..hp.n_layers)
-            .map(|l| Layer::load(&hp, l, &mut mat, &mut vec))
+            .map(|l| {
+                let sparse = hp.block.moe.as_ref().is_some_and(|m| m.sparse[l]);
+                Layer::load(&hp, l, sparse, &mut mat, &mut vec)
+            })
             .collect::<Result<Vec<_>>>()?;
         let output_norm = be.upload(&bundle.vector(TensorKey::OutputNorm, h)?);
         if matches!(hp.arch, Arch::Qwen3 | Arch::Gemma3) && !hp.qk_norm {
@@ -318,9 +336,13 @@ impl<B: Backend> Model<B> {
             final_hidden,
             hidden_layers,
         );
-        run_recorded(be, rows, key, &mut || {
-            self.encode(cache, rows, logit_rows, final_hidden, hidden_layers, s)
-        });
+        let mut work = || self.encode(cache, rows, logit_rows, final_hidden, hidden_layers, s);
+        if self.hp.block.moe.is_some() {
+            // A mixture routes on the host mid-forward, which a recording cannot hold.
+            work();
+        } else {
+            run_recorded(be, rows, key, &mut work);
+        }
         if !hidden_layers.is_empty() {
             let states = be.download(&s.states, hidden_layers.len() * rows * h);
             out.hidden = hidden_layers
@@ -443,10 +465,30 @@ pub(super) fn layer_rope(hp: &HParams, l: usize) -> Rope {
     }
 }
 
+/// A row's experts and their weights from its router logits: the softmax's `top_k` largest (the lower index
+/// first among equals), in decreasing order, renormalized to sum to 1 when `norm`.
+fn route(logits: &[f32], top_k: usize, norm: bool) -> Vec<(usize, f32)> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exp: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
+    let total: f32 = exp.iter().sum();
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| exp[b].total_cmp(&exp[a]).then(a.cmp(&b)));
+    let chosen: Vec<(usize, f32)> = order[..top_k]
+        .iter()
+        .map(|&e| (e, exp[e] / total))
+        .collect();
+    if !norm {
+        return chosen;
+    }
+    let sum: f32 = chosen.iter().map(|c| c.1).sum();
+    chosen.into_iter().map(|(e, p)| (e, p / sum)).collect()
+}
+
 impl<B: Backend> Scratch<B> {
     /// Buffers for up to `rows` rows (rounded up to a power of two) and `vocab` logits per row.
     pub(super) fn new(be: &B, hp: &HParams, rows: usize, vocab: usize) -> Self {
         let rows = rows.next_power_of_two();
+        let moe = hp.block.moe.as_ref();
         let qd = hp.n_heads * hp.head_dim;
         let kvd = hp.n_kv_heads * hp.head_dim;
         Scratch {
@@ -460,7 +502,9 @@ impl<B: Backend> Scratch<B> {
             v: be.buffer(rows * kvd),
             tmp: be.buffer(rows * qd.max(hp.hidden)),
             attn: be.buffer(rows * qd),
-            act: be.buffer(rows * hp.ffn_hidden),
+            act: be.buffer(rows * hp.ffn_hidden.max(moe.map_or(0, |m| m.ffn))),
+            router: be.buffer(rows * moe.map_or(1, |m| m.experts)),
+            gathered: be.buffer(if moe.is_some() { rows * hp.hidden } else { 1 }),
             logits: be.buffer(rows * vocab),
             greedy: be.buffer(rows),
             states: be.buffer(rows * hp.hidden * MAX_STATE_LAYERS),
@@ -470,9 +514,11 @@ impl<B: Backend> Scratch<B> {
 
 impl<B: Backend> Layer<B> {
     /// Load layer `l` through `mat(key, rows, cols)` and `vec(key, len)`, which resolve the tensor names.
+    /// Load layer `l` (with a mixture-of-experts MLP when `sparse`).
     pub(super) fn load(
         hp: &HParams,
         l: usize,
+        sparse: bool,
         mat: &mut impl FnMut(TensorKey, usize, usize) -> Result<B::Matrix>,
         vec: &mut impl FnMut(TensorKey, usize) -> Result<B::Buffer>,
     ) -> Result<Self> {
@@ -514,9 +560,25 @@ impl<B: Backend> Layer<B> {
             } else {
                 None
             },
-            gate: mat(TensorKey::Gate(l), f, h)?,
-            up: mat(TensorKey::Up(l), f, h)?,
-            down: mat(TensorKey::Down(l), h, f)?,
+            mlp: match hp.block.moe.as_ref().filter(|_| sparse) {
+                Some(m) => Mlp::Experts {
+                    router: mat(TensorKey::Router(l), m.experts, h)?,
+                    experts: (0..m.experts)
+                        .map(|e| {
+                            Ok([
+                                mat(TensorKey::ExpertGate(l, e), m.ffn, h)?,
+                                mat(TensorKey::ExpertUp(l, e), m.ffn, h)?,
+                                mat(TensorKey::ExpertDown(l, e), h, m.ffn)?,
+                            ])
+                        })
+                        .collect::<Result<_>>()?,
+                },
+                None => Mlp::Dense {
+                    gate: mat(TensorKey::Gate(l), f, h)?,
+                    up: mat(TensorKey::Up(l), f, h)?,
+                    down: mat(TensorKey::Down(l), h, f)?,
+                },
+            },
         })
     }
 
@@ -558,16 +620,87 @@ impl<B: Backend> Layer<B> {
             &mut s.attn,
         );
         self.add_output(be, hp, &self.o, &s.attn, 0, rows, &mut s.tmp, &mut s.x);
-        be.glu_matmul(
-            &s.x,
-            Some((&self.ffn_norm, hp.rms_eps)),
-            rows,
-            &self.gate,
-            &self.up,
-            hp.block.glu,
-            &mut s.act,
-        );
-        self.add_output(be, hp, &self.down, &s.act, 1, rows, &mut s.tmp, &mut s.x);
+        match &self.mlp {
+            Mlp::Dense { gate, up, down } => {
+                be.glu_matmul(
+                    &s.x,
+                    Some((&self.ffn_norm, hp.rms_eps)),
+                    rows,
+                    gate,
+                    up,
+                    hp.block.glu,
+                    &mut s.act,
+                );
+                self.add_output(be, hp, down, &s.act, 1, rows, &mut s.tmp, &mut s.x);
+            }
+            Mlp::Experts { router, experts } => {
+                self.experts(be, hp, router, experts, s, rows);
+            }
+        }
+    }
+
+    /// The mixture of experts over `rows` rows of `s.x`, added to it. The router's logits come back to the host,
+    /// which picks each row's experts and weights (softmax, top k, renormalized if the model says so); each
+    /// expert then runs once over the rows that chose it, gathered, and each row's outputs are summed in the
+    /// order of its choices. Every row's arithmetic is its own — the projections are row-exact and the host
+    /// work is per row — so a row's result is bitwise the same whatever rows share the forward and whichever
+    /// experts they chose. (The host round trips keep such forwards from being recorded; see `run`.)
+    fn experts(
+        &self,
+        be: &B,
+        hp: &HParams,
+        router: &B::Matrix,
+        experts: &[[B::Matrix; 3]],
+        s: &mut Scratch<B>,
+        rows: usize,
+    ) {
+        let m = hp
+            .block
+            .moe
+            .as_ref()
+            .expect("a sparse layer's model has a mixture");
+        let h = hp.hidden;
+        be.rms_norm(&s.x, &self.ffn_norm, rows, h, hp.rms_eps, &mut s.xn);
+        be.matmul(router, &s.xn, rows, &mut s.router);
+        let logits = be.download(&s.router, rows * m.experts);
+        let choices: Vec<Vec<(usize, f32)>> = logits
+            .chunks_exact(m.experts)
+            .map(|l| route(l, m.top_k, m.norm_top_k))
+            .collect();
+        let xn = be.download(&s.xn, rows * h);
+        // outs[(row * top_k + choice) * h ..]: a row's expert outputs in the order of its choices.
+        let mut outs = vec![0f32; rows * m.top_k * h];
+        for (e, [gate, up, down]) in experts.iter().enumerate() {
+            let mine: Vec<(usize, usize)> = (0..rows)
+                .flat_map(|r| choices[r].iter().position(|&(x, _)| x == e).map(|k| (r, k)))
+                .collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let gathered: Vec<f32> = mine
+                .iter()
+                .flat_map(|&(r, _)| xn[r * h..(r + 1) * h].iter().copied())
+                .collect();
+            be.write(&mut s.gathered, &gathered);
+            let n = mine.len();
+            be.glu_matmul(&s.gathered, None, n, gate, up, hp.block.glu, &mut s.act);
+            be.matmul(down, &s.act, n, &mut s.tmp);
+            let y = be.download(&s.tmp, n * h);
+            for (i, &(r, k)) in mine.iter().enumerate() {
+                outs[(r * m.top_k + k) * h..][..h].copy_from_slice(&y[i * h..(i + 1) * h]);
+            }
+        }
+        let mut x = be.download(&s.x, rows * h);
+        for (r, xr) in x.chunks_exact_mut(h).enumerate() {
+            for (j, v) in xr.iter_mut().enumerate() {
+                let mut acc = 0f32;
+                for (k, &(_, w)) in choices[r].iter().enumerate() {
+                    acc += w * outs[(r * m.top_k + k) * h + j];
+                }
+                *v += acc;
+            }
+        }
+        be.write(&mut s.x, &x);
     }
 
     /// `x += w · input`, through the layer's post-norm `which` (0 attention, 1 MLP) where it has them; `tmp`
@@ -673,5 +806,25 @@ impl<B: Backend> Layer<B> {
         be.rope_and_cache(
             &mut s.q, &mut s.k, &s.v, k_cache, v_cache, shape, rope, &s.step,
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::route;
+
+    #[test]
+    fn a_row_takes_its_top_k_experts_by_softmax_weight_lower_index_first_among_equals() {
+        let logits = [0.0, 2.0, 1.0, 2.0];
+        let chosen = route(&logits, 2, false);
+        assert_eq!(chosen.iter().map(|c| c.0).collect::<Vec<_>>(), vec![1, 3]);
+        let total: f32 = logits.iter().map(|&l| (l - 2.0f32).exp()).sum();
+        assert_eq!(chosen[0].1, 1.0 / total);
+        // Renormalized over the chosen two: equal logits, equal halves.
+        let norm = route(&logits, 2, true);
+        assert_eq!((norm[0].1, norm[1].1), (0.5, 0.5));
+        let three = route(&logits, 3, true);
+        assert_eq!(three.iter().map(|c| c.0).collect::<Vec<_>>(), vec![1, 3, 2]);
+        assert!((three.iter().map(|c| c.1).sum::<f32>() - 1.0).abs() < 1e-6);
     }
 }

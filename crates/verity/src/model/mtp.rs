@@ -150,7 +150,7 @@ impl<B: Backend> MtpHead<B> {
             let mut mat = |key: TensorKey, rows: usize, cols: usize| load(&name(key), rows, cols);
             let mut vec =
                 |key: TensorKey, len: usize| Ok(be.upload(&st_vector(tensors, &name(key), len)?));
-            blocks.push(Layer::load(&hp, 0, &mut mat, &mut vec)?);
+            blocks.push(Layer::load(&hp, 0, false, &mut mat, &mut vec)?);
         }
         let vector =
             |name: &str| -> Result<B::Buffer> { Ok(be.upload(&st_vector(tensors, name, h)?)) };

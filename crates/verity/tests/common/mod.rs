@@ -29,6 +29,7 @@ pub const HF_BUNDLES: &[&str] = &[
     "mlx-llama-q4-g64",
     "mlx-llama-q8-g128",
     "gemma3-f16",
+    "qwen3-moe-f16",
     "gemma3-gguf",
     "llama-rope-llama3",
     "llama-rope-llama3-gguf",
