@@ -42,6 +42,7 @@ const CUDA_BUNDLES: &[&str] = &[
     "gemma3-f16",
     "gemma3-gguf",
     "qwen3-moe-f16",
+    "qwen3-moe-gguf",
     "llama-rope-llama3",
     "llama-rope-llama3-gguf",
     "gemma3-rope-linear",

@@ -111,19 +111,20 @@ fn safetensors_verify_rows_are_bitwise_equal_to_single_steps() {
     }
 }
 
-/// A mixture of experts (8 experts, 2 per token): the rows of a 16-row verify route to different experts (with
-/// random weights every row picks its own pair), each expert runs once over the rows that chose it, and every row
-/// still gets bitwise its 1-row logits, on the 8-bit and the f32 paths.
+/// A mixture of experts (8 experts, 2 per token; safetensors, and a GGUF with stacked experts): the rows of a
+/// 16-row verify route to different experts (with random weights every row picks its own pair), each expert runs
+/// once over the rows that chose it, and every row still gets bitwise its 1-row logits, on the 8-bit and the
+/// f32 paths.
 #[test]
 fn mixture_of_experts_verify_rows_are_bitwise_equal_to_single_steps() {
-    let dir = hf_bundle("qwen3-moe-f16");
-    let tokens = ids(&json(&dir.join("reference.json"))["token_ids"]);
-    for (be, label) in [
-        (backend(), "qwen3-moe 8-bit"),
-        (f32_backend(), "qwen3-moe f32"),
-    ] {
-        let mut model = load_model_on(&dir, be);
-        assert_row_exact(&mut model, &tokens[..16], &tokens[16..32], label);
+    for name in ["qwen3-moe-f16", "qwen3-moe-gguf"] {
+        let dir = hf_bundle(name);
+        let tokens = ids(&json(&dir.join("reference.json"))["token_ids"]);
+        for (be, path) in [(backend(), "8-bit"), (f32_backend(), "f32")] {
+            let mut model = load_model_on(&dir, be);
+            let label = format!("{name} {path}");
+            assert_row_exact(&mut model, &tokens[..16], &tokens[16..32], &label);
+        }
     }
 }
 

@@ -149,6 +149,13 @@ impl GgufFile {
         self.file.slice(t.range.clone())
     }
 
+    /// Bytes `part` of tensor `t`'s data (a slice of a stacked tensor: one expert's matrix).
+    pub fn tensor_part(&self, t: &GgufTensor, part: std::ops::Range<usize>) -> Bytes {
+        assert!(part.end <= t.range.len(), "a part inside the tensor");
+        self.file
+            .slice(t.range.start + part.start..t.range.start + part.end)
+    }
+
     pub fn file_len(&self) -> usize {
         self.file.len()
     }

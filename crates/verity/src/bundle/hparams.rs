@@ -215,13 +215,13 @@ impl HParams {
         let (arch, rope_style) = match arch_name.as_str() {
             "llama" => (Arch::Llama, RopeStyle::Interleaved),
             "qwen2" => (Arch::Qwen2, RopeStyle::HalfSplit),
-            "qwen3" => (Arch::Qwen3, RopeStyle::HalfSplit),
+            "qwen3" | "qwen3moe" => (Arch::Qwen3, RopeStyle::HalfSplit),
             "gemma3" => (Arch::Gemma3, RopeStyle::HalfSplit),
             other => {
                 return Err(Error::Unsupported(format!(
-                    "{}: architecture {other:?} (verity runs llama, qwen2, qwen3, gemma3)",
-                    g.path.display()
-                )))
+                "{}: architecture {other:?} (verity runs llama, qwen2, qwen3, qwen3moe, gemma3)",
+                g.path.display()
+            )))
             }
         };
         let key = |k: &str| format!("{arch_name}.{k}");
@@ -297,6 +297,27 @@ impl HParams {
                     hidden,
                 )
             }
+            _ if arch_name == "qwen3moe" => {
+                let experts = int("expert_count")?;
+                let ffn = int("expert_feed_forward_length")?;
+                BlockStyle {
+                    moe: Some(Moe {
+                        experts,
+                        top_k: int("expert_used_count")?,
+                        ffn,
+                        // llama.cpp renormalizes Qwen3-MoE's top-k weights unless told otherwise.
+                        norm_top_k: g
+                            .get(&key("expert_weights_norm"))
+                            .and_then(|v| v.as_bool())
+                            .unwrap_or(true),
+                        // A layer is sparse where it has a router.
+                        sparse: (0..n_layers)
+                            .map(|l| g.tensor(&format!("blk.{l}.ffn_gate_inp.weight")).is_some())
+                            .collect(),
+                    }),
+                    ..BlockStyle::default()
+                }
+            }
             _ => BlockStyle::default(),
         };
         let hp = HParams {
@@ -306,7 +327,12 @@ impl HParams {
             n_heads,
             n_kv_heads,
             head_dim,
-            ffn_hidden: int("feed_forward_length")?,
+            // A mixture of experts alone may name no dense size.
+            ffn_hidden: match (int("feed_forward_length"), &block.moe) {
+                (Ok(f), _) => f,
+                (Err(_), Some(m)) => m.ffn,
+                (Err(e), None) => return Err(e),
+            },
             vocab,
             rms_eps: float("attention.layer_norm_rms_epsilon", 1e-5)?,
             rope_theta,

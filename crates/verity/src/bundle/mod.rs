@@ -242,6 +242,22 @@ impl Bundle {
                 let t = g
                     .tensor(&name)
                     .ok_or_else(|| Error::tensor(&name, "missing from the GGUF file"))?;
+                if let Some(e) = key.expert() {
+                    // One expert's [rows, cols] matrix out of the stacked [experts, rows, cols] tensor.
+                    if t.dims.len() != 3 || t.dims[0] != cols || t.dims[1] != rows || t.dims[2] <= e
+                    {
+                        return Err(Error::tensor(
+                            &name,
+                            format!(
+                                "shape {:?} (GGML order), expected [{cols}, {rows}, > {e}]",
+                                t.dims
+                            ),
+                        ));
+                    }
+                    let bytes = t.ty.row_bytes(cols).map_or(0, |b| b * rows);
+                    let part = g.tensor_part(t, e * bytes..(e + 1) * bytes);
+                    return QMatrix::ggml(&format!("{name}[{e}]"), t.ty, rows, cols, part);
+                }
                 if t.dims.len() != 2 || t.dims[0] != cols || t.dims[1] != rows {
                     return Err(Error::tensor(
                         &name,

@@ -59,11 +59,20 @@ impl TensorKey {
             Up(l) => format!("blk.{l}.ffn_up.weight"),
             Down(l) => format!("blk.{l}.ffn_down.weight"),
             Router(l) => format!("blk.{l}.ffn_gate_inp.weight"),
-            // llama.cpp stacks the experts into one 3-D tensor per projection, which verity does not read:
-            // its GGUF loader refuses MoE architectures before any expert is looked up.
-            ExpertGate(l, e) => format!("blk.{l}.ffn_gate_exps.weight[{e}]"),
-            ExpertUp(l, e) => format!("blk.{l}.ffn_up_exps.weight[{e}]"),
-            ExpertDown(l, e) => format!("blk.{l}.ffn_down_exps.weight[{e}]"),
+            // llama.cpp stacks each projection's experts into one 3-D tensor ([`TensorKey::expert`] picks one).
+            ExpertGate(l, _) => format!("blk.{l}.ffn_gate_exps.weight"),
+            ExpertUp(l, _) => format!("blk.{l}.ffn_up_exps.weight"),
+            ExpertDown(l, _) => format!("blk.{l}.ffn_down_exps.weight"),
+        }
+    }
+
+    /// The expert of an expert's projection (its index in the GGUF's stacked tensor).
+    pub fn expert(self) -> Option<usize> {
+        match self {
+            TensorKey::ExpertGate(_, e)
+            | TensorKey::ExpertUp(_, e)
+            | TensorKey::ExpertDown(_, e) => Some(e),
+            _ => None,
         }
     }
 

@@ -30,6 +30,7 @@ pub const HF_BUNDLES: &[&str] = &[
     "mlx-llama-q8-g128",
     "gemma3-f16",
     "qwen3-moe-f16",
+    "qwen3-moe-gguf",
     "gemma3-gguf",
     "llama-rope-llama3",
     "llama-rope-llama3-gguf",
