@@ -39,6 +39,21 @@ pub fn main(a: Args) -> Result<()> {
         }
         println!("block         {}", parts.join("; "));
     }
+    if let Some(m) = &block.moe {
+        let sparse = m.sparse.iter().filter(|&&s| s).count();
+        println!(
+            "experts       {} of {} per token, {} units each ({}), in {sparse} of {} layers",
+            m.top_k,
+            m.experts,
+            m.ffn,
+            if m.norm_top_k {
+                "weights renormalized"
+            } else {
+                "softmax weights"
+            },
+            hp.n_layers
+        );
+    }
     if let Some(s) = &block.sliding {
         let local = s.local.iter().filter(|&&l| l).count();
         println!(

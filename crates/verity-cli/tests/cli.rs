@@ -272,6 +272,19 @@ fn inspect_names_mlx_quantization_per_tensor_kind() {
     );
 }
 
+#[test]
+fn inspect_describes_a_mixture_of_experts_from_either_format() {
+    for name in ["qwen3-moe-f16", "qwen3-moe-gguf"] {
+        let out = verity(&["inspect", fixture(name).to_str().unwrap()]);
+        let s = text(&out.stdout);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert!(
+            s.contains("experts       2 of 8 per token, 32 units each (weights renormalized), in 2 of 3 layers"),
+            "{name}: {s}"
+        );
+    }
+}
+
 /// The width and height in a PNG's IHDR chunk (the first chunk, right after the signature).
 fn png_size(path: &Path) -> (u32, u32) {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
