@@ -86,6 +86,54 @@ fn a_displaced_conversation_restores_from_the_prefix_cache_and_answers_like_a_co
     }
 }
 
+/// A mixture of experts (the tiny Qwen3-MoE bundles, safetensors and GGUF): a displaced conversation's next turn
+/// restores its checkpoint and answers exactly like a cold run.
+#[test]
+fn a_mixture_of_experts_conversation_restores_like_a_cold_run() {
+    // Token prompts (the tiny tokenizer's template marks no turn boundary): each turn stores a checkpoint at
+    // the end of its prompt and after its answer.
+    let raw_turn = |e: &mut Engine<CpuBackend>, sess: &mut Session<CpuBackend>, prompt: &[u32]| {
+        let req = GenerateRequest {
+            constraint: None,
+            store_prefix: Some(prompt.len()),
+            ..GenerateRequest::greedy(16)
+        };
+        let mut ids = Vec::new();
+        let stats = e
+            .generate(sess, prompt, &req, |_, t| {
+                ids.push(t.id);
+                true
+            })
+            .unwrap();
+        (ids, stats.restored_tokens)
+    };
+    for name in ["qwen3-moe-f16", "qwen3-moe-gguf"] {
+        let path = hf_bundle(name);
+        let mut e = Engine::load(&path, backend(), &SpecMode::Off).unwrap();
+        e.set_prefix_cache_budget(64 << 20);
+        let mut sess = e.new_session();
+        let first: Vec<u32> = (10..40).collect();
+        let (answer, _) = raw_turn(&mut e, &mut sess, &first);
+        raw_turn(&mut e, &mut sess, &(50..70).collect::<Vec<u32>>());
+        let next: Vec<u32> = first
+            .iter()
+            .chain(&answer)
+            .chain(&[80, 81, 82])
+            .copied()
+            .collect();
+        let (warm, restored) = raw_turn(&mut e, &mut sess, &next);
+        assert!(restored >= first.len(), "{name}: restored {restored}");
+        let mut cold_engine = Engine::load(&path, backend(), &SpecMode::Off).unwrap();
+        let mut cold_sess = cold_engine.new_session();
+        let (cold, cold_restored) = raw_turn(&mut cold_engine, &mut cold_sess, &next);
+        assert_eq!(cold_restored, 0);
+        assert_eq!(
+            warm, cold,
+            "{name}: a restored turn must answer like a cold run"
+        );
+    }
+}
+
 /// Gemma 3 270M past its 512-token window and its rings' first wrap: an 800-token prompt's checkpoint (its
 /// local layers' last windows, the global layers' everything), restored from RAM and (after a restart) from
 /// disk for a longer prompt, answers exactly like a cold run, and its cache is the cold run's bit for bit.
