@@ -1,8 +1,8 @@
 //! The Anthropic Messages API (`POST /v1/messages`) beside the OpenAI one, on one request model: a Messages
-//! request is translated into the OpenAI chat request it means and validated by [`api::parse_chat`], so both
-//! APIs accept the same settings with the same checks and reach the worker as the same [`Params`]. Answers are
-//! rendered as Anthropic messages (`content` blocks: `thinking`, `text`, `tool_use`) or as its stream of named
-//! events, and errors as its error bodies (`{"type": "error", "error": {"type", "message"}}`).
+//! request is translated into the OpenAI chat request it means and validated as [`api::parse_chat`] validates
+//! it, so both APIs accept the same settings with the same checks and reach the worker as the same [`Params`].
+//! Answers are rendered as Anthropic messages (`content` blocks: `thinking`, `text`, `tool_use`) or as its
+//! stream of named events, and errors as its error bodies (`{"type": "error", "error": {"type", "message"}}`).
 //!
 //! Mapping: `system` becomes the first message; a user turn's `tool_result` blocks become OpenAI `tool`
 //! messages (in order, before the turn's text); an assistant turn's `tool_use` blocks become its `tool_calls`;
@@ -305,15 +305,8 @@ fn to_openai(req: &MessagesRequest) -> Result<Value, ApiError> {
 /// A Messages request body as the conversation and the validated settings (the same as the OpenAI chat
 /// endpoint's for the same request).
 pub fn parse_messages(body: &[u8]) -> Result<(Vec<Message>, Params), ApiError> {
-    let v: Value =
-        serde_json::from_slice(body).map_err(|e| invalid(format!("malformed JSON: {e}")))?;
-    if !v.is_object() {
-        return Err(invalid("the request body must be a JSON object"));
-    }
-    let req: MessagesRequest =
-        serde_json::from_value(v).map_err(|e| invalid(format!("invalid request: {e}")))?;
-    let openai = to_openai(&req)?;
-    api::parse_chat(openai.to_string().as_bytes())
+    let req: MessagesRequest = api::parse(body)?;
+    api::parse_chat_value(to_openai(&req)?)
 }
 
 /// An error as the Messages API writes it.

@@ -155,7 +155,8 @@ const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
 /// Hard cap on a request's completion length, whatever the context allows.
 pub const MAX_COMPLETION: usize = 1 << 16;
 
-fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
+/// A request body as `T`: JSON, an object, of `T`'s shape.
+pub(crate) fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::invalid(format!("malformed JSON: {e}"), None))?;
     if !v.is_object() {
@@ -168,7 +169,18 @@ fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
 }
 
 pub fn parse_chat(body: &[u8]) -> Result<(Vec<Message>, Params), ApiError> {
-    let req: ChatRequest = parse(body)?;
+    chat(parse(body)?)
+}
+
+/// A chat request already read as JSON (what the Messages API's request translates into).
+pub(crate) fn parse_chat_value(v: Value) -> Result<(Vec<Message>, Params), ApiError> {
+    chat(
+        serde_json::from_value(v)
+            .map_err(|e| ApiError::invalid(format!("invalid request: {e}"), None))?,
+    )
+}
+
+fn chat(req: ChatRequest) -> Result<(Vec<Message>, Params), ApiError> {
     if req.messages.is_empty() {
         return Err(ApiError::invalid(
             "messages must not be empty",

@@ -129,7 +129,7 @@ impl Worker {
                     let events = job.events.clone();
                     let cancel = &flags.cancelling;
                     metrics.active.store(1, Relaxed);
-                    let result = run(
+                    let last = run(
                         &mut engine,
                         &mut session,
                         &mut grammars,
@@ -137,6 +137,7 @@ impl Worker {
                         cancel,
                         &metrics,
                     );
+                    // The gauges before the answer's last event: a client that has its answer sees them settled.
                     metrics.active.store(0, Relaxed);
                     let (entries, bytes) = engine.prefix_cache_ram();
                     metrics
@@ -144,9 +145,7 @@ impl Worker {
                         .store(session.cache.bytes() as u64, Relaxed);
                     metrics.prefix_entries.store(entries as u64, Relaxed);
                     metrics.prefix_bytes.store(bytes as u64, Relaxed);
-                    if let Err(e) = result {
-                        let _ = events.send(Event::Error(e));
-                    }
+                    let _ = events.send(last.unwrap_or_else(Event::Error));
                 }
             })
             .expect("spawning the engine thread");
@@ -293,6 +292,8 @@ fn constraint<B: Backend>(
         .map_err(|e| ApiError::invalid(format!("cannot compile the grammar: {e}"), Some(param)))
 }
 
+/// Generate the job's answer, sending its deltas as they come; returns its last event (`Done`), which the
+/// engine thread sends once the gauges are updated.
 fn run<B: Backend>(
     engine: &mut Engine<B>,
     session: &mut verity::engine::Session<B>,
@@ -300,7 +301,7 @@ fn run<B: Backend>(
     job: Job,
     cancel: &AtomicBool,
     metrics: &Metrics,
-) -> Result<(), ApiError> {
+) -> Result<Event, ApiError> {
     let (prompt, boundary, opens_reasoning) = match &job.input {
         Input::Chat(messages) => {
             let args = TemplateArgs {
@@ -437,13 +438,12 @@ fn run<B: Backend>(
         }
     };
     metrics.record(&stats);
-    let _ = events.send(Event::Done {
+    Ok(Event::Done {
         finish_reason,
         stop_sequence: hit_stop,
         stats,
         tool_calls,
-    });
-    Ok(())
+    })
 }
 
 #[cfg(test)]

@@ -513,8 +513,8 @@ impl<B: Backend> Scratch<B> {
 }
 
 impl<B: Backend> Layer<B> {
-    /// Load layer `l` through `mat(key, rows, cols)` and `vec(key, len)`, which resolve the tensor names.
-    /// Load layer `l` (with a mixture-of-experts MLP when `sparse`).
+    /// Load layer `l` (with a mixture-of-experts MLP when `sparse`) through `mat(key, rows, cols)` and
+    /// `vec(key, len)`, which resolve the tensor names.
     pub(super) fn load(
         hp: &HParams,
         l: usize,

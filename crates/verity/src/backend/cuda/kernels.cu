@@ -467,48 +467,42 @@ __device__ __forceinline__ void decode_any(int ty, const u8* w, int col, int nb,
 // butterfly), then the blocks' sums in index order — so a row's scale never depends on the rows beside it, and
 // the rms_norm kernel and the norms fused into the projections give bitwise the same normed rows. The loads
 // go four per thread at a time: a block-wide pass costs one memory round trip, not a warp's serial loop.
-__device__ __forceinline__ void norm_scales(const float* x, int k, int rows, float eps, float* ss, float* rscale,
-                                            int wb) {
+__device__ __forceinline__ void norm_scales(const float* x, int k, int rows, float eps, float* ss, float* rscale) {
     int nb = k / 32, lane = threadIdx.x & 31;
     unsigned group = 0xffu << (lane & 24);
-    // `wb` blocks of each row at a time (`ss` holds rows * wb floats), each row's sum carried across the windows
-    // by its thread in block order: the same additions in the same order whatever wb is.
-    float total = 0.f;
-    for (int w0 = 0; w0 < nb; w0 += wb) {
-        int wn = min(wb, nb - w0), items = rows * wn * 8;
-        for (int item0 = 0; item0 < items; item0 += blockDim.x * 4) {
-            float4 v[4];
+    int items = rows * nb * 8;
+    for (int item0 = 0; item0 < items; item0 += blockDim.x * 4) {
+        float4 v[4];
 #pragma unroll
-            for (int u = 0; u < 4; u++) {
-                int item = item0 + u * blockDim.x + threadIdx.x;
-                if (item < items) {
-                    int rb = item >> 3, r = rb / wn, b = w0 + rb % wn;
-                    v[u] = ((const float4*)(x + (size_t)r * k + b * 32))[item & 7];
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                int item = item0 + u * blockDim.x + threadIdx.x;
-                if (item < items) {  // whole 8-lane groups: items and blockDim are multiples of 8
-                    float t = v[u].x * v[u].x;
-                    t = fmaf(v[u].y, v[u].y, t);
-                    t = fmaf(v[u].z, v[u].z, t);
-                    t = fmaf(v[u].w, v[u].w, t);
-#pragma unroll
-                    for (int off = 4; off > 0; off >>= 1) t += __shfl_xor_sync(group, t, off);
-                    if ((item & 7) == 0) ss[item >> 3] = t;
-                }
+        for (int u = 0; u < 4; u++) {
+            int item = item0 + u * blockDim.x + threadIdx.x;
+            if (item < items) {
+                int rb = item >> 3, r = rb / nb, b = rb % nb;
+                v[u] = ((const float4*)(x + (size_t)r * k + b * 32))[item & 7];
             }
         }
-        __syncthreads();
-        if (threadIdx.x < rows) {
-            // In block order (the rms_norm contract); unrolled so the loads issue ahead of the dependent adds.
-#pragma unroll 8
-            for (int b = 0; b < wn; b++) total += ss[threadIdx.x * wn + b];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int item = item0 + u * blockDim.x + threadIdx.x;
+            if (item < items) {  // whole 8-lane groups: items and blockDim are multiples of 8
+                float t = v[u].x * v[u].x;
+                t = fmaf(v[u].y, v[u].y, t);
+                t = fmaf(v[u].z, v[u].z, t);
+                t = fmaf(v[u].w, v[u].w, t);
+#pragma unroll
+                for (int off = 4; off > 0; off >>= 1) t += __shfl_xor_sync(group, t, off);
+                if ((item & 7) == 0) ss[item >> 3] = t;
+            }
         }
-        __syncthreads();
     }
-    if (threadIdx.x < rows) rscale[threadIdx.x] = rsqrtf(total / k + eps);
+    __syncthreads();
+    if (threadIdx.x < rows) {
+        // In block order (the rms_norm contract); unrolled so the loads issue ahead of the dependent adds.
+        float total = 0.f;
+#pragma unroll 8
+        for (int b = 0; b < nb; b++) total += ss[threadIdx.x * nb + b];
+        rscale[threadIdx.x] = rsqrtf(total / k + eps);
+    }
     __syncthreads();
 }
 
@@ -644,7 +638,7 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
     }
     wait_inputs();
     release_dependents();
-    if (norm_w) norm_scales(x + (size_t)r0 * k, k, rn, eps, xs + (size_t)rn_pow2(rn) * nb * XPAD, scales, nb);
+    if (norm_w) norm_scales(x + (size_t)r0 * k, k, rn, eps, xs + (size_t)rn_pow2(rn) * nb * XPAD, scales);
     for (int r = 0; r < rn; r++) {
         const float* xr = x + (size_t)(r0 + r) * k;
         float* sr = xs + (size_t)r * nb * XPAD;
@@ -945,7 +939,7 @@ extern "C" __global__ void quantize_x(const float* x, int k, const float* norm_w
     xs += (size_t)r * nb;
     bool two = nb * 4 > (int)blockDim.x;
     bool once = norm_w && nb * (two ? 2 : 4) <= (int)blockDim.x;
-    if (norm_w && !once) norm_scales(x, k, 1, eps, ss, &rscale, nb);
+    if (norm_w && !once) norm_scales(x, k, 1, eps, ss, &rscale);
     if (two) quantize_row<2>(x, k, norm_w, once, eps, ss, &rscale, xq, xd, xs);
     else quantize_row<4>(x, k, norm_w, once, eps, ss, &rscale, xq, xd, xs);
 }
@@ -1372,7 +1366,7 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, flo
     int r = blockIdx.x;
     const float* xr = x + (size_t)r * dim;
     if (dim % 32 == 0) {
-        norm_scales(xr, dim, 1, eps, ss, &scale, dim / 32);
+        norm_scales(xr, dim, 1, eps, ss, &scale);
     } else {
         if (threadIdx.x < 32) {
             float t = 0.f;
