@@ -37,6 +37,12 @@ pub fn main(a: Args) -> Result<()> {
         if block.attention_scale.is_some() {
             parts.push(format!("attention scale {}", hp.attention_scale()));
         }
+        if let Some(r) = block.rotary_dims {
+            parts.push(format!("RoPE on {r} of {} values per head", hp.head_dim));
+        }
+        if block.attention_gate {
+            parts.push("gated attention output".into());
+        }
         println!("block         {}", parts.join("; "));
     }
     if let Some(m) = &block.moe {
@@ -52,6 +58,23 @@ pub fn main(a: Args) -> Result<()> {
                 "softmax weights"
             },
             hp.n_layers
+        );
+        if let Some(shared) = m.shared_ffn {
+            println!("              and a gated shared expert of {shared} units for every token");
+        }
+    }
+    if let Some(la) = &block.linear {
+        let linear = la.layers.iter().filter(|&&l| l).count();
+        println!(
+            "linear attn   {linear} Gated DeltaNet layers ({} key heads × {}, {} value heads × {}, convolution \
+             of {}; a state of {:.1} kB per layer), {} full-attention layers",
+            la.key_heads,
+            la.key_dim,
+            la.value_heads,
+            la.value_dim,
+            la.conv_kernel,
+            (la.state_len() * 4) as f64 / 1000.0,
+            hp.n_layers - linear
         );
     }
     if let Some(s) = &block.sliding {

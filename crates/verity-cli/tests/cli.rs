@@ -285,6 +285,23 @@ fn inspect_describes_a_mixture_of_experts_from_either_format() {
     }
 }
 
+#[test]
+fn inspect_describes_a_linear_attention_hybrid() {
+    let out = verity(&["inspect", fixture("qwen3-next-f16").to_str().unwrap()]);
+    let s = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    for line in [
+        "architecture  qwen3next",
+        "RoPE on 4 of 16 values per head; gated attention output",
+        "experts       2 of 4 per token, 32 units each (weights renormalized), in 3 of 4 layers",
+        "and a gated shared expert of 48 units for every token",
+        "linear attn   2 Gated DeltaNet layers (2 key heads × 16, 4 value heads × 16, convolution of 4; a state \
+         of 5.6 kB per layer), 2 full-attention layers",
+    ] {
+        assert!(s.contains(line), "{line:?} in {s}");
+    }
+}
+
 /// The width and height in a PNG's IHDR chunk (the first chunk, right after the signature).
 fn png_size(path: &Path) -> (u32, u32) {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));

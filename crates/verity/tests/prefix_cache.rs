@@ -107,7 +107,7 @@ fn a_mixture_of_experts_conversation_restores_like_a_cold_run() {
             .unwrap();
         (ids, stats.restored_tokens)
     };
-    for name in ["qwen3-moe-f16", "qwen3-moe-gguf"] {
+    for name in ["qwen3-moe-f16", "qwen3-moe-gguf", "qwen3-next-f16"] {
         let path = hf_bundle(name);
         let mut e = Engine::load(&path, backend(), &SpecMode::Off).unwrap();
         e.set_prefix_cache_budget(64 << 20);
@@ -142,21 +142,7 @@ fn a_gemma3_checkpoint_past_the_window_restores_like_a_cold_run_from_ram_and_dis
     let path = gemma3_270m();
     let root = scratch("prefix-gemma3");
     let generate = |e: &mut Engine<CpuBackend>, prompt: &[u32], store: Option<usize>| {
-        let mut sess = e.new_session();
-        let req = GenerateRequest {
-            store_prefix: store,
-            ignore_eos: true,
-            ..GenerateRequest::greedy(24)
-        };
-        let mut ids = Vec::new();
-        let stats = e
-            .generate(&mut sess, prompt, &req, |_, t| {
-                ids.push(t.id);
-                true
-            })
-            .unwrap();
-        let cache = sess.cache.checkpoint(e.model.backend()).layers().to_vec();
-        (ids, stats.restored_tokens, cache)
+        answer_and_state(e, prompt, store, 24)
     };
     let mut e = Engine::load(&path, backend(), &SpecMode::Off).unwrap();
     let long = gemma3_prompt(&e.tokenizer, 900);
@@ -178,12 +164,44 @@ fn a_gemma3_checkpoint_past_the_window_restores_like_a_cold_run_from_ram_and_dis
     for (label, run) in [("RAM", &warm), ("disk", &disk)] {
         assert_eq!(run.0, cold.0, "{label}: tokens differ from the cold run");
         assert!(
-            run.2.len() == cold.2.len()
-                && run.2.iter().zip(&cold.2).all(|((ka, va), (kb, vb))| {
-                    ka.iter().zip(kb).all(|(a, b)| a.to_bits() == b.to_bits())
-                        && va.iter().zip(vb).all(|(a, b)| a.to_bits() == b.to_bits())
-                }),
+            run.2 == cold.2,
             "{label}: cache differs from the cold run's"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A hybrid of Gated DeltaNet and attention layers (Qwen3-Next): a checkpoint carries each recurrent layer's
+/// state at its boundary; restored from RAM and (after a restart) from disk for a longer prompt, the turn
+/// answers exactly like a cold run, and its K/V and recurrent states are the cold run's bit for bit.
+#[test]
+fn a_linear_attention_checkpoint_restores_its_recurrent_state_from_ram_and_disk() {
+    let path = hf_bundle("qwen3-next-f16");
+    let root = scratch("prefix-qwen3-next");
+    let generate = |e: &mut Engine<CpuBackend>, prompt: &[u32], store: Option<usize>| {
+        answer_and_state(e, prompt, store, 16)
+    };
+    // The first prompt's checkpoint at 50 tokens (prefill stops before a prompt's last token).
+    let (first, second): (Vec<u32>, Vec<u32>) = ((10..61).collect(), (10..75).collect());
+    let mut e = Engine::load(&path, backend(), &SpecMode::Off).unwrap();
+    e.set_prefix_cache_budget(64 << 20);
+    assert!(e.set_prefix_cache_dir(&root, 1 << 30));
+    generate(&mut e, &first, Some(50));
+    let mut cold_engine = Engine::load(&path, backend(), &SpecMode::Off).unwrap();
+    let cold = generate(&mut cold_engine, &second, None);
+    assert_eq!(cold.1, 0);
+    let warm = generate(&mut e, &second, None);
+    assert_eq!(warm.1, 50, "restored from RAM");
+    drop(e);
+    let mut restarted = Engine::load(&path, backend(), &SpecMode::Off).unwrap();
+    assert!(restarted.set_prefix_cache_dir(&root, 1 << 30));
+    let disk = generate(&mut restarted, &second, None);
+    assert_eq!(disk.1, 50, "restored from disk");
+    for (label, run) in [("RAM", &warm), ("disk", &disk)] {
+        assert_eq!(run.0, cold.0, "{label}: tokens differ from the cold run");
+        assert!(
+            run.2 == cold.2,
+            "{label}: K/V or recurrent state differs from the cold run's"
         );
     }
     let _ = std::fs::remove_dir_all(&root);
@@ -300,6 +318,39 @@ fn an_unusable_cache_folder_turns_the_disk_tier_off_without_affecting_answers() 
 }
 
 /// A scratch folder for one test, empty.
+/// A greedy answer of up to `max` tokens to `prompt` in a new session (storing a checkpoint at `store`), the
+/// prompt tokens restored, and the session's state afterwards as bits: each layer's K and V, then each
+/// recurrent layer's state.
+fn answer_and_state(
+    e: &mut Engine<CpuBackend>,
+    prompt: &[u32],
+    store: Option<usize>,
+    max: usize,
+) -> (Vec<u32>, usize, Vec<Vec<u32>>) {
+    let mut sess = e.new_session();
+    let req = GenerateRequest {
+        store_prefix: store,
+        ignore_eos: true,
+        ..GenerateRequest::greedy(max)
+    };
+    let mut ids = Vec::new();
+    let stats = e
+        .generate(&mut sess, prompt, &req, |_, t| {
+            ids.push(t.id);
+            true
+        })
+        .unwrap();
+    let ckpt = sess.cache.checkpoint(e.model.backend());
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let mut state: Vec<Vec<u32>> = ckpt
+        .layers()
+        .iter()
+        .flat_map(|(k, v)| [bits(k), bits(v)])
+        .collect();
+    state.extend(ckpt.recurrent().into_iter().flatten().map(|s| bits(s)));
+    (ids, stats.restored_tokens, state)
+}
+
 fn scratch(test: &str) -> PathBuf {
     let root = std::env::temp_dir().join(format!("verity-{test}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);

@@ -13,6 +13,11 @@ use verity::sample::argmax;
 /// 1e-4 leaves a 10× margin; any real error (a wrong RoPE pairing, norm or scale) moves logits by > 0.1.
 const HF_TOL: f32 = 1e-4;
 
+/// A Gated DeltaNet model's reference is transformers fed one token at a time (the recurrent rule), but its first
+/// token runs the chunked form, which rounds differently (the two forms differ by 3.1e-4 over the fixture's
+/// sequence): measured 8.7e-5 here. 2e-4 stays 500× below what a real error moves.
+const HF_TOL_RECURRENT: f32 = 2e-4;
+
 #[test]
 fn hf_bundles_match_transformers_logits_for_64_positions() {
     for name in HF_BUNDLES {
@@ -34,10 +39,12 @@ fn hf_bundles_match_transformers_logits_for_64_positions() {
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
         eprintln!("{name}: max |Δlogit| = {max_diff:.2e}");
-        assert!(
-            max_diff <= HF_TOL,
-            "{name}: max |Δlogit| = {max_diff} > {HF_TOL}"
-        );
+        let tol = if model.hp.block.linear.is_some() {
+            HF_TOL_RECURRENT
+        } else {
+            HF_TOL
+        };
+        assert!(max_diff <= tol, "{name}: max |Δlogit| = {max_diff} > {tol}");
     }
 }
 

@@ -135,6 +135,8 @@ fn scripted(kind: Adversary, oracle: &[u32], vocab: usize) -> Box<dyn Proposer> 
 struct Run {
     tokens: Vec<u32>,
     cache: Vec<(Vec<f32>, Vec<f32>)>,
+    /// The recurrent layers' states, where the model has such layers.
+    states: Vec<Vec<f32>>,
     stats: GenerationStats,
 }
 
@@ -154,10 +156,11 @@ fn run(
             stop_after != Some(tokens.len())
         })
         .unwrap();
-    let cache = sess.cache.checkpoint(e.model.backend()).layers().to_vec();
+    let ckpt = sess.cache.checkpoint(e.model.backend());
     Run {
         tokens,
-        cache,
+        cache: ckpt.layers().to_vec(),
+        states: ckpt.recurrent().map(<[_]>::to_vec).unwrap_or_default(),
         stats,
     }
 }
@@ -176,6 +179,15 @@ fn assert_same(ar: &Run, other: &Run, label: &str) {
                         && va.iter().zip(vb).all(|(a, b)| a.to_bits() == b.to_bits())
                 }),
         "{label}: cache differs from AR's"
+    );
+    let bits = |v: &[Vec<f32>]| -> Vec<Vec<u32>> {
+        v.iter()
+            .map(|s| s.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    };
+    assert!(
+        bits(&ar.states) == bits(&other.states),
+        "{label}: recurrent states differ from AR's"
     );
 }
 
@@ -434,21 +446,25 @@ fn adversarial_proposers_never_change_smollm2_sampled_output_or_cache() {
     }
 }
 
-/// A mixture of experts under every kind of proposer (verifies whose rows route to different experts, rollbacks
-/// after wrong drafts, trees), greedy and sampled: the tokens and the cache equal AR's.
+/// A mixture of experts (Qwen3-MoE), and a hybrid of Gated DeltaNet and attention layers with a mixture and a
+/// shared expert (Qwen3-Next), under every kind of proposer, greedy and sampled: verifies whose rows route to
+/// different experts, rollbacks after wrong drafts (the recurrent state back to the last kept row), trees (each
+/// node stepped from its parent's state); the tokens, the K/V and the recurrent states equal AR's.
 #[test]
-fn adversarial_proposers_never_change_mixture_of_experts_output_or_cache() {
-    let mut e = Engine::load(&hf_bundle("qwen3-moe-f16"), backend(), &SpecMode::Off).unwrap();
-    let prompt: Vec<u32> = (3..40).collect();
-    let kinds = [
-        Adversary::AlwaysRight,
-        Adversary::AlwaysWrong,
-        Adversary::RightThenWrong(3),
-        Adversary::Random(11),
-        Adversary::Tree(12),
-    ];
-    for req in [no_eos(40), sampled(40, 0.8, 5)] {
-        against_adversaries(&mut e, &prompt, &req, &kinds, "qwen3-moe");
+fn adversarial_proposers_never_change_mixture_or_linear_attention_output_or_state() {
+    for name in ["qwen3-moe-f16", "qwen3-next-f16"] {
+        let mut e = Engine::load(&hf_bundle(name), backend(), &SpecMode::Off).unwrap();
+        let prompt: Vec<u32> = (3..40).collect();
+        let kinds = [
+            Adversary::AlwaysRight,
+            Adversary::AlwaysWrong,
+            Adversary::RightThenWrong(3),
+            Adversary::Random(11),
+            Adversary::Tree(12),
+        ];
+        for req in [no_eos(40), sampled(40, 0.8, 5)] {
+            against_adversaries(&mut e, &prompt, &req, &kinds, name);
+        }
     }
 }
 

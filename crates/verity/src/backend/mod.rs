@@ -77,6 +77,8 @@ pub struct Rope {
     pub theta: f32,
     pub style: RopeStyle,
     pub scaling: RopeScaling,
+    /// The values of each head it rotates, from the first (`None`: all of them); the rest pass unrotated.
+    pub dims: Option<usize>,
 }
 
 /// How a model stretches its rotations beyond the context it was trained on: each pair's frequency
@@ -130,11 +132,16 @@ impl RopeScaling {
 }
 
 impl Rope {
-    /// The rotation `(cos, sin)` of pair `i` of a `head_dim`-wide head at `pos`, for `i < head_dim / 2`. Every
-    /// backend uses it: the angle is computed in f64 and rounded once, so it is as accurate as f32 allows and
-    /// the same for a position in any batch.
-    pub fn angle(&self, pos: usize, i: usize, head_dim: usize) -> (f32, f32) {
-        let inv_freq = (self.theta as f64).powf(-2.0 * i as f64 / head_dim as f64);
+    /// The values of a `head_dim`-wide head it rotates.
+    pub fn rotated(&self, head_dim: usize) -> usize {
+        self.dims.unwrap_or(head_dim)
+    }
+
+    /// The rotation `(cos, sin)` of pair `i` of the `rotated` values of a head at `pos`, for `i < rotated / 2`.
+    /// Every backend uses it: the angle is computed in f64 and rounded once, so it is as accurate as f32 allows
+    /// and the same for a position in any batch.
+    pub fn angle(&self, pos: usize, i: usize, rotated: usize) -> (f32, f32) {
+        let inv_freq = (self.theta as f64).powf(-2.0 * i as f64 / rotated as f64);
         let a = pos as f64 * inv_freq / self.scaling.divisor(inv_freq);
         (a.cos() as f32, a.sin() as f32)
     }
@@ -145,6 +152,7 @@ impl Rope {
         let mut h = std::collections::hash_map::DefaultHasher::new();
         self.theta.to_bits().hash(&mut h);
         (self.style == RopeStyle::Interleaved).hash(&mut h);
+        self.dims.hash(&mut h);
         match self.scaling {
             RopeScaling::None => 0u8.hash(&mut h),
             RopeScaling::Linear { factor } => (1u8, factor.to_bits()).hash(&mut h),

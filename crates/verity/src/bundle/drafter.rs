@@ -285,9 +285,8 @@ fn check(dir: &Path, t: &HParams) -> Result<(DrafterSpec, SafetensorsSet), Strin
 /// The drafter's name for a per-layer tensor (`layers.L.self_attn.q_proj.weight`).
 pub fn tensor_name(key: TensorKey) -> String {
     format!(
-        "layers.{}.{}.{}",
+        "layers.{}.{}",
         key.layer().expect("a layer tensor"),
-        key.hf_layer_module().expect("a layer tensor"),
-        key.hf_suffix()
+        key.hf_layer_name().expect("a layer tensor")
     )
 }

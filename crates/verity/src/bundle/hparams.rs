@@ -13,6 +13,8 @@ pub enum Arch {
     Qwen2,
     Qwen3,
     Gemma3,
+    /// Qwen3-Next: Gated DeltaNet layers between gated full-attention ones, a mixture with a shared expert.
+    Qwen3Next,
 }
 
 impl Arch {
@@ -22,6 +24,7 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3",
+            Arch::Qwen3Next => "qwen3next",
         }
     }
 }
@@ -66,6 +69,41 @@ pub struct BlockStyle {
     pub sliding: Option<SlidingWindow>,
     /// Sparse mixture-of-experts MLPs, where the model has them.
     pub moe: Option<Moe>,
+    /// RoPE rotates only the first this many values of each head (Qwen3-Next: a quarter), not all of them.
+    pub rotary_dims: Option<usize>,
+    /// Qwen3-Next: the Q projection carries a gate per head (`[q_h, gate_h]` for each head h) whose sigmoid
+    /// scales the attention output before the output projection.
+    pub attention_gate: bool,
+    /// Gated DeltaNet (linear attention) layers, where the model has them.
+    pub linear: Option<LinearAttention>,
+}
+
+/// Gated DeltaNet layers (Qwen3-Next): per value head a `key_dim × value_dim` state updated by the delta rule
+/// with a learned decay, fed through a short causal convolution of `conv_kernel` taps over the Q/K/V channels.
+/// `value_heads` is a multiple of `key_heads` (each key head serves `value_heads / key_heads` value heads).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinearAttention {
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
+    pub conv_kernel: usize,
+    /// Per layer: `true` where the layer is a Gated DeltaNet (the others are full attention).
+    pub layers: Vec<bool>,
+}
+
+impl LinearAttention {
+    /// Channels of the convolution: every key head's Q and K, every value head's V.
+    pub fn conv_channels(&self) -> usize {
+        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+
+    /// Values of one layer's recurrent state: the convolution's last `conv_kernel - 1` inputs per channel,
+    /// then each value head's `key_dim × value_dim` matrix.
+    pub fn state_len(&self) -> usize {
+        self.conv_channels() * (self.conv_kernel - 1)
+            + self.value_heads * self.key_dim * self.value_dim
+    }
 }
 
 /// A mixture-of-experts MLP (Qwen3-MoE): a router scores `experts` gated MLPs of `ffn` hidden units per token,
@@ -79,6 +117,9 @@ pub struct Moe {
     pub norm_top_k: bool,
     /// Per layer: whether its MLP is the mixture (the others are dense, of `ffn_hidden` units).
     pub sparse: Vec<bool>,
+    /// Qwen3-Next: a shared expert of this many units that every token runs, its output scaled by the sigmoid
+    /// of a one-row projection of the token, added to the routed experts'.
+    pub shared_ffn: Option<usize>,
 }
 
 /// Local attention: a layer marked local attends to the `window` latest positions only (its own included) and
@@ -165,6 +206,24 @@ impl HParams {
                     self.n_layers,
                     m.sparse.len()
                 ));
+            }
+        }
+        if let Some(r) = self.block.rotary_dims {
+            if r == 0 || !r.is_multiple_of(2) || r > self.head_dim {
+                return bad(format!(
+                    "{r} rotated values of {}-value heads",
+                    self.head_dim
+                ));
+            }
+        }
+        if let Some(la) = &self.block.linear {
+            let sizes = [la.key_heads, la.value_heads, la.key_dim, la.value_dim];
+            if sizes.iter().any(|&x| x == 0 || x > 4096)
+                || !la.value_heads.is_multiple_of(la.key_heads)
+                || !(1..=16).contains(&la.conv_kernel)
+                || la.layers.len() != self.n_layers
+            {
+                return bad(format!("linear attention {la:?}"));
             }
         }
         // Written so that NaN fails too; an infinite base would make every rotation angle 0 or NaN.
@@ -314,6 +373,7 @@ impl HParams {
                         sparse: (0..n_layers)
                             .map(|l| g.tensor(&format!("blk.{l}.ffn_gate_inp.weight")).is_some())
                             .collect(),
+                        shared_ffn: None,
                     }),
                     ..BlockStyle::default()
                 }
@@ -355,17 +415,17 @@ impl HParams {
             Some("qwen2") => Arch::Qwen2,
             Some("qwen3") | Some("qwen3_moe") => Arch::Qwen3,
             Some("gemma3_text") => Arch::Gemma3,
+            Some("qwen3_next") => Arch::Qwen3Next,
             other => {
                 return Err(Error::Unsupported(format!(
                     "config.json model_type {other:?} (verity runs llama, mistral, qwen2, qwen3, qwen3_moe, \
-                     gemma3_text)"
+                     qwen3_next, gemma3_text)"
                 )))
             }
         };
-        let moe = if cfg.model_type.as_deref() == Some("qwen3_moe") {
-            Some(hf_moe(cfg)?)
-        } else {
-            None
+        let moe = match cfg.model_type.as_deref() {
+            Some("qwen3_moe") | Some("qwen3_next") => hf_moe(cfg, arch)?,
+            _ => None,
         };
         if arch == Arch::Gemma3 {
             return Self::from_hf_gemma3(cfg);
@@ -397,22 +457,29 @@ impl HParams {
         let partial = cfg
             .partial_rotary_factor
             .or_else(|| params.and_then(|p| p.get("partial_rotary_factor")?.as_f64()));
-        if partial.is_some_and(|f| f != 1.0) {
-            return Err(Error::Unsupported(format!(
-                "config.json partial_rotary_factor {} (verity rotates whole heads)",
-                partial.unwrap_or_default()
-            )));
-        }
+        // Qwen3-Next rotates a quarter of each head unless its config says otherwise (transformers' default).
+        let partial = partial.or((arch == Arch::Qwen3Next).then_some(0.25));
         let n_heads = cfg.num_attention_heads;
+        let head_dim = cfg
+            .head_dim
+            .unwrap_or(cfg.hidden_size.checked_div(n_heads).unwrap_or(0));
+        let rotary_dims = match partial {
+            None => None,
+            Some(1.0) => None,
+            Some(f) if f > 0.0 && f < 1.0 => Some((head_dim as f64 * f) as usize),
+            Some(f) => {
+                return Err(Error::Invalid(format!(
+                    "config.json partial_rotary_factor {f} (expected a share of the head, 0 to 1)"
+                )))
+            }
+        };
         let hp = HParams {
             arch,
             n_layers: cfg.num_hidden_layers,
             hidden: cfg.hidden_size,
             n_heads,
             n_kv_heads: cfg.num_key_value_heads.unwrap_or(n_heads),
-            head_dim: cfg
-                .head_dim
-                .unwrap_or(cfg.hidden_size.checked_div(n_heads).unwrap_or(0)),
+            head_dim,
             ffn_hidden: cfg.intermediate_size,
             vocab: cfg.vocab_size,
             rms_eps: cfg.rms_norm_eps.unwrap_or(1e-6) as f32,
@@ -424,11 +491,18 @@ impl HParams {
                 Arch::Qwen2 => true,
                 _ => cfg.attention_bias.unwrap_or(false),
             },
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Next),
             context_len: cfg.max_position_embeddings.unwrap_or(DEFAULT_CONTEXT),
             block: BlockStyle {
                 sliding: hf_sliding_window(cfg, rope_theta.unwrap_or(10000.0) as f32)?,
                 moe,
+                rotary_dims,
+                attention_gate: arch == Arch::Qwen3Next,
+                linear: if arch == Arch::Qwen3Next {
+                    Some(hf_linear_attention(cfg)?)
+                } else {
+                    None
+                },
                 ..BlockStyle::default()
             },
         };
@@ -719,23 +793,31 @@ fn hf_rope_scaling(
 }
 
 /// Gemma 3's blocks: GeGLU, post-norms, embeddings scaled by √hidden, local layers of `window` positions.
-/// A `qwen3_moe` config's mixture: which layers are sparse (transformers' rule: not in `mlp_only_layers`, and
-/// every `decoder_sparse_step`-th layer), how many experts, how many per token, their size.
-fn hf_moe(cfg: &HfConfig) -> Result<Moe> {
-    let missing = |k: &str| Error::Invalid(format!("config.json: a qwen3_moe model needs {k}"));
-    let experts = cfg
-        .num_experts
-        .or(cfg.num_local_experts)
-        .ok_or_else(|| missing("num_experts"))?;
+/// A `qwen3_moe` or `qwen3_next` config's mixture: which layers are sparse (transformers' rule: not in
+/// `mlp_only_layers`, and every `decoder_sparse_step`-th layer), how many experts, how many per token, their
+/// size, and Qwen3-Next's shared expert. A `qwen3_next` config without experts is dense (`None`).
+fn hf_moe(cfg: &HfConfig, arch: Arch) -> Result<Option<Moe>> {
+    let missing = |k: &str| Error::Invalid(format!("config.json: a mixture of experts needs {k}"));
+    let Some(experts) = cfg.num_experts.or(cfg.num_local_experts) else {
+        if arch == Arch::Qwen3Next {
+            return Ok(None);
+        }
+        return Err(missing("num_experts"));
+    };
+    if experts == 0 && arch == Arch::Qwen3Next {
+        return Ok(None);
+    }
     let top_k = cfg
         .num_experts_per_tok
         .ok_or_else(|| missing("num_experts_per_tok"))?;
     let ffn = cfg
         .moe_intermediate_size
         .ok_or_else(|| missing("moe_intermediate_size"))?;
-    if cfg.shared_expert_intermediate_size.is_some_and(|s| s > 0) {
+    let shared_ffn = cfg.shared_expert_intermediate_size.filter(|&s| s > 0);
+    if shared_ffn.is_some() && arch != Arch::Qwen3Next {
         return Err(Error::Unsupported(
-            "config.json: shared experts (Qwen2-MoE style) are not supported".into(),
+            "config.json: shared experts outside Qwen3-Next (Qwen2-MoE style) are not supported"
+                .into(),
         ));
     }
     if experts == 0 || top_k == 0 || top_k > experts {
@@ -745,7 +827,7 @@ fn hf_moe(cfg: &HfConfig) -> Result<Moe> {
     }
     let step = cfg.decoder_sparse_step.unwrap_or(1).max(1);
     let dense = cfg.mlp_only_layers.clone().unwrap_or_default();
-    Ok(Moe {
+    Ok(Some(Moe {
         experts,
         top_k,
         ffn,
@@ -753,6 +835,44 @@ fn hf_moe(cfg: &HfConfig) -> Result<Moe> {
         sparse: (0..cfg.num_hidden_layers)
             .map(|l| !dense.contains(&l) && (l + 1) % step == 0)
             .collect(),
+        shared_ffn,
+    }))
+}
+
+/// A `qwen3_next` config's Gated DeltaNet layers: those `layer_types` marks `linear_attention`, or (published
+/// configs) every layer but each `full_attention_interval`-th (default 4).
+fn hf_linear_attention(cfg: &HfConfig) -> Result<LinearAttention> {
+    let n = cfg.num_hidden_layers;
+    let layers = match &cfg.layer_types {
+        Some(types) => {
+            if types.len() != n {
+                return Err(Error::Invalid(format!(
+                    "config.json: {} layer_types for {n} layers",
+                    types.len()
+                )));
+            }
+            if let Some(t) = types
+                .iter()
+                .find(|t| !matches!(t.as_str(), "linear_attention" | "full_attention"))
+            {
+                return Err(Error::Unsupported(format!(
+                    "config.json: a qwen3_next layer of type {t:?}"
+                )));
+            }
+            types.iter().map(|t| t == "linear_attention").collect()
+        }
+        None => {
+            let every = cfg.full_attention_interval.unwrap_or(4).max(1);
+            (0..n).map(|l| (l + 1) % every != 0).collect()
+        }
+    };
+    Ok(LinearAttention {
+        key_heads: cfg.linear_num_key_heads.unwrap_or(16),
+        value_heads: cfg.linear_num_value_heads.unwrap_or(32),
+        key_dim: cfg.linear_key_head_dim.unwrap_or(128),
+        value_dim: cfg.linear_value_head_dim.unwrap_or(128),
+        conv_kernel: cfg.linear_conv_kernel_dim.unwrap_or(4),
+        layers,
     })
 }
 
@@ -773,7 +893,7 @@ fn gemma3_block(
             rope_theta: local_theta,
             local,
         }),
-        moe: None,
+        ..BlockStyle::default()
     }
 }
 
@@ -828,7 +948,7 @@ pub struct HfConfig {
     pub attention_bias: Option<bool>,
     pub rope_scaling: Option<serde_json::Value>,
     pub rope_parameters: Option<serde_json::Value>,
-    /// The share of each head that RoPE rotates (Phi, StableLM); verity rotates whole heads.
+    /// The share of each head that RoPE rotates (Qwen3-Next, Phi, StableLM).
     pub partial_rotary_factor: Option<f64>,
     pub bos_token_id: Option<serde_json::Value>,
     pub eos_token_id: Option<serde_json::Value>,
@@ -865,6 +985,13 @@ pub struct HfConfig {
     /// Qwen2/Qwen3: whether layers from `max_window_layers` on attend to a sliding window.
     pub use_sliding_window: Option<bool>,
     pub max_window_layers: Option<usize>,
+    // Qwen3-Next's Gated DeltaNet layers (transformers' defaults where absent).
+    pub full_attention_interval: Option<usize>,
+    pub linear_num_key_heads: Option<usize>,
+    pub linear_num_value_heads: Option<usize>,
+    pub linear_key_head_dim: Option<usize>,
+    pub linear_value_head_dim: Option<usize>,
+    pub linear_conv_kernel_dim: Option<usize>,
 }
 
 #[cfg(test)]
@@ -909,5 +1036,60 @@ mod tests {
             err(serde_json::json!({"shared_expert_intermediate_size": 64}))
                 .contains("shared experts")
         );
+    }
+
+    /// A published Qwen3-Next config (`Qwen/Qwen3-Next-80B-A3B-Instruct`'s keys, smaller): no `layer_types`, a
+    /// top-level RoPE base and partial factor, a shared expert.
+    #[test]
+    fn a_qwen3_next_config_has_linear_layers_partial_rope_and_a_shared_expert() {
+        let cfg = serde_json::json!({
+            "model_type": "qwen3_next", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 8,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 320,
+            "rope_theta": 10000000, "partial_rotary_factor": 0.25, "full_attention_interval": 4,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+            "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 8,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24,
+            "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        });
+        let hp = HParams::from_hf(&serde_json::from_value(cfg.clone()).unwrap()).unwrap();
+        assert_eq!(hp.arch, Arch::Qwen3Next);
+        assert!(hp.qk_norm && hp.block.attention_gate);
+        assert_eq!(hp.block.rotary_dims, Some(8));
+        let la = hp.block.linear.clone().unwrap();
+        // Every fourth layer is full attention.
+        let full: Vec<usize> = (0..8).filter(|&l| !la.layers[l]).collect();
+        assert_eq!(full, vec![3, 7]);
+        // Q and K of 2 key heads × 8, V of 4 value heads × 16: 96 channels, 3 past inputs each, and 4 states of
+        // 8 × 16.
+        assert_eq!(
+            (la.conv_channels(), la.state_len()),
+            (96, 96 * 3 + 4 * 8 * 16)
+        );
+        assert_eq!(hp.block.moe.unwrap().shared_ffn, Some(24));
+        // Without a partial factor, transformers' default for Qwen3-Next: a quarter.
+        let mut plain = cfg.clone();
+        plain
+            .as_object_mut()
+            .unwrap()
+            .remove("partial_rotary_factor");
+        let hp = HParams::from_hf(&serde_json::from_value(plain).unwrap()).unwrap();
+        assert_eq!(hp.block.rotary_dims, Some(8));
+        // A layer type verity does not know is refused by name; value heads must share key heads evenly.
+        let mut odd = cfg.clone();
+        odd["layer_types"] = serde_json::json!([
+            "linear_attention",
+            "full_attention",
+            "mamba",
+            "full_attention",
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+            "full_attention"
+        ]);
+        let e = HParams::from_hf(&serde_json::from_value(odd).unwrap()).unwrap_err();
+        assert!(e.to_string().contains("\"mamba\""), "{e}");
+        let mut uneven = cfg;
+        uneven["linear_num_value_heads"] = serde_json::json!(3);
+        assert!(HParams::from_hf(&serde_json::from_value(uneven).unwrap()).is_err());
     }
 }

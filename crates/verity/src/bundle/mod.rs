@@ -236,6 +236,26 @@ impl Bundle {
 
     /// A weight matrix `[rows, cols]` (rows = outputs).
     pub fn matrix(&self, key: TensorKey, rows: usize, cols: usize) -> Result<QMatrix> {
+        if self.hparams.block.attention_gate && matches!(key, TensorKey::Q(_) | TensorKey::QGate(_))
+        {
+            // The Q projection holds each head's queries then its gates: take one half of every head's rows.
+            let hd = self.hparams.head_dim;
+            let both = self.stored_matrix(key, 2 * rows, cols)?;
+            let skip = if matches!(key, TensorKey::QGate(_)) {
+                hd
+            } else {
+                0
+            };
+            let picked: Vec<u32> = (0..rows)
+                .map(|r| ((r / hd) * 2 * hd + skip + r % hd) as u32)
+                .collect();
+            return both.select_rows(&picked);
+        }
+        self.stored_matrix(key, rows, cols)
+    }
+
+    /// The matrix `key` as the bundle stores it, `[rows, cols]`.
+    fn stored_matrix(&self, key: TensorKey, rows: usize, cols: usize) -> Result<QMatrix> {
         match &self.source {
             Source::Gguf(g) => {
                 let name = key.gguf();
@@ -300,9 +320,9 @@ impl Bundle {
             }
             Source::Safetensors { tensors, .. } => {
                 let mut v = st_vector(tensors, &self.tensor_name(key), len)?;
-                // Gemma's checkpoints store a norm's weight as w - 1 (its norm scales by 1 + w); GGUF
-                // converters store w.
-                if self.hparams.arch == Arch::Gemma3 && key.is_norm() {
+                // Gemma's and Qwen3-Next's checkpoints store a norm's weight as w - 1 (their norms scale by
+                // 1 + w); GGUF converters store w.
+                if matches!(self.hparams.arch, Arch::Gemma3 | Arch::Qwen3Next) && key.is_norm() {
                     v.iter_mut().for_each(|x| *x += 1.0);
                 }
                 return Ok(v);
@@ -311,6 +331,20 @@ impl Bundle {
         let mut out = vec![0.0; len];
         m.dequantize_row(0, &mut out);
         Ok(out)
+    }
+
+    /// A small tensor of any rank (a convolution's taps), checked to be `shape`, as f32 values in row-major
+    /// order. Safetensors bundles only: no GGUF architecture verity reads has one.
+    pub fn values(&self, key: TensorKey, shape: &[usize]) -> Result<Vec<f32>> {
+        match &self.source {
+            Source::Safetensors { tensors, .. } => {
+                st_values(tensors, &self.tensor_name(key), shape)
+            }
+            Source::Gguf(_) => Err(Error::tensor(
+                key.gguf(),
+                "is read from safetensors bundles only",
+            )),
+        }
     }
 
     pub fn format_name(&self) -> &'static str {
@@ -447,15 +481,21 @@ pub(crate) fn st_matrix(
 
 /// A 1-D float tensor of `len` values from a safetensors set, converted to f32.
 pub(crate) fn st_vector(tensors: &SafetensorsSet, name: &str, len: usize) -> Result<Vec<f32>> {
+    st_values(tensors, name, &[len])
+}
+
+/// A float tensor of exactly `shape`, as f32 values in row-major order.
+pub(crate) fn st_values(tensors: &SafetensorsSet, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
     let t = tensors
         .get(name)
         .ok_or_else(|| Error::tensor(name, tensors.why_missing(name)))?;
-    if t.shape != [len] {
+    if t.shape != shape {
         return Err(Error::tensor(
             name,
-            format!("shape {:?}, expected [{len}]", t.shape),
+            format!("shape {:?}, expected {shape:?}", t.shape),
         ));
     }
+    let len = shape.iter().product();
     let m = QMatrix::ggml(name, float_type(name, t)?, 1, len, tensors.bytes(t))?;
     let mut out = vec![0.0; len];
     m.dequantize_row(0, &mut out);

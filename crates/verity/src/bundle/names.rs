@@ -10,6 +10,9 @@ pub enum TensorKey {
     Output,
     AttnNorm(usize),
     Q(usize),
+    /// Qwen3-Next: the per-head output gates, stored interleaved with Q in the Q projection (`[q_h, gate_h]`
+    /// per head h): [`Bundle::matrix`](super::Bundle::matrix) takes its rows out.
+    QGate(usize),
     K(usize),
     V(usize),
     O(usize),
@@ -32,6 +35,22 @@ pub enum TensorKey {
     ExpertGate(usize, usize),
     ExpertUp(usize, usize),
     ExpertDown(usize, usize),
+    /// A mixture's shared expert (run for every token): gate, up and down projections, and the one-row
+    /// projection whose sigmoid scales its output.
+    SharedGate(usize),
+    SharedUp(usize),
+    SharedDown(usize),
+    SharedWeight(usize),
+    /// A Gated DeltaNet (linear attention) layer: the fused Q/K/V/Z input projection, the fused β/α one, the
+    /// short convolution's taps (`[channels, 1, kernel]`), the time-step bias and log decay rate per value head,
+    /// the gated output norm (plain weights), the output projection.
+    LinearQkvz(usize),
+    LinearBa(usize),
+    LinearConv(usize),
+    LinearDtBias(usize),
+    LinearALog(usize),
+    LinearNorm(usize),
+    LinearOut(usize),
 }
 
 impl TensorKey {
@@ -43,7 +62,7 @@ impl TensorKey {
             OutputNorm => "output_norm.weight".into(),
             Output => "output.weight".into(),
             AttnNorm(l) => format!("blk.{l}.attn_norm.weight"),
-            Q(l) => format!("blk.{l}.attn_q.weight"),
+            Q(l) | QGate(l) => format!("blk.{l}.attn_q.weight"),
             K(l) => format!("blk.{l}.attn_k.weight"),
             V(l) => format!("blk.{l}.attn_v.weight"),
             O(l) => format!("blk.{l}.attn_output.weight"),
@@ -63,6 +82,17 @@ impl TensorKey {
             ExpertGate(l, _) => format!("blk.{l}.ffn_gate_exps.weight"),
             ExpertUp(l, _) => format!("blk.{l}.ffn_up_exps.weight"),
             ExpertDown(l, _) => format!("blk.{l}.ffn_down_exps.weight"),
+            SharedGate(l) => format!("blk.{l}.ffn_gate_shexp.weight"),
+            SharedUp(l) => format!("blk.{l}.ffn_up_shexp.weight"),
+            SharedDown(l) => format!("blk.{l}.ffn_down_shexp.weight"),
+            SharedWeight(l) => format!("blk.{l}.ffn_gate_inp_shexp.weight"),
+            LinearQkvz(l) => format!("blk.{l}.ssm_in.weight"),
+            LinearBa(l) => format!("blk.{l}.ssm_ba.weight"),
+            LinearConv(l) => format!("blk.{l}.ssm_conv1d.weight"),
+            LinearDtBias(l) => format!("blk.{l}.ssm_dt.bias"),
+            LinearALog(l) => format!("blk.{l}.ssm_a"),
+            LinearNorm(l) => format!("blk.{l}.ssm_norm.weight"),
+            LinearOut(l) => format!("blk.{l}.ssm_out.weight"),
         }
     }
 
@@ -81,9 +111,11 @@ impl TensorKey {
         use TensorKey::*;
         match self {
             TokenEmbedding | OutputNorm | Output => None,
-            AttnNorm(l) | Q(l) | K(l) | V(l) | O(l) | QBias(l) | KBias(l) | VBias(l) | QNorm(l)
-            | KNorm(l) | FfnNorm(l) | AttnPostNorm(l) | FfnPostNorm(l) | Gate(l) | Up(l)
-            | Down(l) | Router(l) => Some(l),
+            AttnNorm(l) | Q(l) | QGate(l) | K(l) | V(l) | O(l) | QBias(l) | KBias(l) | VBias(l)
+            | QNorm(l) | KNorm(l) | FfnNorm(l) | AttnPostNorm(l) | FfnPostNorm(l) | Gate(l)
+            | Up(l) | Down(l) | Router(l) | SharedGate(l) | SharedUp(l) | SharedDown(l)
+            | SharedWeight(l) | LinearQkvz(l) | LinearBa(l) | LinearConv(l) | LinearDtBias(l)
+            | LinearALog(l) | LinearNorm(l) | LinearOut(l) => Some(l),
             ExpertGate(l, _) | ExpertUp(l, _) | ExpertDown(l, _) => Some(l),
         }
     }
@@ -95,7 +127,7 @@ impl TensorKey {
         Some(match self {
             TokenEmbedding | OutputNorm | Output => return None,
             AttnNorm(_) => "input_layernorm",
-            Q(_) | QBias(_) => "self_attn.q_proj",
+            Q(_) | QGate(_) | QBias(_) => "self_attn.q_proj",
             K(_) | KBias(_) => "self_attn.k_proj",
             V(_) | VBias(_) => "self_attn.v_proj",
             O(_) => "self_attn.o_proj",
@@ -108,6 +140,17 @@ impl TensorKey {
             Up(_) => "mlp.up_proj",
             Down(_) => "mlp.down_proj",
             Router(_) => "mlp.gate",
+            SharedGate(_) => "mlp.shared_expert.gate_proj",
+            SharedUp(_) => "mlp.shared_expert.up_proj",
+            SharedDown(_) => "mlp.shared_expert.down_proj",
+            SharedWeight(_) => "mlp.shared_expert_gate",
+            LinearQkvz(_) => "linear_attn.in_proj_qkvz",
+            LinearBa(_) => "linear_attn.in_proj_ba",
+            LinearConv(_) => "linear_attn.conv1d",
+            LinearDtBias(_) => "linear_attn.dt_bias",
+            LinearALog(_) => "linear_attn.A_log",
+            LinearNorm(_) => "linear_attn.norm",
+            LinearOut(_) => "linear_attn.out_proj",
             ExpertGate(..) | ExpertUp(..) | ExpertDown(..) => return None,
         })
     }
@@ -135,21 +178,36 @@ impl TensorKey {
         }
     }
 
-    /// `.weight` or `.bias`.
-    pub fn hf_suffix(self) -> &'static str {
+    /// `weight` or `bias`, or nothing where the parameter is not a module's (a DeltaNet's `dt_bias`, `A_log`).
+    pub fn hf_suffix(self) -> Option<&'static str> {
         use TensorKey::*;
         match self {
-            QBias(_) | KBias(_) | VBias(_) => "bias",
-            _ => "weight",
+            QBias(_) | KBias(_) | VBias(_) => Some("bias"),
+            LinearDtBias(_) | LinearALog(_) => None,
+            _ => Some("weight"),
         }
+    }
+
+    /// The Hugging Face tensor name of a per-layer tensor inside its layer (`self_attn.q_proj.weight`), as
+    /// Llama-family models name them.
+    pub fn hf_layer_name(self) -> Option<String> {
+        let module = self.hf_layer_module()?;
+        Some(match self.hf_suffix() {
+            Some(suffix) => format!("{module}.{suffix}"),
+            None => module.to_string(),
+        })
     }
 
     /// The Hugging Face tensor name in a model of `arch`.
     pub fn hf(self, arch: Arch) -> String {
-        format!("{}.{}", self.hf_module(arch), self.hf_suffix())
+        match self.hf_suffix() {
+            Some(suffix) => format!("{}.{suffix}", self.hf_module(arch)),
+            None => self.hf_module(arch),
+        }
     }
 
-    /// A norm weight (Gemma's checkpoints store these as `w - 1`).
+    /// A norm weight (Gemma's and Qwen3-Next's checkpoints store these as `w - 1`; a DeltaNet's gated output
+    /// norm is not one of them).
     pub fn is_norm(self) -> bool {
         use TensorKey::*;
         matches!(

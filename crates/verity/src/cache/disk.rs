@@ -19,11 +19,12 @@
 //! person can write any file. It is XXH3-128, which runs at memory speed (FNV-1a, the checksum of `VRTYKV01`,
 //! took ~40 % of a store and of a restore).
 //!
-//! File layout (`VRTYKV05`): the magic, a little-endian u32 header length, a JSON header (model fingerprint,
+//! File layout (`VRTYKV06`): the magic, a little-endian u32 header length, a JSON header (model fingerprint,
 //! numerics, token ids, shapes, each layer's first position held — a local attention layer keeps its last
-//! window only —, which target states it holds), each layer's K and V of its positions as little-endian f32, then,
-//! where the checkpoint kept them, the target's states of every position that the route's proposer conditions
-//! on (f32, `hidden` wide: an MTP head's final states, or a block drafter's layers, as `features` names them),
+//! window only, a recurrent layer none —, each layer's recurrent state length, which target states it holds),
+//! each layer's K and V of its positions as little-endian f32, each recurrent layer's state (f32), then, where
+//! the checkpoint kept them, the target's states of every position that the route's proposer conditions on
+//! (f32, `hidden` wide: an MTP head's final states, or a block drafter's layers, as `features` names them),
 //! then the XXH3-128 of all the bytes before it, little-endian. Written by hand because no crate stores this.
 
 use std::fs::File;
@@ -38,7 +39,7 @@ use super::temp_file::{temp_in_progress, TempFile, TEMP_PREFIX};
 use super::KvCheckpoint;
 use crate::model::TargetFeatures;
 
-const MAGIC: &[u8; 8] = b"VRTYKV05";
+const MAGIC: &[u8; 8] = b"VRTYKV06";
 const EXT: &str = "vkv";
 /// The magic and the header length.
 const PREFIX: usize = 12;
@@ -61,6 +62,8 @@ struct Header {
     n_layers: usize,
     /// Per layer, the first position its K/V hold (the rest from there to the last token).
     firsts: Vec<usize>,
+    /// Per layer, the values of its recurrent state (0: an attention layer).
+    states: Vec<usize>,
     /// Width of the hidden states after the K/V, 0 when there are none.
     hidden: usize,
     /// Which target states they are ([`TargetFeatures::tag`]; empty when there are none).
@@ -96,15 +99,23 @@ struct Entry {
     used: SystemTime,
 }
 
+/// The shape of a model's checkpoints.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointShape {
+    pub n_layers: usize,
+    pub kv_dim: usize,
+    /// The model's hidden size: the target states a checkpoint holds are a whole number of these wide.
+    pub hidden: usize,
+    /// Per layer, the values of its recurrent state (0: an attention layer).
+    pub states: Vec<usize>,
+}
+
 pub struct DiskTier {
     dir: PathBuf,
     model: String,
     numerics: String,
     quota: u64,
-    n_layers: usize,
-    kv_dim: usize,
-    /// The model's hidden size: the states a checkpoint holds are a whole number of these wide.
-    hidden: usize,
+    shape: CheckpointShape,
     entries: Vec<Entry>,
     /// Tests: fail every store's write after this many bytes (a full disk).
     #[cfg(test)]
@@ -182,9 +193,7 @@ impl DiskTier {
         root: &Path,
         model: u64,
         numerics: &str,
-        n_layers: usize,
-        kv_dim: usize,
-        hidden: usize,
+        shape: CheckpointShape,
         quota: u64,
     ) -> Option<Self> {
         // verity's version too: a release may change how a kernel rounds.
@@ -203,9 +212,7 @@ impl DiskTier {
             model: format!("{model:016x}"),
             numerics,
             quota,
-            n_layers,
-            kv_dim,
-            hidden,
+            shape,
             entries: Vec::new(),
             #[cfg(test)]
             fail_writes_after: None,
@@ -305,16 +312,20 @@ impl DiskTier {
             .firsts
             .iter()
             .try_fold(0u64, |sum, &f| sum.checked_add(n.checked_sub(f as u64)?));
+        let state_values: u64 = h.states.iter().map(|&s| s as u64).sum();
         let want = held
             .and_then(|p| p.checked_mul(h.kv_dim as u64))
             .and_then(|b| b.checked_mul(8))
+            .and_then(|b| b.checked_add(state_values.checked_mul(4)?))
             .and_then(|b| b.checked_add(n.checked_mul(h.hidden as u64)?.checked_mul(4)?));
         let features = TargetFeatures::from_tag(&h.features);
+        let shape = &self.shape;
         let shapes_ok = h.dtype == "f32"
-            && h.n_layers == self.n_layers
+            && h.n_layers == shape.n_layers
             && h.firsts.len() == h.n_layers
-            && h.kv_dim == self.kv_dim
-            && features.is_some_and(|f| f.width(self.hidden) == h.hidden)
+            && h.states == shape.states
+            && h.kv_dim == shape.kv_dim
+            && features.is_some_and(|f| f.width(shape.hidden) == h.hidden)
             && h.kv_dim > 0
             && !h.tokens.is_empty()
             && want == Some(h.data_bytes)
@@ -381,8 +392,16 @@ impl DiskTier {
             layers.push((floats(k), floats(v)));
             at += 2 * per;
         }
+        let mut ckpt = KvCheckpoint::from_parts(n, h.kv_dim, h.firsts.clone(), layers);
+        if h.states.iter().any(|&s| s > 0) {
+            let mut states = Vec::with_capacity(h.n_layers);
+            for &len in &h.states {
+                states.push(floats(&body[at..at + len * 4]));
+                at += len * 4;
+            }
+            ckpt = ckpt.with_recurrent(states);
+        }
         let hidden = &body[at..];
-        let ckpt = KvCheckpoint::from_parts(n, h.kv_dim, h.firsts.clone(), layers);
         let features = TargetFeatures::from_tag(&h.features).expect("checked with the header");
         Ok(if h.hidden > 0 {
             ckpt.with_hidden(features, h.hidden, floats(hidden))
@@ -410,14 +429,24 @@ impl DiskTier {
                 tokens.len()
             )));
         }
+        let states: Vec<usize> = match ckpt.recurrent() {
+            Some(states) => states.iter().map(Vec::len).collect(),
+            None => vec![0; self.shape.n_layers],
+        };
+        if states != self.shape.states {
+            return Err(std::io::Error::other(
+                "a checkpoint whose recurrent states are not this model's",
+            ));
+        }
         let header = Header {
             model: self.model.clone(),
             numerics: self.numerics.clone(),
             dtype: "f32".into(),
             tokens: tokens.to_vec(),
-            kv_dim: self.kv_dim,
-            n_layers: self.n_layers,
+            kv_dim: self.shape.kv_dim,
+            n_layers: self.shape.n_layers,
             firsts: ckpt.firsts().to_vec(),
+            states,
             hidden: ckpt.hidden().map_or(0, |h| h.width),
             features: ckpt.hidden().map_or(String::new(), |h| h.features.tag()),
             data_bytes: ckpt.bytes() as u64,
@@ -431,6 +460,9 @@ impl DiskTier {
             for x in k.iter().chain(v.iter()) {
                 bytes.extend_from_slice(&x.to_le_bytes());
             }
+        }
+        for x in ckpt.recurrent().into_iter().flatten().flatten() {
+            bytes.extend_from_slice(&x.to_le_bytes());
         }
         for x in ckpt.hidden().map_or(&[][..], |h| &h.rows) {
             bytes.extend_from_slice(&x.to_le_bytes());
@@ -575,9 +607,17 @@ mod tests {
         KvCheckpoint::synthetic(len, KV_DIM, LAYERS, seed)
     }
 
+    fn shape(hidden: usize) -> CheckpointShape {
+        CheckpointShape {
+            n_layers: LAYERS,
+            kv_dim: KV_DIM,
+            hidden,
+            states: vec![0; LAYERS],
+        }
+    }
+
     fn open(root: &Path) -> DiskTier {
-        DiskTier::open(root, MODEL, NUMERICS, LAYERS, KV_DIM, HIDDEN, 1 << 20)
-            .expect("usable folder")
+        DiskTier::open(root, MODEL, NUMERICS, shape(HIDDEN), 1 << 20).expect("usable folder")
     }
 
     fn files(dir: &Path) -> Vec<String> {
@@ -606,6 +646,41 @@ mod tests {
             "{what}: the rejected file is removed: {:?}",
             files(t.dir())
         );
+    }
+
+    #[test]
+    fn recurrent_states_travel_with_their_checkpoint_and_other_state_shapes_are_rejected() {
+        let root = scratch("recurrent");
+        // Layer 1 is recurrent (5 values); its K/V positions are none.
+        let states = |lens: Vec<usize>| CheckpointShape {
+            states: lens,
+            ..shape(HIDDEN)
+        };
+        let layers = vec![
+            (
+                (0..3 * KV_DIM).map(|i| i as f32).collect(),
+                vec![0.5; 3 * KV_DIM],
+            ),
+            (Vec::new(), Vec::new()),
+        ];
+        let ckpt = KvCheckpoint::from_parts(3, KV_DIM, vec![0, 3], layers)
+            .with_recurrent(vec![Vec::new(), vec![1.0, -2.0, 3.5, 0.0, 7.25]]);
+        let mut t = DiskTier::open(&root, MODEL, NUMERICS, states(vec![0, 5]), 1 << 20).unwrap();
+        t.store(&[1, 2, 3], &ckpt);
+        let mut t = DiskTier::open(&root, MODEL, NUMERICS, states(vec![0, 5]), 1 << 20).unwrap();
+        let (n, back) = t.longest(&[1, 2, 3]).expect("restored");
+        assert_eq!(
+            (n, back.layers(), back.recurrent()),
+            (3, ckpt.layers(), ckpt.recurrent())
+        );
+        // A model whose layer keeps another state: not restored, removed.
+        let mut other =
+            DiskTier::open(&root, MODEL, NUMERICS, states(vec![0, 6]), 1 << 20).unwrap();
+        assert!(other.longest(&[1, 2, 3]).is_none());
+        assert!(files(other.dir()).is_empty());
+        // A checkpoint without the states this tier's model keeps is not stored.
+        other.store(&[4, 5], &checkpoint(2, 1.0));
+        assert!(files(other.dir()).is_empty());
     }
 
     #[test]
@@ -638,8 +713,7 @@ mod tests {
         let (_, back) = open(&root).longest(&[7, 8]).expect("restored");
         assert_eq!(back.hidden(), ckpt2.hidden());
         // The same files read by a tier of a model with another hidden size: not restored, removed.
-        let mut other =
-            DiskTier::open(&root, MODEL, NUMERICS, LAYERS, KV_DIM, HIDDEN + 1, 1 << 20).unwrap();
+        let mut other = DiskTier::open(&root, MODEL, NUMERICS, shape(HIDDEN + 1), 1 << 20).unwrap();
         assert!(other.longest(&[4, 5, 6]).is_none());
         assert!(other.longest(&[7, 8]).is_none());
         assert!(files(other.dir()).is_empty());
@@ -735,14 +809,12 @@ mod tests {
             (MODEL + 1, NUMERICS),
         ];
         for (model, numerics) in others {
-            let mut t =
-                DiskTier::open(&root, model, numerics, LAYERS, KV_DIM, HIDDEN, 1 << 20).unwrap();
+            let mut t = DiskTier::open(&root, model, numerics, shape(HIDDEN), 1 << 20).unwrap();
             assert_ne!(t.dir(), q8.dir(), "{model} {numerics}: a folder of its own");
             assert!(t.longest(&tokens).is_none());
             // Even a file copied into its folder is not restored.
             std::fs::copy(&stored, t.dir().join(file_name(&tokens))).unwrap();
-            let mut t =
-                DiskTier::open(&root, model, numerics, LAYERS, KV_DIM, HIDDEN, 1 << 20).unwrap();
+            let mut t = DiskTier::open(&root, model, numerics, shape(HIDDEN), 1 << 20).unwrap();
             assert!(
                 t.longest(&tokens).is_none(),
                 "{model} {numerics}: copied file"
@@ -772,8 +844,7 @@ mod tests {
         std::fs::create_dir_all(&old_folder).unwrap();
         std::fs::write(old_folder.join("0123.vkv"), b"VRTYKV01 and the rest").unwrap();
         // Another model's current checkpoints, and files that are not checkpoints, are left alone.
-        let mut other =
-            DiskTier::open(&root, MODEL + 1, NUMERICS, LAYERS, KV_DIM, HIDDEN, 1 << 20).unwrap();
+        let mut other = DiskTier::open(&root, MODEL + 1, NUMERICS, shape(HIDDEN), 1 << 20).unwrap();
         other.store(&[1, 2, 3], &checkpoint(3, 1.0));
         let foreign = root.join("not-a-tier");
         std::fs::create_dir_all(&foreign).unwrap();

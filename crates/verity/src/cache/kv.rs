@@ -12,7 +12,11 @@
 //! context. What the ring has overwritten is tracked (`oldest`): a truncation to a point whose window is gone
 //! empties the cache instead (the caller prefills again), a checkpoint holds only each ring's last `window`
 //! positions, and a restore writes them back where they belong.
+//!
+//! A recurrent (linear-attention) layer has no K/V: its state is in [`Recurrent`], rolled back and
+//! checkpointed with the slots.
 
+use super::Recurrent;
 use crate::backend::{buffer_set_id, Backend};
 use crate::error::{Error, Result};
 use crate::model::TargetFeatures;
@@ -51,6 +55,8 @@ pub struct KvCache<B: Backend> {
     oldest: usize,
     /// Changes whenever the buffers are reallocated (see [`buffer_set_id`]).
     buffers_id: u64,
+    /// The recurrent layers' states, where the model has such layers (their K/V buffers are empty).
+    recurrent: Option<Recurrent>,
 }
 
 impl<B: Backend> KvCache<B> {
@@ -80,6 +86,7 @@ impl<B: Backend> KvCache<B> {
                 .map(|w| backend.buffer(if w.is_some() { ring } else { capacity } * kv_dim))
                 .collect()
         };
+        debug_assert!(shape.n_layers > 0);
         KvCache {
             k: buffers(),
             v: buffers(),
@@ -93,7 +100,48 @@ impl<B: Backend> KvCache<B> {
             ring,
             oldest: 0,
             buffers_id: buffer_set_id(),
+            recurrent: None,
         }
+    }
+
+    /// An empty cache of `shape` as [`KvCache::with_windows`] makes it, whose layers with a nonzero
+    /// `recurrent[l]` keep a recurrent state of that many values instead of K/V.
+    pub fn with_recurrent(
+        backend: &B,
+        shape: CacheShape,
+        max_capacity: usize,
+        windows: Vec<Option<usize>>,
+        recurrent: Vec<usize>,
+    ) -> Self {
+        assert_eq!(recurrent.len(), shape.n_layers, "a state length per layer");
+        let mut cache = Self::with_windows(backend, shape, max_capacity, windows);
+        if recurrent.iter().any(|&n| n > 0) {
+            for (l, _) in recurrent.iter().enumerate().filter(|(_, &n)| n > 0) {
+                cache.k[l] = backend.buffer(1);
+                cache.v[l] = backend.buffer(1);
+            }
+            cache.recurrent = Some(Recurrent::new(recurrent));
+        }
+        cache
+    }
+
+    /// Whether layer `l` keeps K/V (a recurrent layer does not).
+    fn has_kv(&self, l: usize) -> bool {
+        self.recurrent.as_ref().is_none_or(|r| r.lens()[l] == 0)
+    }
+
+    /// The layers that keep K/V.
+    fn kv_layers(&self) -> Vec<usize> {
+        (0..self.k.len()).filter(|&l| self.has_kv(l)).collect()
+    }
+
+    /// The recurrent layers' states, where the model has such layers.
+    pub fn recurrent(&self) -> Option<&Recurrent> {
+        self.recurrent.as_ref()
+    }
+
+    pub(crate) fn recurrent_mut(&mut self) -> Option<&mut Recurrent> {
+        self.recurrent.as_mut()
     }
 
     /// Committed slots.
@@ -114,15 +162,18 @@ impl<B: Backend> KvCache<B> {
         self.capacity
     }
 
-    /// Bytes of K/V the buffers hold (what the cache costs in device memory).
+    /// Bytes of K/V the buffers hold (what the cache costs in device memory), and of the recurrent states.
     pub fn bytes(&self) -> usize {
         let slots: usize = (0..self.windows.len()).map(|l| self.slots(l)).sum();
-        2 * slots * self.kv_dim * 4
+        let states: usize = self.recurrent.as_ref().map_or(0, |r| r.lens().iter().sum());
+        (2 * slots * self.kv_dim + states) * 4
     }
 
-    /// Slots of layer `l`'s buffers.
+    /// Slots of layer `l`'s buffers (none for a recurrent layer).
     fn slots(&self, l: usize) -> usize {
-        if self.windows[l].is_some() {
+        if !self.has_kv(l) {
+            0
+        } else if self.windows[l].is_some() {
             self.ring
         } else {
             self.capacity
@@ -178,7 +229,7 @@ impl<B: Backend> KvCache<B> {
         }
         // Every position each buffer holds, moved to where the new buffer keeps it.
         let held = |slots: usize, len: usize| len.saturating_sub(slots)..len;
-        for l in 0..self.windows.len() {
+        for l in self.kv_layers() {
             let (old, new) = (
                 self.slots(l),
                 if self.windows[l].is_some() {
@@ -216,9 +267,11 @@ impl<B: Backend> KvCache<B> {
         self.len += rows;
     }
 
-    /// The positions a checkpoint keeps of layer `l`: a local layer's last window, every other layer's all.
+    /// The positions a checkpoint keeps of layer `l`: a local layer's last window, a recurrent layer's none
+    /// (its state stands for them), every other layer's all.
     fn kept(&self, l: usize) -> std::ops::Range<usize> {
         match self.windows[l] {
+            _ if !self.has_kv(l) => self.len..self.len,
             Some(w) => self.len.saturating_sub(w)..self.len,
             None => 0..self.len,
         }
@@ -248,18 +301,29 @@ impl<B: Backend> KvCache<B> {
             kv_dim: d,
             firsts,
             layers,
+            recurrent: self.recurrent.as_ref().map(|r| r.current().to_vec()),
             hidden: None,
         }
     }
 
     /// Replace the committed state with a checkpoint taken from a cache of the same shape.
     pub fn restore(&mut self, backend: &B, ckpt: &KvCheckpoint) -> Result<()> {
-        if ckpt.kv_dim != self.kv_dim || ckpt.layers.len() != self.k.len() {
+        let states_fit = match (&self.recurrent, &ckpt.recurrent) {
+            (None, None) => true,
+            (Some(r), Some(states)) => {
+                states.len() == r.lens().len()
+                    && states.iter().zip(r.lens()).all(|(s, &n)| s.len() == n)
+            }
+            _ => false,
+        };
+        if ckpt.kv_dim != self.kv_dim || ckpt.layers.len() != self.k.len() || !states_fit {
             return Err(Error::Invalid("checkpoint of another model shape".into()));
         }
-        // A local layer needs its last window; any other layer everything.
+        // A local layer needs its last window, a recurrent layer no position (its state), any other layer
+        // everything.
         let enough = (0..self.k.len()).all(|l| {
             let need = match self.windows[l] {
+                _ if !self.has_kv(l) => ckpt.len,
                 Some(w) => ckpt.len.saturating_sub(w),
                 None => 0,
             };
@@ -274,7 +338,7 @@ impl<B: Backend> KvCache<B> {
         self.oldest = 0;
         self.grow(backend, ckpt.len, 0);
         let d = self.kv_dim;
-        for l in 0..self.k.len() {
+        for l in self.kv_layers() {
             let slots = self.slots(l);
             let first = ckpt.firsts[l].max(ckpt.len.saturating_sub(slots));
             let (ck, cv) = &ckpt.layers[l];
@@ -291,6 +355,9 @@ impl<B: Backend> KvCache<B> {
         self.len = ckpt.len;
         if self.ring < self.len {
             self.oldest = self.len - self.ring;
+        }
+        if let (Some(r), Some(states)) = (&mut self.recurrent, &ckpt.recurrent) {
+            r.restore(ckpt.len, states.clone());
         }
         Ok(())
     }
@@ -313,7 +380,7 @@ impl<B: Backend> KvCache<B> {
             let mut moved = 0;
             while src > dst && moved < run {
                 let n = (run - moved).min(src - dst);
-                for l in 0..self.k.len() {
+                for l in self.kv_layers() {
                     let slots = self.slots(l);
                     // In a ring a piece may wrap: split it where either end does.
                     for (p, m) in ring_pieces(src + moved..src + moved + n, slots) {
@@ -336,23 +403,39 @@ impl<B: Backend> KvCache<B> {
             i += run;
         }
         self.len = self.len.min(base + rows.len());
+        if let Some(r) = &mut self.recurrent {
+            r.keep_rows(base, rows);
+        }
     }
 
     /// Roll back to the first `len` slots (a rejected speculative suffix, or a new conversation sharing a
-    /// prefix), and return the fill kept: `len`, or 0 where a ring no longer holds the window before `len` (the
-    /// caller prefills again from the start).
+    /// prefix), and return the fill kept: `len`, or 0 where a ring no longer holds the window before `len`, or
+    /// the recurrent state at `len` is not kept (the caller prefills again from the start).
     pub fn truncate(&mut self, len: usize) -> usize {
         let len = self.len.min(len);
         let window_kept = self
             .window()
             .is_none_or(|w| len.saturating_sub(w) >= self.oldest);
-        if window_kept {
+        let state_kept = self.recurrent.as_mut().is_none_or(|r| r.truncate(len));
+        if window_kept && state_kept {
             self.len = len;
         } else {
             self.len = 0;
             self.oldest = 0;
+            if let Some(r) = &mut self.recurrent {
+                r.reset();
+            }
         }
         self.len
+    }
+
+    /// Start a forward of `rows` rows after the committed slots: the recurrent states after its rows follow,
+    /// every row's where `verify` (a rollback may keep any prefix or tree path of them), else the last's.
+    pub(crate) fn begin_forward(&mut self, rows: usize, verify: bool) {
+        let len = self.len;
+        if let Some(r) = &mut self.recurrent {
+            r.begin(len, rows, verify);
+        }
     }
 }
 
@@ -383,6 +466,8 @@ pub struct KvCheckpoint {
     firsts: Vec<usize>,
     /// Each layer's K and V of positions `firsts[l]..len`.
     layers: Vec<(Vec<f32>, Vec<f32>)>,
+    /// Each layer's recurrent state at `len` (empty for attention layers), where the model has such layers.
+    recurrent: Option<Vec<Vec<f32>>>,
     /// The target's hidden states of every slot that the route's proposer conditions on (an MTP head's final
     /// states, a block drafter's layers; `len × width` values), where they were kept: a restore then hands the
     /// proposer the whole prefix, as a cold prefill would.
@@ -416,8 +501,21 @@ impl KvCheckpoint {
             kv_dim,
             firsts,
             layers,
+            recurrent: None,
             hidden: None,
         }
+    }
+
+    /// Attach each layer's recurrent state at `len` (empty for layers without one).
+    pub(crate) fn with_recurrent(mut self, states: Vec<Vec<f32>>) -> Self {
+        assert_eq!(states.len(), self.layers.len(), "a state per layer");
+        self.recurrent = Some(states);
+        self
+    }
+
+    /// Each layer's recurrent state, where the model has recurrent layers.
+    pub fn recurrent(&self) -> Option<&[Vec<f32>]> {
+        self.recurrent.as_deref()
     }
 
     /// Per layer, the first position it holds.
@@ -467,7 +565,8 @@ impl KvCheckpoint {
             .iter()
             .map(|(k, v)| (k.len() + v.len()) * 4)
             .sum();
-        kv + self.hidden.as_ref().map_or(0, |h| h.rows.len() * 4)
+        let states: usize = self.recurrent.iter().flatten().map(|s| s.len() * 4).sum();
+        kv + states + self.hidden.as_ref().map_or(0, |h| h.rows.len() * 4)
     }
 
     /// Tests: `layers` layers of `len` slots whose values start at `seed` (seeds tell checkpoints apart).

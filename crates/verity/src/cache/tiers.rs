@@ -205,6 +205,7 @@ impl Drop for DiskWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cache::CheckpointShape;
     use std::path::{Path, PathBuf};
 
     const LAYERS: usize = 2;
@@ -221,7 +222,13 @@ mod tests {
     }
 
     fn open(root: &Path) -> DiskTier {
-        DiskTier::open(root, 7, "test numerics", LAYERS, KV_DIM, 8, 1 << 20).expect("usable folder")
+        let shape = CheckpointShape {
+            n_layers: LAYERS,
+            kv_dim: KV_DIM,
+            hidden: 8,
+            states: vec![0; LAYERS],
+        };
+        DiskTier::open(root, 7, "test numerics", shape, 1 << 20).expect("usable folder")
     }
 
     /// Each checkpoint's first K value, as restored (the seeds tell them apart).

@@ -23,7 +23,7 @@ pub use stats::{GenerationStats, StopReason};
 
 use crate::backend::Backend;
 use crate::bundle::Bundle;
-use crate::cache::{DiskTier, KvCache, PrefixTiers};
+use crate::cache::{CheckpointShape, DiskTier, KvCache, PrefixTiers};
 use crate::chat::{ChatTemplate, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::Model;
@@ -97,14 +97,23 @@ impl<B: Backend> Engine<B> {
     /// checkpoint is only restored by the same weights computing the same bits), up to `quota` bytes.
     /// Returns false (with a warning logged) when the folder cannot be used; generation is unaffected.
     pub fn set_prefix_cache_dir(&mut self, root: &Path, quota: u64) -> bool {
-        let kv_dim = self.model.hp.n_kv_heads * self.model.hp.head_dim;
+        let hp = &self.model.hp;
+        let shape = CheckpointShape {
+            n_layers: hp.n_layers,
+            kv_dim: hp.n_kv_heads * hp.head_dim,
+            hidden: hp.hidden,
+            states: (0..hp.n_layers)
+                .map(|l| match &hp.block.linear {
+                    Some(la) if la.layers[l] => la.state_len(),
+                    _ => 0,
+                })
+                .collect(),
+        };
         let disk = DiskTier::open(
             root,
             self.fingerprint,
             &self.model.backend().numerics(),
-            self.model.hp.n_layers,
-            kv_dim,
-            self.model.hp.hidden,
+            shape,
             quota,
         );
         let usable = disk.is_some();

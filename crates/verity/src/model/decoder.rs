@@ -1,10 +1,13 @@
 //! The decoder: pre-norm attention and gated-MLP blocks over a residual stream, with what sets each family apart
 //! taken from [`HParams`]: Llama and SmolLM (SwiGLU), Qwen2 (QKV biases), Qwen3 (per-head Q/K norms), Gemma 3
 //! (GeGLU, post-norms on both block outputs, Q/K norms, embeddings scaled by √hidden, its own query scale, and
-//! local sliding-window layers with their own RoPE base between the global ones).
+//! local sliding-window layers with their own RoPE base between the global ones), Qwen3-MoE (mixtures of
+//! experts), Qwen3-Next (Gated DeltaNet layers between gated full-attention ones, partial RoPE, a mixture with
+//! a shared expert).
 
 use std::sync::Arc;
 
+use super::delta_net::DeltaNet;
 use super::{run_recorded, Batch, ForwardOutput, LogitRows, TargetFeatures};
 use crate::backend::{buffer_set_id, AttnMask, AttnShape, Backend, Rope, RopeScaling, StepInputs};
 use crate::bundle::hparams::{Arch, HParams};
@@ -14,16 +17,28 @@ use crate::error::{Error, Result};
 
 pub(super) struct Layer<B: Backend> {
     attn_norm: B::Buffer,
-    q: B::Matrix,
-    k: B::Matrix,
-    v: B::Matrix,
-    o: B::Matrix,
-    qkv_bias: Option<[B::Buffer; 3]>,
-    qk_norm: Option<[B::Buffer; 2]>,
+    mixer: Mixer<B>,
     ffn_norm: B::Buffer,
     /// Gemma: the norms of the attention and MLP outputs.
     post_norms: Option<[B::Buffer; 2]>,
     mlp: Mlp<B>,
+}
+
+/// What mixes a layer's positions: attention over the cache, or a Gated DeltaNet's recurrent state.
+enum Mixer<B: Backend> {
+    Attention(Attention<B>),
+    Linear(DeltaNet<B>),
+}
+
+struct Attention<B: Backend> {
+    q: B::Matrix,
+    k: B::Matrix,
+    v: B::Matrix,
+    o: B::Matrix,
+    /// Qwen3-Next: the per-head output gate's projection (its sigmoid scales the attention output).
+    gate: Option<B::Matrix>,
+    qkv_bias: Option<[B::Buffer; 3]>,
+    qk_norm: Option<[B::Buffer; 2]>,
 }
 
 /// A layer's MLP: one gated MLP, or a mixture of experts.
@@ -33,11 +48,19 @@ enum Mlp<B: Backend> {
         up: B::Matrix,
         down: B::Matrix,
     },
-    /// A router (a row per expert) and each expert's gate, up and down projections.
+    /// A router (a row per expert), each expert's gate, up and down projections, and a shared expert where
+    /// the model has one.
     Experts {
         router: B::Matrix,
         experts: Vec<[B::Matrix; 3]>,
+        shared: Option<SharedExpert<B>>,
     },
+}
+
+/// Qwen3-Next's shared expert: a gated MLP every token runs, scaled by the sigmoid of `weight · x̂`.
+struct SharedExpert<B: Backend> {
+    mlp: [B::Matrix; 3],
+    weight: B::Matrix,
 }
 
 /// Activation buffers for up to `rows` rows, reused across forwards.
@@ -49,6 +72,8 @@ pub(super) struct Scratch<B: Backend> {
     pub(super) x: B::Buffer,
     pub(super) xn: B::Buffer,
     pub(super) q: B::Buffer,
+    /// Qwen3-Next: the attention output gates' projections.
+    pub(super) gate: B::Buffer,
     pub(super) k: B::Buffer,
     pub(super) v: B::Buffer,
     pub(super) tmp: B::Buffer,
@@ -111,14 +136,24 @@ impl<B: Backend> Model<B> {
         let mut vec = |key: TensorKey, len: usize| -> Result<B::Buffer> {
             Ok(be.upload(&bundle.vector(key, len)?))
         };
+        let mut linear_bytes = 0;
         let layers = (0..hp.n_layers)
             .map(|l| {
                 let sparse = hp.block.moe.as_ref().is_some_and(|m| m.sparse[l]);
-                Layer::load(&hp, l, sparse, &mut mat, &mut vec)
+                let linear = match &hp.block.linear {
+                    Some(la) if la.layers[l] => {
+                        let (d, bytes) = DeltaNet::load(bundle, &hp, l, be)?;
+                        linear_bytes += bytes;
+                        Some(d)
+                    }
+                    _ => None,
+                };
+                Layer::load(&hp, l, sparse, linear, &mut mat, &mut vec)
             })
             .collect::<Result<Vec<_>>>()?;
+        weight_bytes += linear_bytes;
         let output_norm = be.upload(&bundle.vector(TensorKey::OutputNorm, h)?);
-        if matches!(hp.arch, Arch::Qwen3 | Arch::Gemma3) && !hp.qk_norm {
+        if matches!(hp.arch, Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Next) && !hp.qk_norm {
             return Err(Error::Invalid(format!(
                 "{} without q/k norms",
                 hp.arch.name()
@@ -152,7 +187,13 @@ impl<B: Backend> Model<B> {
         let windows = (0..self.hp.n_layers)
             .map(|l| self.hp.layer_attention(l).0)
             .collect();
-        KvCache::with_windows(
+        let recurrent = (0..self.hp.n_layers)
+            .map(|l| match &self.hp.block.linear {
+                Some(la) if la.layers[l] => la.state_len(),
+                _ => 0,
+            })
+            .collect();
+        KvCache::with_recurrent(
             self.backend.as_ref(),
             CacheShape {
                 n_layers: self.hp.n_layers,
@@ -162,6 +203,7 @@ impl<B: Backend> Model<B> {
             },
             cap,
             windows,
+            recurrent,
         )
     }
 
@@ -189,6 +231,11 @@ impl<B: Backend> Model<B> {
         let rows = batch.rows();
         self.check_batch(batch, hidden_layers)?;
         cache.reserve(self.backend.as_ref(), rows)?;
+        // Rows whose logits are all asked for are a verify's: a rollback may keep any of them.
+        cache.begin_forward(
+            rows,
+            matches!(logit_rows, LogitRows::All | LogitRows::Greedy),
+        );
         let mut s = self.scratch(rows);
         let out = self.run(cache, batch, logit_rows, hidden_layers, false, &mut s);
         self.scratch = Some(s);
@@ -219,6 +266,11 @@ impl<B: Backend> Model<B> {
         let rows = batch.rows();
         self.check_batch(batch, &[])?;
         cache.reserve(self.backend.as_ref(), rows)?;
+        // Rows whose logits are all asked for are a verify's: a rollback may keep any of them.
+        cache.begin_forward(
+            rows,
+            matches!(logit_rows, LogitRows::All | LogitRows::Greedy),
+        );
         let mut s = self.scratch(rows);
         let out = self.run(cache, batch, logit_rows, &[], true, &mut s);
         self.scratch = Some(s);
@@ -336,9 +388,21 @@ impl<B: Backend> Model<B> {
             final_hidden,
             hidden_layers,
         );
-        let mut work = || self.encode(cache, rows, logit_rows, final_hidden, hidden_layers, s);
-        if self.hp.block.moe.is_some() {
-            // A mixture routes on the host mid-forward, which a recording cannot hold.
+        let parents = parents(&batch.mask, rows);
+        let mut work = || {
+            self.encode(
+                cache,
+                rows,
+                &parents,
+                logit_rows,
+                final_hidden,
+                hidden_layers,
+                s,
+            )
+        };
+        if self.hp.block.moe.is_some() || self.hp.block.linear.is_some() {
+            // A mixture routes on the host mid-forward, and a Gated DeltaNet steps its state there: a recording
+            // cannot hold either.
             work();
         } else {
             run_recorded(be, rows, key, &mut work);
@@ -374,12 +438,15 @@ impl<B: Backend> Model<B> {
     }
 
     /// The device work of a forward whose inputs are in `s.step`: the layers (the residual streams after those
-    /// in `hidden_layers` copied to `s.states`, in that order), then the final norm of every row into `s.xn` if
-    /// `final_hidden`, and the logits of the rows asked for into `s.logits`.
+    /// in `hidden_layers` copied to `s.states`, in that order; a recurrent layer's row `r` stepped from the
+    /// state after row `parents[r]`), then the final norm of every row into `s.xn` if `final_hidden`, and the
+    /// logits of the rows asked for into `s.logits`.
+    #[allow(clippy::too_many_arguments)] // a forward's inputs and what it returns
     fn encode(
         &self,
         cache: &mut KvCache<B>,
         rows: usize,
+        parents: &[Option<usize>],
         logit_rows: LogitRows,
         final_hidden: bool,
         hidden_layers: &[usize],
@@ -393,10 +460,22 @@ impl<B: Backend> Model<B> {
             be.scale(&mut s.x, rows * h, scale);
         }
         for (l, layer) in self.layers.iter().enumerate() {
-            let (kc, vc) = (&mut cache.k[l], &mut cache.v[l]);
-            let shape = layer_shape(hp, l, rows);
-            let rope = layer_rope(hp, l);
-            layer.run(be, hp, rope, s, [kc, vc, &mut cache.attn_work], shape);
+            match &layer.mixer {
+                Mixer::Attention(_) => {
+                    let (kc, vc) = (&mut cache.k[l], &mut cache.v[l]);
+                    let shape = layer_shape(hp, l, rows);
+                    let rope = layer_rope(hp, l);
+                    layer.run(be, hp, rope, s, [kc, vc, &mut cache.attn_work], shape);
+                }
+                Mixer::Linear(d) => {
+                    let states = cache
+                        .recurrent_mut()
+                        .expect("a model with recurrent layers has their states");
+                    d.run(be, hp, &layer.attn_norm, s, rows, parents, l, states);
+                    layer.add_output(be, hp, &d.out, &s.attn, 0, rows, &mut s.tmp, &mut s.x);
+                    layer.feed_forward(be, hp, s, rows);
+                }
+            }
             if let Some(j) = hidden_layers.iter().position(|&m| m == l) {
                 be.copy(&s.x, 0, &mut s.states, j * rows * h, rows * h);
             }
@@ -462,7 +541,17 @@ pub(super) fn layer_rope(hp: &HParams, l: usize) -> Rope {
         } else {
             hp.rope_scaling
         },
+        dims: hp.block.rotary_dims,
     }
+}
+
+/// Each row's parent among the forward's rows (the row whose state it continues): the row before it under a
+/// causal mask; in a draft tree the nearest row it sees (its parent node); `None` for a row that continues
+/// the committed state.
+fn parents(mask: &AttnMask, rows: usize) -> Vec<Option<usize>> {
+    (0..rows)
+        .map(|r| (0..r).rev().find(|&j| mask.sees(rows, r, j)))
+        .collect()
 }
 
 /// A row's experts and their weights from its router logits: the softmax's `top_k` largest (the lower index
@@ -491,6 +580,15 @@ impl<B: Backend> Scratch<B> {
         let moe = hp.block.moe.as_ref();
         let qd = hp.n_heads * hp.head_dim;
         let kvd = hp.n_kv_heads * hp.head_dim;
+        // A Gated DeltaNet's input projections go to `act` (Q/K/V/Z) and `router` (β/α), its output to `attn`.
+        let (linear_in, linear_ba, linear_out) = hp.block.linear.as_ref().map_or((0, 0, 0), |la| {
+            let (kd, vd) = (la.key_heads * la.key_dim, la.value_heads * la.value_dim);
+            (2 * kd + 2 * vd, 2 * la.value_heads, vd)
+        });
+        let act = hp
+            .ffn_hidden
+            .max(moe.map_or(0, |m| m.ffn.max(m.shared_ffn.unwrap_or(0))))
+            .max(linear_in);
         Scratch {
             rows,
             id: buffer_set_id(),
@@ -498,12 +596,17 @@ impl<B: Backend> Scratch<B> {
             x: be.buffer(rows * hp.hidden),
             xn: be.buffer(rows * hp.hidden),
             q: be.buffer(rows * qd),
+            gate: be.buffer(if hp.block.attention_gate {
+                rows * qd
+            } else {
+                1
+            }),
             k: be.buffer(rows * kvd),
             v: be.buffer(rows * kvd),
             tmp: be.buffer(rows * qd.max(hp.hidden)),
-            attn: be.buffer(rows * qd),
-            act: be.buffer(rows * hp.ffn_hidden.max(moe.map_or(0, |m| m.ffn))),
-            router: be.buffer(rows * moe.map_or(1, |m| m.experts)),
+            attn: be.buffer(rows * qd.max(linear_out)),
+            act: be.buffer(rows * act),
+            router: be.buffer(rows * moe.map_or(1, |m| m.experts).max(linear_ba)),
             gathered: be.buffer(if moe.is_some() { rows * hp.hidden } else { 1 }),
             logits: be.buffer(rows * vocab),
             greedy: be.buffer(rows),
@@ -513,12 +616,14 @@ impl<B: Backend> Scratch<B> {
 }
 
 impl<B: Backend> Layer<B> {
-    /// Load layer `l` (with a mixture-of-experts MLP when `sparse`) through `mat(key, rows, cols)` and
-    /// `vec(key, len)`, which resolve the tensor names.
+    /// Load layer `l` (with a mixture-of-experts MLP when `sparse`; mixed by `linear` where it is a Gated
+    /// DeltaNet layer, else by attention) through `mat(key, rows, cols)` and `vec(key, len)`, which resolve
+    /// the tensor names.
     pub(super) fn load(
         hp: &HParams,
         l: usize,
         sparse: bool,
+        linear: Option<DeltaNet<B>>,
         mat: &mut impl FnMut(TensorKey, usize, usize) -> Result<B::Matrix>,
         vec: &mut impl FnMut(TensorKey, usize) -> Result<B::Buffer>,
     ) -> Result<Self> {
@@ -528,29 +633,40 @@ impl<B: Backend> Layer<B> {
             hp.n_kv_heads * hp.head_dim,
             hp.ffn_hidden,
         );
+        let mixer = match linear {
+            Some(d) => Mixer::Linear(d),
+            None => Mixer::Attention(Attention {
+                q: mat(TensorKey::Q(l), qd, h)?,
+                k: mat(TensorKey::K(l), kvd, h)?,
+                v: mat(TensorKey::V(l), kvd, h)?,
+                o: mat(TensorKey::O(l), h, qd)?,
+                gate: if hp.block.attention_gate {
+                    Some(mat(TensorKey::QGate(l), qd, h)?)
+                } else {
+                    None
+                },
+                qkv_bias: if hp.qkv_bias {
+                    Some([
+                        vec(TensorKey::QBias(l), qd)?,
+                        vec(TensorKey::KBias(l), kvd)?,
+                        vec(TensorKey::VBias(l), kvd)?,
+                    ])
+                } else {
+                    None
+                },
+                qk_norm: if hp.qk_norm {
+                    Some([
+                        vec(TensorKey::QNorm(l), hp.head_dim)?,
+                        vec(TensorKey::KNorm(l), hp.head_dim)?,
+                    ])
+                } else {
+                    None
+                },
+            }),
+        };
         Ok(Layer {
             attn_norm: vec(TensorKey::AttnNorm(l), h)?,
-            q: mat(TensorKey::Q(l), qd, h)?,
-            k: mat(TensorKey::K(l), kvd, h)?,
-            v: mat(TensorKey::V(l), kvd, h)?,
-            o: mat(TensorKey::O(l), h, qd)?,
-            qkv_bias: if hp.qkv_bias {
-                Some([
-                    vec(TensorKey::QBias(l), qd)?,
-                    vec(TensorKey::KBias(l), kvd)?,
-                    vec(TensorKey::VBias(l), kvd)?,
-                ])
-            } else {
-                None
-            },
-            qk_norm: if hp.qk_norm {
-                Some([
-                    vec(TensorKey::QNorm(l), hp.head_dim)?,
-                    vec(TensorKey::KNorm(l), hp.head_dim)?,
-                ])
-            } else {
-                None
-            },
+            mixer,
             ffn_norm: vec(TensorKey::FfnNorm(l), h)?,
             post_norms: if hp.block.post_norms {
                 Some([
@@ -572,6 +688,17 @@ impl<B: Backend> Layer<B> {
                             ])
                         })
                         .collect::<Result<_>>()?,
+                    shared: match m.shared_ffn {
+                        Some(sf) => Some(SharedExpert {
+                            mlp: [
+                                mat(TensorKey::SharedGate(l), sf, h)?,
+                                mat(TensorKey::SharedUp(l), sf, h)?,
+                                mat(TensorKey::SharedDown(l), h, sf)?,
+                            ],
+                            weight: mat(TensorKey::SharedWeight(l), 1, h)?,
+                        }),
+                        None => None,
+                    },
                 },
                 None => Mlp::Dense {
                     gate: mat(TensorKey::Gate(l), f, h)?,
@@ -580,6 +707,16 @@ impl<B: Backend> Layer<B> {
                 },
             },
         })
+    }
+
+    /// The layer's attention, where it has one (an MTP head's and a block drafter's layers always do).
+    fn attention(&self) -> &Attention<B> {
+        match &self.mixer {
+            Mixer::Attention(a) => a,
+            Mixer::Linear(_) => {
+                panic!("an attention layer was asked for, not a linear-attention one")
+            }
+        }
     }
 
     /// The block over `rows = shape.rows` rows of `s.x`, in place, with its inputs in `s.step`: attention (its
@@ -595,12 +732,13 @@ impl<B: Backend> Layer<B> {
         shape: AttnShape,
     ) {
         let rows = shape.rows;
-        if self.qkv_bias.is_none() && self.qk_norm.is_none() {
+        let a = self.attention();
+        if a.qkv_bias.is_none() && a.qk_norm.is_none() && a.gate.is_none() {
             // Nothing between the projections and RoPE: one fused step where the backend has it.
             be.qkv_rope_and_cache(
                 &s.x,
                 Some((&self.attn_norm, hp.rms_eps)),
-                [&self.q, &self.k, &self.v],
+                [&a.q, &a.k, &a.v],
                 [&mut s.q, &mut s.k, &mut s.v],
                 [&mut *k_cache, &mut *v_cache],
                 shape,
@@ -619,7 +757,22 @@ impl<B: Backend> Layer<B> {
             &s.step,
             &mut s.attn,
         );
-        self.add_output(be, hp, &self.o, &s.attn, 0, rows, &mut s.tmp, &mut s.x);
+        if a.gate.is_some() {
+            // attn ⊙ σ(gate), on the host (one of the layers a Gated DeltaNet model keeps out of recordings).
+            let n = rows * hp.n_heads * hp.head_dim;
+            let gate = be.download(&s.gate, n);
+            let mut out = be.download(&s.attn, n);
+            for (o, g) in out.iter_mut().zip(gate) {
+                *o *= 1.0 / (1.0 + (-g).exp());
+            }
+            be.write(&mut s.attn, &out);
+        }
+        self.add_output(be, hp, &a.o, &s.attn, 0, rows, &mut s.tmp, &mut s.x);
+        self.feed_forward(be, hp, s, rows);
+    }
+
+    /// The MLP over `rows` rows of `s.x`, added to it.
+    pub(super) fn feed_forward(&self, be: &B, hp: &HParams, s: &mut Scratch<B>, rows: usize) {
         match &self.mlp {
             Mlp::Dense { gate, up, down } => {
                 be.glu_matmul(
@@ -633,8 +786,12 @@ impl<B: Backend> Layer<B> {
                 );
                 self.add_output(be, hp, down, &s.act, 1, rows, &mut s.tmp, &mut s.x);
             }
-            Mlp::Experts { router, experts } => {
-                self.experts(be, hp, router, experts, s, rows);
+            Mlp::Experts {
+                router,
+                experts,
+                shared,
+            } => {
+                self.experts(be, hp, router, experts, shared.as_ref(), s, rows);
             }
         }
     }
@@ -642,15 +799,18 @@ impl<B: Backend> Layer<B> {
     /// The mixture of experts over `rows` rows of `s.x`, added to it. The router's logits come back to the host,
     /// which picks each row's experts and weights (softmax, top k, renormalized if the model says so); each
     /// expert then runs once over the rows that chose it, gathered, and each row's outputs are summed in the
-    /// order of its choices. Every row's arithmetic is its own — the projections are row-exact and the host
-    /// work is per row — so a row's result is bitwise the same whatever rows share the forward and whichever
-    /// experts they chose. (The host round trips keep such forwards from being recorded; see `run`.)
+    /// order of its choices, then the shared expert's output where there is one, scaled by its gate. Every
+    /// row's arithmetic is its own — the projections are row-exact and the host work is per row — so a row's
+    /// result is bitwise the same whatever rows share the forward and whichever experts they chose. (The host
+    /// round trips keep such forwards from being recorded; see `run`.)
+    #[allow(clippy::too_many_arguments)] // the mixture's parts and the rows
     fn experts(
         &self,
         be: &B,
         hp: &HParams,
         router: &B::Matrix,
         experts: &[[B::Matrix; 3]],
+        shared: Option<&SharedExpert<B>>,
         s: &mut Scratch<B>,
         rows: usize,
     ) {
@@ -690,12 +850,29 @@ impl<B: Backend> Layer<B> {
                 outs[(r * m.top_k + k) * h..][..h].copy_from_slice(&y[i * h..(i + 1) * h]);
             }
         }
+        // The shared expert's output of every row, and its gate's sigmoid.
+        let shared_out = shared.map(|sh| {
+            let [gate, up, down] = &sh.mlp;
+            be.glu_matmul(&s.xn, None, rows, gate, up, hp.block.glu, &mut s.act);
+            be.matmul(down, &s.act, rows, &mut s.tmp);
+            be.matmul(&sh.weight, &s.xn, rows, &mut s.router);
+            let y = be.download(&s.tmp, rows * h);
+            let g: Vec<f32> = be
+                .download(&s.router, rows)
+                .into_iter()
+                .map(|g| 1.0 / (1.0 + (-g).exp()))
+                .collect();
+            (y, g)
+        });
         let mut x = be.download(&s.x, rows * h);
         for (r, xr) in x.chunks_exact_mut(h).enumerate() {
             for (j, v) in xr.iter_mut().enumerate() {
                 let mut acc = 0f32;
                 for (k, &(_, w)) in choices[r].iter().enumerate() {
                     acc += w * outs[(r * m.top_k + k) * h + j];
+                }
+                if let Some((y, g)) = &shared_out {
+                    acc += g[r] * y[r * h + j];
                 }
                 *v += acc;
             }
@@ -743,17 +920,13 @@ impl<B: Backend> Layer<B> {
     ) {
         let rows = shape.rows;
         let kvd = hp.n_kv_heads * hp.head_dim;
-        be.matmuls(
-            x,
-            None,
-            rows,
-            &mut [(&self.k, &mut s.k), (&self.v, &mut s.v)],
-        );
-        if let Some([_, bk, bv]) = &self.qkv_bias {
+        let a = self.attention();
+        be.matmuls(x, None, rows, &mut [(&a.k, &mut s.k), (&a.v, &mut s.v)]);
+        if let Some([_, bk, bv]) = &a.qkv_bias {
             be.add_bias(&mut s.k, bk, rows, kvd);
             be.add_bias(&mut s.v, bv, rows, kvd);
         }
-        if let Some([_, nk]) = &self.qk_norm {
+        if let Some([_, nk]) = &a.qk_norm {
             be.rms_norm(
                 &s.k,
                 nk,
@@ -782,22 +955,33 @@ impl<B: Backend> Layer<B> {
         let rows = shape.rows;
         let hd = hp.head_dim;
         let (qd, kvd) = (hp.n_heads * hd, hp.n_kv_heads * hd);
-        be.matmuls(
-            &s.x,
-            Some((&self.attn_norm, hp.rms_eps)),
-            rows,
-            &mut [
-                (&self.q, &mut s.q),
-                (&self.k, &mut s.k),
-                (&self.v, &mut s.v),
-            ],
-        );
-        if let Some([bq, bk, bv]) = &self.qkv_bias {
+        let a = self.attention();
+        let norm = Some((&self.attn_norm, hp.rms_eps));
+        match &a.gate {
+            None => be.matmuls(
+                &s.x,
+                norm,
+                rows,
+                &mut [(&a.q, &mut s.q), (&a.k, &mut s.k), (&a.v, &mut s.v)],
+            ),
+            Some(g) => be.matmuls(
+                &s.x,
+                norm,
+                rows,
+                &mut [
+                    (&a.q, &mut s.q),
+                    (&a.k, &mut s.k),
+                    (&a.v, &mut s.v),
+                    (g, &mut s.gate),
+                ],
+            ),
+        }
+        if let Some([bq, bk, bv]) = &a.qkv_bias {
             be.add_bias(&mut s.q, bq, rows, qd);
             be.add_bias(&mut s.k, bk, rows, kvd);
             be.add_bias(&mut s.v, bv, rows, kvd);
         }
-        if let Some([nq, nk]) = &self.qk_norm {
+        if let Some([nq, nk]) = &a.qk_norm {
             be.rms_norm(&s.q, nq, rows * hp.n_heads, hd, hp.rms_eps, &mut s.tmp);
             be.copy(&s.tmp, 0, &mut s.q, 0, rows * qd);
             be.rms_norm(&s.k, nk, rows * hp.n_kv_heads, hd, hp.rms_eps, &mut s.tmp);

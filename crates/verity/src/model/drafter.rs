@@ -101,7 +101,7 @@ impl<B: Backend> BlockDrafter<B> {
             let mut vec = |key: TensorKey, len: usize| {
                 Ok(be.upload(&st_vector(tensors, &tensor_name(key), len)?))
             };
-            layers.push(Layer::load(&hp, l, false, &mut mat, &mut vec)?);
+            layers.push(Layer::load(&hp, l, false, None, &mut mat, &mut vec)?);
         }
         let draft_vocab =
             DraftVocab::load(tensors, spec.draft_vocab.then_some(DRAFT_VOCAB), hp.vocab)?;
@@ -320,5 +320,6 @@ fn rope(hp: &HParams) -> Rope {
         theta: hp.rope_theta,
         style: RopeStyle::HalfSplit,
         scaling: hp.rope_scaling,
+        dims: hp.block.rotary_dims,
     }
 }

@@ -5,6 +5,7 @@
 //! (and, on request, the hidden states after chosen layers).
 
 mod decoder;
+mod delta_net;
 mod drafter;
 mod mtp;
 

@@ -141,16 +141,12 @@ impl<B: Backend> MtpHead<B> {
         let mut blocks = Vec::with_capacity(spec.blocks.len());
         for prefix in &spec.blocks {
             let name = |key: TensorKey| {
-                format!(
-                    "{prefix}{}.{}",
-                    key.hf_layer_module().expect("a layer tensor"),
-                    key.hf_suffix()
-                )
+                format!("{prefix}{}", key.hf_layer_name().expect("a layer tensor"))
             };
             let mut mat = |key: TensorKey, rows: usize, cols: usize| load(&name(key), rows, cols);
             let mut vec =
                 |key: TensorKey, len: usize| Ok(be.upload(&st_vector(tensors, &name(key), len)?));
-            blocks.push(Layer::load(&hp, 0, false, &mut mat, &mut vec)?);
+            blocks.push(Layer::load(&hp, 0, false, None, &mut mat, &mut vec)?);
         }
         let vector =
             |name: &str| -> Result<B::Buffer> { Ok(be.upload(&st_vector(tensors, name, h)?)) };
@@ -459,6 +455,7 @@ impl<B: Backend> MtpHead<B> {
             theta: hp.rope_theta,
             style: self.rope,
             scaling: hp.rope_scaling,
+            dims: hp.block.rotary_dims,
         };
         for (i, block) in self.blocks.iter().enumerate() {
             let (kc, vc) = (&mut cache.k[i], &mut cache.v[i]);

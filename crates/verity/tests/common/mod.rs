@@ -31,6 +31,7 @@ pub const HF_BUNDLES: &[&str] = &[
     "gemma3-f16",
     "qwen3-moe-f16",
     "qwen3-moe-gguf",
+    "qwen3-next-f16",
     "gemma3-gguf",
     "llama-rope-llama3",
     "llama-rope-llama3-gguf",

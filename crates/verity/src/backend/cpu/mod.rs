@@ -316,12 +316,13 @@ impl Backend for CpuBackend {
         let positions = &step.positions[..rows];
         let mut table = step.rope.lock().unwrap_or_else(|e| e.into_inner());
         let key = (rope.key(), hd, rows);
+        let rotated = rope.rotated(hd);
         let at = match table.tables.iter().position(|(k, _)| *k == key) {
             Some(at) => at,
             None => {
                 let rotations = positions
                     .iter()
-                    .flat_map(|&pos| (0..hd / 2).map(move |i| rope.angle(pos, i, hd)))
+                    .flat_map(|&pos| (0..rotated / 2).map(move |i| rope.angle(pos, i, rotated)))
                     .collect();
                 table.tables.push((key, rotations));
                 table.tables.len() - 1

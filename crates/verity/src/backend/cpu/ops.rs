@@ -30,8 +30,8 @@ fn inverse_rms(x: &[f32], eps: f32) -> f32 {
     1.0 / (ms + eps).sqrt()
 }
 
-/// Rotate every head of row `r` by `rotations[r * head_dim / 2 + i]`, the `(cos, sin)` of pair `i` at the row's
-/// position ([`crate::backend::rope_angle`]).
+/// Rotate every head of row `r` by `rotations[r * half + i]`, the `(cos, sin)` of pair `i` at the row's position
+/// ([`crate::backend::Rope::angle`]), where `half` is half the values each head rotates.
 pub fn rope(
     x: &mut [f32],
     rotations: &[(f32, f32)],
@@ -40,7 +40,9 @@ pub fn rope(
     head_dim: usize,
     style: RopeStyle,
 ) {
-    let half = head_dim / 2;
+    // The rotated values of each head: `rotations` holds a pair per two of them (partial RoPE rotates only
+    // the head's first values, paired among themselves).
+    let half = rotations.len() / rows.max(1);
     for r in 0..rows {
         let cs = &rotations[r * half..(r + 1) * half];
         let row = &mut x[r * n_heads * head_dim..(r + 1) * n_heads * head_dim];

@@ -866,6 +866,13 @@ impl Backend for CudaBackend {
                  {MAX_HEAD_DIM})"
             )));
         }
+        if rope.rotated(head_dim) != head_dim {
+            return Err(Error::Unsupported(format!(
+                "RoPE over {} of {head_dim} values per head on the CUDA backend (its kernels rotate whole \
+                 heads)",
+                rope.rotated(head_dim)
+            )));
+        }
         let key = rope::key(rope, head_dim);
         let mut tables = lock(&self.ropes);
         if !tables.iter().any(|t| t.key == key) {

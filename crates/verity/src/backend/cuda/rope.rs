@@ -57,6 +57,7 @@ mod tests {
             theta: 100_000.0,
             style: RopeStyle::Interleaved,
             scaling: crate::backend::RopeScaling::Linear { factor: 8.0 },
+            dims: None,
         };
         let mut table = RopeTable::new(rope, 64);
         for pos in [700, 3, 0, 701, 64, 699] {

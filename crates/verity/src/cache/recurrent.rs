@@ -1,0 +1,191 @@
+//! The recurrent state of linear-attention layers (Gated DeltaNet), beside the K/V of the attention layers.
+//!
+//! An attention layer's cache is rolled back by forgetting slots; a recurrent layer has one state that every
+//! token has folded into, which cannot be unfolded. So the state is kept as it was before the latest forward
+//! (`base`) and after each of that forward's rows: a rollback to any row of it (a rejected speculative
+//! suffix), or the path of a draft tree (each row stepped from its parent's state), picks the state after the
+//! last row kept. A rollback before the latest forward cannot be served: the cache is emptied and the caller
+//! prefills again (as for a local layer's overwritten window). Forwards that no verifier judges row by row
+//! (prefill chunks) keep the state after their last row only, which bounds the memory at real sizes.
+//!
+//! The states live in host memory: the layers that read them compute on the host (`model::delta_net`).
+
+/// The states of a model's recurrent layers (an empty state for every other layer).
+#[derive(Debug, Clone)]
+pub struct Recurrent {
+    /// Per layer, the length of its state (0: not recurrent).
+    lens: Vec<usize>,
+    /// The fill before the latest forward, and every layer's state there.
+    base: usize,
+    base_states: Vec<Vec<f32>>,
+    /// After each row of the latest forward, every layer's state, where kept (always the last row's).
+    rows: Vec<Option<Vec<Vec<f32>>>>,
+    /// Whether the latest forward keeps every row's state.
+    keep_all: bool,
+}
+
+impl Recurrent {
+    /// The zero state of layers with state lengths `lens` (0: a layer without one).
+    pub fn new(lens: Vec<usize>) -> Self {
+        let base_states = lens.iter().map(|&n| vec![0.0; n]).collect();
+        Recurrent {
+            lens,
+            base: 0,
+            base_states,
+            rows: Vec::new(),
+            keep_all: false,
+        }
+    }
+
+    /// Per layer, the length of its state (0: not recurrent).
+    pub fn lens(&self) -> &[usize] {
+        &self.lens
+    }
+
+    /// The fill whose state [`Recurrent::current`] holds.
+    fn fill(&self) -> usize {
+        self.base + self.rows.len()
+    }
+
+    /// Every layer's state at the committed fill.
+    pub fn current(&self) -> &[Vec<f32>] {
+        match self.rows.last() {
+            Some(last) => last.as_ref().expect("the last row's state is kept"),
+            None => &self.base_states,
+        }
+    }
+
+    /// Start a forward of `rows` rows at fill `len` (the cache's committed fill): its rows' states follow, every
+    /// row's where `keep_all` (a verify, which may keep any prefix or tree path of its rows), else the last's.
+    pub(crate) fn begin(&mut self, len: usize, rows: usize, keep_all: bool) {
+        debug_assert_eq!(len, self.fill(), "the states follow the cache's fill");
+        if let Some(last) = self.rows.pop() {
+            self.base_states = last.expect("the last row's state is kept");
+        }
+        self.base = len;
+        self.rows = vec![None; rows];
+        self.keep_all = keep_all;
+    }
+
+    /// Layer `l`'s state to step row `row` from: its parent row's (`None`: the state before the forward).
+    pub(crate) fn start(&self, l: usize, parent: Option<usize>) -> &[f32] {
+        match parent {
+            Some(p) => &self.rows[p].as_ref().expect("a parent's state is kept")[l],
+            None => &self.base_states[l],
+        }
+    }
+
+    /// Whether the states after row `row` of the current forward are kept.
+    pub(crate) fn keeps(&self, row: usize) -> bool {
+        self.keep_all || row + 1 == self.rows.len()
+    }
+
+    /// Set layer `l`'s state after row `row` (kept rows only, in layer order: layer `l` of a row is set after
+    /// layers before it).
+    pub(crate) fn set(&mut self, row: usize, l: usize, state: Vec<f32>) {
+        let lens = &self.lens;
+        let states =
+            self.rows[row].get_or_insert_with(|| lens.iter().map(|_| Vec::new()).collect());
+        states[l] = state;
+    }
+
+    /// Roll back to fill `len`; `false` where the state there is not kept (the caller empties the cache).
+    pub(crate) fn truncate(&mut self, len: usize) -> bool {
+        if len == self.fill() {
+            return true;
+        }
+        if len < self.base {
+            return false;
+        }
+        let kept = len - self.base;
+        if kept > 0 && self.rows[kept - 1].is_none() {
+            return false;
+        }
+        self.rows.truncate(kept);
+        true
+    }
+
+    /// Keep the latest forward's rows at offsets `rows` (a draft tree's accepted path, each row a child of the
+    /// one before) as its first rows, and drop the rest: the state after the path is its last row's.
+    pub(crate) fn keep_rows(&mut self, base: usize, rows: &[usize]) {
+        debug_assert_eq!(base, self.base);
+        let mut all = std::mem::take(&mut self.rows);
+        self.rows = rows.iter().map(|&r| all[r].take()).collect();
+        debug_assert!(self.rows.iter().all(Option::is_some));
+    }
+
+    /// Back to the zero state at fill 0.
+    pub(crate) fn reset(&mut self) {
+        *self = Recurrent::new(std::mem::take(&mut self.lens));
+    }
+
+    /// Replace the states with `states` (a checkpoint's) at fill `len`.
+    pub(crate) fn restore(&mut self, len: usize, states: Vec<Vec<f32>>) {
+        debug_assert!(states.iter().zip(&self.lens).all(|(s, &n)| s.len() == n));
+        self.base = len;
+        self.base_states = states;
+        self.rows.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Layer 1 recurrent (2 values), layer 0 not: a row's state is `[its parent's first value + 1, the row]`.
+    fn stepped(r: &mut Recurrent, len: usize, parents: &[Option<usize>]) {
+        r.begin(len, parents.len(), true);
+        for (row, &p) in parents.iter().enumerate() {
+            let from = r.start(1, p)[0];
+            if r.keeps(row) {
+                r.set(row, 0, Vec::new());
+                r.set(row, 1, vec![from + 1.0, row as f32]);
+            }
+        }
+    }
+
+    #[test]
+    fn a_rollback_within_the_latest_forward_restores_the_state_after_the_kept_rows() {
+        let mut r = Recurrent::new(vec![0, 2]);
+        stepped(&mut r, 0, &[None, Some(0), Some(1)]);
+        assert_eq!(r.current()[1], vec![3.0, 2.0]);
+        stepped(&mut r, 3, &[None, Some(0), Some(1), Some(2)]);
+        assert_eq!(r.current()[1], vec![7.0, 3.0]);
+        assert!(r.truncate(5));
+        assert_eq!(r.current()[1], vec![5.0, 1.0]);
+        assert!(r.truncate(3));
+        assert_eq!(r.current()[1], vec![3.0, 2.0]);
+        // Before the latest forward: not kept.
+        assert!(!r.truncate(2));
+    }
+
+    #[test]
+    fn a_tree_path_keeps_the_state_of_its_last_row() {
+        let mut r = Recurrent::new(vec![0, 2]);
+        // Rows 1 and 2 are both children of row 0; row 3 a child of row 2.
+        stepped(&mut r, 0, &[None, Some(0), Some(0), Some(2)]);
+        r.keep_rows(0, &[0, 2, 3]);
+        assert_eq!(r.current()[1], vec![3.0, 3.0]);
+        assert!(r.truncate(2));
+        assert_eq!(r.current()[1], vec![2.0, 2.0]);
+    }
+
+    #[test]
+    fn forwards_without_a_verifier_keep_their_last_row_only() {
+        let mut r = Recurrent::new(vec![0, 2]);
+        r.begin(0, 40, false);
+        let mut state = vec![0.0, 0.0];
+        for row in 0..40 {
+            state = vec![state[0] + 1.0, row as f32];
+            if r.keeps(row) {
+                r.set(row, 0, Vec::new());
+                r.set(row, 1, state.clone());
+            }
+        }
+        assert_eq!(r.current()[1], vec![40.0, 39.0]);
+        assert!(!r.truncate(39));
+        assert!(r.truncate(40));
+        r.reset();
+        assert_eq!(r.current()[1], vec![0.0, 0.0]);
+    }
+}
