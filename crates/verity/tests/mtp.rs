@@ -12,6 +12,7 @@ use verity::backend::cpu::CpuBackend;
 use verity::bundle::{Bundle, MtpStatus, Source};
 use verity::engine::{Engine, GenerateRequest};
 use verity::model::{Batch, HeadInput, LogitRows, Model, MtpHead};
+use verity::sample::SamplerConfig;
 use verity::speculative::mtp::MtpProposer;
 use verity::speculative::{Outcome, Proposer, SpecMode};
 
@@ -448,6 +449,119 @@ fn greedy_mtp_output_and_cache_equal_ar_on_the_tiny_model() {
         assert_eq!(a, b, "prompt {p}");
         assert_eq!(ca.layers(), cb.layers(), "prompt {p}: caches differ");
         assert_eq!(stats.route, "mtp");
+    }
+}
+
+/// A Qwen3-Next-style head for the tiny Qwen3-Next bundle (hidden 64; gated attention of 4 heads / 2 KV heads
+/// of 16; a mixture of 4 experts of 32 units and a shared expert of 48), its norms stored as `w - 1` as the
+/// target's are.
+fn hybrid_head(seed: u64) -> Vec<StEntry> {
+    let (qd, kvd, hd, experts, ffn, shared) = (64, 32, 16, 4, 32, 48);
+    let mut i = 0;
+    let mut entry = |name: String, shape: Vec<usize>, scale: f32| -> StEntry {
+        i += 1;
+        let n = shape.iter().product();
+        let v = random_f32(n, seed * 1000 + i, scale);
+        (name, "F32", shape, f32_bytes(&v))
+    };
+    let p = "mtp.layers.0.";
+    let fan = |c: usize| 1.0 / (c as f32).sqrt();
+    let mut t = vec![
+        entry("mtp.fc.weight".into(), vec![H, 2 * H], fan(2 * H)),
+        entry("mtp.pre_fc_norm_embedding.weight".into(), vec![H], 0.1),
+        entry("mtp.pre_fc_norm_hidden.weight".into(), vec![H], 0.1),
+        entry("mtp.norm.weight".into(), vec![H], 0.1),
+        entry(format!("{p}input_layernorm.weight"), vec![H], 0.1),
+        entry(format!("{p}post_attention_layernorm.weight"), vec![H], 0.1),
+        entry(
+            format!("{p}self_attn.q_proj.weight"),
+            vec![2 * qd, H],
+            fan(H),
+        ),
+        entry(format!("{p}self_attn.k_proj.weight"), vec![kvd, H], fan(H)),
+        entry(format!("{p}self_attn.v_proj.weight"), vec![kvd, H], fan(H)),
+        entry(format!("{p}self_attn.o_proj.weight"), vec![H, qd], fan(qd)),
+        entry(format!("{p}self_attn.q_norm.weight"), vec![hd], 0.1),
+        entry(format!("{p}self_attn.k_norm.weight"), vec![hd], 0.1),
+        entry(format!("{p}mlp.gate.weight"), vec![experts, H], fan(H)),
+        entry(
+            format!("{p}mlp.shared_expert.gate_proj.weight"),
+            vec![shared, H],
+            fan(H),
+        ),
+        entry(
+            format!("{p}mlp.shared_expert.up_proj.weight"),
+            vec![shared, H],
+            fan(H),
+        ),
+        entry(
+            format!("{p}mlp.shared_expert.down_proj.weight"),
+            vec![H, shared],
+            fan(shared),
+        ),
+        entry(
+            format!("{p}mlp.shared_expert_gate.weight"),
+            vec![1, H],
+            fan(H),
+        ),
+    ];
+    for e in 0..experts {
+        let x = format!("{p}mlp.experts.{e}.");
+        t.push(entry(format!("{x}gate_proj.weight"), vec![ffn, H], fan(H)));
+        t.push(entry(format!("{x}up_proj.weight"), vec![ffn, H], fan(H)));
+        t.push(entry(
+            format!("{x}down_proj.weight"),
+            vec![H, ffn],
+            fan(ffn),
+        ));
+    }
+    t
+}
+
+/// A Qwen3-Next head (gated attention, a mixture with a shared expert) drafting for the hybrid target: the MTP
+/// route is taken, its rejected drafts roll the target's recurrent state back, and greedy and sampled output,
+/// K/V and recurrent states equal AR's.
+#[test]
+fn a_qwen3_next_head_drafts_for_the_hybrid_target_and_output_equals_ar() {
+    let d = copy_bundle("qwen3-next-f16", "mtp-hybrid");
+    write_safetensors(&d.join("mtp.safetensors"), &hybrid_head(7), &[]);
+    let mut ar = Engine::load(&d, be(), &SpecMode::Off).unwrap();
+    let mut mtp = Engine::load(&d, be(), &SpecMode::Mtp).unwrap();
+    for req in [
+        GenerateRequest::greedy(40),
+        GenerateRequest {
+            sampling: SamplerConfig {
+                temperature: 0.8,
+                top_p: 0.9,
+                seed: 5,
+                ..SamplerConfig::default()
+            },
+            ..GenerateRequest::greedy(40)
+        },
+    ] {
+        let req = GenerateRequest {
+            ignore_eos: true,
+            ..req
+        };
+        let prompt: Vec<u32> = (3..30).collect();
+        let run = |e: &mut Engine<CpuBackend>| {
+            let mut s = e.new_session();
+            let mut toks = Vec::new();
+            let stats = e
+                .generate(&mut s, &prompt, &req, |_, t| {
+                    toks.push(t.id);
+                    true
+                })
+                .unwrap();
+            (toks, s.cache.checkpoint(e.model.backend()), stats)
+        };
+        let (a, ca, _) = run(&mut ar);
+        let (b, cb, stats) = run(&mut mtp);
+        assert_eq!(stats.route, "mtp");
+        assert!(stats.drafted > 0, "the head drafted");
+        assert_eq!(a, b, "T {}", req.sampling.temperature);
+        assert_eq!(ca.layers(), cb.layers(), "K/V differ");
+        assert_eq!(ca.recurrent(), cb.recurrent(), "recurrent states differ");
     }
 }
 

@@ -20,7 +20,7 @@ pub use names::TensorKey;
 use crate::error::{Error, Result};
 use crate::quant::{GgmlType, MlxAffine, MlxScaleType, QMatrix};
 use gguf::GgufFile;
-use hparams::{Arch, HParams, HfConfig};
+use hparams::{HParams, HfConfig};
 use safetensors::{SafetensorsSet, StDtype};
 
 /// The on-disk form of a bundle.
@@ -239,17 +239,8 @@ impl Bundle {
         if self.hparams.block.attention_gate && matches!(key, TensorKey::Q(_) | TensorKey::QGate(_))
         {
             // The Q projection holds each head's queries then its gates: take one half of every head's rows.
-            let hd = self.hparams.head_dim;
             let both = self.stored_matrix(key, 2 * rows, cols)?;
-            let skip = if matches!(key, TensorKey::QGate(_)) {
-                hd
-            } else {
-                0
-            };
-            let picked: Vec<u32> = (0..rows)
-                .map(|r| ((r / hd) * 2 * hd + skip + r % hd) as u32)
-                .collect();
-            return both.select_rows(&picked);
+            return both.select_rows(&key.gated_q_rows(self.hparams.head_dim, rows));
         }
         self.stored_matrix(key, rows, cols)
     }
@@ -320,9 +311,8 @@ impl Bundle {
             }
             Source::Safetensors { tensors, .. } => {
                 let mut v = st_vector(tensors, &self.tensor_name(key), len)?;
-                // Gemma's and Qwen3-Next's checkpoints store a norm's weight as w - 1 (their norms scale by
-                // 1 + w); GGUF converters store w.
-                if matches!(self.hparams.arch, Arch::Gemma3 | Arch::Qwen3Next) && key.is_norm() {
+                // GGUF converters store w.
+                if key.stored_minus_one(self.hparams.arch) {
                     v.iter_mut().for_each(|x| *x += 1.0);
                 }
                 return Ok(v);

@@ -191,6 +191,14 @@ impl TensorKey {
     /// The Hugging Face tensor name of a per-layer tensor inside its layer (`self_attn.q_proj.weight`), as
     /// Llama-family models name them.
     pub fn hf_layer_name(self) -> Option<String> {
+        if let Some(e) = self.expert() {
+            let projection = match self {
+                TensorKey::ExpertGate(..) => "gate_proj",
+                TensorKey::ExpertUp(..) => "up_proj",
+                _ => "down_proj",
+            };
+            return Some(format!("mlp.experts.{e}.{projection}.weight"));
+        }
         let module = self.hf_layer_module()?;
         Some(match self.hf_suffix() {
             Some(suffix) => format!("{module}.{suffix}"),
@@ -204,6 +212,25 @@ impl TensorKey {
             Some(suffix) => format!("{}.{suffix}", self.hf_module(arch)),
             None => self.hf_module(arch),
         }
+    }
+
+    /// Whether a safetensors checkpoint of `arch` stores this tensor as `w - 1` (Gemma's and Qwen3-Next's
+    /// norms scale by `1 + w`; a DeltaNet's gated output norm is not one of them): its reader adds the 1.
+    pub fn stored_minus_one(self, arch: Arch) -> bool {
+        matches!(arch, Arch::Gemma3 | Arch::Qwen3Next) && self.is_norm()
+    }
+
+    /// The query rows of the Q projection (`QGate`: the gate rows) where a model of head size `head_dim` stores
+    /// `[q_h, gate_h]` per head; `rows` of them.
+    pub fn gated_q_rows(self, head_dim: usize, rows: usize) -> Vec<u32> {
+        let skip = if matches!(self, TensorKey::QGate(_)) {
+            head_dim
+        } else {
+            0
+        };
+        (0..rows)
+            .map(|r| ((r / head_dim) * 2 * head_dim + skip + r % head_dim) as u32)
+            .collect()
     }
 
     /// A norm weight (Gemma's and Qwen3-Next's checkpoints store these as `w - 1`; a DeltaNet's gated output

@@ -21,7 +21,7 @@ use crate::bundle::safetensors::SafetensorsSet;
 use crate::bundle::st_matrix;
 use crate::cache::{CacheShape, KvCache};
 use crate::error::Result;
-use crate::quant::{GgmlType, WeightFormat};
+use crate::quant::{GgmlType, QMatrix, WeightFormat};
 
 /// A drafting network's weight matrix (an MTP head's, a block drafter's) from its safetensors: float weights
 /// are re-encoded as Q8_0, since every draft reads every weight and a drafter's numerics never reach the output.
@@ -32,6 +32,16 @@ fn drafting_matrix<B: Backend>(
     rows: usize,
     cols: usize,
 ) -> Result<B::Matrix> {
+    be.load_matrix(drafting_qmatrix(tensors, name, rows, cols)?)
+}
+
+/// [`drafting_matrix`] before it goes to the backend.
+fn drafting_qmatrix(
+    tensors: &SafetensorsSet,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<QMatrix> {
     let module = name.strip_suffix(".weight").unwrap_or(name);
     let mut q = st_matrix(tensors, None, module, name, rows, cols)?;
     if matches!(
@@ -41,7 +51,7 @@ fn drafting_matrix<B: Backend>(
     {
         q = q.to_q8_0()?;
     }
-    be.load_matrix(q)
+    Ok(q)
 }
 
 /// The vocabulary a drafting network drafts from: a sorted subset of the target's (a frequency-ranked list the

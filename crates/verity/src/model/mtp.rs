@@ -18,7 +18,7 @@
 use std::sync::Arc;
 
 use super::decoder::{Layer, Scratch};
-use super::{drafting_cache, drafting_matrix, run_recorded, DraftVocab, Model};
+use super::{drafting_cache, drafting_matrix, drafting_qmatrix, run_recorded, DraftVocab, Model};
 use crate::backend::RopeStyle;
 use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
 use crate::bundle::hparams::HParams;
@@ -110,6 +110,9 @@ pub struct MtpHead<B: Backend> {
     scratch: Option<HeadScratch<B>>,
     /// Rows of the last forward, whose outputs the scratch holds (0: none yet).
     last_rows: usize,
+    /// Whether a forward does host work mid-way (an attention gate, a mixture's routing), which a recording
+    /// cannot hold.
+    host_work: bool,
 }
 
 impl<B: Backend> MtpHead<B> {
@@ -138,18 +141,40 @@ impl<B: Backend> MtpHead<B> {
                 hidden: load(hidden, h, h)?,
             },
         };
+        // The head's blocks are built as the target's attention layers are (a Qwen3-Next head's: gated
+        // attention with partial RoPE, a mixture where the block has a router), and its norms stored as the
+        // target's are.
+        let norm_offset = |mut v: Vec<f32>| {
+            if TensorKey::OutputNorm.stored_minus_one(hp.arch) {
+                v.iter_mut().for_each(|x| *x += 1.0);
+            }
+            v
+        };
         let mut blocks = Vec::with_capacity(spec.blocks.len());
+        let mut host_work = hp.block.attention_gate;
         for prefix in &spec.blocks {
             let name = |key: TensorKey| {
                 format!("{prefix}{}", key.hf_layer_name().expect("a layer tensor"))
             };
-            let mut mat = |key: TensorKey, rows: usize, cols: usize| load(&name(key), rows, cols);
-            let mut vec =
-                |key: TensorKey, len: usize| Ok(be.upload(&st_vector(tensors, &name(key), len)?));
-            blocks.push(Layer::load(&hp, 0, false, None, &mut mat, &mut vec)?);
+            let mut mat = |key: TensorKey, rows: usize, cols: usize| match key {
+                TensorKey::Q(_) | TensorKey::QGate(_) if hp.block.attention_gate => {
+                    let both = drafting_qmatrix(tensors, &name(key), 2 * rows, cols)?;
+                    be.load_matrix(both.select_rows(&key.gated_q_rows(hp.head_dim, rows))?)
+                }
+                _ => load(&name(key), rows, cols),
+            };
+            let mut vec = |key: TensorKey, len: usize| {
+                let v = st_vector(tensors, &name(key), len)?;
+                Ok(be.upload(&if key.is_norm() { norm_offset(v) } else { v }))
+            };
+            let sparse =
+                hp.block.moe.is_some() && tensors.get(&name(TensorKey::Router(0))).is_some();
+            host_work |= sparse;
+            blocks.push(Layer::load(&hp, 0, sparse, None, &mut mat, &mut vec)?);
         }
-        let vector =
-            |name: &str| -> Result<B::Buffer> { Ok(be.upload(&st_vector(tensors, name, h)?)) };
+        let vector = |name: &str| -> Result<B::Buffer> {
+            Ok(be.upload(&norm_offset(st_vector(tensors, name, h)?)))
+        };
         let draft_vocab = DraftVocab::load(tensors, spec.draft_vocab.as_deref(), hp.vocab)?;
         let lm_head = draft_vocab.output_head(be, bundle)?;
         // Token ids are below 2^24, so exact as f32s.
@@ -179,6 +204,7 @@ impl<B: Backend> MtpHead<B> {
             token_table,
             scratch: None,
             last_rows: 0,
+            host_work,
             backend,
         })
     }
@@ -416,7 +442,12 @@ impl<B: Backend> MtpHead<B> {
         }
         // A draft step is a few dozen small launches: recorded once per width and buffers, like the target's.
         let key = (s.block.id, cache.buffers_id(), rows, greedy, slot);
-        run_recorded(be, rows, key, &mut || self.encode(cache, rows, greedy, s));
+        let mut work = || self.encode(cache, rows, greedy, s);
+        if self.host_work {
+            work();
+        } else {
+            run_recorded(be, rows, key, &mut work);
+        }
         cache.advance(rows);
     }
 
