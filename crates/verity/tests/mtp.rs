@@ -10,7 +10,8 @@ use std::sync::Arc;
 use common::*;
 use verity::backend::cpu::CpuBackend;
 use verity::bundle::{Bundle, MtpStatus, Source};
-use verity::engine::{Engine, GenerateRequest};
+use verity::cache::KvCheckpoint;
+use verity::engine::{Engine, GenerateRequest, GenerationStats};
 use verity::model::{Batch, HeadInput, LogitRows, Model, MtpHead};
 use verity::sample::SamplerConfig;
 use verity::speculative::mtp::MtpProposer;
@@ -418,6 +419,23 @@ fn the_head_cache_stays_aligned_with_the_committed_positions_under_any_accept_pa
     }
 }
 
+/// `e`'s answer to `prompt` in a new session: its tokens, the session's state afterwards, the statistics.
+fn answer(
+    e: &mut Engine<CpuBackend>,
+    prompt: &[u32],
+    req: &GenerateRequest,
+) -> (Vec<u32>, KvCheckpoint, GenerationStats) {
+    let mut s = e.new_session();
+    let mut toks = Vec::new();
+    let stats = e
+        .generate(&mut s, prompt, req, |_, t| {
+            toks.push(t.id);
+            true
+        })
+        .unwrap();
+    (toks, s.cache.checkpoint(e.model.backend()), stats)
+}
+
 #[test]
 fn greedy_mtp_output_and_cache_equal_ar_on_the_tiny_model() {
     let d = tiny_with("mtp-greedy", &tiny_head(5, None));
@@ -433,17 +451,7 @@ fn greedy_mtp_output_and_cache_equal_ar_on_the_tiny_model() {
             .iter()
             .map(|x| ((x.abs() * 1e6) as u32) % 320)
             .collect();
-        let run = |e: &mut Engine<CpuBackend>| {
-            let mut s = e.new_session();
-            let mut toks = Vec::new();
-            let stats = e
-                .generate(&mut s, &prompt, &req, |_, t| {
-                    toks.push(t.id);
-                    true
-                })
-                .unwrap();
-            (toks, s.cache.checkpoint(e.model.backend()), stats)
-        };
+        let run = |e: &mut Engine<CpuBackend>| answer(e, &prompt, &req);
         let (a, ca, _) = run(&mut ar);
         let (b, cb, stats) = run(&mut mtp);
         assert_eq!(a, b, "prompt {p}");
@@ -544,17 +552,7 @@ fn a_qwen3_next_head_drafts_for_the_hybrid_target_and_output_equals_ar() {
             ..req
         };
         let prompt: Vec<u32> = (3..30).collect();
-        let run = |e: &mut Engine<CpuBackend>| {
-            let mut s = e.new_session();
-            let mut toks = Vec::new();
-            let stats = e
-                .generate(&mut s, &prompt, &req, |_, t| {
-                    toks.push(t.id);
-                    true
-                })
-                .unwrap();
-            (toks, s.cache.checkpoint(e.model.backend()), stats)
-        };
+        let run = |e: &mut Engine<CpuBackend>| answer(e, &prompt, &req);
         let (a, ca, _) = run(&mut ar);
         let (b, cb, stats) = run(&mut mtp);
         assert_eq!(stats.route, "mtp");
