@@ -66,15 +66,15 @@ pub fn main(a: Args) -> Result<()> {
     if let Some(la) = &block.linear {
         let linear = la.layers.iter().filter(|&&l| l).count();
         println!(
-            "linear attn   {linear} Gated DeltaNet layers ({} key heads × {}, {} value heads × {}, convolution \
-             of {}; a state of {:.1} kB per layer), {} full-attention layers",
+            "linear attn   Gated DeltaNet in {linear} of {} layers ({} key heads × {}, {} value heads × {}, \
+             convolution of {}; a state of {:.1} kB per layer), full attention in the others",
+            hp.n_layers,
             la.key_heads,
             la.key_dim,
             la.value_heads,
             la.value_dim,
             la.conv_kernel,
             (la.state_len() * 4) as f64 / 1000.0,
-            hp.n_layers - linear
         );
     }
     if let Some(s) = &block.sliding {

@@ -274,31 +274,36 @@ fn inspect_names_mlx_quantization_per_tensor_kind() {
 
 #[test]
 fn inspect_describes_a_mixture_of_experts_from_either_format() {
-    for name in ["qwen3-moe-f16", "qwen3-moe-gguf"] {
+    for (name, sparse) in [("qwen3-moe-f16", 2), ("qwen3-moe-gguf", 3)] {
         let out = verity(&["inspect", fixture(name).to_str().unwrap()]);
         let s = text(&out.stdout);
         assert!(out.status.success(), "{}", text(&out.stderr));
-        assert!(
-            s.contains("experts       2 of 8 per token, 32 units each (weights renormalized), in 2 of 3 layers"),
-            "{name}: {s}"
+        let line = format!(
+            "experts       2 of 8 per token, 32 units each (weights renormalized), in {sparse} of 3 layers"
         );
+        assert!(s.contains(&line), "{name}: {s}");
     }
 }
 
 #[test]
-fn inspect_describes_a_linear_attention_hybrid() {
-    let out = verity(&["inspect", fixture("qwen3-next-f16").to_str().unwrap()]);
-    let s = text(&out.stdout);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    for line in [
-        "architecture  qwen3next",
-        "RoPE on 4 of 16 values per head; gated attention output",
-        "experts       2 of 4 per token, 32 units each (weights renormalized), in 3 of 4 layers",
-        "and a gated shared expert of 48 units for every token",
-        "linear attn   2 Gated DeltaNet layers (2 key heads × 16, 4 value heads × 16, convolution of 4; a state \
-         of 5.6 kB per layer), 2 full-attention layers",
-    ] {
-        assert!(s.contains(line), "{line:?} in {s}");
+fn inspect_describes_a_linear_attention_hybrid_from_either_format() {
+    for (name, sparse) in [("qwen3-next-f16", 3), ("qwen3-next-gguf", 4)] {
+        let out = verity(&["inspect", fixture(name).to_str().unwrap()]);
+        let s = text(&out.stdout);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let experts = format!(
+            "experts       2 of 4 per token, 32 units each (weights renormalized), in {sparse} of 4 layers"
+        );
+        for line in [
+            "architecture  qwen3next",
+            "RoPE on 4 of 16 values per head; gated attention output",
+            &experts,
+            "and a gated shared expert of 48 units for every token",
+            "linear attn   Gated DeltaNet in 2 of 4 layers (2 key heads × 16, 4 value heads × 16, convolution of \
+             4; a state of 5.6 kB per layer), full attention in the others",
+        ] {
+            assert!(s.contains(line), "{name}: {line:?} in {s}");
+        }
     }
 }
 

@@ -107,7 +107,12 @@ fn a_mixture_of_experts_conversation_restores_like_a_cold_run() {
             .unwrap();
         (ids, stats.restored_tokens)
     };
-    for name in ["qwen3-moe-f16", "qwen3-moe-gguf", "qwen3-next-f16"] {
+    for name in [
+        "qwen3-moe-f16",
+        "qwen3-moe-gguf",
+        "qwen3-next-f16",
+        "qwen3-next-gguf",
+    ] {
         let path = hf_bundle(name);
         let mut e = Engine::load(&path, backend(), &SpecMode::Off).unwrap();
         e.set_prefix_cache_budget(64 << 20);

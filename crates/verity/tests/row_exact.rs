@@ -142,12 +142,14 @@ fn mixture_of_experts_verify_rows_are_bitwise_equal_to_single_steps() {
 /// row is bitwise its 1-row step, on the 8-bit and the f32 paths.
 #[test]
 fn linear_attention_verify_rows_are_bitwise_equal_to_single_steps() {
-    let dir = hf_bundle("qwen3-next-f16");
-    let tokens = ids(&json(&dir.join("reference.json"))["token_ids"]);
-    for (be, path) in [(backend(), "8-bit"), (f32_backend(), "f32")] {
-        let mut model = load_model_on(&dir, be);
-        let label = format!("qwen3-next {path}");
-        assert_row_exact(&mut model, &tokens[..16], &tokens[16..32], &label);
+    for name in ["qwen3-next-f16", "qwen3-next-gguf"] {
+        let dir = hf_bundle(name);
+        let tokens = ids(&json(&dir.join("reference.json"))["token_ids"]);
+        for (be, path) in [(backend(), "8-bit"), (f32_backend(), "f32")] {
+            let mut model = load_model_on(&dir, be);
+            let label = format!("{name} {path}");
+            assert_row_exact(&mut model, &tokens[..16], &tokens[16..32], &label);
+        }
     }
 }
 

@@ -276,9 +276,10 @@ impl HParams {
             "qwen2" => (Arch::Qwen2, RopeStyle::HalfSplit),
             "qwen3" | "qwen3moe" => (Arch::Qwen3, RopeStyle::HalfSplit),
             "gemma3" => (Arch::Gemma3, RopeStyle::HalfSplit),
+            "qwen3next" => (Arch::Qwen3Next, RopeStyle::HalfSplit),
             other => {
                 return Err(Error::Unsupported(format!(
-                "{}: architecture {other:?} (verity runs llama, qwen2, qwen3, qwen3moe, gemma3)",
+                "{}: architecture {other:?} (verity runs llama, qwen2, qwen3, qwen3moe, qwen3next, gemma3)",
                 g.path.display()
             )))
             }
@@ -320,19 +321,22 @@ impl HParams {
                 .map(|a| a.len())
                 .ok_or_else(|| Error::malformed(&g.path, "vocabulary size unknown"))?,
         };
-        // verity rotates whole heads: a header that rotates part of one (or more than one) is another model.
-        if let Some(rope_dims) = optional_int("rope.dimension_count")? {
-            if rope_dims != head_dim {
+        // Qwen3-Next rotates part of each head; any other architecture whose header says so is another model.
+        let rotary_dims = match optional_int("rope.dimension_count")? {
+            Some(d) if d == head_dim => None,
+            Some(d) if arch == Arch::Qwen3Next => Some(d),
+            Some(d) => {
                 return Err(Error::malformed(
                     &g.path,
                     format!(
-                        "{} is {rope_dims} but a head has {head_dim} dimensions (partial rotary \
-                         embeddings are not supported)",
+                        "{} is {d} but a head has {head_dim} dimensions (partial rotary embeddings \
+                         are a Qwen3-Next feature)",
                         key("rope.dimension_count")
                     ),
                 ));
             }
-        }
+            None => None,
+        };
         let rope_theta = float("rope.freq_base", 10000.0)?;
         let rope_scaling = gguf_rope_scaling(g, &key, head_dim, rope_theta)?;
         let tied = g.tensor("output.weight").is_none();
@@ -356,26 +360,49 @@ impl HParams {
                     hidden,
                 )
             }
-            _ if arch_name == "qwen3moe" => {
+            _ if arch_name == "qwen3moe" || arch == Arch::Qwen3Next => {
                 let experts = int("expert_count")?;
                 let ffn = int("expert_feed_forward_length")?;
-                BlockStyle {
-                    moe: Some(Moe {
-                        experts,
-                        top_k: int("expert_used_count")?,
-                        ffn,
-                        // llama.cpp renormalizes Qwen3-MoE's top-k weights unless told otherwise.
-                        norm_top_k: g
-                            .get(&key("expert_weights_norm"))
-                            .and_then(|v| v.as_bool())
-                            .unwrap_or(true),
-                        // A layer is sparse where it has a router.
-                        sparse: (0..n_layers)
-                            .map(|l| g.tensor(&format!("blk.{l}.ffn_gate_inp.weight")).is_some())
-                            .collect(),
-                        shared_ffn: None,
-                    }),
-                    ..BlockStyle::default()
+                let moe = Some(Moe {
+                    experts,
+                    top_k: int("expert_used_count")?,
+                    ffn,
+                    // llama.cpp renormalizes Qwen3-MoE's and Qwen3-Next's top-k weights unless told otherwise.
+                    norm_top_k: g
+                        .get(&key("expert_weights_norm"))
+                        .and_then(|v| v.as_bool())
+                        .unwrap_or(true),
+                    // A layer is sparse where it has a router.
+                    sparse: (0..n_layers)
+                        .map(|l| g.tensor(&format!("blk.{l}.ffn_gate_inp.weight")).is_some())
+                        .collect(),
+                    shared_ffn: optional_int("expert_shared_feed_forward_length")?,
+                });
+                if arch != Arch::Qwen3Next {
+                    BlockStyle {
+                        moe,
+                        ..BlockStyle::default()
+                    }
+                } else {
+                    // llama.cpp's qwen3next keys: the key heads are the SSM groups, the value heads its
+                    // time-step rank; a layer is a Gated DeltaNet where it has the decay rates.
+                    let value_heads = int("ssm.time_step_rank")?;
+                    BlockStyle {
+                        moe,
+                        rotary_dims,
+                        attention_gate: true,
+                        linear: Some(LinearAttention {
+                            key_heads: int("ssm.group_count")?,
+                            value_heads,
+                            key_dim: int("ssm.state_size")?,
+                            value_dim: int("ssm.inner_size")? / value_heads.max(1),
+                            conv_kernel: int("ssm.conv_kernel")?,
+                            layers: (0..n_layers)
+                                .map(|l| g.tensor(&format!("blk.{l}.ssm_a")).is_some())
+                                .collect(),
+                        }),
+                        ..BlockStyle::default()
+                    }
                 }
             }
             _ => BlockStyle::default(),
@@ -400,7 +427,7 @@ impl HParams {
             rope_scaling,
             tied_embeddings: tied,
             qkv_bias: g.tensor("blk.0.attn_q.bias").is_some(),
-            qk_norm: g.tensor("blk.0.attn_q_norm.weight").is_some(),
+            qk_norm: arch == Arch::Qwen3Next || g.tensor("blk.0.attn_q_norm.weight").is_some(),
             context_len: optional_int("context_length")?.unwrap_or(DEFAULT_CONTEXT),
             block,
         };

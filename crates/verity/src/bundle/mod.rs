@@ -222,14 +222,14 @@ impl Bundle {
     /// The name of a tensor in this bundle's format.
     pub fn tensor_name(&self, key: TensorKey) -> String {
         match &self.source {
-            Source::Gguf(_) => key.gguf(),
+            Source::Gguf(_) => key.gguf_in(self.hparams.arch),
             Source::Safetensors { layout, .. } => layout.place(key.hf(self.hparams.arch)),
         }
     }
 
     pub fn has(&self, key: TensorKey) -> bool {
         match &self.source {
-            Source::Gguf(g) => g.tensor(&key.gguf()).is_some(),
+            Source::Gguf(g) => g.tensor(&key.gguf_in(self.hparams.arch)).is_some(),
             Source::Safetensors { tensors, .. } => tensors.get(&self.tensor_name(key)).is_some(),
         }
     }
@@ -249,7 +249,7 @@ impl Bundle {
     fn stored_matrix(&self, key: TensorKey, rows: usize, cols: usize) -> Result<QMatrix> {
         match &self.source {
             Source::Gguf(g) => {
-                let name = key.gguf();
+                let name = key.gguf_in(self.hparams.arch);
                 let t = g
                     .tensor(&name)
                     .ok_or_else(|| Error::tensor(&name, "missing from the GGUF file"))?;
@@ -269,7 +269,9 @@ impl Bundle {
                     let part = g.tensor_part(t, e * bytes..(e + 1) * bytes);
                     return QMatrix::ggml(&format!("{name}[{e}]"), t.ty, rows, cols, part);
                 }
-                if t.dims.len() != 2 || t.dims[0] != cols || t.dims[1] != rows {
+                // A one-row matrix may be stored as a vector (qwen3next's shared-expert gate).
+                let one_row = rows == 1 && t.dims == [cols];
+                if !one_row && (t.dims.len() != 2 || t.dims[0] != cols || t.dims[1] != rows) {
                     return Err(Error::tensor(
                         &name,
                         format!("shape {:?} (GGML order), expected [{cols}, {rows}]", t.dims),
@@ -297,7 +299,7 @@ impl Bundle {
     pub fn vector(&self, key: TensorKey, len: usize) -> Result<Vec<f32>> {
         let m = match &self.source {
             Source::Gguf(g) => {
-                let name = key.gguf();
+                let name = key.gguf_in(self.hparams.arch);
                 let t = g
                     .tensor(&name)
                     .ok_or_else(|| Error::tensor(&name, "missing from the GGUF file"))?;
@@ -311,7 +313,7 @@ impl Bundle {
             }
             Source::Safetensors { tensors, .. } => {
                 let mut v = st_vector(tensors, &self.tensor_name(key), len)?;
-                // GGUF converters store w.
+                // Checkpoints of models whose norms scale by 1 + w store w - 1; GGUF converters store w.
                 if key.stored_minus_one(self.hparams.arch) {
                     v.iter_mut().for_each(|x| *x += 1.0);
                 }
@@ -323,18 +325,42 @@ impl Bundle {
         Ok(out)
     }
 
-    /// A small tensor of any rank (a convolution's taps), checked to be `shape`, as f32 values in row-major
-    /// order. Safetensors bundles only: no GGUF architecture verity reads has one.
+    /// A small float tensor of any rank (a convolution's taps), checked to be `shape` (a GGUF stores it with
+    /// its dimensions reversed and those of 1 squeezed out), as f32 values in row-major order.
     pub fn values(&self, key: TensorKey, shape: &[usize]) -> Result<Vec<f32>> {
         match &self.source {
             Source::Safetensors { tensors, .. } => {
                 st_values(tensors, &self.tensor_name(key), shape)
             }
-            Source::Gguf(_) => Err(Error::tensor(
-                key.gguf(),
-                "is read from safetensors bundles only",
-            )),
+            Source::Gguf(g) => {
+                let name = key.gguf_in(self.hparams.arch);
+                let t = g
+                    .tensor(&name)
+                    .ok_or_else(|| Error::tensor(&name, "missing from the GGUF file"))?;
+                let want: Vec<usize> = shape.iter().rev().copied().filter(|&d| d != 1).collect();
+                let have: Vec<usize> = t.dims.iter().copied().filter(|&d| d != 1).collect();
+                if have != want || !t.ty.is_float() {
+                    return Err(Error::tensor(
+                        &name,
+                        format!(
+                            "{} {:?} (GGML order), expected {want:?}",
+                            t.ty.name(),
+                            t.dims
+                        ),
+                    ));
+                }
+                let len = shape.iter().product();
+                let m = QMatrix::ggml(&name, t.ty, 1, len, g.tensor_bytes(t))?;
+                let mut out = vec![0.0; len];
+                m.dequantize_row(0, &mut out);
+                Ok(out)
+            }
         }
+    }
+
+    /// Whether the bundle is a GGUF file.
+    pub fn is_gguf(&self) -> bool {
+        matches!(self.source, Source::Gguf(_))
     }
 
     pub fn format_name(&self) -> &'static str {

@@ -45,6 +45,10 @@ pub enum TensorKey {
     /// short convolution's taps (`[channels, 1, kernel]`), the time-step bias and log decay rate per value head,
     /// the gated output norm (plain weights), the output projection.
     LinearQkvz(usize),
+    /// The same projection split (Qwen3.5's checkpoints, llama.cpp's current GGUFs): every key head's Q, then
+    /// every K, then every value head's V; and every value head's Z.
+    LinearQkv(usize),
+    LinearZ(usize),
     LinearBa(usize),
     LinearConv(usize),
     LinearDtBias(usize),
@@ -87,12 +91,25 @@ impl TensorKey {
             SharedDown(l) => format!("blk.{l}.ffn_down_shexp.weight"),
             SharedWeight(l) => format!("blk.{l}.ffn_gate_inp_shexp.weight"),
             LinearQkvz(l) => format!("blk.{l}.ssm_in.weight"),
+            LinearQkv(l) => format!("blk.{l}.attn_qkv.weight"),
+            LinearZ(l) => format!("blk.{l}.attn_gate.weight"),
             LinearBa(l) => format!("blk.{l}.ssm_ba.weight"),
             LinearConv(l) => format!("blk.{l}.ssm_conv1d.weight"),
             LinearDtBias(l) => format!("blk.{l}.ssm_dt.bias"),
             LinearALog(l) => format!("blk.{l}.ssm_a"),
             LinearNorm(l) => format!("blk.{l}.ssm_norm.weight"),
             LinearOut(l) => format!("blk.{l}.ssm_out.weight"),
+        }
+    }
+
+    /// The GGUF name in a model of `arch`: llama.cpp's qwen3next files call the norm before the MLP
+    /// `post_attention_norm`, as transformers does.
+    pub fn gguf_in(self, arch: Arch) -> String {
+        match (arch, self) {
+            (Arch::Qwen3Next, TensorKey::FfnNorm(l)) => {
+                format!("blk.{l}.post_attention_norm.weight")
+            }
+            _ => self.gguf(),
         }
     }
 
@@ -114,8 +131,10 @@ impl TensorKey {
             AttnNorm(l) | Q(l) | QGate(l) | K(l) | V(l) | O(l) | QBias(l) | KBias(l) | VBias(l)
             | QNorm(l) | KNorm(l) | FfnNorm(l) | AttnPostNorm(l) | FfnPostNorm(l) | Gate(l)
             | Up(l) | Down(l) | Router(l) | SharedGate(l) | SharedUp(l) | SharedDown(l)
-            | SharedWeight(l) | LinearQkvz(l) | LinearBa(l) | LinearConv(l) | LinearDtBias(l)
-            | LinearALog(l) | LinearNorm(l) | LinearOut(l) => Some(l),
+            | SharedWeight(l) | LinearQkvz(l) | LinearQkv(l) | LinearZ(l) | LinearBa(l)
+            | LinearConv(l) | LinearDtBias(l) | LinearALog(l) | LinearNorm(l) | LinearOut(l) => {
+                Some(l)
+            }
             ExpertGate(l, _) | ExpertUp(l, _) | ExpertDown(l, _) => Some(l),
         }
     }
@@ -145,6 +164,8 @@ impl TensorKey {
             SharedDown(_) => "mlp.shared_expert.down_proj",
             SharedWeight(_) => "mlp.shared_expert_gate",
             LinearQkvz(_) => "linear_attn.in_proj_qkvz",
+            LinearQkv(_) => "linear_attn.in_proj_qkv",
+            LinearZ(_) => "linear_attn.in_proj_z",
             LinearBa(_) => "linear_attn.in_proj_ba",
             LinearConv(_) => "linear_attn.conv1d",
             LinearDtBias(_) => "linear_attn.dt_bias",

@@ -22,6 +22,12 @@ pub struct Recurrent {
     rows: Vec<Option<Vec<Vec<f32>>>>,
     /// Whether the latest forward keeps every row's state.
     keep_all: bool,
+    /// The state a layer is stepping a row in, and which (layer, row) it holds the state after.
+    work: Vec<f32>,
+    work_holds: Option<(usize, usize)>,
+    /// Dropped rows' state buffers, reused (a state is megabytes at real sizes: fresh ones would cost page
+    /// faults on every verify).
+    spare: Vec<Vec<Vec<f32>>>,
 }
 
 impl Recurrent {
@@ -34,6 +40,9 @@ impl Recurrent {
             base_states,
             rows: Vec::new(),
             keep_all: false,
+            work: Vec::new(),
+            work_holds: None,
+            spare: Vec::new(),
         }
     }
 
@@ -55,24 +64,28 @@ impl Recurrent {
         }
     }
 
+    /// Give rows' buffers back for reuse.
+    fn recycle(&mut self, rows: impl IntoIterator<Item = Option<Vec<Vec<f32>>>>) {
+        self.spare.extend(rows.into_iter().flatten());
+    }
+
     /// Start a forward of `rows` rows at fill `len` (the cache's committed fill): its rows' states follow, every
     /// row's where `keep_all` (a verify, which may keep any prefix or tree path of its rows), else the last's.
     pub(crate) fn begin(&mut self, len: usize, rows: usize, keep_all: bool) {
         debug_assert_eq!(len, self.fill(), "the states follow the cache's fill");
         if let Some(last) = self.rows.pop() {
-            self.base_states = last.expect("the last row's state is kept");
+            let old = std::mem::replace(
+                &mut self.base_states,
+                last.expect("the last row's state is kept"),
+            );
+            self.spare.push(old);
         }
+        let dropped = std::mem::take(&mut self.rows);
+        self.recycle(dropped);
         self.base = len;
         self.rows = vec![None; rows];
         self.keep_all = keep_all;
-    }
-
-    /// Layer `l`'s state to step row `row` from: its parent row's (`None`: the state before the forward).
-    pub(crate) fn start(&self, l: usize, parent: Option<usize>) -> &[f32] {
-        match parent {
-            Some(p) => &self.rows[p].as_ref().expect("a parent's state is kept")[l],
-            None => &self.base_states[l],
-        }
+        self.work_holds = None;
     }
 
     /// Whether the states after row `row` of the current forward are kept.
@@ -80,13 +93,37 @@ impl Recurrent {
         self.keep_all || row + 1 == self.rows.len()
     }
 
-    /// Set layer `l`'s state after row `row` (kept rows only, in layer order: layer `l` of a row is set after
-    /// layers before it).
-    pub(crate) fn set(&mut self, row: usize, l: usize, state: Vec<f32>) {
-        let lens = &self.lens;
-        let states =
-            self.rows[row].get_or_insert_with(|| lens.iter().map(|_| Vec::new()).collect());
-        states[l] = state;
+    /// Layer `l`'s working state for stepping row `row`, which starts from its parent row's state (`None`: the
+    /// state before the forward): already there when the parent is the row stepped last in this layer.
+    pub(crate) fn step(&mut self, l: usize, row: usize, parent: Option<usize>) -> &mut [f32] {
+        let holds = parent.map(|p| (l, p));
+        if holds.is_none() || self.work_holds != holds {
+            let from = match parent {
+                Some(p) => &self.rows[p].as_ref().expect("a parent's state is kept")[l],
+                None => &self.base_states[l],
+            };
+            self.work.clear();
+            self.work.extend_from_slice(from);
+        }
+        self.work_holds = Some((l, row));
+        &mut self.work
+    }
+
+    /// Keep the working state as layer `l`'s state after row `row`, where that row's states are kept (call it
+    /// after [`Recurrent::step`] has stepped the row, layer by layer in order).
+    pub(crate) fn keep(&mut self, row: usize, l: usize) {
+        debug_assert_eq!(self.work_holds, Some((l, row)));
+        if !self.keeps(row) {
+            return;
+        }
+        if self.rows[row].is_none() {
+            let mut bufs = self.spare.pop().unwrap_or_default();
+            bufs.resize_with(self.lens.len(), Vec::new);
+            self.rows[row] = Some(bufs);
+        }
+        let state = &mut self.rows[row].as_mut().expect("just made")[l];
+        state.clear();
+        state.extend_from_slice(&self.work);
     }
 
     /// Roll back to fill `len`; `false` where the state there is not kept (the caller empties the cache).
@@ -101,7 +138,9 @@ impl Recurrent {
         if kept > 0 && self.rows[kept - 1].is_none() {
             return false;
         }
-        self.rows.truncate(kept);
+        let dropped = self.rows.split_off(kept);
+        self.recycle(dropped);
+        self.work_holds = None;
         true
     }
 
@@ -112,6 +151,8 @@ impl Recurrent {
         let mut all = std::mem::take(&mut self.rows);
         self.rows = rows.iter().map(|&r| all[r].take()).collect();
         debug_assert!(self.rows.iter().all(Option::is_some));
+        self.recycle(all);
+        self.work_holds = None;
     }
 
     /// Back to the zero state at fill 0.
@@ -123,8 +164,11 @@ impl Recurrent {
     pub(crate) fn restore(&mut self, len: usize, states: Vec<Vec<f32>>) {
         debug_assert!(states.iter().zip(&self.lens).all(|(s, &n)| s.len() == n));
         self.base = len;
-        self.base_states = states;
-        self.rows.clear();
+        let old = std::mem::replace(&mut self.base_states, states);
+        self.spare.push(old);
+        let dropped = std::mem::take(&mut self.rows);
+        self.recycle(dropped);
+        self.work_holds = None;
     }
 }
 
@@ -136,11 +180,12 @@ mod tests {
     fn stepped(r: &mut Recurrent, len: usize, parents: &[Option<usize>]) {
         r.begin(len, parents.len(), true);
         for (row, &p) in parents.iter().enumerate() {
-            let from = r.start(1, p)[0];
-            if r.keeps(row) {
-                r.set(row, 0, Vec::new());
-                r.set(row, 1, vec![from + 1.0, row as f32]);
-            }
+            r.step(0, row, p);
+            r.keep(row, 0);
+            let state = r.step(1, row, p);
+            state[0] += 1.0;
+            state[1] = row as f32;
+            r.keep(row, 1);
         }
     }
 
@@ -174,13 +219,11 @@ mod tests {
     fn forwards_without_a_verifier_keep_their_last_row_only() {
         let mut r = Recurrent::new(vec![0, 2]);
         r.begin(0, 40, false);
-        let mut state = vec![0.0, 0.0];
         for row in 0..40 {
-            state = vec![state[0] + 1.0, row as f32];
-            if r.keeps(row) {
-                r.set(row, 0, Vec::new());
-                r.set(row, 1, state.clone());
-            }
+            let state = r.step(1, row, row.checked_sub(1));
+            state[0] += 1.0;
+            state[1] = row as f32;
+            r.keep(row, 1);
         }
         assert_eq!(r.current()[1], vec![40.0, 39.0]);
         assert!(!r.truncate(39));

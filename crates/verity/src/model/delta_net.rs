@@ -16,16 +16,25 @@ use crate::bundle::{Bundle, TensorKey};
 use crate::cache::Recurrent;
 use crate::error::{Error, Result};
 
+/// How a checkpoint stores the input projection of Q, K, V and Z (the output gate).
+enum InputProjection<B: Backend> {
+    /// Per key head: its Q and K, then the V and Z of the value heads it serves (Qwen3-Next's checkpoints,
+    /// llama.cpp's first qwen3next GGUFs).
+    Grouped(B::Matrix),
+    /// Every key head's Q, then every K, then every value head's V — the convolution's channels in order —;
+    /// and every value head's Z (Qwen3.5's checkpoints, llama.cpp's current GGUFs).
+    Split { qkv: B::Matrix, z: B::Matrix },
+}
+
 /// One Gated DeltaNet layer's weights.
 pub(super) struct DeltaNet<B: Backend> {
-    /// Per key head: its Q and K, then the V and Z (output gate) of the value heads it serves.
-    qkvz: B::Matrix,
+    input: InputProjection<B>,
     /// Per key head: β then α of the value heads it serves.
     ba: B::Matrix,
     pub(super) out: B::Matrix,
     /// The convolution's taps, `kernel` per channel (the oldest input's first).
     conv: Vec<f32>,
-    /// Per value head: `-exp(A_log)`, the decay rate's scale.
+    /// Per value head: `-exp(A_log)`, the decay rate's scale (GGUFs store it so).
     decay: Vec<f32>,
     dt_bias: Vec<f32>,
     /// The gated output norm's weights (`value_dim`; plain, not offset by 1).
@@ -43,19 +52,27 @@ impl<B: Backend> DeltaNet<B> {
             bytes += be.matrix_bytes(&m);
             Ok(m)
         };
-        let qkvz = mat(TensorKey::LinearQkvz(l), 2 * kd + 2 * vd, h)?;
+        let input = if bundle.has(TensorKey::LinearQkvz(l)) {
+            InputProjection::Grouped(mat(TensorKey::LinearQkvz(l), 2 * kd + 2 * vd, h)?)
+        } else {
+            InputProjection::Split {
+                qkv: mat(TensorKey::LinearQkv(l), 2 * kd + vd, h)?,
+                z: mat(TensorKey::LinearZ(l), vd, h)?,
+            }
+        };
         let ba = mat(TensorKey::LinearBa(l), 2 * la.value_heads, h)?;
         let out = mat(TensorKey::LinearOut(l), h, vd)?;
         let conv = bundle.values(
             TensorKey::LinearConv(l),
             &[la.conv_channels(), 1, la.conv_kernel],
         )?;
-        // transformers: `-A_log.float().exp()`, in f32.
-        let decay = bundle
-            .vector(TensorKey::LinearALog(l), la.value_heads)?
-            .iter()
-            .map(|a| -a.exp())
-            .collect();
+        // transformers computes `-A_log.float().exp()` in f32; llama.cpp's converter stores that.
+        let a = bundle.vector(TensorKey::LinearALog(l), la.value_heads)?;
+        let decay = if bundle.is_gguf() {
+            a
+        } else {
+            a.iter().map(|a| -a.exp()).collect()
+        };
         let dt_bias = bundle.vector(TensorKey::LinearDtBias(l), la.value_heads)?;
         let norm = bundle.vector(TensorKey::LinearNorm(l), la.value_dim)?;
         if [&conv, &dt_bias, &norm]
@@ -69,7 +86,7 @@ impl<B: Backend> DeltaNet<B> {
         }
         Ok((
             DeltaNet {
-                qkvz,
+                input,
                 ba,
                 out,
                 conv,
@@ -99,46 +116,65 @@ impl<B: Backend> DeltaNet<B> {
     ) {
         let la = linear(hp);
         let (kd, vd) = (la.key_heads * la.key_dim, la.value_heads * la.value_dim);
-        let (width_qkvz, width_ba) = (2 * kd + 2 * vd, 2 * la.value_heads);
-        be.matmuls(
-            &s.x,
-            Some((attn_norm, hp.rms_eps)),
-            rows,
-            &mut [(&self.qkvz, &mut s.act), (&self.ba, &mut s.router)],
-        );
-        let qkvz = be.download(&s.act, rows * width_qkvz);
+        let (channels, width_ba) = (2 * kd + vd, 2 * la.value_heads);
+        let norm = Some((attn_norm, hp.rms_eps));
+        // Each row's convolution input (Q, K, V channels in order) and output gates.
+        let (x, z) = match &self.input {
+            InputProjection::Grouped(qkvz) => {
+                be.matmuls(
+                    &s.x,
+                    norm,
+                    rows,
+                    &mut [(qkvz, &mut s.act), (&self.ba, &mut s.router)],
+                );
+                let grouped = be.download(&s.act, rows * (channels + vd));
+                ungroup(la, &grouped, rows)
+            }
+            InputProjection::Split { qkv, z } => {
+                be.matmuls(
+                    &s.x,
+                    norm,
+                    rows,
+                    &mut [
+                        (qkv, &mut s.act),
+                        (z, &mut s.attn),
+                        (&self.ba, &mut s.router),
+                    ],
+                );
+                (
+                    be.download(&s.act, rows * channels),
+                    be.download(&s.attn, rows * vd),
+                )
+            }
+        };
         let ba = be.download(&s.router, rows * width_ba);
         let mut out = vec![0f32; rows * vd];
-        // The state after the row before, while rows follow a chain (no copy of it per row).
-        let mut running: Option<(usize, Vec<f32>)> = None;
         for r in 0..rows {
-            let mut state = match (running.take(), parents[r]) {
-                (Some((prev, st)), Some(p)) if p == prev => st,
-                (_, p) => states.start(l, p).to_vec(),
-            };
+            let state = states.step(l, r, parents[r]);
             self.step(
                 la,
                 hp.rms_eps,
-                &qkvz[r * width_qkvz..(r + 1) * width_qkvz],
+                &x[r * channels..(r + 1) * channels],
+                &z[r * vd..(r + 1) * vd],
                 &ba[r * width_ba..(r + 1) * width_ba],
-                &mut state,
+                state,
                 &mut out[r * vd..(r + 1) * vd],
             );
-            if states.keeps(r) {
-                states.set(r, l, state.clone());
-            }
-            running = Some((r, state));
+            states.keep(r, l);
         }
         be.write(&mut s.attn, &out);
     }
 
-    /// One token: fold it into `state` (the convolution's last inputs, then each value head's matrix) and
-    /// write the gated, normed output of every value head to `out`.
+    /// One token (its convolution input `x`, output gates `z`, and β/α grouped by key head): fold it into
+    /// `state` (the convolution's last inputs, then each value head's matrix) and write the gated, normed
+    /// output of every value head to `out`.
+    #[allow(clippy::too_many_arguments)] // one token's inputs, its state and its output
     fn step(
         &self,
         la: &LinearAttention,
         eps: f32,
-        qkvz: &[f32],
+        x: &[f32],
+        z: &[f32],
         ba: &[f32],
         state: &mut [f32],
         out: &mut [f32],
@@ -151,21 +187,11 @@ impl<B: Backend> DeltaNet<B> {
             la.conv_kernel,
         );
         let per_key = nv / nk;
-        let group = 2 * dk + 2 * per_key * dv;
         let channels = la.conv_channels();
-        // The convolution's input: every key head's Q, then every K, then every value head's V; and each value
-        // head's Z, β, α.
-        let mut x = vec![0f32; channels];
-        let mut z = vec![0f32; nv * dv];
+        let mut x = x.to_vec();
+        // β and α of each value head (grouped by key head in every format).
         let (mut beta, mut alpha) = (vec![0f32; nv], vec![0f32; nv]);
         for g in 0..nk {
-            let src = &qkvz[g * group..(g + 1) * group];
-            x[g * dk..(g + 1) * dk].copy_from_slice(&src[..dk]);
-            x[nk * dk + g * dk..nk * dk + (g + 1) * dk].copy_from_slice(&src[dk..2 * dk]);
-            let v_at = 2 * nk * dk + g * per_key * dv;
-            x[v_at..v_at + per_key * dv].copy_from_slice(&src[2 * dk..2 * dk + per_key * dv]);
-            z[g * per_key * dv..(g + 1) * per_key * dv]
-                .copy_from_slice(&src[2 * dk + per_key * dv..]);
             for j in 0..per_key {
                 beta[g * per_key + j] = ba[g * 2 * per_key + j];
                 alpha[g * per_key + j] = ba[g * 2 * per_key + per_key + j];
@@ -234,6 +260,31 @@ impl<B: Backend> DeltaNet<B> {
             }
         }
     }
+}
+
+/// Rows of the grouped Q/K/V/Z projection as the convolution's input (every key head's Q, then every K,
+/// then every value head's V) and the value heads' output gates, `rows` of each.
+fn ungroup(la: &LinearAttention, grouped: &[f32], rows: usize) -> (Vec<f32>, Vec<f32>) {
+    let (nk, dk, dv) = (la.key_heads, la.key_dim, la.value_dim);
+    let per_key = la.value_heads / nk;
+    let (group, channels, vd) = (
+        2 * dk + 2 * per_key * dv,
+        la.conv_channels(),
+        la.value_heads * dv,
+    );
+    let (mut x, mut z) = (vec![0f32; rows * channels], vec![0f32; rows * vd]);
+    for r in 0..rows {
+        let (xr, zr) = (&mut x[r * channels..][..channels], &mut z[r * vd..][..vd]);
+        for g in 0..nk {
+            let src = &grouped[r * (channels + vd) + g * group..][..group];
+            xr[g * dk..(g + 1) * dk].copy_from_slice(&src[..dk]);
+            xr[(nk + g) * dk..(nk + g + 1) * dk].copy_from_slice(&src[dk..2 * dk]);
+            let (v, zs) = src[2 * dk..].split_at(per_key * dv);
+            xr[2 * nk * dk + g * per_key * dv..][..per_key * dv].copy_from_slice(v);
+            zr[g * per_key * dv..(g + 1) * per_key * dv].copy_from_slice(zs);
+        }
+    }
+    (x, z)
 }
 
 fn linear(hp: &HParams) -> &LinearAttention {

@@ -165,28 +165,42 @@ impl QMatrix {
     }
 
     /// A new matrix of the chosen rows, in order (a drafter's output projection restricted to its draft
-    /// vocabulary). GGML formats only; the rows are copied.
+    /// vocabulary, the queries or the gates of a gated Q projection); the rows are copied.
     pub fn select_rows(&self, rows: &[u32]) -> Result<QMatrix> {
-        let WeightFormat::Ggml(ty) = self.format else {
-            return Err(Error::Unsupported(format!(
-                "{}: row selection of {}",
-                self.name, self.format
-            )));
-        };
-        let rb = ty.row_bytes(self.cols).expect("checked at construction");
-        let src = self.data.as_slice();
-        let mut data = Vec::with_capacity(rows.len() * rb);
-        for &r in rows {
-            let r = r as usize;
-            if r >= self.rows {
-                return Err(Error::tensor(
-                    &self.name,
-                    format!("row {r} selected from {} rows", self.rows),
-                ));
-            }
-            data.extend_from_slice(&src[r * rb..(r + 1) * rb]);
+        if let Some(&r) = rows.iter().find(|&&r| r as usize >= self.rows) {
+            return Err(Error::tensor(
+                &self.name,
+                format!("row {r} selected from {} rows", self.rows),
+            ));
         }
-        QMatrix::ggml(&self.name, ty, rows.len(), self.cols, Bytes::owned(data))
+        let pick = |src: &[u8], row_bytes: usize| -> Bytes {
+            let mut out = Vec::with_capacity(rows.len() * row_bytes);
+            for &r in rows {
+                let r = r as usize;
+                out.extend_from_slice(&src[r * row_bytes..(r + 1) * row_bytes]);
+            }
+            Bytes::owned(out)
+        };
+        match self.format {
+            WeightFormat::Ggml(ty) => {
+                let rb = ty.row_bytes(self.cols).expect("checked at construction");
+                QMatrix::ggml(&self.name, ty, rows.len(), self.cols, pick(self.data(), rb))
+            }
+            WeightFormat::Mlx(q) => {
+                let parts = self.mlx_parts().expect("mlx has its parts");
+                let words = self.cols * q.bits as usize / 8;
+                let scales = self.cols / q.group * q.scale_type.size();
+                QMatrix::mlx(
+                    &self.name,
+                    q,
+                    rows.len(),
+                    self.cols,
+                    pick(parts.words, words),
+                    pick(parts.scales, scales),
+                    pick(parts.biases, scales),
+                )
+            }
+        }
     }
 
     /// This matrix re-encoded as Q8_0 (32 values per block, an f16 scale of max|x|/127): for a drafter's float
@@ -276,6 +290,65 @@ impl RowDecoder<'_> {
                 biases,
                 cols,
             } => q.decode_block(data, scales, biases, cols, row, block, out),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every row of `m`, decoded.
+    fn decoded(m: &QMatrix) -> Vec<Vec<f32>> {
+        let mut row = vec![0f32; m.cols];
+        (0..m.rows)
+            .map(|r| {
+                m.dequantize_row(r, &mut row);
+                row.clone()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn selected_rows_decode_to_the_rows_they_were_taken_from() {
+        let (rows, cols) = (6, 128);
+        let bytes = |n: usize, salt: u8| -> Bytes {
+            Bytes::owned((0..n).map(|i| (i as u8).wrapping_mul(37) ^ salt).collect())
+        };
+        let q4 = MlxAffine::new(4, 64, MlxScaleType::F16).unwrap();
+        let mlx = QMatrix::mlx(
+            "m",
+            q4,
+            rows,
+            cols,
+            bytes(rows * cols / 2, 1),
+            bytes(rows * 2 * 2, 2),
+            bytes(rows * 2 * 2, 3),
+        )
+        .unwrap();
+        let q8 = QMatrix::ggml("g", GgmlType::F32, rows, cols, {
+            let v: Vec<u8> = (0..rows * cols)
+                .flat_map(|i| (i as f32 * 0.5).to_le_bytes())
+                .collect();
+            Bytes::owned(v)
+        })
+        .unwrap()
+        .to_q8_0()
+        .unwrap();
+        for m in [mlx, q8] {
+            let pick = [4u32, 0, 5, 4];
+            let picked = m.select_rows(&pick).unwrap();
+            let (all, some) = (decoded(&m), decoded(&picked));
+            for (i, &r) in pick.iter().enumerate() {
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&some[i]),
+                    bits(&all[r as usize]),
+                    "{}: row {r}",
+                    m.format
+                );
+            }
+            assert!(m.select_rows(&[6]).is_err());
         }
     }
 }

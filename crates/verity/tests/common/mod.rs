@@ -32,6 +32,7 @@ pub const HF_BUNDLES: &[&str] = &[
     "qwen3-moe-f16",
     "qwen3-moe-gguf",
     "qwen3-next-f16",
+    "qwen3-next-gguf",
     "gemma3-gguf",
     "llama-rope-llama3",
     "llama-rope-llama3-gguf",
