@@ -31,8 +31,8 @@ import gguf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama_shaped import (  # noqa: E402
-    MLX_BITS, MLX_GROUP, control_ids, log, mlx_encoder, random_matrix, tokenizer_fields, tokenizer_json,
-    write_safetensors)
+    MLX_BITS, MLX_GROUP, control_ids, log, mlx_encoder, random_matrix, tokenizer_fields, write_safetensors,
+    write_tokenizer_files)
 
 SHAPES = {
     # layers, d_model, linear (key heads, value heads, head dim), full (heads, kv heads, head dim),
@@ -139,12 +139,7 @@ def main() -> None:
         config["quantization"] = config["quantization_config"] = {"group_size": MLX_GROUP,
                                                                   "bits": MLX_BITS[args.format]}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tok_config = {"add_bos_token": bool(token("tokenizer.ggml.add_bos_token")),
-                  "bos_token": tokens[bos] if bos is not None else None,
-                  "eos_token": tokens[eos] if eos is not None else None,
-                  "chat_template": token("tokenizer.chat_template")}
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
-    (out / "tokenizer.json").write_text(json.dumps(tokenizer_json(tok), ensure_ascii=False))
+    write_tokenizer_files(out, tok)
     log(f"wrote {out}: {n_layers} layers, d_model {d}, vocab {vocab}, {len(tensors)} tensors")
 
 

@@ -327,13 +327,22 @@ def write_mlx(args, shape, tok, vocab: int, zero_rows: set[int]) -> None:
         "bos_token_id": bos, "eos_token_id": eos, "quantization": quant, "quantization_config": quant,
     }
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_tokenizer_files(out, tok, args.tokenizer_json)
+
+
+def write_tokenizer_files(out: Path, tok: dict, tokenizer_json_path: str | None = None) -> None:
+    """A Hugging Face folder's tokenizer_config.json and tokenizer.json for the GGUF vocabulary `tok` (or the
+    given tokenizer.json)."""
+    token = lambda key: tok[key][0] if key in tok else None  # noqa: E731
+    tokens = tok["tokenizer.ggml.tokens"][0]
+    bos, eos = token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
     tok_config = {"add_bos_token": bool(token("tokenizer.ggml.add_bos_token")),
                   "bos_token": tokens[bos] if bos is not None else None,
                   "eos_token": tokens[eos] if eos is not None else None,
                   "chat_template": token("tokenizer.chat_template")}
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
-    if args.tokenizer_json:
-        (out / "tokenizer.json").write_bytes(Path(args.tokenizer_json).read_bytes())
+    if tokenizer_json_path:
+        (out / "tokenizer.json").write_bytes(Path(tokenizer_json_path).read_bytes())
     else:
         (out / "tokenizer.json").write_text(json.dumps(tokenizer_json(tok), ensure_ascii=False))
 

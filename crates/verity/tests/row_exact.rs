@@ -120,29 +120,19 @@ fn safetensors_verify_rows_are_bitwise_equal_to_single_steps() {
     }
 }
 
-/// A mixture of experts (8 experts, 2 per token; safetensors, and a GGUF with stacked experts): the rows of a
-/// 16-row verify route to different experts (with random weights every row picks its own pair), each expert runs
-/// once over the rows that chose it, and every row still gets bitwise its 1-row logits, on the 8-bit and the
-/// f32 paths.
+/// Mixtures of experts (Qwen3-MoE: 8 experts, 2 per token; safetensors, and a GGUF with stacked experts) and
+/// hybrids of Gated DeltaNet and gated attention layers with a mixture and a shared expert (Qwen3-Next): the
+/// rows of a 16-row verify route to different experts (with random weights every row picks its own pair), each
+/// expert runs once over the rows that chose it, the recurrent layers step the rows one after another (each
+/// from the row before it), and every row still gets bitwise its 1-row logits, on the 8-bit and the f32 paths.
 #[test]
-fn mixture_of_experts_verify_rows_are_bitwise_equal_to_single_steps() {
-    for name in ["qwen3-moe-f16", "qwen3-moe-gguf"] {
-        let dir = hf_bundle(name);
-        let tokens = ids(&json(&dir.join("reference.json"))["token_ids"]);
-        for (be, path) in [(backend(), "8-bit"), (f32_backend(), "f32")] {
-            let mut model = load_model_on(&dir, be);
-            let label = format!("{name} {path}");
-            assert_row_exact(&mut model, &tokens[..16], &tokens[16..32], &label);
-        }
-    }
-}
-
-/// A hybrid of Gated DeltaNet and gated attention layers with a mixture and a shared expert (Qwen3-Next): the
-/// rows of a verify step through the recurrent state one after another, each from the row before it, so every
-/// row is bitwise its 1-row step, on the 8-bit and the f32 paths.
-#[test]
-fn linear_attention_verify_rows_are_bitwise_equal_to_single_steps() {
-    for name in ["qwen3-next-f16", "qwen3-next-gguf"] {
+fn mixture_and_linear_attention_verify_rows_are_bitwise_equal_to_single_steps() {
+    for name in [
+        "qwen3-moe-f16",
+        "qwen3-moe-gguf",
+        "qwen3-next-f16",
+        "qwen3-next-gguf",
+    ] {
         let dir = hf_bundle(name);
         let tokens = ids(&json(&dir.join("reference.json"))["token_ids"]);
         for (be, path) in [(backend(), "8-bit"), (f32_backend(), "f32")] {
