@@ -12,7 +12,9 @@ expert of 512) at 12 layers and 32 experts (10 per token) instead of 48 and 512,
 `tiny` is the same at d_model 256 for quick checks. The vocabulary is the tokenizer's.
 
 Formats: `mlx4` / `mlx8` (an MLX folder, every projection affine-quantized with groups of 64; the convolution,
-decay rates, time-step biases and norms float16), `f16` (float16 safetensors, as Hugging Face saves the model).
+decay rates, time-step biases and norms float16), `f16` (float16 safetensors, as Hugging Face saves the model),
+`gguf-q4_0` / `gguf-q8_0` / `gguf-f16` (a `qwen3next` GGUF as llama.cpp's converter lays it out — see
+scripts/fixtures/make_hybrid_bundles.py —, projections in that type, the rest f32; `--out` is the file).
 Weights as in llama_shaped.py: one N(0, 0.02) matrix per distinct shape, reused; norm weights 0 (stored as
 `w - 1`, so the norms scale by 1); the output rows of control tokens zero, so greedy decoding runs its budget.
 
@@ -31,8 +33,8 @@ import gguf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama_shaped import (  # noqa: E402
-    MLX_BITS, MLX_GROUP, control_ids, log, mlx_encoder, random_matrix, tokenizer_fields, write_safetensors,
-    write_tokenizer_files)
+    GGUF_TYPES, MLX_BITS, MLX_GROUP, control_ids, gguf_encoder, log, mlx_encoder, random_matrix,
+    tokenizer_fields, write_safetensors, write_tokenizer_files)
 
 SHAPES = {
     # layers, d_model, linear (key heads, value heads, head dim), full (heads, kv heads, head dim),
@@ -50,16 +52,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=SHAPES, required=True)
     ap.add_argument("--tokenizer", required=True, metavar="GGUF", help="a GGUF whose vocabulary the bundle uses")
-    ap.add_argument("--format", choices=[*MLX_BITS, "f16"], default="mlx4")
-    ap.add_argument("--out", required=True, help="the bundle folder")
+    ap.add_argument("--format", choices=[*MLX_BITS, "f16", *(f"gguf-{t}" for t in GGUF_TYPES)], default="mlx4")
+    ap.add_argument("--out", required=True, help="the bundle folder (a GGUF format: the file)")
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    n_layers, d, (kh, vh, lhd), (heads, kv, hd), experts, top_k, ffn, shared = SHAPES[args.shape]
+    shape = SHAPES[args.shape]
+    n_layers, d, (kh, vh, lhd), (heads, kv, hd), experts, top_k, ffn, shared = shape
     tok = tokenizer_fields(gguf.GGUFReader(args.tokenizer))
     tokens = tok["tokenizer.ggml.tokens"][0]
     vocab = len(tokens)
+    if args.format.startswith("gguf-"):
+        write_gguf(args, shape, tok, vocab)
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -141,6 +147,92 @@ def main() -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     write_tokenizer_files(out, tok)
     log(f"wrote {out}: {n_layers} layers, d_model {d}, vocab {vocab}, {len(tensors)} tensors")
+
+
+def write_gguf(args, shape, tok, vocab: int) -> None:
+    n_layers, d, (kh, vh, lhd), (heads, kv, hd), experts, top_k, ffn, shared = shape
+    qtype, ftype = GGUF_TYPES[args.format.removeprefix("gguf-")]
+    encode = gguf_encoder(qtype)
+    raw = None if qtype == gguf.GGMLQuantizationType.F16 else qtype
+    cache: dict = {}
+
+    def matrix(rows, cols, zero_rows=()):
+        key = (rows, cols, bool(zero_rows))
+        if key not in cache:
+            cache[key] = random_matrix(rows, cols, args.seed, encode, zero_rows)
+        return cache[key]
+
+    w = gguf.GGUFWriter(args.out, "qwen3next")
+    w.add_name(f"random qwen3-next-{args.shape}-shaped")
+    w.add_block_count(n_layers)
+    w.add_context_length(args.context)
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_freq_base(ROPE_THETA)
+    w.add_rope_dimension_count(hd // 4)
+    w.add_layer_norm_rms_eps(RMS_EPS)
+    w.add_expert_count(experts)
+    w.add_expert_used_count(top_k)
+    w.add_expert_feed_forward_length(ffn)
+    w.add_expert_shared_feed_forward_length(shared)
+    w.add_ssm_conv_kernel(CONV)
+    w.add_ssm_state_size(lhd)
+    w.add_ssm_group_count(kh)
+    w.add_ssm_time_step_rank(vh)
+    w.add_ssm_inner_size(vh * lhd)
+    w.add_full_attention_interval(FULL_EVERY)
+    w.add_file_type(ftype)
+    if raw is not None:
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for name, (value, vtype, sub) in tok.items():
+        w.add_key_value(name, value, vtype, sub_type=sub)
+
+    rng = np.random.default_rng(args.seed)
+    ones = np.ones(d, dtype=np.float32)
+    w.add_tensor("token_embd.weight", matrix(vocab, d), raw_dtype=raw)
+    conv_channels = 2 * kh * lhd + vh * lhd
+    # Stacked experts share one matrix each (what they hold does not change the speed).
+    stack = lambda m: np.stack([m] * experts)  # noqa: E731
+    gate_up, down = stack(matrix(ffn, d)), stack(matrix(d, ffn))
+    for layer in range(n_layers):
+        b = f"blk.{layer}"
+        w.add_tensor(f"{b}.attn_norm.weight", ones)
+        w.add_tensor(f"{b}.post_attention_norm.weight", ones)
+        if (layer + 1) % FULL_EVERY:
+            w.add_tensor(f"{b}.attn_qkv.weight", matrix(2 * kh * lhd + vh * lhd, d), raw_dtype=raw)
+            w.add_tensor(f"{b}.attn_gate.weight", matrix(vh * lhd, d), raw_dtype=raw)
+            w.add_tensor(f"{b}.ssm_ba.weight", matrix(2 * vh, d), raw_dtype=raw)
+            w.add_tensor(f"{b}.ssm_out.weight", matrix(d, vh * lhd), raw_dtype=raw)
+            w.add_tensor(f"{b}.ssm_conv1d.weight", rng.normal(0, 0.5, (conv_channels, CONV)).astype(np.float32))
+            w.add_tensor(f"{b}.ssm_a", -rng.uniform(1, 16, vh).astype(np.float32))
+            w.add_tensor(f"{b}.ssm_dt.bias", np.ones(vh, dtype=np.float32))
+            w.add_tensor(f"{b}.ssm_norm.weight", np.ones(lhd, dtype=np.float32))
+        else:
+            w.add_tensor(f"{b}.attn_q.weight", matrix(2 * heads * hd, d), raw_dtype=raw)
+            w.add_tensor(f"{b}.attn_k.weight", matrix(kv * hd, d), raw_dtype=raw)
+            w.add_tensor(f"{b}.attn_v.weight", matrix(kv * hd, d), raw_dtype=raw)
+            w.add_tensor(f"{b}.attn_output.weight", matrix(d, heads * hd), raw_dtype=raw)
+            w.add_tensor(f"{b}.attn_q_norm.weight", np.ones(hd, dtype=np.float32))
+            w.add_tensor(f"{b}.attn_k_norm.weight", np.ones(hd, dtype=np.float32))
+        w.add_tensor(f"{b}.ffn_gate_inp.weight", matrix(experts, d), raw_dtype=raw)
+        w.add_tensor(f"{b}.ffn_gate_exps.weight", gate_up, raw_dtype=raw)
+        w.add_tensor(f"{b}.ffn_up_exps.weight", gate_up, raw_dtype=raw)
+        w.add_tensor(f"{b}.ffn_down_exps.weight", down, raw_dtype=raw)
+        w.add_tensor(f"{b}.ffn_gate_inp_shexp.weight", np.full(d, 0.02, dtype=np.float32))
+        w.add_tensor(f"{b}.ffn_gate_shexp.weight", matrix(shared, d), raw_dtype=raw)
+        w.add_tensor(f"{b}.ffn_up_shexp.weight", matrix(shared, d), raw_dtype=raw)
+        w.add_tensor(f"{b}.ffn_down_shexp.weight", matrix(d, shared), raw_dtype=raw)
+    w.add_tensor("output_norm.weight", ones)
+    w.add_tensor("output.weight", matrix(vocab, d, zero_rows=control_ids(tok)), raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    log(f"wrote {args.out}: {n_layers} layers, d_model {d}, vocab {vocab}, {args.format}")
 
 
 if __name__ == "__main__":
