@@ -493,6 +493,12 @@ impl HParams {
         let rotary_dims = match partial {
             None => None,
             Some(1.0) => None,
+            Some(f) if arch != Arch::Qwen3Next => {
+                return Err(Error::Unsupported(format!(
+                    "config.json partial_rotary_factor {f} (of verity's architectures only Qwen3-Next rotates \
+                     part of each head)"
+                )))
+            }
             Some(f) if f > 0.0 && f < 1.0 => Some((head_dim as f64 * f) as usize),
             Some(f) => {
                 return Err(Error::Invalid(format!(
