@@ -43,6 +43,8 @@ const CUDA_BUNDLES: &[&str] = &[
     "gemma3-gguf",
     "qwen3-moe-f16",
     "qwen3-moe-gguf",
+    "qwen3-next-f16",
+    "qwen3-next-gguf",
     "llama-rope-llama3",
     "llama-rope-llama3-gguf",
     "gemma3-rope-linear",

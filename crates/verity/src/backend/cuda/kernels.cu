@@ -1393,24 +1393,35 @@ extern "C" __global__ void scale(float* x, float s, int n) {
     if (i < n) x[i] *= s;
 }
 
-// RoPE of every Q head (in place) and K head (into the cache slot step.base + r), and V copied to its slot; a
-// cache of `slots` slots is a ring (slot j at j mod slots: a local layer's).
-// Threads [0, rows * (n_heads + n_kv_heads) * half) rotate one pair each; the next rows * kv_dim copy V. The
-// (cos, sin) pairs are the step's table at f32 offset `table` (the host's `rope_angle` values).
+// RoPE of the first `rotated` values of every Q head (in place) and K head (into the cache slot step.base + r),
+// the rest of each K head and V copied to their slots; a cache of `slots` slots is a ring (slot j at j mod
+// slots: a local layer's). Threads [0, rows * (n_heads + n_kv_heads) * rotated / 2) rotate one pair each, the
+// next rows * n_kv_heads * (head_dim - rotated) copy a K value past the rotated ones, the next rows * kv_dim
+// copy V. The (cos, sin) pairs are the step's table at f32 offset `table`, head_dim / 2 pairs per row (the
+// host's `rope_angle` values).
 extern "C" __global__ void rope_and_cache(float* q, const float* k, const float* v, float* kc, float* vc,
-                                          int rows, int n_heads, int n_kv_heads, int head_dim, int table,
-                                          int interleaved, const int* step, int cap, int slots) {
+                                          int rows, int n_heads, int n_kv_heads, int head_dim, int rotated,
+                                          int table, int interleaved, const int* step, int cap, int slots) {
     FLOOR_EXIT
     wait_inputs();
     release_dependents();
     Step st = read_step(step, cap);
     int t = blockIdx.x * blockDim.x + threadIdx.x;
-    int half = head_dim / 2;
+    int half = rotated / 2;
     int heads = n_heads + n_kv_heads;
     int kv_dim = n_kv_heads * head_dim;
     int rotations = rows * heads * half;
+    int pass = head_dim - rotated;
+    int passes = rows * n_kv_heads * pass;
     if (t >= rotations) {
         t -= rotations;
+        if (t < passes) {
+            int j = rotated + t % pass, h = (t / pass) % n_kv_heads, r = t / (pass * n_kv_heads);
+            kc[(size_t)((st.base + r) % slots) * kv_dim + h * head_dim + j] =
+                k[((size_t)r * n_kv_heads + h) * head_dim + j];
+            return;
+        }
+        t -= passes;
         if (t < rows * kv_dim) {
             int r = t / kv_dim;
             vc[(size_t)((st.base + r) % slots) * kv_dim + t % kv_dim] = v[t];
@@ -1420,7 +1431,7 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
     int i = t % half;
     int h = (t / half) % heads;
     int r = t / (half * heads);
-    float2 cs = ((const float2*)(step + table))[r * half + i];
+    float2 cs = ((const float2*)(step + table))[r * (head_dim / 2) + i];
     float c = cs.x, s = cs.y;
     int ia = interleaved ? 2 * i : i;
     int ib = interleaved ? 2 * i + 1 : i + half;

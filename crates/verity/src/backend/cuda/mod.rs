@@ -752,6 +752,7 @@ impl Backend for CudaBackend {
         // neighbouring threads; not for local layers, whose cache may be a ring.
         let n_tiles: usize = mats.iter().map(|m| tiles::tiles(m.rows)).sum();
         let fused = self.fuse_rope
+            && rope.dims.is_none()
             && mats.iter().all(|m| m.form.is_some())
             && n_tiles < self.wide_tiles
             && rope.style == RopeStyle::Interleaved
@@ -820,8 +821,10 @@ impl Backend for CudaBackend {
         step: &CudaStep,
     ) {
         let (rows, hd) = (shape.rows, shape.head_dim);
-        let total =
-            rows * (shape.n_heads + shape.n_kv_heads) * (hd / 2) + rows * shape.n_kv_heads * hd;
+        let rotated = rope.rotated(hd);
+        let total = rows * (shape.n_heads + shape.n_kv_heads) * (rotated / 2)
+            + rows * shape.n_kv_heads * (hd - rotated)
+            + rows * shape.n_kv_heads * hd;
         let (r, nh, nkv, hdi, il, cap) = (
             rows as i32,
             shape.n_heads as i32,
@@ -840,6 +843,7 @@ impl Backend for CudaBackend {
             Arg::I32(nh),
             Arg::I32(nkv),
             Arg::I32(hdi),
+            Arg::I32(rotated as i32),
             Arg::I32(step.rope_table(rope, hd)),
             Arg::I32(il),
             self.at(&step.dev, 0),
@@ -847,8 +851,8 @@ impl Backend for CudaBackend {
             Arg::I32((k_cache.len() / (shape.n_kv_heads * hd)) as i32),
         ];
         // SAFETY: q holds rows × n_heads × head_dim values, k and v rows × kv_dim, the caches room for the
-        // step's slots (reserved by the model; a ring's slots wrap); one thread per rotated pair and per copied
-        // V value.
+        // step's slots (reserved by the model; a ring's slots wrap); one thread per rotated pair, per K value
+        // past the rotated ones and per copied V value.
         unsafe {
             self.go(
                 "rope_and_cache",
@@ -864,13 +868,6 @@ impl Backend for CudaBackend {
             return Err(Error::Unsupported(format!(
                 "heads of {head_dim} values on the CUDA backend (its attention runs even sizes up to \
                  {MAX_HEAD_DIM})"
-            )));
-        }
-        if rope.rotated(head_dim) != head_dim {
-            return Err(Error::Unsupported(format!(
-                "RoPE over {} of {head_dim} values per head on the CUDA backend (its kernels rotate whole \
-                 heads)",
-                rope.rotated(head_dim)
             )));
         }
         let key = rope::key(rope, head_dim);

@@ -32,13 +32,19 @@ impl RopeTable {
         }
     }
 
-    /// The `head_dim` values of position `pos`: `(cos, sin)` of pair 0, then pair 1, ...
+    /// The `head_dim` values of position `pos`: `(cos, sin)` of pair 0, then pair 1, ... — of the rotated pairs
+    /// where RoPE rotates part of each head, then `(1, 0)` (the table's stride stays `head_dim`).
     pub fn at(&mut self, pos: usize) -> &[f32] {
         let hd = self.key.1;
+        let rotated = self.rope.rotated(hd);
         while self.pairs.len() < (pos + 1) * hd {
             let p = self.pairs.len() / hd;
             for i in 0..hd / 2 {
-                let (c, s) = self.rope.angle(p, i, hd);
+                let (c, s) = if i < rotated / 2 {
+                    self.rope.angle(p, i, rotated)
+                } else {
+                    (1.0, 0.0)
+                };
                 self.pairs.extend([c, s]);
             }
         }
@@ -70,6 +76,21 @@ mod tests {
                     (c.to_bits(), s.to_bits())
                 );
             }
+        }
+        // Qwen3-Next's partial rotation: a quarter of each head, at the frequencies of that quarter.
+        let partial = Rope {
+            dims: Some(16),
+            ..rope
+        };
+        let mut table = RopeTable::new(partial, 64);
+        let row = table.at(9).to_vec();
+        for i in 0..32 {
+            let (c, s) = if i < 8 {
+                partial.angle(9, i, 16)
+            } else {
+                (1.0, 0.0)
+            };
+            assert_eq!((row[2 * i], row[2 * i + 1]), (c, s));
         }
     }
 }
