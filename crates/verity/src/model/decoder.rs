@@ -30,7 +30,7 @@ enum Mixer<B: Backend> {
     Linear(DeltaNet<B>),
 }
 
-struct Attention<B: Backend> {
+pub(super) struct Attention<B: Backend> {
     q: B::Matrix,
     k: B::Matrix,
     v: B::Matrix,
@@ -96,13 +96,15 @@ pub const MAX_STATE_LAYERS: usize = 8;
 /// A loaded decoder on backend `B`.
 pub struct Model<B: Backend> {
     pub hp: HParams,
-    backend: Arc<B>,
-    embed: Arc<B::Matrix>,
+    pub(super) backend: Arc<B>,
+    pub(super) embed: Arc<B::Matrix>,
     /// `None` when the output projection is tied to the embedding.
-    output: Option<B::Matrix>,
-    output_norm: B::Buffer,
-    layers: Vec<Layer<B>>,
-    scratch: Option<Scratch<B>>,
+    pub(super) output: Option<B::Matrix>,
+    pub(super) output_norm: B::Buffer,
+    pub(super) layers: Vec<Layer<B>>,
+    pub(super) scratch: Option<Scratch<B>>,
+    /// Per sequence of a batched forward, the buffers of its own attention ([`Model::forward_batched`]).
+    pub(super) seq_scratch: Vec<Scratch<B>>,
     weight_bytes: usize,
 }
 
@@ -167,6 +169,7 @@ impl<B: Backend> Model<B> {
             output_norm,
             layers,
             scratch: None,
+            seq_scratch: Vec::new(),
             weight_bytes,
         })
     }
@@ -207,7 +210,7 @@ impl<B: Backend> Model<B> {
         )
     }
 
-    fn scratch(&mut self, rows: usize) -> Scratch<B> {
+    pub(super) fn scratch(&mut self, rows: usize) -> Scratch<B> {
         match self.scratch.take() {
             Some(s) if s.rows >= rows => s,
             _ => Scratch::new(self.backend.as_ref(), &self.hp, rows, self.hp.vocab),
@@ -245,7 +248,7 @@ impl<B: Backend> Model<B> {
 
     /// A device fault during the forward that appended `rows` to `cache` (or during any device work since the
     /// last forward: a draft) becomes the forward's error, and the rows are rolled back.
-    fn fault_check(&self, cache: &mut KvCache<B>, rows: usize) -> Result<()> {
+    pub(super) fn fault_check(&self, cache: &mut KvCache<B>, rows: usize) -> Result<()> {
         match self.backend.take_fault() {
             Some(fault) => {
                 cache.truncate(cache.len() - rows);
@@ -317,7 +320,7 @@ impl<B: Backend> Model<B> {
         })
     }
 
-    fn check_batch(&self, batch: &Batch, hidden_layers: &[usize]) -> Result<()> {
+    pub(super) fn check_batch(&self, batch: &Batch, hidden_layers: &[usize]) -> Result<()> {
         let rows = batch.rows();
         if rows == 0 {
             return Err(Error::Invalid("a forward needs at least one token".into()));
@@ -710,7 +713,12 @@ impl<B: Backend> Layer<B> {
     }
 
     /// The layer's attention, where it has one (an MTP head's and a block drafter's layers always do).
-    fn attention(&self) -> &Attention<B> {
+    /// Whether this is a Gated DeltaNet layer.
+    pub(super) fn is_linear(&self) -> bool {
+        matches!(self.mixer, Mixer::Linear(_))
+    }
+
+    pub(super) fn attention(&self) -> &Attention<B> {
         match &self.mixer {
             Mixer::Attention(a) => a,
             Mixer::Linear(_) => {
@@ -757,6 +765,13 @@ impl<B: Backend> Layer<B> {
             &s.step,
             &mut s.attn,
         );
+        self.finish(be, hp, s, rows);
+    }
+
+    /// The rest of an attention block over `rows` rows whose attention output is in `s.attn`: the output gate
+    /// where the layer has one, the output projection added to `s.x`, then the MLP.
+    pub(super) fn finish(&self, be: &B, hp: &HParams, s: &mut Scratch<B>, rows: usize) {
+        let a = self.attention();
         if a.gate.is_some() {
             // attn ⊙ σ(gate), on the host (one of the layers a Gated DeltaNet model keeps out of recordings).
             let n = rows * hp.n_heads * hp.head_dim;
@@ -952,7 +967,15 @@ impl<B: Backend> Layer<B> {
         [k_cache, v_cache]: [&mut B::Buffer; 2],
         shape: AttnShape,
     ) {
-        let rows = shape.rows;
+        self.qkv_projections(be, hp, s, shape.rows);
+        be.rope_and_cache(
+            &mut s.q, &mut s.k, &s.v, k_cache, v_cache, shape, rope, &s.step,
+        );
+    }
+
+    /// Q, K and V of `rows` rows of `s.x` (and the output gates), with what comes between them and RoPE (biases,
+    /// per-head norms), into `s.q`, `s.k`, `s.v` (`s.gate`).
+    pub(super) fn qkv_projections(&self, be: &B, hp: &HParams, s: &mut Scratch<B>, rows: usize) {
         let hd = hp.head_dim;
         let (qd, kvd) = (hp.n_heads * hd, hp.n_kv_heads * hd);
         let a = self.attention();
@@ -987,9 +1010,6 @@ impl<B: Backend> Layer<B> {
             be.rms_norm(&s.k, nk, rows * hp.n_kv_heads, hd, hp.rms_eps, &mut s.tmp);
             be.copy(&s.tmp, 0, &mut s.k, 0, rows * kvd);
         }
-        be.rope_and_cache(
-            &mut s.q, &mut s.k, &s.v, k_cache, v_cache, shape, rope, &s.step,
-        );
     }
 }
 

@@ -4,11 +4,13 @@
 //! positions with an attention mask, appends their K/V to the cache, and returns logits for the rows asked for
 //! (and, on request, the hidden states after chosen layers).
 
+mod batched;
 mod decoder;
 mod delta_net;
 mod drafter;
 mod mtp;
 
+pub use batched::SeqForward;
 pub use decoder::{Model, MAX_STATE_LAYERS};
 pub use drafter::BlockDrafter;
 pub use mtp::{HeadInput, HeadOutput, MtpHead, MAX_CHAIN};

@@ -1,0 +1,210 @@
+//! Several sequences in one forward: what continuous batching runs.
+//!
+//! Every projection and mixture runs once over the rows of all the sequences, so each weight is read once for
+//! the batch; each sequence's RoPE, cache write and attention run over its own cache with its own positions and
+//! mask. The projections are row-exact (a row's result does not depend on which rows share the launch) and
+//! the attention of a sequence sees only its own rows, so every sequence gets bitwise the logits and cache it
+//! would get from [`Model::forward`] alone — the promise a batching server makes to each request.
+//!
+//! Models with Gated DeltaNet layers run their sequences one after another (their recurrence runs per sequence
+//! on the host either way).
+
+use super::decoder::{layer_rope, layer_shape, Scratch};
+use super::{Batch, ForwardOutput, LogitRows, Model};
+use crate::backend::{AttnMask, Backend, StepInputs};
+use crate::cache::KvCache;
+use crate::error::Result;
+
+/// One sequence's part of a batched forward.
+pub struct SeqForward<'a, B: Backend> {
+    pub cache: &'a mut KvCache<B>,
+    pub batch: &'a Batch,
+    pub logits: LogitRows,
+}
+
+impl<B: Backend> Model<B> {
+    /// Run each sequence's rows as [`Model::forward`] would (no hidden states asked for), in one forward: each
+    /// output, and each cache afterwards, is bitwise what that sequence's own forward gives.
+    pub fn forward_batched(&mut self, seqs: &mut [SeqForward<B>]) -> Result<Vec<ForwardOutput>> {
+        if seqs.len() == 1 || self.layers.iter().any(|l| l.is_linear()) {
+            return seqs
+                .iter_mut()
+                .map(|q| self.forward(q.cache, q.batch, q.logits, &[]))
+                .collect();
+        }
+        for q in seqs.iter_mut() {
+            self.check_batch(q.batch, &[])?;
+            q.cache.reserve(self.backend.as_ref(), q.batch.rows())?;
+        }
+        let be = self.backend.clone();
+        let be = be.as_ref();
+        let total: usize = seqs.iter().map(|q| q.batch.rows()).sum();
+        let mut s = self.scratch(total);
+        // The batch's step serves the embedding alone; each sequence's serves its attention.
+        let tokens: Vec<u32> = seqs.iter().flat_map(|q| q.batch.tokens.clone()).collect();
+        let positions: Vec<usize> = seqs
+            .iter()
+            .flat_map(|q| q.batch.positions.clone())
+            .collect();
+        be.set_step(
+            &mut s.step,
+            StepInputs {
+                tokens: &tokens,
+                positions: &positions,
+                base: 0,
+                mask: &AttnMask::Causal,
+            },
+        );
+        let mut own = std::mem::take(&mut self.seq_scratch);
+        own.resize_with(own.len().max(seqs.len()), || {
+            Scratch::new(be, &self.hp, 1, 1)
+        });
+        for (q, o) in seqs.iter_mut().zip(own.iter_mut()) {
+            let rows = q.batch.rows();
+            if o.rows < rows {
+                *o = Scratch::new(be, &self.hp, rows, 1);
+            }
+            q.cache
+                .begin_forward(rows, matches!(q.logits, LogitRows::All | LogitRows::Greedy));
+            be.set_step(
+                &mut o.step,
+                StepInputs {
+                    tokens: &q.batch.tokens,
+                    positions: &q.batch.positions,
+                    base: q.cache.len(),
+                    mask: &q.batch.mask,
+                },
+            );
+        }
+        self.encode_batched(seqs, &mut own, &mut s, total);
+        let out = self.logits_batched(seqs, &mut s);
+        self.scratch = Some(s);
+        self.seq_scratch = own;
+        for q in seqs.iter_mut() {
+            q.cache.advance(q.batch.rows());
+        }
+        // A device fault fails every sequence of the forward (each rolled back).
+        if let Some(fault) = self.backend.take_fault() {
+            for q in seqs.iter_mut() {
+                let len = q.cache.len() - q.batch.rows();
+                q.cache.truncate(len);
+            }
+            return Err(crate::error::Error::Device(fault));
+        }
+        Ok(out)
+    }
+
+    /// The layers over all `total` rows of `s`: projections and MLPs once, each sequence's attention in its own
+    /// buffers `own[i]` over its own cache.
+    fn encode_batched(
+        &self,
+        seqs: &mut [SeqForward<B>],
+        own: &mut [Scratch<B>],
+        s: &mut Scratch<B>,
+        total: usize,
+    ) {
+        let be = self.backend.as_ref();
+        let hp = &self.hp;
+        let (h, qd) = (hp.hidden, hp.n_heads * hp.head_dim);
+        let kvd = hp.n_kv_heads * hp.head_dim;
+        be.embed(&self.embed, &s.step, total, &mut s.x);
+        if let Some(scale) = hp.block.embedding_scale {
+            be.scale(&mut s.x, total * h, scale);
+        }
+        for (l, layer) in self.layers.iter().enumerate() {
+            layer.qkv_projections(be, hp, s, total);
+            let mut at = 0;
+            for (q, o) in seqs.iter_mut().zip(own.iter_mut()) {
+                let rows = q.batch.rows();
+                be.copy(&s.q, at * qd, &mut o.q, 0, rows * qd);
+                be.copy(&s.k, at * kvd, &mut o.k, 0, rows * kvd);
+                be.copy(&s.v, at * kvd, &mut o.v, 0, rows * kvd);
+                let shape = layer_shape(hp, l, rows);
+                let cache = &mut *q.cache;
+                let (kc, vc) = (&mut cache.k[l], &mut cache.v[l]);
+                be.rope_and_cache(
+                    &mut o.q,
+                    &mut o.k,
+                    &o.v,
+                    kc,
+                    vc,
+                    shape,
+                    layer_rope(hp, l),
+                    &o.step,
+                );
+                be.attention(
+                    &o.q,
+                    kc,
+                    vc,
+                    &mut cache.attn_work,
+                    shape,
+                    &o.step,
+                    &mut o.attn,
+                );
+                be.copy(&o.attn, 0, &mut s.attn, at * qd, rows * qd);
+                at += rows;
+            }
+            layer.finish(be, hp, s, total);
+        }
+    }
+
+    /// Each sequence's logits as its own forward returns them: the rows asked for, gathered, through one output
+    /// projection (the output norm fused, as a single forward runs it).
+    fn logits_batched(&self, seqs: &[SeqForward<B>], s: &mut Scratch<B>) -> Vec<ForwardOutput> {
+        let be = self.backend.as_ref();
+        let (h, vocab) = (self.hp.hidden, self.hp.vocab);
+        // The rows of `s.x` each sequence wants, in order.
+        let mut wanted = Vec::new();
+        let mut at = 0;
+        for q in seqs {
+            let rows = q.batch.rows();
+            match q.logits {
+                LogitRows::All | LogitRows::Greedy => wanted.extend(at..at + rows),
+                LogitRows::Last => wanted.push(at + rows - 1),
+                LogitRows::None => {}
+            }
+            at += rows;
+        }
+        let n = wanted.len();
+        if n > 0 {
+            for (i, &r) in wanted.iter().enumerate() {
+                be.copy(&s.x, r * h, &mut s.tmp, i * h, h);
+            }
+            let output = self.output.as_ref().unwrap_or(self.embed.as_ref());
+            let norm = Some((&self.output_norm, self.hp.rms_eps));
+            be.matmuls(&s.tmp, norm, n, &mut [(output, &mut s.logits)]);
+        }
+        let greedy = seqs.iter().any(|q| q.logits == LogitRows::Greedy);
+        if greedy && n > 0 {
+            be.argmax(&s.logits, n, vocab, &mut s.greedy);
+        }
+        let logits = if n > 0 {
+            be.download(&s.logits, n * vocab)
+        } else {
+            Vec::new()
+        };
+        let argmax = if greedy {
+            be.download(&s.greedy, n)
+        } else {
+            Vec::new()
+        };
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut row = 0;
+        for q in seqs {
+            let mine = match q.logits {
+                LogitRows::All | LogitRows::Greedy => q.batch.rows(),
+                LogitRows::Last => 1,
+                LogitRows::None => 0,
+            };
+            let mut o = ForwardOutput::default();
+            if q.logits == LogitRows::Greedy {
+                o.greedy = argmax[row..row + mine].iter().map(|&t| t as u32).collect();
+            } else {
+                o.logits = logits[row * vocab..(row + mine) * vocab].to_vec();
+            }
+            out.push(o);
+            row += mine;
+        }
+        out
+    }
+}

@@ -1,0 +1,168 @@
+//! Several sequences in one forward (what continuous batching runs): every sequence's logits, argmaxes and
+//! cache are bitwise what its own forward gives — a prefill, a verify, a draft tree, a chunk whose last row
+//! alone has logits and a step without any side by side, on the 8-bit and f32 paths, a mixture of experts,
+//! local attention layers and a hybrid with recurrent layers.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use verity::backend::cpu::CpuBackend;
+use verity::backend::AttnMask;
+use verity::cache::KvCache;
+use verity::model::{Batch, ForwardOutput, LogitRows, Model, SeqForward};
+
+/// One sequence's case: the prefix already in its cache, then the rows of the step under test.
+struct Case {
+    prefix: Vec<u32>,
+    batch: Batch,
+    logits: LogitRows,
+}
+
+/// A draft tree after `base` committed tokens: row 0 the pending token, rows 1 and 2 its children, 3 a child of
+/// 1, 4 a child of 2.
+fn tree(tokens: [u32; 5], base: usize) -> Batch {
+    let parents = [None, Some(0), Some(0), Some(1), Some(2)];
+    let depth = |mut r: usize| {
+        let mut d = 0;
+        while let Some(p) = parents[r] {
+            r = p;
+            d += 1;
+        }
+        d
+    };
+    let mut visible = vec![false; 25];
+    for i in 0..5 {
+        let mut r = Some(i);
+        while let Some(j) = r {
+            visible[i * 5 + j] = true;
+            r = parents[j];
+        }
+    }
+    Batch {
+        tokens: tokens.to_vec(),
+        positions: (0..5).map(|r| base + depth(r)).collect(),
+        mask: AttnMask::Tree(visible),
+    }
+}
+
+fn cases(tokens: &[u32]) -> Vec<Case> {
+    let t = |i: usize| tokens[i % tokens.len()];
+    vec![
+        // A prefill from empty, every row's logits.
+        Case {
+            prefix: Vec::new(),
+            batch: Batch::causal(&tokens[..20], 0),
+            logits: LogitRows::All,
+        },
+        // A greedy verify of 4 rows after 12 tokens.
+        Case {
+            prefix: tokens[3..15].to_vec(),
+            batch: Batch::causal(&tokens[15..19], 12),
+            logits: LogitRows::Greedy,
+        },
+        // A draft tree after 30 tokens.
+        Case {
+            prefix: (0..30).map(|i| t(i + 5)).collect(),
+            batch: tree([t(1), t(2), t(3), t(4), t(6)], 30),
+            logits: LogitRows::All,
+        },
+        // A prefill chunk of 3 rows after 7 tokens, the last row's logits only.
+        Case {
+            prefix: tokens[..7].to_vec(),
+            batch: Batch::causal(&tokens[7..10], 7),
+            logits: LogitRows::Last,
+        },
+        // A one-row step, no logits (a prefix's last chunk).
+        Case {
+            prefix: tokens[20..24].to_vec(),
+            batch: Batch::causal(&tokens[24..25], 4),
+            logits: LogitRows::None,
+        },
+    ]
+}
+
+/// A cache holding `prefix`.
+fn primed(model: &mut Model<CpuBackend>, prefix: &[u32]) -> KvCache<CpuBackend> {
+    let mut cache = model.new_cache(256);
+    if !prefix.is_empty() {
+        model
+            .forward(&mut cache, &Batch::causal(prefix, 0), LogitRows::None, &[])
+            .unwrap();
+    }
+    cache
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn same(a: &ForwardOutput, b: &ForwardOutput) -> bool {
+    bits(&a.logits) == bits(&b.logits) && a.greedy == b.greedy
+}
+
+fn cache_bits(model: &Model<CpuBackend>, cache: &KvCache<CpuBackend>) -> Vec<Vec<u32>> {
+    let ckpt = cache.checkpoint(model.backend());
+    ckpt.layers()
+        .iter()
+        .flat_map(|(k, v)| [bits(k), bits(v)])
+        .collect()
+}
+
+/// Each case alone, then all in one batched forward (twice, the second time with the batch reordered and a
+/// case left out): outputs and caches bitwise equal.
+fn assert_batched_equals_alone(model: &mut Model<CpuBackend>, tokens: &[u32], label: &str) {
+    let cases = cases(tokens);
+    let mut alone = Vec::new();
+    for c in &cases {
+        let mut cache = primed(model, &c.prefix);
+        let out = model.forward(&mut cache, &c.batch, c.logits, &[]).unwrap();
+        alone.push((out, cache_bits(model, &cache)));
+    }
+    for order in [vec![0, 1, 2, 3, 4], vec![3, 2, 4, 0]] {
+        let mut caches: Vec<KvCache<CpuBackend>> = order
+            .iter()
+            .map(|&i| primed(model, &cases[i].prefix))
+            .collect();
+        let mut seqs: Vec<SeqForward<CpuBackend>> = caches
+            .iter_mut()
+            .zip(&order)
+            .map(|(cache, &i)| SeqForward {
+                cache,
+                batch: &cases[i].batch,
+                logits: cases[i].logits,
+            })
+            .collect();
+        let outs = model.forward_batched(&mut seqs).unwrap();
+        drop(seqs);
+        for ((out, cache), &i) in outs.iter().zip(&caches).zip(&order) {
+            assert!(
+                same(out, &alone[i].0),
+                "{label}: case {i} output differs from its own forward"
+            );
+            assert!(
+                cache_bits(model, cache) == alone[i].1,
+                "{label}: case {i} cache differs from its own forward's"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_batched_forward_gives_every_sequence_its_own_forwards_bits() {
+    let smollm2 = smollm2();
+    let reference = json(&fixtures().join("gguf_ref/smollm2-135m-q4_1.json"));
+    let tokens = ids(&reference["token_ids"]);
+    let mut model = load_model(&smollm2);
+    assert_batched_equals_alone(&mut model, &tokens, "smollm2 8-bit");
+    let mut model = load_model_on(&smollm2, f32_backend());
+    assert_batched_equals_alone(&mut model, &tokens, "smollm2 f32");
+    for name in ["llama-f32", "qwen3-moe-f16", "gemma3-f16", "qwen3-next-f16"] {
+        let dir = hf_bundle(name);
+        let tokens = ids(&json(&dir.join("reference.json"))["token_ids"]);
+        let be: Arc<CpuBackend> = backend();
+        let mut model = load_model_on(&dir, be);
+        assert_batched_equals_alone(&mut model, &tokens, name);
+    }
+}
