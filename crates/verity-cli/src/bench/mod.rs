@@ -1,6 +1,7 @@
 //! `verity bench`: measurements written as JSON records, summarized as medians per route and category, and
 //! drawn as PNG plots on request.
 
+mod batch;
 mod conversation;
 mod plot;
 mod prompts;
@@ -23,6 +24,8 @@ pub enum Command {
     Rowcost(rowcost::Args),
     /// Teacher-forced comparison of verify rows with AR steps (bitwise).
     Rowexact(rowexact::Args),
+    /// Decode throughput of N sequences in batched forwards against one forward each (bitwise the same tokens).
+    Batch(batch::Args),
     /// Redraw the PNG plots of saved `--json` records (speed, conversation or rowcost).
     Plot(plot::Args),
 }
@@ -36,6 +39,7 @@ pub fn main(c: Command, device: Device, threads: usize) -> Result<()> {
         }
         Command::Rowcost(a) => rowcost::main(a, device, threads),
         Command::Rowexact(a) => rowexact::main(a, device, threads),
+        Command::Batch(a) => batch::main(a, device, threads),
         Command::Plot(a) => plot::main(a),
     }
 }
