@@ -492,6 +492,49 @@ fn small_f16_gguf(path: &Path) {
     std::fs::write(path, file).unwrap();
 }
 
+/// A hybrid's GGUF (Qwen3-Next: stacked experts, a shared expert, Gated DeltaNet tensors) quantizes: every
+/// matrix, the stacked experts included, in the asked type, the convolution, decay rates and norms kept as they
+/// are; the result loads and answers.
+#[test]
+fn quantize_handles_a_hybrid_with_stacked_experts() {
+    let dir =
+        std::env::temp_dir().join(format!("verity-cli-quantize-hybrid-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let input = fixture("qwen3-next-gguf").join("model.gguf");
+    let q = dir.join("qwen3-next-q8_0.gguf");
+    let out = verity(&[
+        "--threads",
+        "2",
+        "quantize",
+        input.to_str().unwrap(),
+        q.to_str().unwrap(),
+        "--type",
+        "q8_0",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let s = text(&verity(&["inspect", q.to_str().unwrap()]).stdout);
+    for kind in [
+        "blk.ffn_gate_exps.weight             Q8_0 ×4",
+        "blk.attn_qkv.weight                  Q8_0 ×2",
+        "blk.ssm_conv1d.weight                F32 ×2",
+        "blk.ssm_a                            F32 ×2",
+    ] {
+        assert!(s.contains(kind), "{kind:?} in {s}");
+    }
+    let out = verity(&[
+        "--threads",
+        "2",
+        "run",
+        "--model",
+        q.to_str().unwrap(),
+        "--max-tokens",
+        "8",
+        "Hello",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn quantize_writes_a_model_that_runs_and_refuses_what_it_cannot_do() {
     let dir = std::env::temp_dir().join(format!("verity-cli-quantize-{}", std::process::id()));
