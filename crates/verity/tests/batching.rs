@@ -11,7 +11,11 @@ use common::*;
 use verity::backend::cpu::CpuBackend;
 use verity::backend::AttnMask;
 use verity::cache::KvCache;
+use verity::chat::Message;
+use verity::engine::{Decoding, Engine, GenerateRequest, StopReason};
 use verity::model::{Batch, ForwardOutput, LogitRows, Model, SeqForward};
+use verity::sample::SamplerConfig;
+use verity::speculative::SpecMode;
 
 /// One sequence's case: the prefix already in its cache, then the rows of the step under test.
 struct Case {
@@ -165,4 +169,114 @@ fn a_batched_forward_gives_every_sequence_its_own_forwards_bits() {
         let mut model = load_model_on(&dir, be);
         assert_batched_equals_alone(&mut model, &tokens, name);
     }
+}
+
+fn sampled(max_tokens: usize, temperature: f32, seed: u64) -> GenerateRequest {
+    GenerateRequest {
+        sampling: SamplerConfig {
+            temperature,
+            top_p: 0.9,
+            seed,
+            ..SamplerConfig::default()
+        },
+        ..GenerateRequest::greedy(max_tokens)
+    }
+}
+
+/// Requests decoded together in batched steps — greedy and sampled, one reporting log-probabilities, one
+/// joining after five steps, one cancelled after three tokens — each get bitwise the tokens, log-probabilities
+/// and final cache that `generate` gives them alone on the engine's own (speculative) route.
+#[test]
+fn requests_decoded_together_get_their_solo_answers() {
+    let path = smollm2();
+    let mut solo = Engine::load(&path, backend(), &SpecMode::Auto).unwrap();
+    let mut together = Engine::load(&path, backend(), &SpecMode::Off).unwrap();
+    let questions = [
+        "Name three colors of the rainbow.",
+        "Write a haiku about the sea.",
+        "What is 12 times 12?",
+        "List four animals that live in the ocean.",
+        "Say hello in French.",
+    ];
+    let prompts: Vec<Vec<u32>> = questions
+        .iter()
+        .map(|q| solo.chat_prompt(&[Message::new("user", q)]).unwrap())
+        .collect();
+    let requests = [
+        GenerateRequest::greedy(24),
+        sampled(20, 0.8, 7),
+        GenerateRequest {
+            want_logprob: true,
+            logprobs: 2,
+            ..GenerateRequest::greedy(16)
+        },
+        sampled(28, 1.0, 3),
+        GenerateRequest::greedy(12),
+    ];
+    // Request 4 is cancelled after its third token.
+    let cancel_after = |i: usize, n: usize| i == 4 && n == 3;
+    let mut alone = Vec::new();
+    for (i, (p, r)) in prompts.iter().zip(&requests).enumerate() {
+        let mut sess = solo.new_session();
+        let mut got = Vec::new();
+        let stats = solo
+            .generate(&mut sess, p, r, |_, t| {
+                got.push((t.id, t.logprobs.clone().map(|l| format!("{l:?}"))));
+                !cancel_after(i, got.len())
+            })
+            .unwrap();
+        let cache = sess
+            .cache
+            .checkpoint(solo.model.backend())
+            .layers()
+            .to_vec();
+        alone.push((got, stats.stop, cache));
+    }
+
+    let mut got: Vec<Vec<(u32, Option<String>)>> = vec![Vec::new(); requests.len()];
+    let mut batch: Vec<Decoding<CpuBackend>> = Vec::new();
+    let mut order = Vec::new();
+    let start = |e: &mut Engine<CpuBackend>, i: usize| {
+        let sess = e.new_session();
+        e.start_decoding(sess, &prompts[i], requests[i].clone())
+            .unwrap()
+    };
+    for i in [0, 1, 2, 4] {
+        batch.push(start(&mut together, i));
+        order.push(i);
+    }
+    let mut steps = 0;
+    while batch.iter().any(|d| d.finished().is_none()) {
+        if steps == 5 {
+            batch.push(start(&mut together, 3));
+            order.push(3);
+        }
+        together
+            .decode_step(&mut batch, |j, _, t| {
+                let i = order[j];
+                got[i].push((t.id, t.logprobs.clone().map(|l| format!("{l:?}"))));
+                !cancel_after(i, got[i].len())
+            })
+            .unwrap();
+        steps += 1;
+    }
+    for (j, d) in batch.into_iter().enumerate() {
+        let i = order[j];
+        let (sess, stats) = d.into_parts();
+        assert_eq!(
+            got[i], alone[i].0,
+            "request {i}: tokens differ from its solo run"
+        );
+        assert_eq!(stats.stop, alone[i].1, "request {i}: stop reason");
+        let cache = sess
+            .cache
+            .checkpoint(together.model.backend())
+            .layers()
+            .to_vec();
+        assert!(
+            cache == alone[i].2,
+            "request {i}: cache differs from its solo run's"
+        );
+    }
+    assert_eq!(alone[4].1, StopReason::Cancelled);
 }

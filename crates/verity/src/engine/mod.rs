@@ -5,6 +5,7 @@
 //! canonical checkpoint), [`decode`] (propose → verify → commit → emit). The route was decided once, at load
 //! ([`crate::speculative::build`]).
 
+mod batch;
 mod decode;
 mod prefill;
 mod prompt;
@@ -15,6 +16,7 @@ mod stats;
 use std::path::Path;
 use std::sync::Arc;
 
+pub use batch::Decoding;
 pub use prefill::PREFILL_CHUNK;
 pub use prompt::ChatPrompt;
 pub use request::{Emitted, GenerateRequest, Logprobs};

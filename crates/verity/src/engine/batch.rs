@@ -1,0 +1,198 @@
+//! Decoding several requests together, one token each per batched forward (what a continuously batching
+//! server steps): requests join between steps ([`Engine::start_decoding`]) and leave when they finish.
+//!
+//! Each request's step is the AR cycle of `decode.rs` with no drafts — its pending token through the target, the
+//! verifier's draw from that row — run as one row of a [`Model::forward_batched`] beside the others' rows. The
+//! forward gives each row bitwise its own forward's logits and the draw is keyed by the request's seed and
+//! position, so every request gets bitwise the tokens it would get alone, on any route (every route's output
+//! is AR's), whichever requests share its steps and whenever it joined.
+
+use std::time::{Duration, Instant};
+
+use super::request::Logprobs;
+use super::{Emitted, Engine, GenerateRequest, GenerationStats, Session, StopReason};
+use crate::backend::Backend;
+use crate::chat::Tokenizer;
+use crate::error::{Error, Result};
+use crate::model::{Batch, LogitRows, SeqForward};
+use crate::speculative::{Draft, Verifier};
+
+/// One request being decoded in batched steps.
+pub struct Decoding<B: Backend> {
+    pub session: Session<B>,
+    request: GenerateRequest,
+    verifier: Verifier,
+    /// Committed tokens and the pending one (its last element, not yet in the cache).
+    context: Vec<u32>,
+    stats: GenerationStats,
+    start: Instant,
+    first_at: Option<Instant>,
+    done: bool,
+}
+
+impl<B: Backend> Decoding<B> {
+    /// The request's statistics once it has finished (`None` while it decodes).
+    pub fn finished(&self) -> Option<&GenerationStats> {
+        self.done.then_some(&self.stats)
+    }
+
+    /// The session (its cache holds the prompt and the completion) and the statistics.
+    pub fn into_parts(self) -> (Session<B>, GenerationStats) {
+        (self.session, self.stats)
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// Prefill `prompt` into `session` (restoring what the prefix cache holds) and make the request ready to
+    /// decode in batched steps. Requests with a grammar constraint decode alone ([`Engine::generate`]).
+    pub fn start_decoding(
+        &mut self,
+        mut session: Session<B>,
+        prompt: &[u32],
+        request: GenerateRequest,
+    ) -> Result<Decoding<B>> {
+        if prompt.is_empty() {
+            return Err(Error::Invalid("empty prompt".into()));
+        }
+        if request.constraint.is_some() {
+            return Err(Error::Invalid(
+                "a constrained request decodes alone, not in a batch".into(),
+            ));
+        }
+        if prompt.len() > session.cache.max_capacity() {
+            return Err(Error::Invalid(format!(
+                "the prompt ({} tokens) exceeds the context length ({})",
+                prompt.len(),
+                session.cache.max_capacity()
+            )));
+        }
+        let start = Instant::now();
+        let verifier = Verifier::new(request.sampling)?;
+        let prefilled = self.prefill(&mut session, prompt, request.store_prefix, None)?;
+        let mut stats = GenerationStats::new("ar");
+        stats.prompt_tokens = prompt.len();
+        stats.restored_tokens = prefilled.restored;
+        stats.store_s = prefilled.store_s;
+        let done = request.max_tokens == 0;
+        Ok(Decoding {
+            session,
+            request,
+            verifier,
+            context: prompt.to_vec(),
+            stats,
+            start,
+            first_at: None,
+            done,
+        })
+    }
+
+    /// One token of every unfinished request of `batch`, in one batched forward. `emit(i, tokenizer, token)`
+    /// receives request `i`'s token and returns `false` to cancel that request. A request that finishes (a stop
+    /// token, its token limit, the context's end, cancelled) is marked so and takes no further steps.
+    pub fn decode_step(
+        &mut self,
+        batch: &mut [Decoding<B>],
+        mut emit: impl FnMut(usize, &Tokenizer, &Emitted) -> bool,
+    ) -> Result<()> {
+        let vocab = self.model.hp.vocab;
+        let live: Vec<usize> = (0..batch.len())
+            .filter(|&i| {
+                let d = &mut batch[i];
+                if !d.done && d.session.cache.len() + 1 > d.session.cache.max_capacity() {
+                    d.done = true;
+                    d.stats.stop = StopReason::ContextFull;
+                }
+                !d.done
+            })
+            .collect();
+        if live.is_empty() {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let rows: Vec<Batch> = live
+            .iter()
+            .map(|&i| {
+                let d = &batch[i];
+                let pending = *d.context.last().expect("non-empty context");
+                Batch::causal(&[pending], d.session.cache.len())
+            })
+            .collect();
+        let wants: Vec<LogitRows> = live
+            .iter()
+            .map(|&i| {
+                let r = &batch[i].request;
+                if batch[i].verifier.argmax_decides() && r.logprobs == 0 && !r.want_logprob {
+                    LogitRows::Greedy
+                } else {
+                    LogitRows::All
+                }
+            })
+            .collect();
+        let outs = {
+            // The live requests in order, as `live` lists them.
+            let mut seqs: Vec<SeqForward<B>> = batch
+                .iter_mut()
+                .filter(|d| !d.done)
+                .zip(rows.iter().zip(&wants))
+                .map(|(d, (rows, &logits))| SeqForward {
+                    cache: &mut d.session.cache,
+                    batch: rows,
+                    logits,
+                })
+                .collect();
+            self.model.forward_batched(&mut seqs)?
+        };
+        let verify = t0.elapsed();
+        for ((&i, out), want) in live.iter().zip(&outs).zip(&wants) {
+            let d = &mut batch[i];
+            let no_draft = Draft::default();
+            let verdict = match want {
+                LogitRows::Greedy => d.verifier.verify_greedy(&out.greedy, &no_draft),
+                _ => d.verifier.verify(&out.logits, vocab, &d.context, &no_draft),
+            };
+            let pending = *d.context.last().expect("non-empty context");
+            d.session.tokens.push(pending);
+            d.stats
+                .record_cycle(0, 0, Duration::ZERO, verify, Duration::ZERO);
+            let tok = verdict.next;
+            if d.first_at.is_none() {
+                let now = Instant::now();
+                d.stats.ttft_s = (now - d.start).as_secs_f64();
+                d.first_at = Some(now);
+            }
+            let r = &d.request;
+            let stop = if !r.ignore_eos && self.tokenizer.is_stop(tok) {
+                Some(StopReason::Stop)
+            } else {
+                d.context.push(tok);
+                d.stats.completion_tokens += 1;
+                let logprobs = (r.logprobs > 0 || r.want_logprob)
+                    .then(|| Logprobs::of(&out.logits[..vocab], tok, r.logprobs));
+                if !emit(i, &self.tokenizer, &Emitted { id: tok, logprobs }) {
+                    Some(StopReason::Cancelled)
+                } else if d.stats.completion_tokens == r.max_tokens {
+                    Some(StopReason::MaxTokens)
+                } else {
+                    None
+                }
+            };
+            if let Some(reason) = stop {
+                d.done = true;
+                d.stats.stop = reason;
+                if let Some(t) = d.first_at {
+                    d.stats.decode_s = t.elapsed().as_secs_f64();
+                }
+                let prompt_len = d.stats.prompt_tokens;
+                if d.request.store_prefix.is_some()
+                    && self.prefix.enabled()
+                    && d.session.tokens.len() > prompt_len
+                {
+                    // The state after the answer, as `generate` keeps it.
+                    let tokens = d.session.tokens.clone();
+                    d.stats.store_s += self.store_checkpoint(&d.session, &tokens)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
