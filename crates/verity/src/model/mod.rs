@@ -8,6 +8,7 @@ mod batched;
 mod decoder;
 mod delta_net;
 mod drafter;
+mod moe;
 mod mtp;
 
 pub use batched::SeqForward;
