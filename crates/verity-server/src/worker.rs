@@ -1,9 +1,9 @@
 //! The engine thread: one request at a time from a bounded queue.
 //!
-//! Why a queue and not batching: on a CPU a decode step streams every weight through memory once, and verity's
-//! speculative verify already fills that step with several rows of one request; interleaving requests would
-//! need a batched KV cache per request (future work). A bounded queue keeps latency predictable and answers
-//! 503 when it is full. The worker keeps one session, so a follow-up turn of the last conversation reuses its
+//! A request's speculative verify fills each decode step with several rows of that request. The engine can
+//! also step several requests together (`Engine::decode_step`, each answer bitwise its solo one); this thread
+//! does not schedule requests into such steps yet. A bounded queue keeps latency predictable and answers 503
+//! when it is full. The worker keeps one session, so a follow-up turn of the last conversation reuses its
 //! cached prefix. A request is cancelled as soon as its client goes away (its event channel closes).
 
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};

@@ -14,7 +14,6 @@ use verity::cache::KvCache;
 use verity::chat::Message;
 use verity::engine::{Decoding, Engine, GenerateRequest, StopReason};
 use verity::model::{Batch, ForwardOutput, LogitRows, Model, SeqForward};
-use verity::sample::SamplerConfig;
 use verity::speculative::SpecMode;
 
 /// One sequence's case: the prefix already in its cache, then the rows of the step under test.
@@ -168,18 +167,6 @@ fn a_batched_forward_gives_every_sequence_its_own_forwards_bits() {
         let be: Arc<CpuBackend> = backend();
         let mut model = load_model_on(&dir, be);
         assert_batched_equals_alone(&mut model, &tokens, name);
-    }
-}
-
-fn sampled(max_tokens: usize, temperature: f32, seed: u64) -> GenerateRequest {
-    GenerateRequest {
-        sampling: SamplerConfig {
-            temperature,
-            top_p: 0.9,
-            seed,
-            ..SamplerConfig::default()
-        },
-        ..GenerateRequest::greedy(max_tokens)
     }
 }
 

@@ -335,23 +335,6 @@ fn context_stays_aligned(d: &Path, step: u32) {
     );
 }
 
-/// The tokens `req` generates for `prompt`, and how many drafts the route proposed.
-fn generate(
-    e: &mut Engine<CpuBackend>,
-    prompt: &[u32],
-    req: &GenerateRequest,
-) -> (Vec<u32>, usize) {
-    let mut s = e.new_session();
-    let mut toks = Vec::new();
-    let stats = e
-        .generate(&mut s, prompt, req, |_, t| {
-            toks.push(t.id);
-            true
-        })
-        .unwrap();
-    (toks, stats.drafted)
-}
-
 #[test]
 fn drafter_output_equals_ar_on_the_tiny_model() {
     for d in [
@@ -385,8 +368,9 @@ fn drafter_output_equals_ar(d: &Path) {
                 sampling,
                 ..GenerateRequest::greedy(48)
             };
-            let (want, _) = generate(&mut ar, &prompt, &req);
-            let (got, drafted) = generate(&mut drafter, &prompt, &req);
+            let (want, ..) = answer(&mut ar, &prompt, &req);
+            let (got, _, stats) = answer(&mut drafter, &prompt, &req);
+            let drafted = stats.drafted;
             assert_eq!(want, got, "prompt {p}, {sampling:?}");
             assert!(drafted > 0, "prompt {p}: nothing drafted");
         }
@@ -428,8 +412,9 @@ fn drafter_output_equals_ar_on_smollm2() {
                 sampling,
                 ..GenerateRequest::greedy(96)
             };
-            let (want, _) = generate(&mut ar, &prompt, &req);
-            let (got, drafted) = generate(&mut drafter, &prompt, &req);
+            let (want, ..) = answer(&mut ar, &prompt, &req);
+            let (got, _, stats) = answer(&mut drafter, &prompt, &req);
+            let drafted = stats.drafted;
             assert_eq!(want, got, "{text}: {sampling:?}");
             assert!(drafted > 0, "{text}: nothing drafted");
         }

@@ -10,10 +10,8 @@ use std::sync::Arc;
 use common::*;
 use verity::backend::cpu::CpuBackend;
 use verity::bundle::{Bundle, MtpStatus, Source};
-use verity::cache::KvCheckpoint;
-use verity::engine::{Engine, GenerateRequest, GenerationStats};
+use verity::engine::{Engine, GenerateRequest};
 use verity::model::{Batch, HeadInput, LogitRows, Model, MtpHead};
-use verity::sample::SamplerConfig;
 use verity::speculative::mtp::MtpProposer;
 use verity::speculative::{Outcome, Proposer, SpecMode};
 
@@ -419,23 +417,6 @@ fn the_head_cache_stays_aligned_with_the_committed_positions_under_any_accept_pa
     }
 }
 
-/// `e`'s answer to `prompt` in a new session: its tokens, the session's state afterwards, the statistics.
-fn answer(
-    e: &mut Engine<CpuBackend>,
-    prompt: &[u32],
-    req: &GenerateRequest,
-) -> (Vec<u32>, KvCheckpoint, GenerationStats) {
-    let mut s = e.new_session();
-    let mut toks = Vec::new();
-    let stats = e
-        .generate(&mut s, prompt, req, |_, t| {
-            toks.push(t.id);
-            true
-        })
-        .unwrap();
-    (toks, s.cache.checkpoint(e.model.backend()), stats)
-}
-
 #[test]
 fn greedy_mtp_output_and_cache_equal_ar_on_the_tiny_model() {
     let d = tiny_with("mtp-greedy", &tiny_head(5, None));
@@ -535,22 +516,7 @@ fn a_qwen3_next_head_drafts_for_the_hybrid_target_and_output_equals_ar() {
     write_safetensors(&d.join("mtp.safetensors"), &hybrid_head(7), &[]);
     let mut ar = Engine::load(&d, be(), &SpecMode::Off).unwrap();
     let mut mtp = Engine::load(&d, be(), &SpecMode::Mtp).unwrap();
-    for req in [
-        GenerateRequest::greedy(40),
-        GenerateRequest {
-            sampling: SamplerConfig {
-                temperature: 0.8,
-                top_p: 0.9,
-                seed: 5,
-                ..SamplerConfig::default()
-            },
-            ..GenerateRequest::greedy(40)
-        },
-    ] {
-        let req = GenerateRequest {
-            ignore_eos: true,
-            ..req
-        };
+    for req in [no_eos(40), sampled(40, 0.8, 5)] {
         let prompt: Vec<u32> = (3..30).collect();
         let run = |e: &mut Engine<CpuBackend>| answer(e, &prompt, &req);
         let (a, ca, _) = run(&mut ar);

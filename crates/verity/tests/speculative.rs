@@ -215,13 +215,6 @@ fn against_adversaries(
         .collect()
 }
 
-fn no_eos(max_tokens: usize) -> GenerateRequest {
-    GenerateRequest {
-        ignore_eos: true,
-        ..GenerateRequest::greedy(max_tokens)
-    }
-}
-
 fn prompts(e: &Engine<CpuBackend>) -> Vec<(String, Vec<u32>)> {
     let text = std::fs::read_to_string(fixtures().join("prompts/spec_prompts.jsonl")).unwrap();
     text.lines()
@@ -333,18 +326,6 @@ fn copying_and_adversaries_reproduce_gemma3_ar_output_across_its_sliding_window(
         e.set_proposer(Some(scripted(kind.clone(), &oracle, vocab)));
         let r = run(&mut e, &prompt, &req, None);
         assert_same(&base, &r, &format!("gemma3 {kind:?}"));
-    }
-}
-
-fn sampled(max_tokens: usize, temperature: f32, seed: u64) -> GenerateRequest {
-    GenerateRequest {
-        sampling: SamplerConfig {
-            temperature,
-            top_p: 0.9,
-            seed,
-            ..SamplerConfig::default()
-        },
-        ..no_eos(max_tokens)
     }
 }
 

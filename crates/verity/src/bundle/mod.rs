@@ -297,36 +297,16 @@ impl Bundle {
 
     /// A 1-D tensor (norm weight, bias) of `len` values, converted to f32.
     pub fn vector(&self, key: TensorKey, len: usize) -> Result<Vec<f32>> {
-        let m = match &self.source {
-            Source::Gguf(g) => {
-                let name = key.gguf_in(self.hparams.arch);
-                let t = g
-                    .tensor(&name)
-                    .ok_or_else(|| Error::tensor(&name, "missing from the GGUF file"))?;
-                if t.dims != [len] {
-                    return Err(Error::tensor(
-                        &name,
-                        format!("shape {:?}, expected [{len}]", t.dims),
-                    ));
-                }
-                QMatrix::ggml(&name, t.ty, 1, len, g.tensor_bytes(t))?
-            }
-            Source::Safetensors { tensors, .. } => {
-                let mut v = st_vector(tensors, &self.tensor_name(key), len)?;
-                // Checkpoints of models whose norms scale by 1 + w store w - 1; GGUF converters store w.
-                if key.stored_minus_one(self.hparams.arch) {
-                    v.iter_mut().for_each(|x| *x += 1.0);
-                }
-                return Ok(v);
-            }
-        };
-        let mut out = vec![0.0; len];
-        m.dequantize_row(0, &mut out);
-        Ok(out)
+        let mut v = self.values(key, &[len])?;
+        // Checkpoints of models whose norms scale by 1 + w store w - 1; GGUF converters store w.
+        if !self.is_gguf() && key.stored_minus_one(self.hparams.arch) {
+            v.iter_mut().for_each(|x| *x += 1.0);
+        }
+        Ok(v)
     }
 
-    /// A small float tensor of any rank (a convolution's taps), checked to be `shape` (a GGUF stores it with
-    /// its dimensions reversed and those of 1 squeezed out), as f32 values in row-major order.
+    /// A small tensor of any rank (a norm's weights, a convolution's taps), checked to be `shape` (a GGUF
+    /// stores it with its dimensions reversed and those of 1 squeezed out), as f32 values in row-major order.
     pub fn values(&self, key: TensorKey, shape: &[usize]) -> Result<Vec<f32>> {
         match &self.source {
             Source::Safetensors { tensors, .. } => {
@@ -339,7 +319,7 @@ impl Bundle {
                     .ok_or_else(|| Error::tensor(&name, "missing from the GGUF file"))?;
                 let want: Vec<usize> = shape.iter().rev().copied().filter(|&d| d != 1).collect();
                 let have: Vec<usize> = t.dims.iter().copied().filter(|&d| d != 1).collect();
-                if have != want || !t.ty.is_float() {
+                if have != want {
                     return Err(Error::tensor(
                         &name,
                         format!(

@@ -9,7 +9,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::request::Logprobs;
+use super::decode::{logits_wanted, Emission};
 use super::{Emitted, Engine, GenerateRequest, GenerationStats, Session, StopReason};
 use crate::backend::Backend;
 use crate::chat::Tokenizer;
@@ -95,16 +95,13 @@ impl<B: Backend> Engine<B> {
         mut emit: impl FnMut(usize, &Tokenizer, &Emitted) -> bool,
     ) -> Result<()> {
         let vocab = self.model.hp.vocab;
-        let live: Vec<usize> = (0..batch.len())
-            .filter(|&i| {
-                let d = &mut batch[i];
-                if !d.done && d.session.cache.len() + 1 > d.session.cache.max_capacity() {
-                    d.done = true;
-                    d.stats.stop = StopReason::ContextFull;
-                }
-                !d.done
-            })
-            .collect();
+        for d in batch.iter_mut() {
+            if !d.done && d.session.cache.len() + 1 > d.session.cache.max_capacity() {
+                d.done = true;
+                d.stats.stop = StopReason::ContextFull;
+            }
+        }
+        let live: Vec<usize> = (0..batch.len()).filter(|&i| !batch[i].done).collect();
         if live.is_empty() {
             return Ok(());
         }
@@ -119,14 +116,7 @@ impl<B: Backend> Engine<B> {
             .collect();
         let wants: Vec<LogitRows> = live
             .iter()
-            .map(|&i| {
-                let r = &batch[i].request;
-                if batch[i].verifier.argmax_decides() && r.logprobs == 0 && !r.want_logprob {
-                    LogitRows::Greedy
-                } else {
-                    LogitRows::All
-                }
-            })
+            .map(|&i| logits_wanted(&batch[i].verifier, &batch[i].request))
             .collect();
         let outs = {
             // The live requests in order, as `live` lists them.
@@ -154,43 +144,26 @@ impl<B: Backend> Engine<B> {
             d.session.tokens.push(pending);
             d.stats
                 .record_cycle(0, 0, Duration::ZERO, verify, Duration::ZERO);
-            let tok = verdict.next;
-            if d.first_at.is_none() {
-                let now = Instant::now();
-                d.stats.ttft_s = (now - d.start).as_secs_f64();
-                d.first_at = Some(now);
-            }
-            let r = &d.request;
-            let stop = if !r.ignore_eos && self.tokenizer.is_stop(tok) {
-                Some(StopReason::Stop)
-            } else {
-                d.context.push(tok);
-                d.stats.completion_tokens += 1;
-                let logprobs = (r.logprobs > 0 || r.want_logprob)
-                    .then(|| Logprobs::of(&out.logits[..vocab], tok, r.logprobs));
-                if !emit(i, &self.tokenizer, &Emitted { id: tok, logprobs }) {
-                    Some(StopReason::Cancelled)
-                } else if d.stats.completion_tokens == r.max_tokens {
-                    Some(StopReason::MaxTokens)
-                } else {
-                    None
-                }
-            };
+            let stop = self.emit(
+                &d.request,
+                Emission {
+                    token: verdict.next,
+                    logits: out.logits.get(..vocab),
+                    start: d.start,
+                },
+                &mut d.context,
+                &mut d.stats,
+                &mut d.first_at,
+                &mut |tok, emitted| emit(i, tok, emitted),
+            )?;
             if let Some(reason) = stop {
                 d.done = true;
                 d.stats.stop = reason;
                 if let Some(t) = d.first_at {
                     d.stats.decode_s = t.elapsed().as_secs_f64();
                 }
-                let prompt_len = d.stats.prompt_tokens;
-                if d.request.store_prefix.is_some()
-                    && self.prefix.enabled()
-                    && d.session.tokens.len() > prompt_len
-                {
-                    // The state after the answer, as `generate` keeps it.
-                    let tokens = d.session.tokens.clone();
-                    d.stats.store_s += self.store_checkpoint(&d.session, &tokens)?;
-                }
+                d.stats.store_s +=
+                    self.store_answer(&d.session, &d.request, d.stats.prompt_tokens)?;
             }
         }
         Ok(())

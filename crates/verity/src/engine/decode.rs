@@ -71,12 +71,7 @@ impl<B: Backend> Engine<B> {
         stats.prompt_tokens = prompt.len();
         stats.restored_tokens = restored;
         stats.store_s = store_s;
-        if req.store_prefix.is_some() && self.prefix.enabled() && sess.tokens.len() > prompt.len() {
-            // Also keep the state after the answer: the next turn's prompt usually re-tokenizes it to the same
-            // ids, so the follow-up restores the answer too. Taken from the live cache, never by replaying.
-            let tokens = sess.tokens.clone();
-            stats.store_s += self.store_checkpoint(sess, &tokens)?;
-        }
+        stats.store_s += self.store_answer(sess, req, prompt.len())?;
         Ok(stats)
     }
 
@@ -102,17 +97,7 @@ impl<B: Backend> Engine<B> {
             .map(|p| p.features())
             .unwrap_or_default();
         let width = features.width(self.model.hp.hidden);
-        // Where each row's argmax decides the verdict and nothing else reads the logits, the forward returns the
-        // argmax alone (one value per row from the device, not a vocabulary).
-        let wants = if verifier.argmax_decides()
-            && req.constraint.is_none()
-            && req.logprobs == 0
-            && !req.want_logprob
-        {
-            LogitRows::Greedy
-        } else {
-            LogitRows::All
-        };
+        let wants = logits_wanted(verifier, req);
         // `context` = committed tokens + `pending` (its last element).
         let mut context = prompt.to_vec();
         let mut first_at = None;
@@ -219,37 +204,19 @@ impl<B: Backend> Engine<B> {
                 .chain([verdict.next])
                 .collect();
             for (j, &tok) in emitted.iter().enumerate() {
-                if first_at.is_none() {
-                    let now = Instant::now();
-                    stats.ttft_s = (now - start).as_secs_f64();
-                    first_at = Some(now);
-                }
-                let stop = if !req.ignore_eos && self.tokenizer.is_stop(tok) {
-                    Some(StopReason::Stop)
-                } else {
-                    context.push(tok);
-                    stats.completion_tokens += 1;
-                    let logprobs = (req.logprobs > 0 || req.want_logprob).then(|| {
-                        let r = kept_rows[j];
-                        Logprobs::of(&out.logits[r * vocab..(r + 1) * vocab], tok, req.logprobs)
-                    });
-                    let grammar_done = match &req.constraint {
-                        Some(c) => {
-                            c.commit(tok)?;
-                            c.finished()
-                        }
-                        None => false,
-                    };
-                    if !on_token(&self.tokenizer, &Emitted { id: tok, logprobs }) {
-                        Some(StopReason::Cancelled)
-                    } else if grammar_done {
-                        Some(StopReason::Stop)
-                    } else if stats.completion_tokens == req.max_tokens {
-                        Some(StopReason::MaxTokens)
-                    } else {
-                        None
-                    }
-                };
+                let r = kept_rows[j];
+                let stop = self.emit(
+                    req,
+                    Emission {
+                        token: tok,
+                        logits: out.logits.get(r * vocab..(r + 1) * vocab),
+                        start,
+                    },
+                    &mut context,
+                    &mut stats,
+                    &mut first_at,
+                    &mut *on_token,
+                )?;
                 if let Some(reason) = stop {
                     // End exactly where AR would: the cache holds everything before `tok`.
                     sess.truncate(n + 1 + j);
@@ -262,5 +229,77 @@ impl<B: Backend> Engine<B> {
             stats.decode_s = t.elapsed().as_secs_f64();
         }
         Ok(stats)
+    }
+}
+
+/// What a forward returns for a request: each row's argmax alone where that decides the verdict and nothing
+/// else reads the logits (one value per row from the device, not a vocabulary), else every row's logits.
+pub(super) fn logits_wanted(verifier: &Verifier, req: &GenerateRequest) -> LogitRows {
+    if verifier.argmax_decides()
+        && req.constraint.is_none()
+        && req.logprobs == 0
+        && !req.want_logprob
+    {
+        LogitRows::Greedy
+    } else {
+        LogitRows::All
+    }
+}
+
+/// A token the verifier chose, with its row's logits where the forward returned them.
+pub(super) struct Emission<'a> {
+    pub(super) token: u32,
+    pub(super) logits: Option<&'a [f32]>,
+    /// When the request started (its time to first token is measured from here).
+    pub(super) start: Instant,
+}
+
+impl<B: Backend> Engine<B> {
+    /// Hand a chosen token to the request: a stop token ends it; any other joins `context` and the
+    /// completion, advances its grammar, goes to `on_token` with its log-probabilities, and ends the request
+    /// where the caller, the grammar or the token limit says so. The first token sets the time to first token.
+    #[allow(clippy::too_many_arguments)] // one token's request, context, statistics and sink
+    pub(super) fn emit(
+        &self,
+        req: &GenerateRequest,
+        e: Emission,
+        context: &mut Vec<u32>,
+        stats: &mut GenerationStats,
+        first_at: &mut Option<Instant>,
+        on_token: &mut dyn FnMut(&Tokenizer, &Emitted) -> bool,
+    ) -> Result<Option<StopReason>> {
+        let tok = e.token;
+        if first_at.is_none() {
+            let now = Instant::now();
+            stats.ttft_s = (now - e.start).as_secs_f64();
+            *first_at = Some(now);
+        }
+        if !req.ignore_eos && self.tokenizer.is_stop(tok) {
+            return Ok(Some(StopReason::Stop));
+        }
+        context.push(tok);
+        stats.completion_tokens += 1;
+        let logprobs = (req.logprobs > 0 || req.want_logprob).then(|| {
+            let logits = e.logits.expect("log-probabilities need the row's logits");
+            Logprobs::of(logits, tok, req.logprobs)
+        });
+        let grammar_done = match &req.constraint {
+            Some(c) => {
+                c.commit(tok)?;
+                c.finished()
+            }
+            None => false,
+        };
+        Ok(
+            if !on_token(&self.tokenizer, &Emitted { id: tok, logprobs }) {
+                Some(StopReason::Cancelled)
+            } else if grammar_done {
+                Some(StopReason::Stop)
+            } else if stats.completion_tokens == req.max_tokens {
+                Some(StopReason::MaxTokens)
+            } else {
+                None
+            },
+        )
     }
 }

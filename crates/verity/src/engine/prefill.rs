@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use super::{Engine, Session};
+use super::{Engine, GenerateRequest, Session};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::model::{Batch, LogitRows};
@@ -38,6 +38,22 @@ impl<B: Backend> Engine<B> {
         }
         self.prefix.store(tokens, ckpt);
         Ok(t.elapsed().as_secs_f64())
+    }
+
+    /// After an answer to a request that stores checkpoints, keep the state after the answer too: the next
+    /// turn's prompt usually re-tokenizes it to the same ids, so the follow-up restores the answer as well.
+    /// Taken from the live cache, never by replaying; returns the seconds it took (0 when nothing is stored).
+    pub(super) fn store_answer(
+        &mut self,
+        sess: &Session<B>,
+        req: &GenerateRequest,
+        prompt_len: usize,
+    ) -> Result<f64> {
+        if req.store_prefix.is_none() || !self.prefix.enabled() || sess.tokens.len() <= prompt_len {
+            return Ok(0.0);
+        }
+        let tokens = sess.tokens.clone();
+        self.store_checkpoint(sess, &tokens)
     }
 
     /// Bring the session's cache to `prompt[..len - 1]`, reusing the session's cached prefix or the longest

@@ -41,10 +41,13 @@ impl<B: Backend> Model<B> {
         let total: usize = seqs.iter().map(|q| q.batch.rows()).sum();
         let mut s = self.scratch(total);
         // The batch's step serves the embedding alone; each sequence's serves its attention.
-        let tokens: Vec<u32> = seqs.iter().flat_map(|q| q.batch.tokens.clone()).collect();
+        let tokens: Vec<u32> = seqs
+            .iter()
+            .flat_map(|q| q.batch.tokens.iter().copied())
+            .collect();
         let positions: Vec<usize> = seqs
             .iter()
-            .flat_map(|q| q.batch.positions.clone())
+            .flat_map(|q| q.batch.positions.iter().copied())
             .collect();
         be.set_step(
             &mut s.step,

@@ -221,7 +221,7 @@ impl<B: Backend> DeltaNet<B> {
             l2_normalize(kh);
             qh.iter_mut().for_each(|e| *e /= scale);
         }
-        let mut kv_mem = vec![0f32; dv];
+        let (mut kv_mem, mut delta) = (vec![0f32; dv], vec![0f32; dv]);
         for h in 0..nv {
             let g = h / per_key;
             let (qh, kh) = (&q[g * dk..(g + 1) * dk], &k[g * dk..(g + 1) * dk]);
@@ -237,11 +237,9 @@ impl<B: Backend> DeltaNet<B> {
                     *m += sij * ki;
                 }
             }
-            let delta: Vec<f32> = vh
-                .iter()
-                .zip(&kv_mem)
-                .map(|(&vj, &m)| (vj - m) * b)
-                .collect();
+            for ((d, &vj), &m) in delta.iter_mut().zip(vh).zip(&kv_mem) {
+                *d = (vj - m) * b;
+            }
             let o = &mut out[h * dv..(h + 1) * dv];
             o.iter_mut().for_each(|e| *e = 0.0);
             for (i, (&ki, &qi)) in kh.iter().zip(qh).enumerate() {

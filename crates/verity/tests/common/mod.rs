@@ -6,6 +6,8 @@ use std::sync::Arc;
 
 use verity::backend::cpu::{Activations, CpuBackend};
 use verity::bundle::Bundle;
+use verity::cache::KvCheckpoint;
+use verity::engine::{Engine, GenerateRequest, GenerationStats};
 use verity::model::Model;
 use verity::quant::{MlxAffine, MlxScaleType, QMatrix};
 use verity::storage::Bytes;
@@ -382,4 +384,42 @@ pub fn smollm2_with_drafter() -> PathBuf {
     };
     write_drafter(&dir, &drafter_config(&s), &random_drafter(&s, 8));
     dir
+}
+
+/// `e`'s answer to `prompt` in a new session: its tokens, the session's state afterwards, the statistics.
+pub fn answer(
+    e: &mut Engine<CpuBackend>,
+    prompt: &[u32],
+    req: &GenerateRequest,
+) -> (Vec<u32>, KvCheckpoint, GenerationStats) {
+    let mut s = e.new_session();
+    let mut toks = Vec::new();
+    let stats = e
+        .generate(&mut s, prompt, req, |_, t| {
+            toks.push(t.id);
+            true
+        })
+        .unwrap();
+    (toks, s.cache.checkpoint(e.model.backend()), stats)
+}
+
+/// A greedy request of `max_tokens` that runs through stop tokens (a fixed length to compare).
+pub fn no_eos(max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        ignore_eos: true,
+        ..GenerateRequest::greedy(max_tokens)
+    }
+}
+
+/// [`no_eos`] sampled at `temperature` with top-p 0.9 and `seed`.
+pub fn sampled(max_tokens: usize, temperature: f32, seed: u64) -> GenerateRequest {
+    GenerateRequest {
+        sampling: verity::sample::SamplerConfig {
+            temperature,
+            top_p: 0.9,
+            seed,
+            ..Default::default()
+        },
+        ..no_eos(max_tokens)
+    }
 }
