@@ -12,6 +12,10 @@ pub mod cuda;
 use crate::error::Result;
 use crate::quant::QMatrix;
 
+/// The most runs an 8-bit-activation projection sums each output's blocks in (the contract: `cpu/packed.rs`'s
+/// module doc; the CUDA kernels are compiled with it), so that a GPU can spread one output's blocks over warps.
+pub const INT8_RUNS: usize = 16;
+
 /// How RoPE pairs the dimensions of a head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RopeStyle {

@@ -37,10 +37,15 @@
 //! share a call, nor on the thread count, nor on the SIMD width): per output column and activation row,
 //! `acc = 0`; per block `i = Σ q·x − offset·Σx` (an exact integer), `acc = fma(d·x.d, i, acc)`, then for the
 //! formats with an additive term `acc = fma(m, x.s, acc)` (`x.s = x.d·Σx`). Q6_K sums each 16-value half
-//! separately (`x.sum_lo` gives the first half's `Σx`) and takes its two `fma`s, first half first.
+//! separately (`x.sum_lo` gives the first half's `Σx`) and takes its two `fma`s, first half first. The blocks
+//! fall into [`Runs`]: `S = min(INT8_RUNS, nb)` runs of consecutive blocks, run `s` being blocks
+//! `s·nb/S .. (s+1)·nb/S`; `acc` restarts at 0 for each run and the result is `((0 + acc₀) + acc₁) + …` in run
+//! order. The runs let a GPU spread one column's blocks over 16 warps, each summing its run, and still give
+//! these bits (a single chain would tie every column to one thread's serial latency).
 
 use super::q8::Q8Block;
 use super::simd::Int8Isa;
+use crate::backend::INT8_RUNS;
 use crate::quant::ggml::{iq4_xs_scale, q3_k_scales, IQ4_GRID};
 use crate::quant::{GgmlType, MlxScaleType, QMatrix, WeightFormat};
 use half::f16;
@@ -68,6 +73,38 @@ const IQ4XS: u8 = 11;
 
 /// Blocks of 32 values per K-quant super-block.
 const SUPER: usize = 8;
+
+/// Which blocks end a run of the epilogue, for blocks visited in order.
+#[derive(Clone, Copy, Debug)]
+pub struct Runs {
+    nb: usize,
+    count: usize,
+    run: usize,
+    end: usize,
+}
+
+impl Runs {
+    pub fn new(nb: usize) -> Self {
+        let count = INT8_RUNS.min(nb).max(1);
+        Runs {
+            nb,
+            count,
+            run: 0,
+            end: nb / count,
+        }
+    }
+
+    /// Whether block `b`, the block after the last one asked about, is the last of its run.
+    #[inline(always)]
+    pub fn ends(&mut self, b: usize) -> bool {
+        if b + 1 != self.end {
+            return false;
+        }
+        self.run += 1;
+        self.end = (self.run + 1) * self.nb / self.count;
+        true
+    }
+}
 
 fn fmt_of(ty: GgmlType) -> Option<u8> {
     Some(match ty {
@@ -532,7 +569,8 @@ fn portable(fmt: u8, grp: &[u8], lay: Lay, xs: &[&[Q8Block]], out: &mut [[f32; G
     let (qb, nb) = (quant_bytes(fmt), lay.nb);
     for t in 0..GROUP {
         for (r, x) in xs.iter().enumerate() {
-            let mut acc = 0f32;
+            let (mut acc, mut total) = (0f32, 0f32);
+            let mut runs = Runs::new(nb);
             for (b, xb) in x[..nb].iter().enumerate() {
                 let q = &grp[b * qb..][..qb];
                 let at = scale_at(fmt, lay, b);
@@ -589,8 +627,12 @@ fn portable(fmt: u8, grp: &[u8], lay: Lay, xs: &[&[Q8Block]], out: &mut [[f32; G
                         }
                     }
                 }
+                if runs.ends(b) {
+                    total += acc;
+                    acc = 0.0;
+                }
             }
-            out[r][t] = acc;
+            out[r][t] = total;
         }
     }
 }
@@ -600,8 +642,8 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{
-        bytes, grid, has_min, offset, planes, quant_bytes, scale_at, signed, Lay, Q8Block, GROUP,
-        IQ4XS, IQ4_GRID, MLX4, MLX8, Q4K, Q5K, Q6K,
+        bytes, grid, has_min, offset, planes, quant_bytes, scale_at, signed, Lay, Q8Block, Runs,
+        GROUP, IQ4XS, IQ4_GRID, MLX4, MLX8, Q4K, Q5K, Q6K,
     };
     use super::{ROWS, SUPER};
 
@@ -805,6 +847,8 @@ mod x86 {
             )))
         };
         let mut acc = [_mm512_setzero_ps(); R];
+        let mut total = [_mm512_setzero_ps(); R];
+        let mut runs = Runs::new(nb);
         let mut d_super = _mm512_setzero_ps();
         let mut m_super = _mm512_setzero_ps();
         for b in 0..nb {
@@ -874,9 +918,15 @@ mod x86 {
                     acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s), acc[r]);
                 }
             });
+            if runs.ends(b) {
+                each_row!(R, |r| {
+                    total[r] = _mm512_add_ps(total[r], acc[r]);
+                    acc[r] = _mm512_setzero_ps();
+                });
+            }
         }
         for r in 0..R {
-            _mm512_storeu_ps(out[r].as_mut_ptr(), acc[r]);
+            _mm512_storeu_ps(out[r].as_mut_ptr(), total[r]);
         }
     }
 
@@ -916,6 +966,8 @@ mod x86 {
                 )))
             };
             let mut acc = [_mm256_setzero_ps(); R];
+            let mut total = [_mm256_setzero_ps(); R];
+            let mut runs = Runs::new(nb);
             let mut d_super = _mm256_setzero_ps();
             let mut m_super = _mm256_setzero_ps();
             for b in 0..nb {
@@ -987,9 +1039,15 @@ mod x86 {
                         acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s), acc[r]);
                     }
                 });
+                if runs.ends(b) {
+                    each_row!(R, |r| {
+                        total[r] = _mm256_add_ps(total[r], acc[r]);
+                        acc[r] = _mm256_setzero_ps();
+                    });
+                }
             }
             for r in 0..R {
-                _mm256_storeu_ps(out[r].as_mut_ptr().add(8 * h), acc[r]);
+                _mm256_storeu_ps(out[r].as_mut_ptr().add(8 * h), total[r]);
             }
         }
     }
@@ -1112,7 +1170,10 @@ mod tests {
             ),
             WeightFormat::Mlx(_) => (None, true),
         };
-        let mut acc = 0f32;
+        let (mut acc, mut total) = (0f32, 0f32);
+        // The runs, written out: run s is blocks s·nb/S .. (s+1)·nb/S.
+        let runs = INT8_RUNS.min(nb);
+        let ends: Vec<usize> = (1..=runs).map(|s| s * nb / runs).collect();
         for (b, xb) in x[..nb].iter().enumerate() {
             let ib = match ty {
                 Some(ty) => {
@@ -1138,8 +1199,12 @@ mod tests {
                     acc = ib.m.mul_add(xb.s, acc);
                 }
             }
+            if ends.contains(&(b + 1)) {
+                total += acc;
+                acc = 0.0;
+            }
         }
-        acc
+        total
     }
 
     /// Every instruction set gives bitwise the contract's arithmetic read from the stored layout, for every
@@ -1161,8 +1226,14 @@ mod tests {
             GgmlType::IQ4NL,
             GgmlType::IQ4XS,
         ] {
-            let nb = if ty.block_len() == 32 { 5 } else { 16 };
-            mats.push(matrix(ty, 37, nb, &mut seed));
+            // Fewer blocks than runs (a run per block), and several blocks per run.
+            for nb in if ty.block_len() == 32 {
+                [5, 37]
+            } else {
+                [16, 40]
+            } {
+                mats.push(matrix(ty, 37, nb, &mut seed));
+            }
         }
         for (bits, group, st) in [
             (4, 32, MlxScaleType::F16),
@@ -1170,7 +1241,9 @@ mod tests {
             (8, 128, MlxScaleType::F16),
             (8, 64, MlxScaleType::BF16),
         ] {
-            mats.push(mlx_matrix(bits, group, st, 37, 8, &mut seed));
+            for nb in [8, 36] {
+                mats.push(mlx_matrix(bits, group, st, 37, nb, &mut seed));
+            }
         }
         for m in &mats {
             let (n, nb) = (m.rows, m.cols / 32);

@@ -50,7 +50,7 @@ __device__ __forceinline__ void release_dependents() {
 #define FLOOR_EXIT
 #endif
 // Knockouts, for the same kind of measurement: `-DKO_STAGE` (the projections' staging of x: no norm, no
-// quantization), `-DKO_CHAIN` (their per-(column, row) chains), `-DKO_ATT` (attention returns after its wait),
+// quantization), `-DKO_ATT` (attention returns after its wait),
 // `-DKO_ATT_ONEHEAD` (attention's dot products and value sums for a block's first head only), `-DKO_ATT_NOCOMBINE`
 // (no combine of the chunks).
 // Each removes one part's time from a forward and computes garbage — never a result (the host admits every
@@ -681,21 +681,20 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
 //
 // x is quantized per row and 32-value block exactly as the CPU's 8-bit kernels quantize it (d = max|x| / 127,
 // q = round-half-even(x / d) through 1 / d, s = d * sum q), each block's integer dot product comes exact from an
-// m16n8k32 MMA (16 output columns x 8 rows), and each (column, row) then accumulates its blocks in index order:
-// acc = fma(dw * dx, dot, acc), and for Q4_1 acc = fma(mw, s, acc). That is the CPU contract operation for
-// operation, so a row is bitwise the CPU backend's 8-bit result, whatever the rows beside it (row-exact), and the
-// cost hardly grows with the rows: one MMA serves 8 of them.
+// m16n8k32 MMA (16 output columns x 8 rows), and each (column, row) then accumulates its blocks in runs
+// (`run_start`): per block acc = fma(dw * dx, dot, acc), and for Q4_1 acc = fma(mw, s, acc), acc restarting at 0
+// for each run, the runs' sums added in order. That is the CPU contract operation for operation, so a row is
+// bitwise the CPU backend's 8-bit result, whatever the rows beside it (row-exact), and the cost hardly grows
+// with the rows: one MMA serves 8 of them.
 //
 // Two schedules, chosen by the host per launch (neither changes any row's arithmetic):
-// - narrow (a CTA per 16-column tile): its quants stream through shared-memory stages; its warps take the
-//   blocks in turn and leave their integer sums in shared memory, chunk by chunk; one thread per (column, row)
-//   then runs the sequential chain.
-// - wide (a warp per tile): each warp runs its tile's blocks in order and keeps the chains in its MMA fragment
-//   registers. For the output layer, whose tiles are many. QM_WARPS (16) warps per CTA, one CTA per SM.
+// - narrow (a CTA per 16-column tile): its warps take the runs, each streaming its run's blocks and keeping the
+//   chains in its MMA fragment registers; the runs' sums are added through shared memory.
+// - wide (a warp per tile): each warp runs its tile's blocks in order and keeps the chains (and the runs' total)
+//   in registers. For the output layer, whose tiles are many. QM_WARPS (16) warps per CTA, one CTA per SM.
 #ifndef QM_WARPS
 #define QM_WARPS 16  // warps (tiles) of a wide-schedule CTA (set by the host: its `wide_warps`)
 #endif
-#define QM_STRIDE 20      // ints per (block, row) of exchanged sums: 16 columns, padded against bank conflicts
 // Warps of a narrow-schedule CTA (set by the host at compilation: 16, or 4..32 for side-by-side measurements).
 #ifndef NQ_WARPS
 #define NQ_WARPS 16
@@ -703,8 +702,8 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
 #ifndef QM_AHEAD
 #define QM_AHEAD 6  // blocks a wide-schedule warp loads ahead
 #endif
-#ifndef QM_STAGES
-#define QM_STAGES 4  // a narrow-schedule CTA's shared-memory stages of quants (set by the host: geometry.rs)
+#ifndef NQ_AHEAD
+#define NQ_AHEAD 4  // blocks a narrow-schedule warp loads ahead
 #endif
 
 __device__ __forceinline__ void mma_s8(int (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
@@ -1036,143 +1035,117 @@ __device__ __forceinline__ void store_qkv(const RopeFusion& f, const TileOf& t, 
     else (t.m == 1 ? f.kc : f.vc)[(size_t)(in.base + row) * t.n + col] = out;
 }
 
-// 16 bytes global -> shared without holding a register or the thread (sm_80+); the end of a commit group of
-// such copies; the wait for them.
-__device__ __forceinline__ void copy_async16(void* dst, const void* src) {
-#if __CUDA_ARCH__ >= 800
-    unsigned a = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(src) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void copies_commit() {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-// Wait until at most N of this thread's most recent commit groups are still in flight.
-template <int N>
-__device__ __forceinline__ void copies_wait() {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
-
-// Narrow schedule: this CTA's tile (`up`: the up projection for glu, gate in t; MATS = 1 or 2), `chunk` blocks
-// at a time. The tile's quants stream through QM_STAGES shared-memory stages by asynchronous copies (a tile's
-// blocks are contiguous, so a chunk is one run of bytes): QM_STAGES - 1 chunks are in flight while one is
-// computed, and the first ones (with the tile's scales) are fetched before the grid before has finished. Per
-// chunk, the warps take its blocks in turn and leave their integer sums for the launch's real rows in the
-// exchange; then one thread per (column, row) runs the chain. In flight, the copies cost no registers, so two
-// CTAs share an SM.
-// Shared memory (`q_geometry`): MATS * tile_scale_bytes, then QM_STAGES * MATS * chunk * tile_quant_bytes, then
-// MATS * SUMS * chunk * rows * QM_STRIDE ints.
-template <int TY, int MATS, int WARPS>
-__device__ void narrow_tile(const TileOf& t, const u8* up, const Staged& st, int rows, int chunk, u8* smem,
-                            int accumulate, const RopeFusion& rope) {
-    constexpr int SUMS = tile_sums(TY), QB = tile_quant_bytes(TY);
-    int nb = st.nb, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int ntiles = rows <= 8 ? 1 : 2;
-    int sbytes = tile_scale_bytes(TY, nb);
-    u8* ssc = smem;
-    u8* sq = ssc + MATS * sbytes;
-    int* iex = (int*)(sq + QM_STAGES * MATS * chunk * QB);
-    int per_chunk = chunk * rows * QM_STRIDE;
-    const u8* wq[2] = {t.w, up};
-    const u8* qbase[2];
+// Blocks b0 .. b0 + N (those before `end`) of the tile whose quants start at `q` and scales at `sc`: this
+// lane's quants and the scales of columns g and g + 8.
+template <int TY, int N>
+__device__ __forceinline__ void load_blocks(const u8* q, const u8* sc, int b0, int end, int lane, u32 (&raw)[N][4],
+                                            ScaleRaw (&sw)[N][2]) {
+    int g = lane >> 2;
 #pragma unroll
-    for (int m = 0; m < MATS; m++) {
-        qbase[m] = wq[m] + (size_t)t.lt * nb * QB;
-        const u8* sc = tile_scales(TY, wq[m], t.tiles, nb, t.lt);
-        for (int i = threadIdx.x; i < sbytes / 16; i += blockDim.x) copy_async16(ssc + m * sbytes + 16 * i, sc + 16 * i);
+    for (int i = 0; i < N; i++) {
+        int b = b0 + i;
+        if (b < end) {
+            load_quants<TY>(q + (size_t)b * tile_quant_bytes(TY), lane, raw[i]);
+            sw[i][0] = scale_raw<TY>(sc, b, g);
+            sw[i][1] = scale_raw<TY>(sc, b, g + 8);
+        }
     }
-    // Chunk ci's copies into stage ci % QM_STAGES, one commit group per chunk (empty past the last).
-    auto fetch = [&](int ci) {
-        int c0 = ci * chunk, len = (min(nb, c0 + chunk) - c0) * QB;
-        u8* dst = sq + (ci % QM_STAGES) * MATS * chunk * QB;
+}
+
+// One block of a tile in a warp's chains: the block's loaded quants and scales (`load_quants`, `scale_raw` for
+// columns g and g + 8) against x's n-tiles, each (n-tile nt, slot j) chain taking the contract's step.
+template <int TY>
+__device__ __forceinline__ void tile_block(const u32 (&raw)[4], const ScaleRaw (&sw)[2], const Staged& st, int b,
+                                           int lane, int ntiles, float (&acc)[2][4]) {
+    constexpr int SUMS = tile_sums(TY);
+    int i2 = 2 * (lane & 3);
+    u32 a[4];
+    fragment<TY>(raw, a);
+    BlockScale bs[2] = {block_scale<TY>(sw[0]), block_scale<TY>(sw[1])};
 #pragma unroll
-        for (int m = 0; m < MATS; m++)
-            for (int i = threadIdx.x; i < len / 16; i += blockDim.x)
-                copy_async16(dst + m * chunk * QB + 16 * i, qbase[m] + (size_t)c0 * QB + 16 * i);
-        copies_commit();
+    for (int nt = 0; nt < 2; nt++) {
+        if (nt < ntiles) {
+            u32 x0, x1;
+            x_fragment(st, nt, b, lane, &x0, &x1);
+            int d[SUMS][4];
+            block_dots<TY>(a, x0, x1, d[0], d[SUMS - 1]);
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                int r = 8 * nt + i2 + (j & 1);
+                acc[nt][j] = chain_step<TY>(acc[nt][j], bs[j >> 1], staged_d(st, r, b), staged_s(st, r, b), d[0][j],
+                                            d[SUMS - 1][j]);
+            }
+        }
+    }
+}
+
+// The epilogue's runs (`packed.rs`'s `Runs`; RUNS is set by the host): min(RUNS, nb) runs of consecutive blocks, run s being
+// blocks run_start(s) .. run_start(s + 1); each run's chain starts at 0 and the runs' sums are added in order.
+#ifndef RUNS
+#define RUNS 16
+#endif
+__device__ __forceinline__ int run_start(int s, int nb) { return s * nb / min(RUNS, nb); }
+
+// Narrow schedule: this CTA's tile (`up`: the up projection for glu, gate in t; MATS = 1 or 2), its blocks' runs
+// spread over the warps (warp w sums runs w, w + WARPS, ...). A warp streams its run's contiguous bytes, NQ_AHEAD
+// blocks' quants and scales loaded at a time (the first ones before the grid before has finished), and keeps
+// the run's chains in its MMA fragment registers (n-tile nt, column g / g + 8, row 2i / 2i + 1); the runs' sums
+// meet in shared memory and one thread per (column, row) adds them in run order. Every warp of every CTA streams
+// weights the whole time: no (column, row) waits on one thread's chain over all its blocks.
+// Shared memory (`q_geometry`): runs x MATS x n-tiles x 4 x 32 floats.
+template <int TY, int MATS, int WARPS>
+__device__ void split_tile(const TileOf& t, const u8* up, const Staged& st, int rows, float* part, int accumulate,
+                           const RopeFusion& rope) {
+    constexpr int QB = tile_quant_bytes(TY);
+    int nb = st.nb, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int ntiles = rows <= 8 ? 1 : 2, runs = min(RUNS, nb);
+    const u8* wq[2] = {t.w, up};
+    u32 raw[NQ_AHEAD][4];
+    ScaleRaw sw[NQ_AHEAD][2];
+    // Blocks b0 .. b0 + NQ_AHEAD of matrix m, those before `end`.
+    auto load_group = [&](int m, int b0, int end) {
+        load_blocks<TY, NQ_AHEAD>(wq[m] + (size_t)t.lt * nb * QB, tile_scales(TY, wq[m], t.tiles, nb, t.lt), b0, end,
+                                  lane, raw, sw);
     };
-#pragma unroll
-    for (int ci = 0; ci < QM_STAGES - 1; ci++) fetch(ci);
-    int c = threadIdx.x & 15, r = threadIdx.x >> 4, col = t.lt * 16 + c;
-    bool chains = r < rows;
-    QkvStore qkv = {};
-    if (MATS == 1 && rope.hd > 0 && chains && col < t.n) qkv = qkv_inputs(rope, t, col, r);
+    if (warp < runs) load_group(0, run_start(warp, nb), run_start(warp + 1, nb));
     wait_inputs();
     release_dependents();
-    // An accumulated output's prior value is read now (the grid before has finished), its latency hidden
-    // behind the first chunk.
-    float prior = 0.f;
-    if (accumulate && chains && col < t.n) prior = t.o[(size_t)r * t.n + col];
-    float acc[2] = {0.f, 0.f};
-    for (int ci = 0, c0 = 0; c0 < nb; ci++, c0 += chunk) {
-        int c1 = min(nb, c0 + chunk);
-        // This thread's copies of chunk ci have landed; the barrier makes everyone's visible, and ends every
-        // read of the stage the next fetch refills (chunk ci - 1's) and of the exchange (its chains).
-        copies_wait<QM_STAGES - 2>();
-        __syncthreads();
-        fetch(ci + QM_STAGES - 1);
-        const u8* stage = sq + (ci % QM_STAGES) * MATS * chunk * QB;
+    for (int s = warp; s < runs; s += WARPS) {
+        int lo = run_start(s, nb), hi = run_start(s + 1, nb);
 #pragma unroll
         for (int m = 0; m < MATS; m++) {
-            for (int b = c0 + warp; b < c1; b += WARPS) {
-                u32 raw[4], a[4];
-                load_quants<TY, false>(stage + m * chunk * QB + (b - c0) * QB, lane, raw);
-                fragment<TY>(raw, a);
-                for (int nt = 0; nt < ntiles; nt++) {
-                    u32 b0, b1;
-                    x_fragment(st, nt, b, lane, &b0, &b1);
-                    int d[SUMS][4];
-                    block_dots<TY>(a, b0, b1, d[0], d[SUMS - 1]);
-                    // Sums of the launch's rows only: lane (g, i) holds rows 8 nt + 2i and 8 nt + 2i + 1 of
-                    // columns g and g + 8.
-                    int row = 8 * nt + 2 * (lane & 3);
+            float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+            for (int b0 = lo; b0 < hi; b0 += NQ_AHEAD) {
+                if (s != warp || m > 0 || b0 > lo) load_group(m, b0, hi);
 #pragma unroll
-                    for (int h = 0; h < SUMS; h++) {
-                        int* e = iex + (m * SUMS + h) * per_chunk + ((b - c0) * rows + row) * QM_STRIDE + (lane >> 2);
-                        if (row < rows) e[0] = d[h][0], e[8] = d[h][2];
-                        if (row + 1 < rows) e[QM_STRIDE] = d[h][1], e[QM_STRIDE + 8] = d[h][3];
-                    }
-                }
+                for (int i = 0; i < NQ_AHEAD; i++)
+                    if (b0 + i < hi) tile_block<TY>(raw[i], sw[i], st, b0 + i, lane, ntiles, acc);
             }
-        }
-        __syncthreads();
-#ifdef KO_CHAIN
-        if (chains && c0 == 0) acc[0] = acc[1] = (float)iex[r * QM_STRIDE + c];
-#else
-        if (chains) {
 #pragma unroll
-            for (int m = 0; m < MATS; m++) {
-                const int* e = iex + m * SUMS * per_chunk + r * QM_STRIDE + c;
-                const u8* ts = ssc + m * sbytes;
-#pragma unroll 4
-                for (int b = c0; b < c1; b++) {
-                    int at = (b - c0) * rows * QM_STRIDE;
-                    acc[m] = chain_step<TY>(acc[m], block_scale<TY>(scale_raw<TY>(ts, b, c)), staged_d(st, r, b),
-                                            staged_s(st, r, b), e[at], e[(SUMS - 1) * per_chunk + at]);
-                }
-            }
+            for (int nt = 0; nt < 2; nt++)
+                if (nt < ntiles)
+#pragma unroll
+                    for (int j = 0; j < 4; j++) part[(((s * MATS + m) * ntiles + nt) * 4 + j) * 32 + lane] = acc[nt][j];
         }
-#endif
     }
-    copies_wait<0>();  // no copy outlives the CTA (the groups past the last chunk are empty)
-    if (MATS == 1 && rope.hd > 0) {
-        if (chains) {
-            // The pair partner is the neighbouring column, the neighbouring thread (both active: a row's 16
-            // chain threads are active together).
-            float partner = __shfl_xor_sync(__activemask(), acc[0], 1);
-            if (col < t.n) store_qkv(rope, t, qkv, col, r, acc[0], partner);
+    __syncthreads();
+    // Entry e: lane l of fragment slot (nt, j) = e / 32, as the warps left it. The trip count is the same for a
+    // warp's 32 threads (blockDim and the entries are multiples of 32), so the RoPE partner's shuffle has them all.
+    for (int e = threadIdx.x; e < ntiles * 128; e += blockDim.x) {
+        int l = e & 31, nt = e >> 7, j = (e >> 5) & 3;
+        int r = 8 * nt + 2 * (l & 3) + (j & 1), col = t.lt * 16 + (l >> 2) + 8 * (j >> 1);
+        float v[2] = {0.f, 0.f};
+#pragma unroll
+        for (int m = 0; m < MATS; m++)
+            for (int s = 0; s < runs; s++) v[m] = __fadd_rn(v[m], part[(((s * MATS + m) * ntiles + nt) * 4 + j) * 32 + l]);
+        bool live = r < rows && col < t.n;
+        if (MATS == 1 && rope.hd > 0) {
+            // The pair partner is the neighbouring column: g ^ 1, lane l ^ 4 of the same slot.
+            float partner = __shfl_xor_sync(0xffffffffu, v[0], 4);
+            if (live) store_qkv(rope, t, qkv_inputs(rope, t, col, r), col, r, v[0], partner);
+            continue;
         }
-        return;
-    }
-    if (chains && col < t.n) {
-        float v = MATS == 2 ? glu_of(t.glu, acc[0], acc[1]) : acc[0];
-        t.o[(size_t)r * t.n + col] = accumulate ? prior + v : v;
+        if (live) store_out(t.o, t.n, col, r, MATS == 2 ? glu_of(t.glu, v[0], v[1]) : v[0], accumulate);
     }
 }
 
@@ -1181,60 +1154,45 @@ __device__ void narrow_tile(const TileOf& t, const u8* up, const Staged& st, int
 // finished.
 template <int TY, int MATS>
 __device__ void wide_tile(const TileOf& t, const u8* up, const Staged& st, int rows, int accumulate) {
-    constexpr int SUMS = tile_sums(TY);
     int nb = st.nb, lane = threadIdx.x & 31, g = lane >> 2, i2 = 2 * (lane & 3);
     int rows_pad = rows <= 8 ? 8 : 16, ntiles = rows_pad / 8;
     const u8* wq[2] = {t.w, up};
     u32 raw[QM_AHEAD][4];
     ScaleRaw sw[QM_AHEAD][2];
     auto load_group = [&](int m, int b0) {
-        const u8* qbase = wq[m] + (size_t)t.lt * nb * tile_quant_bytes(TY);
-        const u8* sbase = tile_scales(TY, wq[m], t.tiles, nb, t.lt);
-#pragma unroll
-        for (int i = 0; i < QM_AHEAD; i++) {
-            int b = b0 + i;
-            if (b < nb) {
-                load_quants<TY>(qbase + (size_t)b * tile_quant_bytes(TY), lane, raw[i]);
-                sw[i][0] = scale_raw<TY>(sbase, b, g);
-                sw[i][1] = scale_raw<TY>(sbase, b, g + 8);
-            }
-        }
+        load_blocks<TY, QM_AHEAD>(wq[m] + (size_t)t.lt * nb * tile_quant_bytes(TY),
+                                  tile_scales(TY, wq[m], t.tiles, nb, t.lt), b0, nb, lane, raw, sw);
     };
     load_group(0, 0);
     wait_inputs();
     release_dependents();
-    float acc[2][2][4];
+    float acc[2][2][4], total[2][2][4];
 #pragma unroll
     for (int m = 0; m < 2; m++)
 #pragma unroll
         for (int nt = 0; nt < 2; nt++)
 #pragma unroll
-            for (int j = 0; j < 4; j++) acc[m][nt][j] = 0.f;
+            for (int j = 0; j < 4; j++) acc[m][nt][j] = total[m][nt][j] = 0.f;
 #pragma unroll
     for (int m = 0; m < MATS; m++) {
+        int run = 0, end = run_start(1, nb);
         for (int b0 = 0; b0 < nb; b0 += QM_AHEAD) {
             if (m > 0 || b0 > 0) load_group(m, b0);
 #pragma unroll
             for (int i = 0; i < QM_AHEAD; i++) {
                 int b = b0 + i;
                 if (b < nb) {
-                    u32 a[4];
-                    fragment<TY>(raw[i], a);
-                    BlockScale bs[2] = {block_scale<TY>(sw[i][0]), block_scale<TY>(sw[i][1])};
+                    tile_block<TY>(raw[i], sw[i], st, b, lane, ntiles, acc[m]);
+                    if (b + 1 == end) {  // the end of a run (`run_start`)
+                        run++;
+                        end = run_start(run + 1, nb);
 #pragma unroll
-                    for (int nt = 0; nt < 2; nt++) {
-                        if (nt < ntiles) {
-                            u32 x0, x1;
-                            x_fragment(st, nt, b, lane, &x0, &x1);
-                            int d[SUMS][4];
-                            block_dots<TY>(a, x0, x1, d[0], d[SUMS - 1]);
+                        for (int nt = 0; nt < 2; nt++)
 #pragma unroll
                             for (int j = 0; j < 4; j++) {
-                                int r = 8 * nt + i2 + (j & 1);
-                                acc[m][nt][j] = chain_step<TY>(acc[m][nt][j], bs[j >> 1], staged_d(st, r, b),
-                                                               staged_s(st, r, b), d[0][j], d[SUMS - 1][j]);
+                                total[m][nt][j] = __fadd_rn(total[m][nt][j], acc[m][nt][j]);
+                                acc[m][nt][j] = 0.f;
                             }
-                        }
                     }
                 }
             }
@@ -1246,8 +1204,8 @@ __device__ void wide_tile(const TileOf& t, const u8* up, const Staged& st, int r
         for (int j = 0; j < 4; j++) {
             int r = 8 * nt + i2 + (j & 1), col = t.lt * 16 + g + 8 * (j >> 1);
             if (nt < ntiles && r < rows && col < t.n) {
-                float v = acc[0][nt][j];
-                if (MATS == 2) v = glu_of(t.glu, v, acc[1][nt][j]);
+                float v = total[0][nt][j];
+                if (MATS == 2) v = glu_of(t.glu, v, total[1][nt][j]);
                 store_out(t.o, t.n, col, r, v, accumulate);
             }
         }
@@ -1256,7 +1214,7 @@ __device__ void wide_tile(const TileOf& t, const u8* up, const Staged& st, int r
 
 template <bool WIDE, int WARPS>
 __device__ __forceinline__ void qmatmuls_body(const signed char* xq, const float* xd, const float* xs, int k,
-                                              int rows, int accumulate, int glu, int chunk, const u8* w0, int ty0,
+                                              int rows, int accumulate, int glu, const u8* w0, int ty0,
                                               int n0, float* o0, const u8* w1, int ty1, int n1, float* o1,
                                               const u8* w2, int ty2, int n2, float* o2, const RopeFusion& rope) {
     extern __shared__ __align__(16) u8 smem[];
@@ -1294,8 +1252,8 @@ __device__ __forceinline__ void qmatmuls_body(const signed char* xq, const float
         if (glu) wide_tile<TY, 2>(t, up, st, rows, accumulate);                                      \
         else wide_tile<TY, 1>(t, up, st, rows, accumulate);                                          \
     } else {                                                                                         \
-        if (glu) narrow_tile<TY, 2, WARPS>(t, up, st, rows, chunk, smem, accumulate, rp);            \
-        else narrow_tile<TY, 1, WARPS>(t, up, st, rows, chunk, smem, accumulate, rp);                \
+        if (glu) split_tile<TY, 2, WARPS>(t, up, st, rows, (float*)smem, accumulate, rp);            \
+        else split_tile<TY, 1, WARPS>(t, up, st, rows, (float*)smem, accumulate, rp);                \
     }
     switch (t.ty) {
         case T_TQ4_0: QM_RUN(T_TQ4_0); break;
@@ -1313,16 +1271,16 @@ __device__ __forceinline__ void qmatmuls_body(const signed char* xq, const float
 // One to three tiled projections of the same x (`rows` <= 16 rows of k values, quantized by `quantize_x` into
 // xq, xd, xs), as `matmuls` computes them but with 8-bit activations: o_m[r * n_m + c] (+)= ..., or with `glu`
 // (gate w0 and up w1 of one type) o0 = glu_of(glu, gate, up).
-// - qmatmuls_narrow: a CTA per tile (grid: the tile count, times the row groups), chunks of `chunk` blocks (at
-//   most 64); shared memory as `narrow_tile` lays it out.
-// - qmatmuls_wide: a warp per tile (grid: tiles / QM_WARPS), no shared memory; `chunk` unused. Its grids are
-//   large: two CTAs per SM where they have 8 warps or fewer.
+// - qmatmuls_narrow: a CTA per tile (grid: the tile count, times the row groups); shared memory as `split_tile`
+//   lays it out.
+// - qmatmuls_wide: a warp per tile (grid: tiles / QM_WARPS), no shared memory. Its grids are large: two CTAs
+//   per SM where they have 8 warps or fewer.
 #define QM_PARAMS                                                                                              \
     const signed char *xq, const float *xd, const float *xs, int k, int rows, int accumulate, int glu,          \
-        int chunk, const u8 *w0, int ty0, int n0, float *o0, const u8 *w1, int ty1, int n1, float *o1,         \
+        const u8 *w0, int ty0, int n0, float *o0, const u8 *w1, int ty1, int n1, float *o1,                    \
         const u8 *w2, int ty2, int n2, float *o2, int rope_table, int rope_hd, float *kc, float *vc,            \
         const int *step, int cap, int r0
-#define QM_ARGS xq, xd, xs, k, rows, accumulate, glu, chunk, w0, ty0, n0, o0, w1, ty1, n1, o1, w2, ty2, n2, o2
+#define QM_ARGS xq, xd, xs, k, rows, accumulate, glu, w0, ty0, n0, o0, w1, ty1, n1, o1, w2, ty2, n2, o2
 
 // The last parameters fuse RoPE and the cache write into a narrow Q/K/V launch (w0, w1, w2 = q, k, v; see
 // `RopeFusion`); rope_hd = 0 for every other launch.

@@ -36,8 +36,7 @@
 //! in one, the final norm with the output projection, and the output projections adding into the residual
 //! stream. With graphs and PDL the launches' own cost is a small part of a forward (a forward whose kernels
 //! return at once, `-DLAUNCH_FLOOR`, takes a fraction of a real one): what remains is the kernels' bodies — by
-//! knockouts (`-DKO_STAGE`, `-DKO_ATT`, `-DKO_CHAIN`) the projections' quantization of x, their
-//! per-(column, row) chains, and attention.
+//! knockouts (`-DKO_STAGE`, `-DKO_ATT`) the projections' quantization of x, and attention.
 //!
 //! Attention (`attention.rs`) is split over 64-slot chunks (a block per chunk of the cache's capacity, of which as many work as
 //! the step's context has chunks; fewer blocks, each taking chunks in turn, where a wave would not hold them)
@@ -348,13 +347,13 @@ impl CudaBackend {
         let (narrow_warps, wide_warps, knockout) =
             (opts.narrow_warps, opts.wide_warps, opts.knockout());
         let options = nvrtc_options(&opts);
-        // The warp and stage counts change no bit (`rowexact` under each); other options may (a knockout, a
-        // constant).
+        // The warp and load-ahead counts change no bit (`rowexact` under each); other options may (a knockout,
+        // a constant).
         let bit_options: Vec<&str> = options
             .iter()
             .map(String::as_str)
             .filter(|o| {
-                !["-DQM_WARPS=", "-DNQ_WARPS", "-DQM_STAGES="]
+                !["-DQM_WARPS=", "-DNQ_WARPS=", "-DQM_AHEAD=", "-DNQ_AHEAD="]
                     .iter()
                     .any(|p| o.starts_with(p))
             })

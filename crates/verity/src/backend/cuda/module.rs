@@ -76,7 +76,7 @@ pub(super) fn nvrtc_options(opts: &CudaOptions) -> Vec<String> {
     let mut options = opts.nvrtc.clone();
     options.push(format!("-DQM_WARPS={}", opts.wide_warps));
     options.push(format!("-DNQ_WARPS={}", opts.narrow_warps));
-    options.push(format!("-DQM_STAGES={}", super::geometry::QM_STAGES));
+    options.push(format!("-DRUNS={}", crate::backend::INT8_RUNS));
     options
 }
 

@@ -6,7 +6,7 @@ use std::borrow::Cow;
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
-use super::geometry::{q_geometry, staged_bytes, QGeometry, QMats, ROWS_PER_GROUP};
+use super::geometry::{q_geometry, staged_bytes, QGeometry, ROWS_PER_GROUP};
 use super::launch::Arg;
 use super::types::Tag;
 use super::{affine, dev, lock, tiles, CudaBackend, CudaMatrix, CudaStep, StagedX, STAGED_ROWS};
@@ -103,16 +103,12 @@ impl CudaBackend {
             data,
             launch_rows: 0,
         };
-        // The integer kernels read x quantized (any row length runs: only a shared memory without room for a
-        // tile's scales and one exchange chunk caps their rows); the float kernel stages whole rows.
+        // The integer kernels read x quantized (any row length runs); the float kernel stages whole rows.
         if form.is_some() {
             self.reserve_staged(m.cols);
         }
         let fits = |r: usize| match form {
-            Some(_) => [false, true].iter().all(|&glu| {
-                self.q_geometry(r, m.cols, false, glu, &[&matrix, &matrix])
-                    .is_some()
-            }),
+            Some(_) => self.q_geometry(r, m.cols, false, true).is_some(),
             None => staged_bytes(r, m.cols) <= self.matmul_shared,
         };
         matrix.launch_rows = (1..=MAX_ROWS).rev().find(|&r| fits(r)).ok_or_else(|| {
@@ -200,23 +196,9 @@ impl CudaBackend {
             .unwrap_or(1)
     }
 
-    /// The geometry of an integer launch of `rows` rows (per CTA) over `mats` (tiled).
-    fn q_geometry(
-        &self,
-        rows: usize,
-        k: usize,
-        wide: bool,
-        glu: bool,
-        mats: &[&CudaMatrix],
-    ) -> Option<QGeometry> {
-        let forms = mats.iter().filter_map(|m| m.form);
-        let q = QMats {
-            per_tile: if glu { 2 } else { 1 },
-            sums: forms.clone().map(|f| f.sums_per_block()).max()?,
-            scale_bytes: forms.clone().map(|f| f.scale_bytes(k / 32)).max()?,
-            quant_bytes: forms.map(|f| f.quant_bytes()).max()?,
-        };
-        q_geometry(rows, k, wide, q, self.matmul_shared)
+    /// The geometry of an integer launch of `rows` rows (per CTA) of `k` values, gate/up when `glu`.
+    fn q_geometry(&self, rows: usize, k: usize, wide: bool, glu: bool) -> Option<QGeometry> {
+        q_geometry(rows, k, wide, if glu { 2 } else { 1 }, self.matmul_shared)
     }
 
     /// One launch of the `matmuls` kernel over up to three matrices that share `x` (`rows` ≤ `MAX_ROWS`, row
@@ -281,11 +263,10 @@ impl CudaBackend {
             };
             // The rows one CTA takes (the kernel's own split).
             let cta_rows = rows.div_ceil(groups);
-            let geometry = self
-                .q_geometry(cta_rows, k, wide, glu, mats)
-                .expect("capped by `launch_rows`");
-            args.push(Arg::I32(geometry.chunk as i32));
-            let bytes = geometry.bytes;
+            let bytes = self
+                .q_geometry(cta_rows, k, wide, glu)
+                .expect("capped by `launch_rows`")
+                .bytes;
             // Both schedules give every (column, row) the same arithmetic: which one a launch takes changes no
             // bits.
             let (f, warps) = if wide {

@@ -93,15 +93,6 @@ impl Form {
             nb * 4 * TILE_ROWS
         }
     }
-
-    /// Integer dot products per (block, row, column): Q6_K's two 16-value halves have their own scales.
-    pub fn sums_per_block(self) -> usize {
-        if self == Form::Q6K {
-            2
-        } else {
-            1
-        }
-    }
 }
 
 /// Whether `ty` has a tiled form.
