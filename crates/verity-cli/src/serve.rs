@@ -22,7 +22,10 @@ pub struct Args {
     /// 0 picks a free port (the address is printed).
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Requests that may wait while one runs; more are answered 503.
+    /// Requests that decode together in batched steps (1: one at a time, each on its speculative route).
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Requests that may wait while a batch is full (or a constrained request runs); more are answered 503.
     #[arg(long, default_value_t = 16)]
     queue: usize,
     /// RAM for prefix-cache checkpoints of earlier conversations, in MiB (0 = off).
@@ -166,7 +169,7 @@ fn serve<B: Backend>(c: Checked, backend: Arc<B>) -> Result<()> {
             .file_stem()
             .map_or(a.model.clone(), |s| s.to_string_lossy().into_owned())
     };
-    let app = verity_server::app(engine, &model_id, a.queue.max(1));
+    let app = verity_server::app(engine, &model_id, a.queue.max(1), a.batch.max(1));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

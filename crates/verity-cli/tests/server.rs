@@ -268,7 +268,8 @@ fn long_stream(addr: &str) -> TcpStream {
 
 #[test]
 fn a_disconnected_stream_is_cancelled_and_a_full_queue_answers_503() {
-    let srv = Server::start(&["--queue", "1"]);
+    // One request at a time: the queue's bound is what this checks.
+    let srv = Server::start(&["--queue", "1", "--batch", "1"]);
     // Start a long stream, read a little, hang up.
     drop(long_stream(&srv.addr));
     // The engine must be free again soon: a short request completes well before 4000 tokens could.
@@ -311,6 +312,90 @@ fn a_disconnected_stream_is_cancelled_and_a_full_queue_answers_503() {
     assert_eq!(st, 503, "{body}");
     assert_eq!(a.join().unwrap(), 200);
     assert_eq!(b.join().unwrap(), 200);
+}
+
+/// Requests decoding together (joining a request that decodes alone, joining a running batch, outliving the
+/// others and going on alone) get bitwise the answers they get one at a time: text, finish reason, token
+/// counts and log-probabilities, greedy and seeded sampling, on the speculative route and with it off.
+#[test]
+fn concurrent_requests_get_their_solo_answers() {
+    let srv = Server::start(&[]);
+    let body = |q: &str, tokens: usize, extra: &str| {
+        format!(
+            r#"{{"messages":[{{"role":"user","content":{q:?}}}],"max_tokens":{tokens}{extra}}}"#
+        )
+    };
+    let bodies = [
+        body(
+            "Write a short story about a lighthouse.",
+            96,
+            r#","temperature":0"#,
+        ),
+        body(
+            "Name five rivers of Europe.",
+            40,
+            r#","temperature":0.9,"seed":11"#,
+        ),
+        body(
+            "Write a Python function that reverses a list.",
+            64,
+            r#","temperature":0,"logprobs":true,"top_logprobs":2"#,
+        ),
+        body(
+            "Describe the moon in two sentences.",
+            48,
+            r#","temperature":1.0,"seed":5,"speculation":"off""#,
+        ),
+        body("What is 7 times 8?", 24, r#","temperature":0"#),
+    ];
+    let answer = |reply: &str| {
+        let v: serde_json::Value = serde_json::from_str(reply).unwrap();
+        let c = &v["choices"][0];
+        (
+            c["message"]["content"].clone(),
+            c["finish_reason"].clone(),
+            v["usage"]["completion_tokens"].clone(),
+            c["logprobs"].clone(),
+        )
+    };
+    let solo: Vec<_> = bodies
+        .iter()
+        .map(|b| {
+            let (st, reply) = http(&srv.addr, "POST", "/v1/chat/completions", b);
+            assert_eq!(st, 200, "{reply}");
+            answer(&reply)
+        })
+        .collect();
+    // The first starts alone; the others arrive while it decodes, one after the batch has formed.
+    let together: Vec<_> = bodies
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let (addr, b) = (srv.addr.clone(), b.clone());
+            std::thread::sleep(Duration::from_millis(if i == 4 { 400 } else { 60 }));
+            std::thread::spawn(move || http(&addr, "POST", "/v1/chat/completions", &b))
+        })
+        .collect();
+    for (i, t) in together.into_iter().enumerate() {
+        let (st, reply) = t.join().unwrap();
+        assert_eq!(st, 200, "{reply}");
+        assert_eq!(
+            answer(&reply),
+            solo[i],
+            "request {i}: its answer beside others differs from alone"
+        );
+    }
+    let metrics = http(&srv.addr, "GET", "/metrics", "").1;
+    assert!(metrics.contains("verity_active_generations 0"), "{metrics}");
+    let count = |name: &str| -> u64 {
+        let line = metrics.lines().find(|l| l.starts_with(name)).unwrap();
+        line[name.len()..].trim().parse().unwrap()
+    };
+    assert!(count("verity_batch_steps_total ") > 0, "{metrics}");
+    assert!(
+        count("verity_batch_joins_from_alone_total ") > 0,
+        "{metrics}"
+    );
 }
 
 /// Send SIGTERM to the server and wait (up to `patience`) for it to exit; returns whether it exited cleanly.
@@ -363,7 +448,7 @@ fn sigterm_lets_the_request_in_progress_finish_then_exits() {
 #[cfg(unix)]
 #[test]
 fn past_the_shutdown_grace_the_generation_is_cancelled_and_queued_requests_get_503() {
-    let mut srv = Server::start(&["--shutdown-grace-s", "0.5"]);
+    let mut srv = Server::start(&["--shutdown-grace-s", "0.5", "--batch", "1"]);
     // A long stream in progress, and a request waiting behind it.
     let mut s = long_stream(&srv.addr);
     let addr = srv.addr.clone();

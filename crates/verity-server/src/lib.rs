@@ -3,7 +3,7 @@
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/messages` (Anthropic; see
 //! [`anthropic`]), each streaming over SSE or not, `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus
 //! text), `POST /v1/cache/reset`.
-//! Requests are validated in [`api`] and run one at a time by the engine thread in [`worker`]; a full queue
+//! Requests are validated in [`api`] and decoded together in batched steps by the engine thread in [`worker`]; a full queue
 //! answers 503, a disconnected client cancels its generation. Before a request reaches its handler, [`access`]
 //! checks who sends it and [`limits`] reads its body within a deadline; `transport` runs the connections
 //! (timeouts, a connection cap, and JSON bodies for hyper's own protocol errors).
@@ -62,10 +62,10 @@ pub struct App {
     worker: Worker,
 }
 
-/// Build the server around an engine; `queue` is how many requests may wait.
-pub fn app<B: Backend>(engine: Engine<B>, model_id: &str, queue: usize) -> App {
+/// Build the server around an engine; `queue` is how many requests may wait, `batch` how many decode together.
+pub fn app<B: Backend>(engine: Engine<B>, model_id: &str, queue: usize, batch: usize) -> App {
     let metrics = Arc::new(Metrics::default());
-    let worker = Worker::start(engine, queue, metrics.clone());
+    let worker = Worker::start(engine, queue, batch, metrics.clone());
     let state = Arc::new(AppState {
         model_id: model_id.to_string(),
         worker: worker.clone(),

@@ -17,10 +17,15 @@ pub struct Metrics {
     pub rejected: AtomicU64,
     pub cancelled: AtomicU64,
     pub queue_depth: AtomicI64,
-    /// Generations running now (one at most: requests run one at a time).
+    /// Generations running now (the batch, and a request decoding alone).
     pub active: AtomicI64,
-    /// Bytes of K/V the engine's conversation cache holds, and the prefix cache's RAM checkpoints and their
-    /// bytes, as of the last request's end.
+    /// Batched steps taken (each one forward of every batched request's next token), and the tokens they
+    /// gave; requests moved from decoding alone into a batch.
+    pub batch_steps: AtomicU64,
+    pub batch_tokens: AtomicU64,
+    pub handovers: AtomicU64,
+    /// Bytes of K/V the sessions' caches hold, and the prefix cache's RAM checkpoints and their bytes, as of
+    /// the last request's end.
     pub kv_bytes: AtomicU64,
     pub prefix_entries: AtomicU64,
     pub prefix_bytes: AtomicU64,
@@ -108,6 +113,21 @@ impl Metrics {
             "Requests that reused a cached prefix.",
             m.prefix_hits.to_string(),
         );
+        counter(
+            "verity_batch_steps_total",
+            "Batched decode steps (one forward of every batched request's next token).",
+            self.batch_steps.load(Relaxed).to_string(),
+        );
+        counter(
+            "verity_batch_tokens_total",
+            "Tokens decoded in batched steps.",
+            self.batch_tokens.load(Relaxed).to_string(),
+        );
+        counter(
+            "verity_batch_joins_from_alone_total",
+            "Requests that decoded alone and moved into batched steps when others arrived.",
+            self.handovers.load(Relaxed).to_string(),
+        );
         let _ = writeln!(
             o,
             "# HELP verity_queue_depth Requests waiting.\n# TYPE verity_queue_depth gauge"
@@ -127,7 +147,7 @@ impl Metrics {
         );
         gauge(
             "verity_kv_cache_bytes",
-            "Bytes of K/V held by the conversation cache (as of the last request's end).",
+            "Bytes of K/V held by the sessions' caches (live and idle).",
             self.kv_bytes.load(Relaxed).to_string(),
         );
         gauge(

@@ -1,19 +1,27 @@
-//! The engine thread: one request at a time from a bounded queue.
+//! The engine thread: requests decode together in batched steps, each answer bitwise what it would be alone.
 //!
-//! A request's speculative verify fills each decode step with several rows of that request. The engine can
-//! also step several requests together (`Engine::decode_step`, each answer bitwise its solo one); this thread
-//! does not schedule requests into such steps yet. A bounded queue keeps latency predictable and answers 503
-//! when it is full. The worker keeps one session, so a follow-up turn of the last conversation reuses its
-//! cached prefix. A request is cancelled as soon as its client goes away (its event channel closes).
+//! A request that arrives while nothing else decodes runs alone, drafting on its speculative route (a verify's
+//! rows are that request's). When another request arrives, the one decoding alone stops at its next token and
+//! both go on in batched steps (`Engine::decode_step`: one forward carries every request's next row); requests
+//! join between steps, up to `max_batch`, and leave when they finish; the last one left goes on alone on its
+//! speculative route again. Every route emits AR's tokens and each draw is keyed by the request's seed and
+//! position, so these moves change no token of any answer (tested through the HTTP API). Constrained requests
+//! (grammars) decode alone; the batch waits meanwhile. A newcomer's prompt is prefilled whole before the next
+//! step (not chunked beside the others' decode). A bounded queue keeps latency predictable and answers 503
+//! when it is full. Finished requests' sessions stay a while, so a follow-up turn of a recent conversation
+//! reuses its cached prefix (others come back from the prefix cache). A request is cancelled as soon as its
+//! client goes away (its event channel closes).
 
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 
 use tokio::sync::mpsc::UnboundedSender;
 use verity::backend::Backend;
-use verity::chat::{Message, OutputParser, StreamDecoder, TemplateArgs, ToolCall};
-use verity::engine::{Engine, GenerateRequest, GenerationStats, StopReason};
+use verity::chat::{Message, OutputParser, StreamDecoder, TemplateArgs, Tokenizer, ToolCall};
+use verity::engine::{
+    Decoding, Emitted, Engine, GenerateRequest, GenerationStats, Session, StopReason,
+};
 use verity::sample::constraint::SharedConstraint;
 
 use crate::api::{Params, ResponseFormat, ToolChoice};
@@ -91,63 +99,30 @@ fn shutting_down() -> ApiError {
 }
 
 impl Worker {
-    /// Start the engine thread with a queue of `capacity` waiting requests.
+    /// Start the engine thread with a queue of `capacity` waiting requests, decoding up to `max_batch` of them
+    /// together.
     pub fn start<B: Backend>(
-        mut engine: Engine<B>,
+        engine: Engine<B>,
         capacity: usize,
+        max_batch: usize,
         metrics: Arc<Metrics>,
     ) -> Self {
         let (tx, rx) = sync_channel::<Task>(capacity);
         let shutdown = Arc::new(Shutdown::default());
-        let flags = shutdown.clone();
+        let scheduler = Scheduler {
+            engine,
+            grammars: None,
+            batch: Vec::new(),
+            answers: Vec::new(),
+            prompts: Vec::new(),
+            idle: Vec::new(),
+            max_batch: max_batch.max(1),
+            metrics,
+            flags: shutdown.clone(),
+        };
         std::thread::Builder::new()
             .name("verity-engine".into())
-            .spawn(move || {
-                let mut session = engine.new_session();
-                // Built on the first constrained request: indexing the vocabulary takes a moment.
-                let mut grammars: Option<Grammars> = None;
-                while let Ok(task) = rx.recv() {
-                    metrics
-                        .queue_depth
-                        .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-                    let job = match task {
-                        Task::ResetCache => {
-                            engine.end_session(session);
-                            session = engine.new_session();
-                            engine.clear_prefix_cache();
-                            continue;
-                        }
-                        Task::Generate(job) => *job,
-                    };
-                    if job.events.is_closed() {
-                        continue; // the client left while queued
-                    }
-                    if flags.draining.load(Relaxed) {
-                        let _ = job.events.send(Event::Error(shutting_down()));
-                        continue;
-                    }
-                    let events = job.events.clone();
-                    let cancel = &flags.cancelling;
-                    metrics.active.store(1, Relaxed);
-                    let last = run(
-                        &mut engine,
-                        &mut session,
-                        &mut grammars,
-                        job,
-                        cancel,
-                        &metrics,
-                    );
-                    // The gauges before the answer's last event: a client that has its answer sees them settled.
-                    metrics.active.store(0, Relaxed);
-                    let (entries, bytes) = engine.prefix_cache_ram();
-                    metrics
-                        .kv_bytes
-                        .store(session.cache.bytes() as u64, Relaxed);
-                    metrics.prefix_entries.store(entries as u64, Relaxed);
-                    metrics.prefix_bytes.store(bytes as u64, Relaxed);
-                    let _ = events.send(last.unwrap_or_else(Event::Error));
-                }
-            })
+            .spawn(move || scheduler.run(rx))
             .expect("spawning the engine thread");
         Worker {
             queue: tx,
@@ -292,16 +267,19 @@ fn constraint<B: Backend>(
         .map_err(|e| ApiError::invalid(format!("cannot compile the grammar: {e}"), Some(param)))
 }
 
-/// Generate the job's answer, sending its deltas as they come; returns its last event (`Done`), which the
-/// engine thread sends once the gauges are updated.
-fn run<B: Backend>(
-    engine: &mut Engine<B>,
-    session: &mut verity::engine::Session<B>,
+/// A request ready to decode: its prompt, its generation request and its answer's streaming state.
+struct Prepared {
+    prompt: Vec<u32>,
+    request: GenerateRequest,
+    answer: Answer,
+}
+
+/// Tokenize and check a job; build its generation request and answer state.
+fn prepare<B: Backend>(
+    engine: &Engine<B>,
     grammars: &mut Option<Grammars>,
     job: Job,
-    cancel: &AtomicBool,
-    metrics: &Metrics,
-) -> Result<Event, ApiError> {
+) -> Result<Prepared, ApiError> {
     let (prompt, boundary, opens_reasoning) = match &job.input {
         Input::Chat(messages) => {
             let args = TemplateArgs {
@@ -348,7 +326,7 @@ fn run<B: Backend>(
         Some(m) => m,
         None => room.min(4096),
     };
-    let req = GenerateRequest {
+    let request = GenerateRequest {
         max_tokens,
         sampling: job.params.sampling,
         ignore_eos: false,
@@ -359,92 +337,376 @@ fn run<B: Backend>(
         constraint,
         store_prefix: boundary,
     };
-    let mut decoder = StreamDecoder::new();
-    let mut scan = StopScan {
-        stops: job.params.stop.clone(),
-        held: String::new(),
+    let answer = Answer {
+        events: job.events,
+        max_tokens,
+        ids: Vec::new(),
+        decoder: StreamDecoder::new(),
+        scan: StopScan {
+            stops: job.params.stop.clone(),
+            held: String::new(),
+        },
+        parser: OutputParser::new(
+            opens_reasoning,
+            engine.reasoning_tags(),
+            job.params.tools.is_some(),
+        ),
+        tool_calls: Vec::new(),
+        hit_stop: None,
+        failure: None,
     };
-    let mut parser = OutputParser::new(
-        opens_reasoning,
-        engine.reasoning_tags(),
-        job.params.tools.is_some(),
-    );
-    let mut tool_calls = Vec::new();
-    let mut hit_stop = None;
-    let mut failure = None;
-    let events = &job.events;
-    let stats = engine
-        .generate(session, &prompt, &req, |tok, emitted| {
-            let text = match decoder.push(tok, emitted.id) {
-                Ok(t) => t.unwrap_or_default(),
-                Err(e) => {
-                    failure = Some(ApiError::internal(e.to_string()));
-                    return false;
-                }
-            };
-            let (text, stop) = scan.push(&text);
-            let logprob = emitted.logprobs.as_ref().map(|lp| TokenLogprob {
-                token: tok.decode_with_special(&[emitted.id]).unwrap_or_default(),
-                logprob: lp.logprob,
-                top: lp
-                    .top
-                    .iter()
-                    .map(|&(id, l)| (tok.decode_with_special(&[id]).unwrap_or_default(), l))
-                    .collect(),
-            });
-            let split = parser.push(&text);
-            tool_calls.extend(split.tool_calls);
-            let delta = Event::Delta {
-                text: split.content,
-                reasoning: split.reasoning,
-                logprob,
-            };
-            if events.send(delta).is_err() || cancel.load(Relaxed) {
-                return false; // the client went away, or the server is shutting down: cancel
-            }
-            let stopped = stop.is_some();
-            hit_stop = stop;
-            !stopped
-        })
-        .map_err(|e| ApiError::invalid(e.to_string(), None))?;
-    if let Some(e) = failure {
-        return Err(e);
-    }
-    let tail = if hit_stop.is_some() {
-        String::new()
-    } else {
-        scan.flush()
-    };
-    let mut rest = parser.push(&tail);
-    rest.append(parser.finish());
-    tool_calls.append(&mut rest.tool_calls);
-    if !rest.content.is_empty() || !rest.reasoning.is_empty() {
-        let _ = events.send(Event::Delta {
-            text: rest.content,
-            reasoning: rest.reasoning,
-            logprob: None,
-        });
-    }
-    let finish_reason = match stats.stop {
-        StopReason::Stop | StopReason::MaxTokens if !tool_calls.is_empty() => "tool_calls",
-        _ if hit_stop.is_some() => "stop",
-        StopReason::Stop => "stop",
-        StopReason::MaxTokens | StopReason::ContextFull => "length",
-        StopReason::Cancelled => {
-            metrics
-                .cancelled
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            "cancelled"
-        }
-    };
-    metrics.record(&stats);
-    Ok(Event::Done {
-        finish_reason,
-        stop_sequence: hit_stop,
-        stats,
-        tool_calls,
+    Ok(Prepared {
+        prompt,
+        request,
+        answer,
     })
 }
+
+/// An answer as it streams: its text decoder, stop strings, reasoning and tool-call parser, and where its
+/// events go.
+struct Answer {
+    events: UnboundedSender<Event>,
+    /// The request's token limit, and the completion's tokens so far (a request moving between decoding alone
+    /// and batched steps goes on from them).
+    max_tokens: usize,
+    ids: Vec<u32>,
+    decoder: StreamDecoder,
+    scan: StopScan,
+    parser: OutputParser,
+    tool_calls: Vec<ToolCall>,
+    hit_stop: Option<String>,
+    failure: Option<ApiError>,
+}
+
+impl Answer {
+    /// Stream a completion token; `false` ends the answer (a stop string, a failure, the client gone, the
+    /// server shutting down).
+    fn push(&mut self, tok: &Tokenizer, emitted: &Emitted, cancel: &AtomicBool) -> bool {
+        self.ids.push(emitted.id);
+        let text = match self.decoder.push(tok, emitted.id) {
+            Ok(t) => t.unwrap_or_default(),
+            Err(e) => {
+                self.failure = Some(ApiError::internal(e.to_string()));
+                return false;
+            }
+        };
+        let (text, stop) = self.scan.push(&text);
+        let logprob = emitted.logprobs.as_ref().map(|lp| TokenLogprob {
+            token: tok.decode_with_special(&[emitted.id]).unwrap_or_default(),
+            logprob: lp.logprob,
+            top: lp
+                .top
+                .iter()
+                .map(|&(id, l)| (tok.decode_with_special(&[id]).unwrap_or_default(), l))
+                .collect(),
+        });
+        let split = self.parser.push(&text);
+        self.tool_calls.extend(split.tool_calls);
+        let delta = Event::Delta {
+            text: split.content,
+            reasoning: split.reasoning,
+            logprob,
+        };
+        if self.events.send(delta).is_err() || cancel.load(Relaxed) {
+            return false; // the client went away, or the server is shutting down: cancel
+        }
+        let stopped = stop.is_some();
+        self.hit_stop = stop;
+        !stopped
+    }
+
+    /// The answer's last event (`Done`), its remaining text sent first; the engine thread sends it once the
+    /// gauges are updated.
+    fn finish(mut self, stats: GenerationStats, metrics: &Metrics) -> Result<Event, ApiError> {
+        if let Some(e) = self.failure {
+            return Err(e);
+        }
+        let tail = if self.hit_stop.is_some() {
+            String::new()
+        } else {
+            self.scan.flush()
+        };
+        let mut rest = self.parser.push(&tail);
+        rest.append(self.parser.finish());
+        self.tool_calls.append(&mut rest.tool_calls);
+        if !rest.content.is_empty() || !rest.reasoning.is_empty() {
+            let _ = self.events.send(Event::Delta {
+                text: rest.content,
+                reasoning: rest.reasoning,
+                logprob: None,
+            });
+        }
+        let finish_reason = match stats.stop {
+            StopReason::Stop | StopReason::MaxTokens if !self.tool_calls.is_empty() => "tool_calls",
+            _ if self.hit_stop.is_some() => "stop",
+            StopReason::Stop => "stop",
+            StopReason::MaxTokens | StopReason::ContextFull => "length",
+            StopReason::Cancelled => {
+                metrics.cancelled.fetch_add(1, Relaxed);
+                "cancelled"
+            }
+        };
+        metrics.record(&stats);
+        Ok(Event::Done {
+            finish_reason,
+            stop_sequence: self.hit_stop,
+            stats,
+            tool_calls: self.tool_calls,
+        })
+    }
+}
+
+/// The engine thread's state: the requests decoding together, the idle conversation sessions, and the limits.
+struct Scheduler<B: Backend> {
+    engine: Engine<B>,
+    /// Built on the first constrained request: indexing the vocabulary takes a moment.
+    grammars: Option<Grammars>,
+    /// Requests decoding in batched steps, each with its answer and its prompt.
+    batch: Vec<Decoding<B>>,
+    answers: Vec<Answer>,
+    prompts: Vec<Vec<u32>>,
+    /// Sessions of finished requests, most recent last: a follow-up turn reuses its conversation's cached prefix.
+    idle: Vec<Session<B>>,
+    max_batch: usize,
+    metrics: Arc<Metrics>,
+    flags: Arc<Shutdown>,
+}
+
+/// Idle sessions kept between requests (others give their buffers back; the prefix cache keeps their
+/// conversations).
+const IDLE_SESSIONS: usize = 2;
+
+impl<B: Backend> Scheduler<B> {
+    fn run(mut self, rx: Receiver<Task>) {
+        loop {
+            // Take requests while the batch has room; wait for one only when nothing decodes.
+            while self.batch.len() < self.max_batch {
+                let task = if self.batch.is_empty() {
+                    match rx.recv() {
+                        Ok(t) => t,
+                        Err(_) => return,
+                    }
+                } else {
+                    match rx.try_recv() {
+                        Ok(t) => t,
+                        Err(_) => break,
+                    }
+                };
+                self.metrics.queue_depth.fetch_sub(1, Relaxed);
+                self.take(task);
+            }
+            if self.batch.is_empty() {
+                continue;
+            }
+            if self.batch.len() == 1 && !self.waiting() {
+                self.continue_alone();
+            } else {
+                self.step();
+            }
+        }
+    }
+
+    /// Whether a request waits in the queue.
+    fn waiting(&self) -> bool {
+        self.max_batch > 1 && self.metrics.queue_depth.load(Relaxed) > 0
+    }
+
+    fn take(&mut self, task: Task) {
+        let job = match task {
+            Task::ResetCache => {
+                for s in self.idle.drain(..) {
+                    self.engine.end_session(s);
+                }
+                self.engine.clear_prefix_cache();
+                return;
+            }
+            Task::Generate(job) => *job,
+        };
+        if job.events.is_closed() {
+            return; // the client left while queued
+        }
+        if self.flags.draining.load(Relaxed) {
+            let _ = job.events.send(Event::Error(shutting_down()));
+            return;
+        }
+        let events = job.events.clone();
+        let Prepared {
+            prompt,
+            request,
+            answer,
+        } = match prepare(&self.engine, &mut self.grammars, job) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = events.send(Event::Error(e));
+                return;
+            }
+        };
+        let session = self.session_for(&prompt);
+        // Constrained requests decode alone (the batched steps take none), so do requests while nothing else
+        // runs: alone, a request drafts on its speculative route; it moves into batched steps when others come.
+        if request.constraint.is_some() || self.batch.is_empty() {
+            let (rest, text) = (request.clone(), prompt.clone());
+            let decode =
+                move |e: &mut Engine<B>, on: &mut dyn FnMut(&Tokenizer, &Emitted) -> bool| {
+                    let mut session = session;
+                    e.generate(&mut session, &text, &request, on)
+                        .map(|stats| (session, stats))
+                };
+            return self.alone(decode, rest, prompt, answer);
+        }
+        match self.engine.start_decoding(session, &prompt, request) {
+            Ok(d) => self.join(d, answer, prompt),
+            Err(e) => self.fail(answer, ApiError::invalid(e.to_string(), None)),
+        }
+    }
+
+    /// The idle session whose conversation shares the longest prefix with `prompt`, or a new one.
+    fn session_for(&mut self, prompt: &[u32]) -> Session<B> {
+        let shared = |s: &Session<B>| {
+            s.tokens
+                .iter()
+                .zip(prompt)
+                .take_while(|(a, b)| a == b)
+                .count()
+        };
+        match (0..self.idle.len()).max_by_key(|&i| (shared(&self.idle[i]), i)) {
+            Some(i) => self.idle.remove(i),
+            None => self.engine.new_session(),
+        }
+    }
+
+    fn join(&mut self, d: Decoding<B>, answer: Answer, prompt: Vec<u32>) {
+        self.batch.push(d);
+        self.answers.push(answer);
+        self.prompts.push(prompt);
+        self.metrics.active.store(self.batch.len() as i64, Relaxed);
+    }
+
+    /// Decode a request alone (`decode`: from its start, or continuing a batched one; `rest` its request)
+    /// until it finishes, or until a request waits and this one may share the batch: then it resumes in batched
+    /// steps.
+    fn alone(
+        &mut self,
+        decode: impl FnOnce(
+            &mut Engine<B>,
+            &mut dyn FnMut(&Tokenizer, &Emitted) -> bool,
+        ) -> AloneResult<B>,
+        mut rest: GenerateRequest,
+        prompt: Vec<u32>,
+        mut answer: Answer,
+    ) {
+        self.metrics
+            .active
+            .store(1 + self.batch.len() as i64, Relaxed);
+        let may_hand_over = rest.constraint.is_none() && self.max_batch > 1;
+        let mut handed = false;
+        let (cancel, depth) = (&self.flags.cancelling, &self.metrics.queue_depth);
+        let result = decode(&mut self.engine, &mut |tok, e| {
+            if !answer.push(tok, e, cancel) {
+                return false;
+            }
+            handed = may_hand_over && depth.load(Relaxed) > 0;
+            !handed
+        });
+        let (session, stats) = match result {
+            Ok(r) => r,
+            Err(e) => return self.fail(answer, ApiError::invalid(e.to_string(), None)),
+        };
+        if !handed || stats.stop != StopReason::Cancelled {
+            return self.finish(session, answer, stats);
+        }
+        rest.max_tokens = answer.max_tokens - answer.ids.len();
+        let context: Vec<u32> = prompt.iter().chain(&answer.ids).copied().collect();
+        match self.engine.resume_decoding(session, &context, rest, stats) {
+            Ok(d) if d.finished().is_some() => {
+                let (session, stats) = d.into_parts();
+                self.finish(session, answer, stats)
+            }
+            Ok(d) => {
+                self.metrics.handovers.fetch_add(1, Relaxed);
+                self.join(d, answer, prompt)
+            }
+            Err(e) => self.fail(answer, ApiError::invalid(e.to_string(), None)),
+        }
+    }
+
+    /// The batch's last request, alone now that nobody waits: it goes on on its speculative route.
+    fn continue_alone(&mut self) {
+        let (d, answer, prompt) = (
+            self.batch.pop().expect("one request"),
+            self.answers.pop().expect("its answer"),
+            self.prompts.pop().expect("its prompt"),
+        );
+        let rest = d.request().clone();
+        self.alone(|e, on| e.continue_alone(d, on), rest, prompt, answer);
+    }
+
+    /// One token of every request in the batch; the finished ones leave it with their last event.
+    fn step(&mut self) {
+        let (answers, cancel) = (&mut self.answers, &self.flags.cancelling);
+        let tokens = &self.metrics.batch_tokens;
+        let stepped = self.engine.decode_step(&mut self.batch, |i, tok, e| {
+            tokens.fetch_add(1, Relaxed);
+            answers[i].push(tok, e, cancel)
+        });
+        self.metrics.batch_steps.fetch_add(1, Relaxed);
+        if let Err(e) = stepped {
+            // A failed forward fails every request it carried.
+            let e = ApiError::internal(e.to_string());
+            while let Some(answer) = self.answers.pop() {
+                let d = self.batch.pop().expect("one decoding per answer");
+                self.prompts.pop();
+                self.engine.end_session(d.into_parts().0);
+                self.fail(answer, e.clone());
+            }
+            return;
+        }
+        for i in (0..self.batch.len()).rev() {
+            if self.batch[i].finished().is_some() {
+                let (session, stats) = self.batch.remove(i).into_parts();
+                let answer = self.answers.remove(i);
+                self.prompts.remove(i);
+                self.finish(session, answer, stats);
+            }
+        }
+    }
+
+    /// Send an answer's last event, once the gauges count it out, and keep its session for a follow-up turn.
+    fn finish(&mut self, session: Session<B>, answer: Answer, stats: GenerationStats) {
+        let events = answer.events.clone();
+        let last = answer.finish(stats, &self.metrics);
+        self.idle.push(session);
+        if self.idle.len() > IDLE_SESSIONS {
+            let oldest = self.idle.remove(0);
+            self.engine.end_session(oldest);
+        }
+        self.update_gauges();
+        let _ = events.send(last.unwrap_or_else(Event::Error));
+    }
+
+    fn fail(&mut self, answer: Answer, e: ApiError) {
+        self.update_gauges();
+        let _ = answer.events.send(Event::Error(e));
+    }
+
+    fn update_gauges(&self) {
+        let m = &self.metrics;
+        m.active.store(self.batch.len() as i64, Relaxed);
+        let sessions = self.idle.iter().map(|s| s.cache.bytes()).sum::<usize>()
+            + self
+                .batch
+                .iter()
+                .map(|d| d.session.cache.bytes())
+                .sum::<usize>();
+        m.kv_bytes.store(sessions as u64, Relaxed);
+        let (entries, bytes) = self.engine.prefix_cache_ram();
+        m.prefix_entries.store(entries as u64, Relaxed);
+        m.prefix_bytes.store(bytes as u64, Relaxed);
+    }
+}
+
+/// What decoding a request alone gives: its session and statistics.
+type AloneResult<B> = verity::Result<(Session<B>, GenerationStats)>;
 
 #[cfg(test)]
 mod tests {

@@ -28,6 +28,8 @@ pub struct Decoding<B: Backend> {
     start: Instant,
     first_at: Option<Instant>,
     done: bool,
+    /// The statistics of the answer's part decoded alone before it joined batched steps.
+    earlier: Option<GenerationStats>,
 }
 
 impl<B: Backend> Decoding<B> {
@@ -39,6 +41,11 @@ impl<B: Backend> Decoding<B> {
     /// The session (its cache holds the prompt and the completion) and the statistics.
     pub fn into_parts(self) -> (Session<B>, GenerationStats) {
         (self.session, self.stats)
+    }
+
+    /// What is left of the request (its token limit counts from where it joined batched steps).
+    pub fn request(&self) -> &GenerateRequest {
+        &self.request
     }
 }
 
@@ -83,7 +90,61 @@ impl<B: Backend> Engine<B> {
             start,
             first_at: None,
             done,
+            earlier: None,
         })
+    }
+
+    /// Continue in batched steps a request that decoded alone until its caller stopped it to make room for
+    /// others ([`Engine::generate`] returned [`StopReason::Cancelled`]): `context` is its prompt and every token it
+    /// emitted, `request` what is left of it (`max_tokens` less those tokens), `earlier` its statistics so far.
+    /// Every route emits AR's tokens, and the draws are keyed by seed and position, so the answer goes on exactly
+    /// as it would have alone.
+    pub fn resume_decoding(
+        &mut self,
+        session: Session<B>,
+        context: &[u32],
+        request: GenerateRequest,
+        earlier: GenerationStats,
+    ) -> Result<Decoding<B>> {
+        let mut d = self.start_decoding(session, context, request)?;
+        // Its first token came long ago.
+        d.first_at = Some(d.start);
+        if d.done {
+            d.stats = earlier.then(&d.stats);
+        } else {
+            d.earlier = Some(earlier);
+        }
+        Ok(d)
+    }
+
+    /// Decode the rest of `d` alone with [`Engine::generate`], on the request's speculative route (a batch that
+    /// has shrunk to one request: drafting pays again). Returns the session and the whole answer's statistics;
+    /// the caller may stop it again and [`Engine::resume_decoding`] it. The tokens are the ones batched steps
+    /// would have given.
+    pub fn continue_alone(
+        &mut self,
+        d: Decoding<B>,
+        on_token: impl FnMut(&Tokenizer, &Emitted) -> bool,
+    ) -> Result<(Session<B>, GenerationStats)> {
+        let Decoding {
+            mut session,
+            mut request,
+            context,
+            mut stats,
+            first_at,
+            earlier,
+            ..
+        } = d;
+        if let Some(t) = first_at {
+            stats.decode_s = t.elapsed().as_secs_f64();
+        }
+        request.max_tokens -= stats.completion_tokens;
+        let so_far = match earlier {
+            Some(e) => e.then(&stats),
+            None => stats,
+        };
+        let later = self.generate(&mut session, &context, &request, on_token)?;
+        Ok((session, so_far.then(&later)))
     }
 
     /// One token of every unfinished request of `batch`, in one batched forward. `emit(i, tokenizer, token)`
@@ -164,6 +225,9 @@ impl<B: Backend> Engine<B> {
                 }
                 d.stats.store_s +=
                     self.store_answer(&d.session, &d.request, d.stats.prompt_tokens)?;
+                if let Some(earlier) = d.earlier.take() {
+                    d.stats = earlier.then(&d.stats);
+                }
             }
         }
         Ok(())

@@ -72,6 +72,27 @@ impl GenerationStats {
         self.other_s += other.as_secs_f64();
     }
 
+    /// These statistics followed by those of the same answer's continuation (`later`: the rest of its tokens,
+    /// decoded on another route or in batched steps): counts and times add up; the prompt's figures and the
+    /// route stay this part's (the time to first token too, unless this part emitted nothing); the stop reason
+    /// is the continuation's.
+    pub fn then(mut self, later: &GenerationStats) -> Self {
+        if self.completion_tokens == 0 {
+            self.ttft_s = later.ttft_s;
+        }
+        self.completion_tokens += later.completion_tokens;
+        self.decode_s += later.decode_s;
+        self.stop = later.stop;
+        self.cycles += later.cycles;
+        self.drafted += later.drafted;
+        self.accepted += later.accepted;
+        self.draft_s += later.draft_s;
+        self.verify_s += later.verify_s;
+        self.other_s += later.other_s;
+        self.store_s += later.store_s;
+        self
+    }
+
     /// Completion tokens after the first, per second of decode time.
     pub fn decode_tok_s(&self) -> f64 {
         if self.completion_tokens > 1 && self.decode_s > 0.0 {
