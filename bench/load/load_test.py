@@ -53,8 +53,11 @@ METRIC_NAMES = (
 class LaunchedServer:
     """`verity serve --port 0` started by this script; stopped with SIGINT (graceful)."""
 
-    def __init__(self, verity: str, threads: int, queue: int, cache_dir: str | None, model: str | None):
+    def __init__(self, verity: str, threads: int, queue: int, cache_dir: str | None, model: str | None,
+                 batch: int | None = None):
         cmd = [verity, "--threads", str(threads), "serve", "--port", "0", "--queue", str(queue)]
+        if batch:
+            cmd += ["--batch", str(batch)]
         if model:
             cmd += ["--model", model]
         env = dict(os.environ)
@@ -311,7 +314,7 @@ def percentile(values: list[float], p: float) -> float | None:
 
 
 def pcts(values: list[float]) -> dict[str, float | None]:
-    return {f"p{p}": (None if (x := percentile(values, p)) is None else round(x, 3)) for p in (50, 90, 99)}
+    return {f"p{p}": (None if (x := percentile(values, p)) is None else round(x, 3)) for p in (50, 90, 95, 99)}
 
 
 def summarize(args, records: list[Record], wall_s: float, rss: list[tuple[float, int]], m0, m1) -> dict:
@@ -382,7 +385,7 @@ def print_summary(s: dict) -> None:
     print(f"throughput {fmt(s['throughput_tok_s'])} completion tok/s ({s['completion_tokens']} tokens), "
           f"{fmt(s['requests_per_s'])} req/s")
     t, l = s["ttft_s"], s["latency_s"]
-    print(f"TTFT s     p50 {fmt(t['p50'])}  p90 {fmt(t['p90'])}  p99 {fmt(t['p99'])}")
+    print(f"TTFT s     p50 {fmt(t['p50'])}  p90 {fmt(t['p90'])}  p95 {fmt(t['p95'])}  p99 {fmt(t['p99'])}")
     print(f"latency s  p50 {fmt(l['p50'])}  p90 {fmt(l['p90'])}  p99 {fmt(l['p99'])}")
     if s["rss"]:
         m = s["rss"]
@@ -425,6 +428,7 @@ def parse_args(argv=None):
     ap.add_argument("--verity", default=str(DEFAULT_VERITY), help="verity binary for --launch")
     ap.add_argument("--threads", type=int, default=2, help="--threads for the launched server")
     ap.add_argument("--queue", type=int, default=64, help="--queue for the launched server")
+    ap.add_argument("--batch", type=int, default=None, help="--batch for the launched server (default: its own)")
     ap.add_argument("--cache-dir", default=None, help="VERITY_CACHE_DIR for the launched server (default: inherited)")
     ap.add_argument("--model", default=None, help="--model for the launched server (default: its default)")
     ap.add_argument("--pid", type=int, default=None, help="server PID for RSS sampling (without --launch)")
@@ -450,7 +454,7 @@ def main(argv=None) -> int:
     pid = args.pid
     try:
         if args.launch:
-            server = LaunchedServer(args.verity, args.threads, args.queue, args.cache_dir, args.model)
+            server = LaunchedServer(args.verity, args.threads, args.queue, args.cache_dir, args.model, args.batch)
             root = server.wait_listening()
             pid = server.pid
             print(f"launched: {' '.join(server.cmd)} (pid {pid}) at {root}", flush=True)

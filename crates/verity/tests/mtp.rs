@@ -442,10 +442,10 @@ fn greedy_mtp_output_and_cache_equal_ar_on_the_tiny_model() {
 }
 
 /// A Qwen3-Next-style head for the tiny Qwen3-Next bundle (hidden 64; gated attention of 4 heads / 2 KV heads
-/// of 16; a mixture of 4 experts of 32 units and a shared expert of 48), its norms stored as `w - 1` as the
+/// of 16; a mixture of 4 experts of 32 units and a shared expert of 64), its norms stored as `w - 1` as the
 /// target's are.
 fn hybrid_head(seed: u64) -> Vec<StEntry> {
-    let (qd, kvd, hd, experts, ffn, shared) = (64, 32, 16, 4, 32, 48);
+    let (qd, kvd, hd, experts, ffn, shared) = (64, 32, 16, 4, 32, 64);
     let mut i = 0;
     let mut entry = |name: String, shape: Vec<usize>, scale: f32| -> StEntry {
         i += 1;
