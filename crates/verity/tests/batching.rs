@@ -267,3 +267,76 @@ fn requests_decoded_together_get_their_solo_answers() {
     }
     assert_eq!(alone[4].1, StopReason::Cancelled);
 }
+
+/// A request that moves between decoding alone and batched steps (stopped alone at its seventh token, resumed in
+/// batched steps beside another request, then continued alone again; what the server does as requests come and
+/// go) emits bitwise its uninterrupted answer, greedy and sampled, on the MTP route, whose head drafts again
+/// alone although it never saw the batched positions' hidden states.
+#[test]
+fn a_request_moving_between_alone_and_batched_steps_keeps_its_tokens() {
+    let mut e = Engine::load(&smollm2_mtp(), backend(), &SpecMode::Mtp).unwrap();
+    let prompt = e
+        .chat_prompt(&[Message::new(
+            "user",
+            "Write a short poem about autumn leaves.",
+        )])
+        .unwrap();
+    let other = e
+        .chat_prompt(&[Message::new("user", "Count from one to ten.")])
+        .unwrap();
+    for req in [
+        no_eos(40),
+        GenerateRequest {
+            ignore_eos: true,
+            ..sampled(40, 0.8, 9)
+        },
+    ] {
+        let mut sess = e.new_session();
+        let mut want = Vec::new();
+        e.generate(&mut sess, &prompt, &req, |_, t| {
+            want.push(t.id);
+            true
+        })
+        .unwrap();
+        e.end_session(sess);
+
+        let mut got = Vec::new();
+        let mut sess = e.new_session();
+        let alone = e
+            .generate(&mut sess, &prompt, &req, |_, t| {
+                got.push(t.id);
+                got.len() < 7
+            })
+            .unwrap();
+        assert_eq!(alone.stop, StopReason::Cancelled);
+        let context: Vec<u32> = prompt.iter().chain(&got).copied().collect();
+        let rest = GenerateRequest {
+            max_tokens: req.max_tokens - got.len(),
+            ..req.clone()
+        };
+        let resumed = e.resume_decoding(sess, &context, rest, alone).unwrap();
+        let beside = e.new_session();
+        let beside = e.start_decoding(beside, &other, no_eos(30)).unwrap();
+        let mut batch = vec![resumed, beside];
+        for _ in 0..10 {
+            e.decode_step(&mut batch, |i, _, t| {
+                if i == 0 {
+                    got.push(t.id);
+                }
+                true
+            })
+            .unwrap();
+        }
+        let d = batch.remove(0);
+        let (_, stats) = e
+            .continue_alone(d, |_, t| {
+                got.push(t.id);
+                true
+            })
+            .unwrap();
+        assert_eq!(got, want, "T {}", req.sampling.temperature);
+        assert_eq!(stats.completion_tokens, want.len());
+        assert_eq!(stats.stop, StopReason::MaxTokens);
+        assert!(stats.drafted > 0, "the head drafted");
+    }
+}

@@ -13,10 +13,11 @@ use verity::sample::argmax;
 /// 1e-4 leaves a 10× margin; any real error (a wrong RoPE pairing, norm or scale) moves logits by > 0.1.
 const HF_TOL: f32 = 1e-4;
 
-/// A Gated DeltaNet model's reference is transformers fed one token at a time (the recurrent rule), but its first
-/// token runs the chunked form, which rounds differently (the two forms differ by 3.1e-4 over the fixture's
-/// sequence): measured 8.7e-5 here. 2e-4 stays 500× below what a real error moves.
-const HF_TOL_RECURRENT: f32 = 2e-4;
+/// A Gated DeltaNet model's reference is transformers fed one token at a time in float64 (the recurrent rule),
+/// because a float32 recurrence's own rounding is large on it: transformers' float32 forward is 5.5e-4 from that
+/// reference over the fixture's sequence (logits up to ~19), verity's 3.9e-4. 1e-3 stays 100× below what a real
+/// error moves.
+const HF_TOL_RECURRENT: f32 = 1e-3;
 
 #[test]
 fn hf_bundles_match_transformers_logits_for_64_positions() {
