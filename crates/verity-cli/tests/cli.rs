@@ -298,7 +298,7 @@ fn inspect_describes_a_linear_attention_hybrid_from_either_format() {
             "architecture  qwen3next",
             "RoPE on 4 of 16 values per head; gated attention output",
             &experts,
-            "and a gated shared expert of 48 units for every token",
+            "and a gated shared expert of 64 units for every token",
             "linear attn   Gated DeltaNet in 2 of 4 layers (2 key heads × 16, 4 value heads × 16, convolution of \
              4; a state of 5.6 kB per layer), full attention in the others",
         ] {

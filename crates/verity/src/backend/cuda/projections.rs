@@ -27,13 +27,13 @@ pub(super) struct RopeFusion<'a> {
 
 /// Row groups of a narrow projection launch of `tiles` CTAs and `rows` rows (`sms` on the device), each group's
 /// rows a launch of their own (`kernels.cu`'s `qmatmuls_body`). Past 8 rows, where one CTA would pad its rows
-/// to 16 (two MMA n-tiles, twice the exchange), as many groups as leave no CTA waiting for an SM, which is
+/// to 16 (two MMA n-tiles, twice the MMAs per block), as many groups as leave no CTA waiting for an SM, which is
 /// faster at 16 rows. At 8 rows or fewer (unless `split_rows` is false), two groups where both CTAs of a tile fit
-/// the SMs together, each group has at least `GROUP_ROWS_MIN` rows (shorter chains per CTA), and the launch is not a
+/// the SMs together, each group has at least `GROUP_ROWS_MIN` rows (fewer rows per CTA), and the launch is not a
 /// Q/K/V projection with RoPE fused (attention's blocks start while it runs, loading their first chunk, on the
 /// SMs it leaves free). Splitting o and down at 7-8 rows makes 8-row verifies faster and one-row steps no
 /// slower; splitting the Q/K/V launch too, or groups of three rows (at 5-6 rows, in the few-row kernel), is
-/// slower (measured: BENCHMARKS.md, "Verify cost by width"). No bits depend on it: a (column, row)'s arithmetic
+/// slower (measured with the previous narrow schedule: BENCHMARKS.md, "Verify cost by width"). No bits depend on it: a (column, row)'s arithmetic
 /// is the same in any group (`rowexact`, the admission).
 fn row_groups(tiles: usize, rows: usize, rope: bool, sms: usize, split_rows: bool) -> usize {
     let half = rows.div_ceil(2);
