@@ -6,8 +6,8 @@
 //! join between steps, up to `max_batch`, and leave when they finish; the last one left goes on alone on its
 //! speculative route again. Every route emits AR's tokens and each draw is keyed by the request's seed and
 //! position, so these moves change no token of any answer (tested through the HTTP API). Constrained requests
-//! (grammars) decode alone; the batch waits meanwhile. A newcomer's prompt is prefilled whole before the next
-//! step (not chunked beside the others' decode). A bounded queue keeps latency predictable and answers 503
+//! (grammars) decode alone; the batch waits meanwhile. A newcomer's prompt is prefilled in chunks by the
+//! batched steps, beside the others' tokens. A bounded queue keeps latency predictable and answers 503
 //! when it is full. Finished requests' sessions stay a while, so a follow-up turn of a recent conversation
 //! reuses its cached prefix (others come back from the prefix cache). A request is cancelled as soon as its
 //! client goes away (its event channel closes).

@@ -182,7 +182,14 @@ fn requests_decoded_together_get_their_solo_answers() {
         "Name three colors of the rainbow.",
         "Write a haiku about the sea.",
         "What is 12 times 12?",
-        "List four animals that live in the ocean.",
+        // Joins after five steps with a prompt of several prefill chunks, prefilled beside the others' tokens.
+        "List four animals that live in the ocean. The ocean covers most of the planet, holds most of its water \
+         and most of its living space, from sunlit reefs and kelp forests near the coasts to the open blue water \
+         far from land, the cold polar seas under their ice, and the dark deep plains and trenches where the \
+         pressure is enormous and no light ever reaches. Animals live in all of these places, and many of them \
+         travel between them over a day, a season or a lifetime. Some are tiny and drift with the currents, \
+         some are fast swimmers that cross whole oceans, and some never move from the rock they settled on. \
+         Please keep the answer short.",
         "Say hello in French.",
     ];
     let prompts: Vec<Vec<u32>> = questions
@@ -200,6 +207,10 @@ fn requests_decoded_together_get_their_solo_answers() {
         sampled(28, 1.0, 3),
         GenerateRequest::greedy(12),
     ];
+    // The long prompt stores a checkpoint inside its last chunk, as a chat prompt does before the answer.
+    let mut requests = requests;
+    requests[3].store_prefix = Some(prompts[3].len() - 7);
+    assert!(prompts[3].len() > 2 * verity::engine::PREFILL_CHUNK, "{}", prompts[3].len());
     // Request 4 is cancelled after its third token.
     let cancel_after = |i: usize, n: usize| i == 4 && n == 3;
     let mut alone = Vec::new();

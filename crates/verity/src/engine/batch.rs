@@ -1,5 +1,7 @@
 //! Decoding several requests together, one token each per batched forward (what a continuously batching
-//! server steps): requests join between steps ([`Engine::start_decoding`]) and leave when they finish.
+//! server steps): requests join between steps ([`Engine::start_decoding`]) and leave when they finish. A
+//! newcomer's prompt goes through the same steps in chunks ([`crate::engine::PREFILL_CHUNK`] rows a step, beside the others'
+//! tokens), so a long prompt does not stall the requests already decoding.
 //!
 //! Each request's step is the AR cycle of `decode.rs` with no drafts — its pending token through the target, the
 //! verifier's draw from that row — run as one row of a [`Model::forward_batched`] beside the others' rows. The
@@ -10,11 +12,12 @@
 use std::time::{Duration, Instant};
 
 use super::decode::{logits_wanted, Emission};
+use super::prefill::PrefillPlan;
 use super::{Emitted, Engine, GenerateRequest, GenerationStats, Session, StopReason};
 use crate::backend::Backend;
 use crate::chat::Tokenizer;
 use crate::error::{Error, Result};
-use crate::model::{Batch, LogitRows, SeqForward};
+use crate::model::{Batch, LogitRows, SeqForward, TargetFeatures};
 use crate::speculative::{Draft, Verifier};
 
 /// One request being decoded in batched steps.
@@ -30,6 +33,8 @@ pub struct Decoding<B: Backend> {
     done: bool,
     /// The statistics of the answer's part decoded alone before it joined batched steps.
     earlier: Option<GenerationStats>,
+    /// The prompt's prefill while it goes on (`None` once the prompt is in the cache).
+    prefill: Option<PrefillPlan>,
 }
 
 impl<B: Backend> Decoding<B> {
@@ -50,8 +55,9 @@ impl<B: Backend> Decoding<B> {
 }
 
 impl<B: Backend> Engine<B> {
-    /// Prefill `prompt` into `session` (restoring what the prefix cache holds) and make the request ready to
-    /// decode in batched steps. Requests with a grammar constraint decode alone ([`Engine::generate`]).
+    /// Make a request ready for batched steps: what `session` or the prefix cache holds of `prompt` is
+    /// restored now, the rest is prefilled by the steps. Requests with a grammar constraint decode alone
+    /// ([`Engine::generate`]).
     pub fn start_decoding(
         &mut self,
         mut session: Session<B>,
@@ -75,11 +81,16 @@ impl<B: Backend> Engine<B> {
         }
         let start = Instant::now();
         let verifier = Verifier::new(request.sampling)?;
-        let prefilled = self.prefill(&mut session, prompt, request.store_prefix, None)?;
+        let plan = self.prefill_plan(
+            &mut session,
+            prompt,
+            request.store_prefix,
+            &TargetFeatures::None,
+        )?;
         let mut stats = GenerationStats::new("ar");
         stats.prompt_tokens = prompt.len();
-        stats.restored_tokens = prefilled.restored;
-        stats.store_s = prefilled.store_s;
+        stats.restored_tokens = plan.done.restored;
+        let prefill = plan.next_end(prompt.len() - 1).map(|_| plan);
         let done = request.max_tokens == 0;
         Ok(Decoding {
             session,
@@ -91,6 +102,7 @@ impl<B: Backend> Engine<B> {
             first_at: None,
             done,
             earlier: None,
+            prefill,
         })
     }
 
@@ -147,7 +159,8 @@ impl<B: Backend> Engine<B> {
         Ok((session, so_far.then(&later)))
     }
 
-    /// One token of every unfinished request of `batch`, in one batched forward. `emit(i, tokenizer, token)`
+    /// One token of every unfinished request of `batch` whose prompt is in its cache, and the next chunk of
+    /// every prompt still being prefilled, in one batched forward. `emit(i, tokenizer, token)`
     /// receives request `i`'s token and returns `false` to cancel that request. A request that finishes (a stop
     /// token, its token limit, the context's end, cancelled) is marked so and takes no further steps.
     pub fn decode_step(
@@ -157,7 +170,10 @@ impl<B: Backend> Engine<B> {
     ) -> Result<()> {
         let vocab = self.model.hp.vocab;
         for d in batch.iter_mut() {
-            if !d.done && d.session.cache.len() + 1 > d.session.cache.max_capacity() {
+            if !d.done
+                && d.prefill.is_none()
+                && d.session.cache.len() + 1 > d.session.cache.max_capacity()
+            {
                 d.done = true;
                 d.stats.stop = StopReason::ContextFull;
             }
@@ -167,17 +183,33 @@ impl<B: Backend> Engine<B> {
             return Ok(());
         }
         let t0 = Instant::now();
+        // A prefilling request's rows: its prompt's next chunk, no logits (the last prompt token is the pending
+        // row of its first decode step).
+        let chunk_end = |d: &Decoding<B>| {
+            d.prefill.as_ref().map(|p| {
+                let end = p.next_end(d.context.len() - 1);
+                (p.pos, end.expect("a prefill under way has rows left"))
+            })
+        };
         let rows: Vec<Batch> = live
             .iter()
             .map(|&i| {
                 let d = &batch[i];
-                let pending = *d.context.last().expect("non-empty context");
-                Batch::causal(&[pending], d.session.cache.len())
+                match chunk_end(d) {
+                    Some((pos, end)) => Batch::causal(&d.context[pos..end], pos),
+                    None => {
+                        let pending = *d.context.last().expect("non-empty context");
+                        Batch::causal(&[pending], d.session.cache.len())
+                    }
+                }
             })
             .collect();
         let wants: Vec<LogitRows> = live
             .iter()
-            .map(|&i| logits_wanted(&batch[i].verifier, &batch[i].request))
+            .map(|&i| match batch[i].prefill {
+                Some(_) => LogitRows::None,
+                None => logits_wanted(&batch[i].verifier, &batch[i].request),
+            })
             .collect();
         let outs = {
             // The live requests in order, as `live` lists them.
@@ -196,6 +228,16 @@ impl<B: Backend> Engine<B> {
         let verify = t0.elapsed();
         for ((&i, out), want) in live.iter().zip(&outs).zip(&wants) {
             let d = &mut batch[i];
+            if let Some((_, end)) = chunk_end(d) {
+                let plan = d.prefill.as_mut().expect("prefilling");
+                let body = &d.context[..d.context.len() - 1];
+                self.prefilled_chunk(&mut d.session, body, plan, end)?;
+                if plan.next_end(body.len()).is_none() {
+                    d.stats.store_s += plan.done.store_s;
+                    d.prefill = None;
+                }
+                continue;
+            }
             let no_draft = Draft::default();
             let verdict = match want {
                 LogitRows::Greedy => d.verifier.verify_greedy(&out.greedy, &no_draft),

@@ -6,6 +6,7 @@ use std::time::Instant;
 use super::{Engine, GenerateRequest, Session};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
+use crate::model::TargetFeatures;
 use crate::model::{Batch, LogitRows};
 use crate::speculative::Proposer;
 
@@ -66,64 +67,28 @@ impl<B: Backend> Engine<B> {
         store_at: Option<usize>,
         proposer: Option<&mut (dyn Proposer + 'static)>,
     ) -> Result<Prefilled> {
-        let body = &prompt[..prompt.len() - 1];
-        let mut common = sess
-            .tokens
-            .iter()
-            .zip(body)
-            .take_while(|(a, b)| a == b)
-            .count();
-        let backend = self.model.backend();
-        let h = self.model.hp.hidden;
         let features = proposer
             .as_deref()
             .map(|p| p.features())
             .unwrap_or_default();
-        let width = features.width(h);
-        let (cache, hidden) = (&mut sess.cache, &mut sess.hidden);
-        let restored = self.prefix.restore_longest(body, common, |ckpt| {
-            // The proposer's target states come back with the K/V, so it conditions on the whole prefix (states
-            // of another kind, kept for another route, are not its: its context restarts after the prefix).
-            hidden.truncate(0);
-            if let Some(rows) = ckpt.hidden().filter(|r| r.features == features) {
-                hidden.push(0, &rows.rows, &features, rows.width);
-            }
-            cache.restore(backend, ckpt)
-        })?;
-        if let Some(m) = restored {
-            sess.tokens.clear();
-            sess.tokens.extend_from_slice(&body[..m]);
-            common = m;
-        }
-        let common = sess.truncate(common);
-        let store_at = store_at.filter(|&b| b > common && b <= body.len() && self.prefix.enabled());
-        let mut store_s = 0.0;
-        let mut pos = common;
-        while pos < body.len() {
-            // Chunks end at the canonical boundary so the checkpoint is taken exactly there.
-            let end = match store_at {
-                Some(b) if pos < b => (pos + PREFILL_CHUNK).min(b),
-                _ => (pos + PREFILL_CHUNK).min(body.len()),
-            };
-            let chunk = &body[pos..end];
-            let batch = Batch::causal(chunk, pos);
+        let mut plan = self.prefill_plan(sess, prompt, store_at, &features)?;
+        let body = &prompt[..prompt.len() - 1];
+        while let Some(end) = plan.next_end(body.len()) {
+            let chunk = Batch::causal(&body[plan.pos..end], plan.pos);
             if !features.is_none() {
                 let out = self.model.forward_features(
                     &mut sess.cache,
-                    &batch,
+                    &chunk,
                     LogitRows::None,
                     &features,
                 )?;
-                sess.hidden.push(pos, &out.features, &features, width);
+                let width = features.width(self.model.hp.hidden);
+                sess.hidden.push(plan.pos, &out.features, &features, width);
             } else {
                 self.model
-                    .forward(&mut sess.cache, &batch, LogitRows::None, &[])?;
+                    .forward(&mut sess.cache, &chunk, LogitRows::None, &[])?;
             }
-            sess.tokens.extend_from_slice(chunk);
-            pos = end;
-            if Some(pos) == store_at {
-                store_s = self.store_checkpoint(sess, &body[..pos])?;
-            }
+            self.prefilled_chunk(sess, body, &mut plan, end)?;
         }
         if let Some(p) = proposer.filter(|_| !features.is_none()) {
             if sess.hidden.kind == features
@@ -133,9 +98,85 @@ impl<B: Backend> Engine<B> {
                 p.observe_hidden(sess.hidden.start, &sess.hidden.rows);
             }
         }
-        Ok(Prefilled {
-            restored: common,
-            store_s,
+        Ok(plan.done)
+    }
+
+    /// Where a prompt's prefill starts: the session's cached prefix or the longest prefix-cache checkpoint
+    /// restored (with the target states `features` names, where the checkpoint has them), the session cut there.
+    pub(super) fn prefill_plan(
+        &mut self,
+        sess: &mut Session<B>,
+        prompt: &[u32],
+        store_at: Option<usize>,
+        features: &TargetFeatures,
+    ) -> Result<PrefillPlan> {
+        let body = &prompt[..prompt.len() - 1];
+        let mut common = sess
+            .tokens
+            .iter()
+            .zip(body)
+            .take_while(|(a, b)| a == b)
+            .count();
+        let backend = self.model.backend();
+        let (cache, hidden) = (&mut sess.cache, &mut sess.hidden);
+        let restored = self.prefix.restore_longest(body, common, |ckpt| {
+            // The proposer's target states come back with the K/V, so it conditions on the whole prefix (states
+            // of another kind, kept for another route, are not its: its context restarts after the prefix).
+            hidden.truncate(0);
+            if let Some(rows) = ckpt.hidden().filter(|r| r.features == *features) {
+                hidden.push(0, &rows.rows, features, rows.width);
+            }
+            cache.restore(backend, ckpt)
+        })?;
+        if let Some(m) = restored {
+            sess.tokens.clear();
+            sess.tokens.extend_from_slice(&body[..m]);
+            common = m;
+        }
+        let common = sess.truncate(common);
+        Ok(PrefillPlan {
+            pos: common,
+            store_at: store_at.filter(|&b| b > common && b <= body.len() && self.prefix.enabled()),
+            done: Prefilled {
+                restored: common,
+                store_s: 0.0,
+            },
+        })
+    }
+
+    /// After the forward of `body[plan.pos..end]` into the session's cache: the tokens recorded, and the
+    /// checkpoint stored where the chunk ends at the canonical boundary.
+    pub(super) fn prefilled_chunk(
+        &mut self,
+        sess: &mut Session<B>,
+        body: &[u32],
+        plan: &mut PrefillPlan,
+        end: usize,
+    ) -> Result<()> {
+        sess.tokens.extend_from_slice(&body[plan.pos..end]);
+        plan.pos = end;
+        if Some(end) == plan.store_at {
+            plan.done.store_s = self.store_checkpoint(sess, &body[..end])?;
+        }
+        Ok(())
+    }
+}
+
+/// A prompt's prefill under way: the next position to compute, where the canonical checkpoint is taken, and
+/// what was reused and what storing cost.
+pub(super) struct PrefillPlan {
+    pub(super) pos: usize,
+    store_at: Option<usize>,
+    pub(super) done: Prefilled,
+}
+
+impl PrefillPlan {
+    /// The end of the next chunk of a prompt body of `len` tokens (chunks end at the canonical boundary, so the
+    /// checkpoint is taken exactly there), or `None` once the body is in the cache.
+    pub(super) fn next_end(&self, len: usize) -> Option<usize> {
+        (self.pos < len).then(|| match self.store_at {
+            Some(b) if self.pos < b => (self.pos + PREFILL_CHUNK).min(b),
+            _ => (self.pos + PREFILL_CHUNK).min(len),
         })
     }
 }
