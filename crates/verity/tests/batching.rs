@@ -210,7 +210,11 @@ fn requests_decoded_together_get_their_solo_answers() {
     // The long prompt stores a checkpoint inside its last chunk, as a chat prompt does before the answer.
     let mut requests = requests;
     requests[3].store_prefix = Some(prompts[3].len() - 7);
-    assert!(prompts[3].len() > 2 * verity::engine::PREFILL_CHUNK, "{}", prompts[3].len());
+    assert!(
+        prompts[3].len() > 2 * verity::engine::PREFILL_CHUNK,
+        "{}",
+        prompts[3].len()
+    );
     // Request 4 is cancelled after its third token.
     let cancel_after = |i: usize, n: usize| i == 4 && n == 3;
     let mut alone = Vec::new();
