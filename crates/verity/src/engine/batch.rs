@@ -1,7 +1,7 @@
 //! Decoding several requests together, one token each per batched forward (what a continuously batching
 //! server steps): requests join between steps ([`Engine::start_decoding`]) and leave when they finish. A
-//! newcomer's prompt goes through the same steps in chunks ([`crate::engine::PREFILL_CHUNK`] rows a step, beside the others'
-//! tokens), so a long prompt does not stall the requests already decoding.
+//! newcomer's prompt goes through the same steps in chunks ([`crate::engine::PREFILL_CHUNK`] rows a step,
+//! beside the others' tokens), so a long prompt does not stall the requests already decoding.
 //!
 //! Each request's step is the AR cycle of `decode.rs` with no drafts — its pending token through the target, the
 //! verifier's draw from that row — run as one row of a [`Model::forward_batched`] beside the others' rows. The

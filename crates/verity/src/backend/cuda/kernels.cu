@@ -1081,8 +1081,9 @@ __device__ __forceinline__ void tile_block(const u32 (&raw)[4], const ScaleRaw (
     }
 }
 
-// The epilogue's runs (`packed.rs`'s `Runs`; RUNS is set by the host): min(RUNS, nb) runs of consecutive blocks, run s being
-// blocks run_start(s) .. run_start(s + 1); each run's chain starts at 0 and the runs' sums are added in order.
+// The epilogue's runs (`packed.rs`'s `Runs`; RUNS is set by the host): min(RUNS, nb) runs of consecutive blocks,
+// run s being blocks run_start(s) .. run_start(s + 1); each run's chain starts at 0 and the runs' sums are added
+// in order.
 #ifndef RUNS
 #define RUNS 16
 #endif
@@ -1139,7 +1140,8 @@ __device__ void split_tile(const TileOf& t, const u8* up, const Staged& st, int 
         float v[2] = {0.f, 0.f};
 #pragma unroll
         for (int m = 0; m < MATS; m++)
-            for (int s = 0; s < runs; s++) v[m] = __fadd_rn(v[m], part[(((s * MATS + m) * ntiles + nt) * 4 + j) * 32 + l]);
+            for (int s = 0; s < runs; s++)
+                v[m] = __fadd_rn(v[m], part[(((s * MATS + m) * ntiles + nt) * 4 + j) * 32 + l]);
         bool live = r < rows && col < t.n;
         if (MATS == 1 && rope.hd > 0) {
             // The pair partner is the neighbouring column: g ^ 1, lane l ^ 4 of the same slot.
