@@ -114,7 +114,6 @@ impl Worker {
             grammars: None,
             batch: Vec::new(),
             answers: Vec::new(),
-            prompts: Vec::new(),
             idle: Vec::new(),
             max_batch: max_batch.max(1),
             metrics,
@@ -267,9 +266,8 @@ fn constraint<B: Backend>(
         .map_err(|e| ApiError::invalid(format!("cannot compile the grammar: {e}"), Some(param)))
 }
 
-/// A request ready to decode: its prompt, its generation request and its answer's streaming state.
+/// A request ready to decode: its generation request and its answer's streaming state (with its prompt).
 struct Prepared {
-    prompt: Vec<u32>,
     request: GenerateRequest,
     answer: Answer,
 }
@@ -339,6 +337,7 @@ fn prepare<B: Backend>(
     };
     let answer = Answer {
         events: job.events,
+        prompt,
         max_tokens,
         ids: Vec::new(),
         decoder: StreamDecoder::new(),
@@ -355,19 +354,16 @@ fn prepare<B: Backend>(
         hit_stop: None,
         failure: None,
     };
-    Ok(Prepared {
-        prompt,
-        request,
-        answer,
-    })
+    Ok(Prepared { request, answer })
 }
 
 /// An answer as it streams: its text decoder, stop strings, reasoning and tool-call parser, and where its
 /// events go.
 struct Answer {
     events: UnboundedSender<Event>,
-    /// The request's token limit, and the completion's tokens so far (a request moving between decoding alone
-    /// and batched steps goes on from them).
+    /// The prompt, the request's token limit, and the completion's tokens so far (a request moving between
+    /// decoding alone and batched steps goes on from them).
+    prompt: Vec<u32>,
     max_tokens: usize,
     ids: Vec<u32>,
     decoder: StreamDecoder,
@@ -379,6 +375,11 @@ struct Answer {
 }
 
 impl Answer {
+    /// The prompt and the completion so far.
+    fn context(&self) -> Vec<u32> {
+        self.prompt.iter().chain(&self.ids).copied().collect()
+    }
+
     /// Stream a completion token; `false` ends the answer (a stop string, a failure, the client gone, the
     /// server shutting down).
     fn push(&mut self, tok: &Tokenizer, emitted: &Emitted, cancel: &AtomicBool) -> bool {
@@ -461,10 +462,9 @@ struct Scheduler<B: Backend> {
     engine: Engine<B>,
     /// Built on the first constrained request: indexing the vocabulary takes a moment.
     grammars: Option<Grammars>,
-    /// Requests decoding in batched steps, each with its answer and its prompt.
+    /// Requests decoding in batched steps, each with its answer.
     batch: Vec<Decoding<B>>,
     answers: Vec<Answer>,
-    prompts: Vec<Vec<u32>>,
     /// Sessions of finished requests, most recent last: a follow-up turn reuses its conversation's cached prefix.
     idle: Vec<Session<B>>,
     max_batch: usize,
@@ -530,32 +530,28 @@ impl<B: Backend> Scheduler<B> {
             return;
         }
         let events = job.events.clone();
-        let Prepared {
-            prompt,
-            request,
-            answer,
-        } = match prepare(&self.engine, &mut self.grammars, job) {
+        let Prepared { request, answer } = match prepare(&self.engine, &mut self.grammars, job) {
             Ok(p) => p,
             Err(e) => {
                 let _ = events.send(Event::Error(e));
                 return;
             }
         };
-        let session = self.session_for(&prompt);
+        let session = self.session_for(&answer.prompt);
         // Constrained requests decode alone (the batched steps take none), so do requests while nothing else
         // runs: alone, a request drafts on its speculative route; it moves into batched steps when others come.
         if request.constraint.is_some() || self.batch.is_empty() {
-            let (rest, text) = (request.clone(), prompt.clone());
+            let (rest, prompt) = (request.clone(), answer.prompt.clone());
             let decode =
                 move |e: &mut Engine<B>, on: &mut dyn FnMut(&Tokenizer, &Emitted) -> bool| {
                     let mut session = session;
-                    e.generate(&mut session, &text, &request, on)
+                    e.generate(&mut session, &prompt, &request, on)
                         .map(|stats| (session, stats))
                 };
-            return self.alone(decode, rest, prompt, answer);
+            return self.alone(decode, rest, answer);
         }
-        match self.engine.start_decoding(session, &prompt, request) {
-            Ok(d) => self.join(d, answer, prompt),
+        match self.engine.start_decoding(session, &answer.prompt, request) {
+            Ok(d) => self.join(d, answer),
             Err(e) => self.fail(answer, ApiError::invalid(e.to_string(), None)),
         }
     }
@@ -575,10 +571,9 @@ impl<B: Backend> Scheduler<B> {
         }
     }
 
-    fn join(&mut self, d: Decoding<B>, answer: Answer, prompt: Vec<u32>) {
+    fn join(&mut self, d: Decoding<B>, answer: Answer) {
         self.batch.push(d);
         self.answers.push(answer);
-        self.prompts.push(prompt);
         self.metrics.active.store(self.batch.len() as i64, Relaxed);
     }
 
@@ -592,7 +587,6 @@ impl<B: Backend> Scheduler<B> {
             &mut dyn FnMut(&Tokenizer, &Emitted) -> bool,
         ) -> AloneResult<B>,
         mut rest: GenerateRequest,
-        prompt: Vec<u32>,
         mut answer: Answer,
     ) {
         self.metrics
@@ -616,15 +610,17 @@ impl<B: Backend> Scheduler<B> {
             return self.finish(session, answer, stats);
         }
         rest.max_tokens = answer.max_tokens - answer.ids.len();
-        let context: Vec<u32> = prompt.iter().chain(&answer.ids).copied().collect();
-        match self.engine.resume_decoding(session, &context, rest, stats) {
-            Ok(d) if d.finished().is_some() => {
+        match self
+            .engine
+            .resume_decoding(session, &answer.context(), rest, stats)
+        {
+            Ok(d) if d.is_finished() => {
                 let (session, stats) = d.into_parts();
                 self.finish(session, answer, stats)
             }
             Ok(d) => {
                 self.metrics.handovers.fetch_add(1, Relaxed);
-                self.join(d, answer, prompt)
+                self.join(d, answer)
             }
             Err(e) => self.fail(answer, ApiError::invalid(e.to_string(), None)),
         }
@@ -632,13 +628,10 @@ impl<B: Backend> Scheduler<B> {
 
     /// The batch's last request, alone now that nobody waits: it goes on on its speculative route.
     fn continue_alone(&mut self) {
-        let (d, answer, prompt) = (
-            self.batch.pop().expect("one request"),
-            self.answers.pop().expect("its answer"),
-            self.prompts.pop().expect("its prompt"),
-        );
+        let d = self.batch.pop().expect("one request");
+        let answer = self.answers.pop().expect("its answer");
         let rest = d.request().clone();
-        self.alone(|e, on| e.continue_alone(d, on), rest, prompt, answer);
+        self.alone(|e, on| e.continue_alone(d, on), rest, answer);
     }
 
     /// One token of every request in the batch; the finished ones leave it with their last event.
@@ -655,17 +648,15 @@ impl<B: Backend> Scheduler<B> {
             let e = ApiError::internal(e.to_string());
             while let Some(answer) = self.answers.pop() {
                 let d = self.batch.pop().expect("one decoding per answer");
-                self.prompts.pop();
                 self.engine.end_session(d.into_parts().0);
                 self.fail(answer, e.clone());
             }
             return;
         }
         for i in (0..self.batch.len()).rev() {
-            if self.batch[i].finished().is_some() {
+            if self.batch[i].is_finished() {
                 let (session, stats) = self.batch.remove(i).into_parts();
                 let answer = self.answers.remove(i);
-                self.prompts.remove(i);
                 self.finish(session, answer, stats);
             }
         }

@@ -248,7 +248,7 @@ fn requests_decoded_together_get_their_solo_answers() {
         order.push(i);
     }
     let mut steps = 0;
-    while batch.iter().any(|d| d.finished().is_none()) {
+    while batch.iter().any(|d| !d.is_finished()) {
         if steps == 5 {
             batch.push(start(&mut together, 3));
             order.push(3);

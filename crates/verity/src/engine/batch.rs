@@ -38,14 +38,14 @@ pub struct Decoding<B: Backend> {
 }
 
 impl<B: Backend> Decoding<B> {
-    /// The request's statistics once it has finished (`None` while it decodes).
-    pub fn finished(&self) -> Option<&GenerationStats> {
-        self.done.then_some(&self.stats)
+    /// Whether the request has finished (it takes no further steps).
+    pub fn is_finished(&self) -> bool {
+        self.done
     }
 
-    /// The session (its cache holds the prompt and the completion) and the statistics.
+    /// The session (its cache holds the prompt and the completion) and the whole answer's statistics.
     pub fn into_parts(self) -> (Session<B>, GenerationStats) {
-        (self.session, self.stats)
+        (self.session, whole(self.earlier, self.stats))
     }
 
     /// What is left of the request (its token limit counts from where it joined batched steps).
@@ -121,11 +121,7 @@ impl<B: Backend> Engine<B> {
         let mut d = self.start_decoding(session, context, request)?;
         // Its first token came long ago.
         d.first_at = Some(d.start);
-        if d.done {
-            d.stats = earlier.then(&d.stats);
-        } else {
-            d.earlier = Some(earlier);
-        }
+        d.earlier = Some(earlier);
         Ok(d)
     }
 
@@ -151,10 +147,7 @@ impl<B: Backend> Engine<B> {
             stats.decode_s = t.elapsed().as_secs_f64();
         }
         request.max_tokens -= stats.completion_tokens;
-        let so_far = match earlier {
-            Some(e) => e.then(&stats),
-            None => stats,
-        };
+        let so_far = whole(earlier, stats);
         let later = self.generate(&mut session, &context, &request, on_token)?;
         Ok((session, so_far.then(&later)))
     }
@@ -267,11 +260,17 @@ impl<B: Backend> Engine<B> {
                 }
                 d.stats.store_s +=
                     self.store_answer(&d.session, &d.request, d.stats.prompt_tokens)?;
-                if let Some(earlier) = d.earlier.take() {
-                    d.stats = earlier.then(&d.stats);
-                }
             }
         }
         Ok(())
+    }
+}
+
+/// An answer's statistics: those of the part decoded alone before it joined batched steps, if any, then this
+/// part's.
+fn whole(earlier: Option<GenerationStats>, part: GenerationStats) -> GenerationStats {
+    match earlier {
+        Some(e) => e.then(&part),
+        None => part,
     }
 }
