@@ -1,8 +1,9 @@
 """Train a block drafter (DFlash layout) for SmolLM2-135M-Instruct by self-distillation, evaluate its acceptance
 under greedy block drafting, and export it as a bundle's `drafter/` folder (config.json + model.safetensors).
 
-Data: the conversations of an MTP run (`--data runs/2026-12-02-h100/train_data.npz`: the target's own answers
-to generated instructions, greedy and sampled; never the benchmark prompts). For each batch of sequences the
+Data: the target's own answers, never the benchmark prompts: the conversations of an MTP run
+(`runs/2026-12-02-h100/train_data.npz`: templated instructions, greedy and sampled) and those of
+`self_instruct.py` (instructions the target wrote itself); `--data` takes several files, comma-separated. For each batch of sequences the
 target runs once (frozen, fp32) and yields the residual streams after the drafter's target layers (forward hooks
 on those layers: the states verity's runtime fuses) and its greedy next token at every position.
 
@@ -38,12 +39,15 @@ EVAL_ANCHORS = 128
 class Sequences:
     """The data's conversations (token lists with their prompt length), split into training and held-out."""
 
-    def __init__(self, path):
-        d = np.load(path)
-        offs = np.concatenate([[0], np.cumsum(d["lens"])[:-1]])
-        self.seqs = [(d["tokens"][o:o + n].astype(np.int64), int(p))
-                     for o, n, p in zip(offs, d["lens"], d["prompt_lens"])]
-        held = d["heldout"].astype(bool)
+    def __init__(self, paths):
+        self.seqs, held = [], []
+        for path in paths.split(","):
+            with np.load(path) as z:  # read each array once (NpzFile decompresses on every access)
+                d = {k: z[k] for k in ("tokens", "lens", "prompt_lens", "heldout")}
+            offs = np.concatenate([[0], np.cumsum(d["lens"])[:-1]])
+            self.seqs += [(d["tokens"][o:o + n].astype(np.int64), int(p))
+                          for o, n, p in zip(offs, d["lens"], d["prompt_lens"])]
+            held += d["heldout"].astype(bool).tolist()
         self.train = [i for i in range(len(self.seqs)) if not held[i] and self.seqs[i][0].size - self.seqs[i][1] > 2]
         self.held = [i for i in range(len(self.seqs)) if held[i] and self.seqs[i][0].size - self.seqs[i][1] > 2]
 
@@ -190,7 +194,7 @@ def export(drafter, cfg, out_dir, meta, dv=None):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", required=True)
-    p.add_argument("--data", required=True)
+    p.add_argument("--data", required=True, help="one or more .npz files, comma-separated")
     p.add_argument("--out", default="out-dflash")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=1234)
