@@ -247,18 +247,21 @@ def main():
     log(f"untrained: {before['tokens_per_cycle']:.3f} tokens/cycle")
 
     t0, step, losses = time.time(), 0, []
-    est_steps = args.steps or 10**9
+    warm_s = None  # seconds the warmup took: with a time budget, the cosine runs over the time after it
     while True:
         if args.steps and step >= args.steps:
             break
         if not args.steps and time.time() - t0 > args.train_budget_s:
             break
-        if step == 20 and not args.steps:
-            est_steps = int(args.train_budget_s / ((time.time() - t0) / 20))
         lr = args.lr * min(1.0, (step + 1) / args.warmup)
         if step >= args.warmup:
-            frac = min(1.0, (step - args.warmup) / max(1, est_steps - args.warmup))
-            lr = args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+            if warm_s is None:
+                warm_s = time.time() - t0
+            if args.steps:
+                frac = (step - args.warmup) / max(1, args.steps - args.warmup)
+            else:
+                frac = (time.time() - t0 - warm_s) / max(1e-9, args.train_budget_s - warm_s)
+            lr = args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
         for g in opt.param_groups:
             g["lr"] = lr
         idx = gen.choice(seqs.train, args.seqs_per_step, replace=False).tolist()

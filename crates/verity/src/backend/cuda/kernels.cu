@@ -1089,19 +1089,76 @@ __device__ __forceinline__ void tile_block(const u32 (&raw)[4], const ScaleRaw (
 #endif
 __device__ __forceinline__ int run_start(int s, int nb) { return s * nb / min(RUNS, nb); }
 
+// The narrow schedule's weight stream: NQ_STREAM blocks of each warp's run in flight through shared memory
+// (`cp.async`: a load in flight holds no register), or with 0 the blocks loaded into registers NQ_AHEAD at a
+// time. Set by the host (`CudaOptions::narrow_stream`).
+#ifndef NQ_STREAM
+#define NQ_STREAM 0
+#endif
+// One streamed block: its tile quants (at most Q8_0's 512 bytes), then its scales as `scale_raw` reads them at
+// block 0 (the legacy formats' 16 words; the K-quants' super-block words and this block's 16 pairs).
+#define STREAM_SLOT 640
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    unsigned to = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Block b of the tile whose quants start at `q` and scales at `sc` into a stream slot, 16 bytes a lane.
+template <int TY>
+__device__ __forceinline__ void stream_block(u8* slot, const u8* q, const u8* sc, int b, int lane) {
+    constexpr int QB = tile_quant_bytes(TY), QC = QB / 16, SC = tiled_k(TY) ? 6 : 4;
+    for (int c = lane; c < QC + SC; c += 32) {
+        const u8* src;
+        if (c < QC) src = q + (size_t)b * QB + 16 * c;
+        else if (!tiled_k(TY)) src = sc + (size_t)b * 64 + 16 * (c - QC);
+        else if (c - QC < 4) src = sc + (size_t)(b >> 3) * 320 + 16 * (c - QC);
+        else src = sc + (size_t)(b >> 3) * 320 + 64 + (b & 7) * 32 + 16 * (c - QC - 4);
+        cp_async16(slot + 16 * c, src);
+    }
+}
+
 // Narrow schedule: this CTA's tile (`up`: the up projection for glu, gate in t; MATS = 1 or 2), its blocks' runs
-// spread over the warps (warp w sums runs w, w + WARPS, ...). A warp streams its run's contiguous bytes, NQ_AHEAD
-// blocks' quants and scales loaded at a time (the first ones before the grid before has finished), and keeps
-// the run's chains in its MMA fragment registers (n-tile nt, column g / g + 8, row 2i / 2i + 1); the runs' sums
-// meet in shared memory and one thread per (column, row) adds them in run order. Every warp of every CTA streams
-// weights the whole time: no (column, row) waits on one thread's chain over all its blocks.
-// Shared memory (`q_geometry`): runs x MATS x n-tiles x 4 x 32 floats.
+// spread over the warps (warp w sums runs w, w + WARPS, ...). A warp streams its run's contiguous bytes (the
+// first blocks requested before the grid before has finished), and keeps the run's chains in its MMA fragment
+// registers (n-tile nt, column g / g + 8, row 2i / 2i + 1); the runs' sums meet in shared memory and one thread
+// per (column, row) adds them in run order. Every warp of every CTA streams weights the whole time: no (column,
+// row) waits on one thread's chain over all its blocks.
+// Shared memory (`q_geometry`): with NQ_STREAM, WARPS x NQ_STREAM stream slots; then runs x MATS x n-tiles x 4 x
+// 32 floats.
 template <int TY, int MATS, int WARPS>
-__device__ void split_tile(const TileOf& t, const u8* up, const Staged& st, int rows, float* part, int accumulate,
+__device__ void split_tile(const TileOf& t, const u8* up, const Staged& st, int rows, u8* smem, int accumulate,
                            const RopeFusion& rope) {
     constexpr int QB = tile_quant_bytes(TY);
     int nb = st.nb, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int ntiles = rows <= 8 ? 1 : 2, runs = min(RUNS, nb);
+    float* part = (float*)(smem + WARPS * NQ_STREAM * STREAM_SLOT);
+#if NQ_STREAM > 0
+    int g = lane >> 2;
+    u8* ring = smem + warp * NQ_STREAM * STREAM_SLOT;
+    // The load cursor runs NQ_STREAM blocks ahead over this warp's (run, matrix, block) sequence; every lane
+    // commits one group per block, empty past the end, so `cp_async_wait` counts alike everywhere.
+    int ls = warp, lm = 0, lb = run_start(warp, nb), slot = 0;
+    auto load_next = [&](int into) {
+        if (ls < runs) {
+            const u8* w = lm ? up : t.w;
+            stream_block<TY>(ring + into * STREAM_SLOT, w + (size_t)t.lt * nb * QB, tile_scales(TY, w, t.tiles, nb, t.lt),
+                             lb, lane);
+            if (++lb == run_start(ls + 1, nb)) {
+                if (++lm == MATS) lm = 0, ls += WARPS;
+                lb = run_start(ls, nb);
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int i = 0; i < NQ_STREAM; i++) load_next(i);
+#else
     const u8* wq[2] = {t.w, up};
     u32 raw[NQ_AHEAD][4];
     ScaleRaw sw[NQ_AHEAD][2];
@@ -1111,6 +1168,7 @@ __device__ void split_tile(const TileOf& t, const u8* up, const Staged& st, int 
                                   lane, raw, sw);
     };
     if (warp < runs) load_group(0, run_start(warp, nb), run_start(warp + 1, nb));
+#endif
     wait_inputs();
     release_dependents();
     for (int s = warp; s < runs; s += WARPS) {
@@ -1118,12 +1176,27 @@ __device__ void split_tile(const TileOf& t, const u8* up, const Staged& st, int 
 #pragma unroll
         for (int m = 0; m < MATS; m++) {
             float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#if NQ_STREAM > 0
+            for (int b = lo; b < hi; b++) {
+                cp_async_wait<NQ_STREAM - 1>();
+                __syncwarp();
+                const u8* in = ring + slot * STREAM_SLOT;
+                u32 raw[4];
+                load_quants<TY, false>(in, lane, raw);
+                ScaleRaw sw[2] = {scale_raw<TY>(in + QB, 0, g), scale_raw<TY>(in + QB, 0, g + 8)};
+                __syncwarp();  // every lane has read the slot before it is refilled
+                load_next(slot);
+                slot = slot + 1 == NQ_STREAM ? 0 : slot + 1;
+                tile_block<TY>(raw, sw, st, b, lane, ntiles, acc);
+            }
+#else
             for (int b0 = lo; b0 < hi; b0 += NQ_AHEAD) {
                 if (s != warp || m > 0 || b0 > lo) load_group(m, b0, hi);
 #pragma unroll
                 for (int i = 0; i < NQ_AHEAD; i++)
                     if (b0 + i < hi) tile_block<TY>(raw[i], sw[i], st, b0 + i, lane, ntiles, acc);
             }
+#endif
 #pragma unroll
             for (int nt = 0; nt < 2; nt++)
                 if (nt < ntiles)
@@ -1256,8 +1329,8 @@ __device__ __forceinline__ void qmatmuls_body(const signed char* xq, const float
         if (glu) wide_tile<TY, 2>(t, up, st, rows, accumulate);                                      \
         else wide_tile<TY, 1>(t, up, st, rows, accumulate);                                          \
     } else {                                                                                         \
-        if (glu) split_tile<TY, 2, WARPS>(t, up, st, rows, (float*)smem, accumulate, rp);            \
-        else split_tile<TY, 1, WARPS>(t, up, st, rows, (float*)smem, accumulate, rp);                \
+        if (glu) split_tile<TY, 2, WARPS>(t, up, st, rows, smem, accumulate, rp);                    \
+        else split_tile<TY, 1, WARPS>(t, up, st, rows, smem, accumulate, rp);                        \
     }
     switch (t.ty) {
         case T_TQ4_0: QM_RUN(T_TQ4_0); break;

@@ -104,6 +104,11 @@ const WIDE_WARPS: usize = 16;
 /// Warps of a narrow-schedule CTA (`kernels.cu`'s `NQ_WARPS`): 16 beat 8 at one row and 24 at 4 to 16 rows, at
 /// every size measured (BENCHMARKS.md, "Real model sizes on the GPU").
 const NARROW_WARPS: usize = 16;
+/// Blocks each narrow-schedule warp keeps in flight through shared memory (`kernels.cu`'s `NQ_STREAM`; 0: into
+/// registers, `NQ_AHEAD` at a time).
+const NARROW_STREAM: usize = 0;
+/// Bytes of one such block's slot (`kernels.cu`'s `STREAM_SLOT`).
+const STREAM_SLOT: usize = 640;
 /// The fewest rows a row group split off a launch of 8 rows or fewer takes (`projections.rs`'s `row_groups`).
 const GROUP_ROWS_MIN: usize = 4;
 /// The attention kernel's slots per chunk, blocks per (row, head) (the default split) and largest head
@@ -191,6 +196,8 @@ pub struct CudaBackend {
     att_ahead_per_sm: usize,
     /// Warps of a narrow-schedule projection CTA (`kernels.cu`'s `NQ_WARPS`, set at compilation).
     narrow_warps: usize,
+    /// Shared memory of a narrow-schedule CTA's weight stream (`NQ_STREAM` slots per warp).
+    narrow_stream_bytes: usize,
     /// Warps (tiles) of a wide-schedule projection CTA (`kernels.cu`'s `QM_WARPS`, set at compilation).
     wide_warps: usize,
     /// The tile count from which an integer launch takes the wide schedule (`QM_WIDE_TILES`; for
@@ -353,9 +360,15 @@ impl CudaBackend {
             .iter()
             .map(String::as_str)
             .filter(|o| {
-                !["-DQM_WARPS=", "-DNQ_WARPS=", "-DQM_AHEAD=", "-DNQ_AHEAD="]
-                    .iter()
-                    .any(|p| o.starts_with(p))
+                ![
+                    "-DQM_WARPS=",
+                    "-DNQ_WARPS=",
+                    "-DQM_AHEAD=",
+                    "-DNQ_AHEAD=",
+                    "-DNQ_STREAM=",
+                ]
+                .iter()
+                .any(|p| o.starts_with(p))
             })
             .collect();
         let kernels_numerics = format!(
@@ -411,6 +424,7 @@ impl CudaBackend {
             att_ahead: opts.att_ahead,
             att_ahead_per_sm: opts.att_ahead_per_sm,
             narrow_warps,
+            narrow_stream_bytes: narrow_warps * opts.narrow_stream * STREAM_SLOT,
             wide_warps,
             wide_tiles: opts.wide_tiles,
             att_split: opts.att_split,

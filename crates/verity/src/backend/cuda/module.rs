@@ -71,11 +71,13 @@ impl Kernels {
     }
 }
 
-/// The NVRTC options `opts` compile the kernels with: its extra ones, then the CTA warp counts.
+/// The NVRTC options `opts` compile the kernels with: its extra ones, then the CTA warp counts and the narrow
+/// schedule's stream depth.
 pub(super) fn nvrtc_options(opts: &CudaOptions) -> Vec<String> {
     let mut options = opts.nvrtc.clone();
     options.push(format!("-DQM_WARPS={}", opts.wide_warps));
     options.push(format!("-DNQ_WARPS={}", opts.narrow_warps));
+    options.push(format!("-DNQ_STREAM={}", opts.narrow_stream));
     options.push(format!("-DRUNS={}", crate::backend::INT8_RUNS));
     options
 }

@@ -3,7 +3,8 @@
 //! its doc says so (the backend's numerics name the ones that do).
 
 use super::{
-    ATT_AHEAD_PER_SM, ATT_HEADS, ATT_SPLIT_MAX, MAX_ROWS, NARROW_WARPS, QM_WIDE_TILES, WIDE_WARPS,
+    ATT_AHEAD_PER_SM, ATT_HEADS, ATT_SPLIT_MAX, MAX_ROWS, NARROW_STREAM, NARROW_WARPS,
+    QM_WIDE_TILES, WIDE_WARPS,
 };
 
 /// Every setting of a CUDA backend.
@@ -17,6 +18,9 @@ pub struct CudaOptions {
     pub nvrtc: Vec<String>,
     /// Warps of a narrow-schedule CTA (`VERITY_CUDA_NARROW_WARPS`: 4 to 32).
     pub narrow_warps: usize,
+    /// Blocks each narrow-schedule warp keeps in flight through shared memory (`VERITY_CUDA_NARROW_STREAM`: 0
+    /// to 8; 0 loads them into registers instead).
+    pub narrow_stream: usize,
     /// Warps of a wide-schedule CTA (`VERITY_CUDA_WIDE_WARPS`: 4 to 16).
     pub wide_warps: usize,
     /// The tile count from which an integer launch takes the wide schedule (`VERITY_CUDA_WIDE_TILES`: 1 to
@@ -52,6 +56,7 @@ impl Default for CudaOptions {
             graphs: true,
             nvrtc: Vec::new(),
             narrow_warps: NARROW_WARPS,
+            narrow_stream: NARROW_STREAM,
             wide_warps: WIDE_WARPS,
             wide_tiles: QM_WIDE_TILES,
             int8: true,
@@ -89,6 +94,7 @@ impl CudaOptions {
                 .map(|o| o.split_whitespace().map(String::from).collect())
                 .unwrap_or_default(),
             narrow_warps: count("VERITY_CUDA_NARROW_WARPS", 4..=32).unwrap_or(d.narrow_warps),
+            narrow_stream: count("VERITY_CUDA_NARROW_STREAM", 0..=8).unwrap_or(d.narrow_stream),
             wide_warps: count("VERITY_CUDA_WIDE_WARPS", 4..=16).unwrap_or(d.wide_warps),
             wide_tiles: count("VERITY_CUDA_WIDE_TILES", 1..=65_536).unwrap_or(d.wide_tiles),
             int8: on("VERITY_CUDA_INT8"),

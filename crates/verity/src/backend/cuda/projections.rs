@@ -198,7 +198,15 @@ impl CudaBackend {
 
     /// The geometry of an integer launch of `rows` rows (per CTA) of `k` values, gate/up when `glu`.
     fn q_geometry(&self, rows: usize, k: usize, wide: bool, glu: bool) -> Option<QGeometry> {
-        q_geometry(rows, k, wide, if glu { 2 } else { 1 }, self.matmul_shared)
+        let stream = if wide { 0 } else { self.narrow_stream_bytes };
+        q_geometry(
+            rows,
+            k,
+            wide,
+            if glu { 2 } else { 1 },
+            stream,
+            self.matmul_shared,
+        )
     }
 
     /// One launch of the `matmuls` kernel over up to three matrices that share `x` (`rows` ≤ `MAX_ROWS`, row
