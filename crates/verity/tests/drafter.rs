@@ -241,10 +241,54 @@ fn target_states(model: &mut Model<CpuBackend>, tokens: &[u32], layers: &[usize]
             &mut cache,
             &Batch::causal(tokens, 0),
             LogitRows::None,
-            &TargetFeatures::Layers(layers.to_vec()),
+            &TargetFeatures::layers(layers.to_vec()),
         )
         .unwrap()
         .features
+}
+
+/// A forward asked for layer states and the final state together reports, row by row, the layers' states then
+/// the final one: bitwise what forwards asked for each alone report (what a drafter and an MTP head side by side
+/// are fed).
+#[test]
+fn layer_and_final_states_together_are_each_alone_row_by_row() {
+    let d = tiny_with_drafter("features-union", 3);
+    let mut model = Model::load(&Bundle::open(&d).unwrap(), be()).unwrap();
+    let tokens = [5, 17, 3, 99, 42];
+    let run = |model: &mut Model<CpuBackend>, f: TargetFeatures| {
+        let mut cache = model.new_cache(64);
+        model
+            .forward_features(&mut cache, &Batch::causal(&tokens, 0), LogitRows::All, &f)
+            .unwrap()
+    };
+    let both = TargetFeatures::layers(vec![1, 0]).union(&TargetFeatures::final_state());
+    let all = run(&mut model, both.clone());
+    let layers = run(&mut model, TargetFeatures::layers(vec![1, 0])).features;
+    let last = run(&mut model, TargetFeatures::final_state()).features;
+    let h = model.hp.hidden;
+    assert_eq!(all.features.len(), tokens.len() * 3 * h);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for r in 0..tokens.len() {
+        let row = &all.features[r * 3 * h..(r + 1) * 3 * h];
+        assert_eq!(
+            bits(&row[..2 * h]),
+            bits(&layers[r * 2 * h..(r + 1) * 2 * h]),
+            "row {r}"
+        );
+        assert_eq!(
+            bits(&row[2 * h..]),
+            bits(&last[r * h..(r + 1) * h]),
+            "row {r}"
+        );
+    }
+    assert_eq!(
+        both.extract(&TargetFeatures::final_state(), &all.features, h),
+        last
+    );
+    assert_eq!(
+        both.extract(&TargetFeatures::layers(vec![1, 0]), &all.features, h),
+        layers
+    );
 }
 
 /// Whatever the verifier keeps, the drafter's context stays the committed positions': every cycle's drafts
@@ -262,7 +306,7 @@ fn context_stays_aligned(d: &Path, step: u32) {
     let bundle = Bundle::open(d).unwrap();
     let mut model = Model::load(&bundle, be()).unwrap();
     let layers = vec![0, 1];
-    let features = TargetFeatures::Layers(layers.clone());
+    let features = TargetFeatures::layers(layers.clone());
     let w = features.width(64);
     let new_proposer = |m: &Model<CpuBackend>| {
         let mut p =
@@ -417,6 +461,51 @@ fn drafter_output_equals_ar_on_smollm2() {
             let drafted = stats.drafted;
             assert_eq!(want, got, "{text}: {sampling:?}");
             assert!(drafted > 0, "{text}: nothing drafted");
+        }
+    }
+}
+
+/// `auto` on a bundle with both a block drafter and an MTP head runs them side by side (the chooser lets the
+/// one that yields more tokens per second draft, the other catching up, each fed its own target states): its
+/// output is AR's, greedy and sampled.
+#[test]
+fn auto_with_a_drafter_and_an_mtp_head_equals_ar_on_smollm2() {
+    let d = smollm2_with_drafter_and_mtp();
+    let b = backend();
+    let mut ar = Engine::load(&d, b.clone(), &SpecMode::Off).unwrap();
+    let mut both = Engine::load(&d, b, &SpecMode::Auto).unwrap();
+    assert_eq!(
+        both.plan.route.name(),
+        "drafter+mtp",
+        "{}",
+        both.plan.reason
+    );
+    for (i, text) in [
+        "Write a Python function that reverses a string.",
+        "Rewrite this sentence in the passive voice: The cat chased the mouse across the garden.",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let prompt = ar.chat_prompt(&[Message::new("user", text)]).unwrap();
+        for sampling in [
+            SamplerConfig::greedy(),
+            SamplerConfig {
+                temperature: 0.7,
+                seed: 5,
+                ..SamplerConfig::greedy()
+            },
+        ] {
+            let req = GenerateRequest {
+                ignore_eos: true,
+                draft_width: Some(3 + i),
+                sampling,
+                ..GenerateRequest::greedy(96)
+            };
+            let (want, ..) = answer(&mut ar, &prompt, &req);
+            let (got, _, stats) = answer(&mut both, &prompt, &req);
+            assert_eq!(want, got, "{text}: {sampling:?}");
+            assert!(stats.drafted > 0, "{text}: nothing drafted");
         }
     }
 }

@@ -507,9 +507,6 @@ impl Proposer for Logged {
     fn observe(&mut self, outcome: &Outcome) {
         self.head.observe(outcome);
     }
-    fn catch_up(&mut self, context: &[u32]) -> verity::Result<()> {
-        self.head.catch_up(context)
-    }
     fn features(&self) -> verity::model::TargetFeatures {
         self.head.features()
     }

@@ -23,7 +23,7 @@ pub struct Args {
     /// A bundle path or a known model name.
     #[arg(long, default_value = verity_registry::DEFAULT_MODEL)]
     model: String,
-    /// Comma-separated routes: ar, copy, mtp, draft_model, auto.
+    /// Comma-separated routes: ar, copy, mtp, drafter, draft_model, auto.
     #[arg(long, default_value = "ar")]
     routes: String,
     /// The draft model of the draft_model route (default: the target itself, i.e. self-drafting).

@@ -700,13 +700,14 @@ mod tests {
     fn hidden_states_travel_with_their_checkpoint_and_a_foreign_width_is_rejected() {
         let root = scratch("hidden");
         let rows: Vec<f32> = (0..3 * HIDDEN).map(|i| i as f32 * 0.5 - 1.0).collect();
-        let ckpt = checkpoint(3, 2.0).with_hidden(TargetFeatures::Final, HIDDEN, rows.clone());
+        let ckpt =
+            checkpoint(3, 2.0).with_hidden(TargetFeatures::final_state(), HIDDEN, rows.clone());
         open(&root).store(&[4, 5, 6], &ckpt);
         let (_, back) = open(&root).longest(&[4, 5, 6]).expect("restored");
         assert_eq!(back.layers(), ckpt.layers());
         assert_eq!(back.hidden(), ckpt.hidden());
         // A block drafter's layers: twice as wide, and named.
-        let layers = TargetFeatures::Layers(vec![0, 2]);
+        let layers = TargetFeatures::layers(vec![0, 2]);
         let wide: Vec<f32> = (0..2 * 2 * HIDDEN).map(|i| i as f32 * 0.25).collect();
         let ckpt2 = checkpoint(2, 3.0).with_hidden(layers, 2 * HIDDEN, wide);
         open(&root).store(&[7, 8], &ckpt2);

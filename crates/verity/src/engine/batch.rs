@@ -85,7 +85,7 @@ impl<B: Backend> Engine<B> {
             &mut session,
             prompt,
             request.store_prefix,
-            &TargetFeatures::None,
+            &TargetFeatures::none(),
         )?;
         let mut stats = GenerationStats::new("ar");
         stats.prompt_tokens = prompt.len();

@@ -285,34 +285,48 @@ impl<B: Backend> Model<B> {
         logit_rows: LogitRows,
         features: &TargetFeatures,
     ) -> Result<ForwardOutput> {
+        if features.is_none() {
+            return self.forward(cache, batch, logit_rows, &[]);
+        }
         let h = self.hp.hidden;
-        Ok(match features {
-            TargetFeatures::None => self.forward(cache, batch, logit_rows, &[])?,
-            TargetFeatures::Final => {
-                let mut out = self.forward_with_hidden(cache, batch, logit_rows)?;
-                out.features = std::mem::take(&mut out.final_hidden);
-                out
+        let rows = batch.rows();
+        self.check_batch(batch, &features.layers)?;
+        cache.reserve(self.backend.as_ref(), rows)?;
+        // Rows whose logits are all asked for are a verify's: a rollback may keep any of them.
+        cache.begin_forward(
+            rows,
+            matches!(logit_rows, LogitRows::All | LogitRows::Greedy),
+        );
+        let mut s = self.scratch(rows);
+        let mut out = self.run(
+            cache,
+            batch,
+            logit_rows,
+            &features.layers,
+            features.final_state,
+            &mut s,
+        );
+        self.scratch = Some(s);
+        self.fault_check(cache, rows)?;
+        let per_layer: Vec<&[f32]> = features
+            .layers
+            .iter()
+            .map(|l| {
+                let (_, v) = out.hidden.iter().find(|(m, _)| m == l).expect("asked for");
+                v.as_slice()
+            })
+            .chain(features.final_state.then_some(out.final_hidden.as_slice()))
+            .collect();
+        let mut rows_out = Vec::with_capacity(rows * per_layer.len() * h);
+        for r in 0..rows {
+            for v in &per_layer {
+                rows_out.extend_from_slice(&v[r * h..(r + 1) * h]);
             }
-            TargetFeatures::Layers(layers) => {
-                let mut out = self.forward(cache, batch, logit_rows, layers)?;
-                let per_layer: Vec<&[f32]> = layers
-                    .iter()
-                    .map(|l| {
-                        let (_, v) = out.hidden.iter().find(|(m, _)| m == l).expect("asked for");
-                        v.as_slice()
-                    })
-                    .collect();
-                let mut features = Vec::with_capacity(batch.rows() * layers.len() * h);
-                for r in 0..batch.rows() {
-                    for v in &per_layer {
-                        features.extend_from_slice(&v[r * h..(r + 1) * h]);
-                    }
-                }
-                out.features = features;
-                out.hidden.clear();
-                out
-            }
-        })
+        }
+        out.features = rows_out;
+        out.hidden.clear();
+        out.final_hidden.clear();
+        Ok(out)
     }
 
     pub(super) fn check_batch(&self, batch: &Batch, hidden_layers: &[usize]) -> Result<()> {

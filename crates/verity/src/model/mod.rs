@@ -206,53 +206,111 @@ pub struct ForwardOutput {
     pub features: Vec<f32>,
 }
 
-/// Which of the target's hidden states a proposer conditions on, per position.
+/// Which of the target's hidden states a proposer conditions on, per position: the residual stream after each
+/// listed layer (what a block drafter fuses), then, where `final_state`, the state after the output norm (what
+/// an MTP head reads), concatenated per row in that order.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub enum TargetFeatures {
-    #[default]
-    None,
-    /// The state after the output norm (what an MTP head reads).
-    Final,
-    /// The residual stream after each listed layer, concatenated per row in the listed order (what a block
-    /// drafter fuses).
-    Layers(Vec<usize>),
+pub struct TargetFeatures {
+    pub layers: Vec<usize>,
+    pub final_state: bool,
 }
 
 impl TargetFeatures {
-    /// Values per row, for a model of `hidden` values per state.
-    pub fn width(&self, hidden: usize) -> usize {
-        match self {
-            TargetFeatures::None => 0,
-            TargetFeatures::Final => hidden,
-            TargetFeatures::Layers(l) => l.len() * hidden,
+    /// No states.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// The state after the output norm.
+    pub fn final_state() -> Self {
+        TargetFeatures {
+            layers: Vec::new(),
+            final_state: true,
         }
     }
 
-    pub fn is_none(&self) -> bool {
-        *self == TargetFeatures::None
+    /// The residual stream after each of `layers`.
+    pub fn layers(layers: Vec<usize>) -> Self {
+        TargetFeatures {
+            layers,
+            final_state: false,
+        }
     }
 
-    /// A stable name (`final`, `layers:1,8,15`; empty for none): how a checkpoint file records what it holds.
-    pub fn tag(&self) -> String {
-        match self {
-            TargetFeatures::None => String::new(),
-            TargetFeatures::Final => "final".into(),
-            TargetFeatures::Layers(l) => {
-                let ids: Vec<String> = l.iter().map(|x| x.to_string()).collect();
-                format!("layers:{}", ids.join(","))
+    /// Values per row, for a model of `hidden` values per state.
+    pub fn width(&self, hidden: usize) -> usize {
+        (self.layers.len() + usize::from(self.final_state)) * hidden
+    }
+
+    pub fn is_none(&self) -> bool {
+        self.layers.is_empty() && !self.final_state
+    }
+
+    /// Everything `self` or `other` holds: `self`'s layers, then `other`'s that `self` lacks.
+    pub fn union(&self, other: &TargetFeatures) -> TargetFeatures {
+        let mut layers = self.layers.clone();
+        layers.extend(other.layers.iter().filter(|l| !self.layers.contains(l)));
+        TargetFeatures {
+            layers,
+            final_state: self.final_state || other.final_state,
+        }
+    }
+
+    /// The rows of `part` (a subset of `self`) taken out of `rows` of `self`'s features, `hidden` values per
+    /// state.
+    pub fn extract(&self, part: &TargetFeatures, rows: &[f32], hidden: usize) -> Vec<f32> {
+        let width = self.width(hidden);
+        let at: Vec<usize> = part
+            .layers
+            .iter()
+            .map(|l| self.layers.iter().position(|m| m == l).expect("a subset"))
+            .chain(part.final_state.then(|| {
+                assert!(self.final_state, "a subset");
+                self.layers.len()
+            }))
+            .collect();
+        let mut out = Vec::with_capacity(rows.len() / width.max(1) * at.len() * hidden);
+        for row in rows.chunks_exact(width) {
+            for &i in &at {
+                out.extend_from_slice(&row[i * hidden..(i + 1) * hidden]);
             }
+        }
+        out
+    }
+
+    /// A stable name (`final`, `layers:1,8,15`, `layers:1,8,15+final`; empty for none): how a checkpoint file
+    /// records what it holds.
+    pub fn tag(&self) -> String {
+        let ids: Vec<String> = self.layers.iter().map(|x| x.to_string()).collect();
+        match (ids.is_empty(), self.final_state) {
+            (true, false) => String::new(),
+            (true, true) => "final".into(),
+            (false, fin) => format!(
+                "layers:{}{}",
+                ids.join(","),
+                if fin { "+final" } else { "" }
+            ),
         }
     }
 
     /// The features a [`TargetFeatures::tag`] names.
     pub fn from_tag(tag: &str) -> Option<Self> {
         match tag {
-            "" => Some(TargetFeatures::None),
-            "final" => Some(TargetFeatures::Final),
+            "" => Some(Self::none()),
+            "final" => Some(Self::final_state()),
             _ => {
                 let ids = tag.strip_prefix("layers:")?;
+                let (ids, final_state) = match ids.strip_suffix("+final") {
+                    Some(ids) => (ids, true),
+                    None => (ids, false),
+                };
                 let layers: Option<Vec<usize>> = ids.split(',').map(|x| x.parse().ok()).collect();
-                layers.filter(|l| !l.is_empty()).map(TargetFeatures::Layers)
+                layers
+                    .filter(|l| !l.is_empty())
+                    .map(|layers| TargetFeatures {
+                        layers,
+                        final_state,
+                    })
             }
         }
     }

@@ -1,22 +1,27 @@
-//! The chooser: each cycle, who drafts — copying from the context (free; judged per match length) or the
-//! bundle's model proposer (an MTP head, a draft model) — by the tokens per second each has measurably yielded in
-//! this request.
+//! The chooser: each cycle, who drafts — copying from the context (free; judged per match length) or one of
+//! the bundle's model proposers (an MTP head, a block drafter, a draft model) — by the tokens per second each
+//! has measurably yielded in this request.
 //!
 //! A cycle's yield is the tokens it emitted (kept drafts and the target's next token) over the seconds it took
-//! (drafting and verifying). Where the context's suffix has an earlier match of length `n`, copying competes
-//! with the model proposer: the prior until both sides have a few cycles on record (copy a full-length match of
-//! two tokens or more, as long matches run long; else the model, with the match's continuations as branches of
-//! its draft tree where the width leaves room; each side is tried where the prior would not pick it), then the
-//! higher measured rate, the loser retried now and then so that a change in the text is noticed. Without a
-//! match the model drafts. The decision comes before the width ([`Proposer::source`]): the decode loop keeps a
-//! width controller per source, so the model's acceptance is learned from the model's cycles alone and where
-//! its drafts do not pay (prose, for an MTP head) its controller falls back to plain AR steps while copying
-//! keeps drafting its matches. (A contest between the model and AR steps decided here from per-cycle wall times
-//! was measured to lose to that: too few cycles per request to tell them apart.)
+//! (drafting and verifying). The model proposers compete among themselves every cycle: each is tried (in the
+//! bundle's order) until all have a few cycles on record, then the one with the highest measured rate drafts,
+//! the others retried now and then so that a change in the text is noticed; this ranking carries over from one
+//! request to the next (a request is too short to explore every model again). Where the context's suffix has an
+//! earlier match of length `n`, copying competes with that model: the prior until both sides have a few cycles
+//! on record (copy a full-length match of two tokens or more, as long matches run long; else the model, with the
+//! match's continuations as branches of its draft tree where the width leaves room; each side is tried where
+//! the prior would not pick it), then the higher measured rate, the loser retried likewise. The decision comes
+//! before the width ([`Proposer::source`]): the decode loop keeps a width controller per source, so each
+//! model's acceptance is learned from its own cycles and where its drafts do not pay (prose, for an MTP head)
+//! its controller falls back to plain AR steps while copying keeps drafting its matches. (A contest between a
+//! model and AR steps decided here from per-cycle wall times was measured to lose to that: too few cycles per
+//! request to tell them apart.)
 //!
-//! On a copied cycle the model proposer still catches up ([`Proposer::catch_up`]), so a stateful drafter (an
-//! MTP head's cache) stays aligned with the target; its time counts in the copied cycle's cost. Each proposer
-//! learns (widths, silence) only from the cycles it drafted.
+//! A model proposer that does not draft a cycle does no work in it: it keeps the target states the cycles
+//! report (contiguous rows) and brings its own state (an MTP head's cache, a block drafter's context) up to the
+//! context when it drafts next, in one multi-row pass whose time counts in that cycle's cost. The target reports the union of the models' hidden states
+//! ([`TargetFeatures::union`]), and each model receives its own part. Each proposer learns (widths, silence)
+//! only from the cycles it drafted.
 
 use super::copy::{SuffixCopy, MAX_MATCH, MIN_MATCH};
 use super::proposer::{Draft, Outcome, Proposer};
@@ -28,6 +33,8 @@ use crate::sample::SamplerConfig;
 const TRIES: u32 = 2;
 /// A side that loses is retried after this many cycles it could have drafted.
 const RETRY_AFTER: u32 = 24;
+/// The same for a model that loses to another model (their ranking is kept over requests: it changes slowly).
+const MODEL_RETRY_AFTER: u32 = 4 * RETRY_AFTER;
 /// EMA weight of a new cycle.
 const ALPHA: f64 = 0.25;
 
@@ -67,7 +74,8 @@ impl Yield {
 enum Source {
     /// Copying, after a match of this length.
     Copy(usize),
-    Model,
+    /// The model proposer of this index.
+    Model(usize),
 }
 
 /// A cycle's decision: who drafts after a context of `at` tokens, and the copy match seen there (its draft at
@@ -80,10 +88,20 @@ struct Decision {
 
 pub struct Chooser {
     copy: SuffixCopy,
-    model: Box<dyn Proposer>,
+    /// The model proposers, in the bundle's order of preference (the order they are first tried in).
+    models: Vec<Box<dyn Proposer>>,
+    /// What the target reports: the union of the models' states, and each model's own.
+    features: TargetFeatures,
+    model_features: Vec<TargetFeatures>,
+    /// Values per target state (the target's hidden size).
+    hidden: usize,
     /// Copying's yield per match length (`MIN_MATCH..=MAX_MATCH`).
     copy_yield: [Yield; MAX_MATCH - MIN_MATCH + 1],
-    model_yield: Yield,
+    /// Each model's yield in this request (against copying, whose yield depends on the text).
+    model_yield: Vec<Yield>,
+    /// Each model's yield over requests (against the other models: their relative speed is the hardware's and
+    /// the models' more than one text's, and a request is too short to explore them all again).
+    model_rank: Vec<Yield>,
     /// The current cycle's decision ([`Proposer::source`]), until it is observed.
     decision: Option<Decision>,
 }
@@ -107,37 +125,75 @@ fn first_wins(a: &mut Yield, b: &mut Yield, prior: bool) -> bool {
 }
 
 impl Chooser {
-    pub fn new(model: Box<dyn Proposer>) -> Self {
+    /// A chooser over copying and `models` (at least one), preferred in their order until measured, for a
+    /// target of `hidden` values per state.
+    pub fn new(models: Vec<Box<dyn Proposer>>, hidden: usize) -> Self {
+        assert!(!models.is_empty(), "a chooser needs a model proposer");
+        let model_features: Vec<TargetFeatures> = models.iter().map(|m| m.features()).collect();
+        let features = model_features
+            .iter()
+            .fold(TargetFeatures::none(), |all, f| all.union(f));
         Chooser {
             copy: SuffixCopy::new(),
-            model,
+            model_yield: vec![Yield::default(); models.len()],
+            model_rank: vec![Yield::default(); models.len()],
+            models,
+            features,
+            model_features,
+            hidden,
             copy_yield: Default::default(),
-            model_yield: Yield::default(),
             decision: None,
         }
     }
 
-    /// Who drafts after `context`: the copy-or-model contest where the context has a copy match. Decided once
-    /// per cycle.
+    /// The model that drafts where copying does not: each tried in order until it has a record, then the
+    /// highest measured rate, one passed over `MODEL_RETRY_AFTER` times retried. The others count a pass.
+    fn best_model(&mut self) -> usize {
+        let y = &self.model_rank;
+        let m = if let Some(untried) = y.iter().position(|y| !y.known()) {
+            untried
+        } else if let Some(due) = y.iter().position(|y| y.passed_over >= MODEL_RETRY_AFTER) {
+            due
+        } else {
+            // The first of the highest rates.
+            (0..y.len()).fold(0, |best, i| {
+                if y[i].rate() > y[best].rate() {
+                    i
+                } else {
+                    best
+                }
+            })
+        };
+        for (i, y) in self.model_rank.iter_mut().enumerate() {
+            if i != m {
+                y.passed_over += 1;
+            }
+        }
+        m
+    }
+
+    /// Who drafts after `context`: the best model, against copying where the context has a copy match. Decided
+    /// once per cycle.
     fn decide(&mut self, context: &[u32]) -> Source {
         if let Some(d) = self.decision.as_ref().filter(|d| d.at == context.len()) {
             return d.source;
         }
         let matched = self.copy.lookup(context, super::controller::MAX_K);
+        let m = self.best_model();
         let source = match &matched {
             Some((n, draft)) => {
                 let prior = *n == MAX_MATCH && draft.main_line() >= 2;
                 if first_wins(
                     &mut self.copy_yield[n - MIN_MATCH],
-                    &mut self.model_yield,
+                    &mut self.model_yield[m],
                     prior,
                 ) {
                     Source::Copy(*n)
                 } else {
-                    Source::Model
+                    Source::Model(m)
                 }
             }
-            None => Source::Model,
+            None => Source::Model(m),
         };
         self.decision = Some(Decision {
             at: context.len(),
@@ -150,30 +206,34 @@ impl Chooser {
 
 impl Proposer for Chooser {
     fn name(&self) -> &'static str {
-        self.model.name()
+        self.models[0].name()
     }
 
     fn forget(&mut self) {
         self.copy.forget();
-        self.model.forget();
+        self.models.iter_mut().for_each(|m| m.forget());
+        self.model_rank = vec![Yield::default(); self.models.len()];
     }
 
     fn reset(&mut self, sampling: &SamplerConfig) {
         self.copy.reset(sampling);
-        self.model.reset(sampling);
+        self.models.iter_mut().for_each(|m| m.reset(sampling));
         self.copy_yield = Default::default();
-        self.model_yield = Yield::default();
+        self.model_yield = vec![Yield::default(); self.models.len()];
     }
 
     fn source(&mut self, context: &[u32]) -> usize {
         match self.decide(context) {
-            Source::Model => 0,
-            Source::Copy(n) => 1 + n - MIN_MATCH,
+            Source::Model(m) => m,
+            Source::Copy(n) => self.models.len() + n - MIN_MATCH,
         }
     }
 
     fn width(&self, k: usize) -> usize {
-        self.model.width(k)
+        match self.decision.as_ref().map(|d| d.source) {
+            Some(Source::Model(m)) => self.models[m].width(k),
+            _ => self.models[0].width(k),
+        }
     }
 
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft> {
@@ -188,11 +248,12 @@ impl Proposer for Chooser {
                 draft.truncate(k);
                 draft
             });
-        if let (Source::Copy(_), Some(draft)) = (source, &copied) {
-            self.model.catch_up(context)?;
-            return Ok(draft.clone());
-        }
-        let mut draft = self.model.propose(context, k)?;
+        let m = match (source, &copied) {
+            (Source::Copy(_), Some(draft)) => return Ok(draft.clone()),
+            (Source::Model(m), _) => m,
+            (Source::Copy(_), None) => unreachable!("copying decided on a match"),
+        };
+        let mut draft = self.models[m].propose(context, k)?;
         // The match's continuations join the model's drafts as branches, in the rows it left of the width.
         if let Some(copied) = copied {
             draft.merge(&copied, k);
@@ -203,33 +264,43 @@ impl Proposer for Chooser {
     fn observe(&mut self, outcome: &Outcome) {
         let tokens = (outcome.kept.len() + 1) as f64;
         let seconds = outcome.draft_s + outcome.verify_s;
-        let source = self.decision.take().map_or(Source::Model, |d| d.source);
-        // A cycle that drafted nothing (the controller's AR step) measures neither side.
+        let source = self.decision.take().map_or(Source::Model(0), |d| d.source);
+        // A cycle that drafted nothing (the controller's AR step) measures no side.
         if !outcome.draft.is_empty() {
             match source {
                 Source::Copy(n) => self.copy_yield[n - MIN_MATCH].record(tokens, seconds),
-                Source::Model => self.model_yield.record(tokens, seconds),
+                Source::Model(m) => {
+                    self.model_yield[m].record(tokens, seconds);
+                    self.model_rank[m].record(tokens, seconds);
+                }
             }
         }
-        match source {
-            Source::Copy(_) => {
-                self.copy.observe(outcome);
-                self.model.observe(&Outcome::of(&Draft::default(), &[]));
-            }
-            Source::Model => self.model.observe(outcome),
+        let nothing = Draft::default();
+        let idle = Outcome::of(&nothing, &[]);
+        if let Source::Copy(_) = source {
+            self.copy.observe(outcome);
         }
-    }
-
-    fn catch_up(&mut self, context: &[u32]) -> Result<()> {
-        self.model.catch_up(context)
+        for (i, model) in self.models.iter_mut().enumerate() {
+            model.observe(if source == Source::Model(i) {
+                outcome
+            } else {
+                &idle
+            });
+        }
     }
 
     fn features(&self) -> TargetFeatures {
-        self.model.features()
+        self.features.clone()
     }
 
     fn observe_hidden(&mut self, start: usize, hidden: &[f32]) {
-        self.model.observe_hidden(start, hidden);
+        for (model, part) in self.models.iter_mut().zip(&self.model_features) {
+            if *part == self.features {
+                model.observe_hidden(start, hidden);
+            } else if !part.is_none() {
+                model.observe_hidden(start, &self.features.extract(part, hidden, self.hidden));
+            }
+        }
     }
 }
 
@@ -243,15 +314,22 @@ mod tests {
         let n = Arc::new(AtomicUsize::new(0));
         (
             Box::new(Fixed {
-                catch_ups: n.clone(),
+                token: 9,
+                proposals: n.clone(),
+                features: TargetFeatures::none(),
+                seen: Arc::default(),
             }),
             n,
         )
     }
 
-    /// A model proposer that always drafts `[9, 9]` and counts its catch-ups.
+    /// A model proposer that always drafts `[token, token]`, counts its drafts and keeps the hidden states it is
+    /// handed.
     struct Fixed {
-        catch_ups: Arc<AtomicUsize>,
+        token: u32,
+        proposals: Arc<AtomicUsize>,
+        features: TargetFeatures,
+        seen: Arc<std::sync::Mutex<Vec<f32>>>,
     }
 
     impl Proposer for Fixed {
@@ -259,13 +337,98 @@ mod tests {
             "fixed"
         }
         fn propose(&mut self, _context: &[u32], _k: usize) -> Result<Draft> {
-            Ok(Draft::chain(vec![9, 9]))
+            self.proposals.fetch_add(1, Ordering::Relaxed);
+            Ok(Draft::chain(vec![self.token, self.token]))
         }
         fn observe(&mut self, _outcome: &Outcome) {}
-        fn catch_up(&mut self, _context: &[u32]) -> Result<()> {
-            self.catch_ups.fetch_add(1, Ordering::Relaxed);
-            Ok(())
+        fn features(&self) -> TargetFeatures {
+            self.features.clone()
         }
+        fn observe_hidden(&mut self, _start: usize, hidden: &[f32]) {
+            self.seen.lock().unwrap().extend_from_slice(hidden);
+        }
+    }
+
+    /// Two model proposers drafting `[7, 7]` and `[8, 8]`, reading the final state and layers 3 and 1, with
+    /// their draft counters and the states each was handed.
+    #[allow(clippy::type_complexity)]
+    fn two_models() -> (
+        Vec<Box<dyn Proposer>>,
+        [Arc<AtomicUsize>; 2],
+        [Arc<std::sync::Mutex<Vec<f32>>>; 2],
+    ) {
+        let counters = [Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0))];
+        let seen: [Arc<std::sync::Mutex<Vec<f32>>>; 2] = Default::default();
+        let features = [
+            TargetFeatures::final_state(),
+            TargetFeatures::layers(vec![3, 1]),
+        ];
+        let models = (0..2)
+            .map(|i| {
+                Box::new(Fixed {
+                    token: 7 + i as u32,
+                    proposals: counters[i].clone(),
+                    features: features[i].clone(),
+                    seen: seen[i].clone(),
+                }) as Box<dyn Proposer>
+            })
+            .collect();
+        (models, counters, seen)
+    }
+
+    #[test]
+    fn the_model_that_yields_more_tokens_per_second_drafts_and_the_others_idle_until_retried() {
+        let (models, counters, _) = two_models();
+        let mut c = Chooser::new(models, 4);
+        let r = MODEL_RETRY_AFTER as usize;
+        // No copy match. Model 8 keeps both drafts in a second (3 tokens/s), model 7 none (1 token/s).
+        let drafted: Vec<u32> = (0..300)
+            .map(|_| {
+                let d = c.propose(&[5, 6], 8).unwrap();
+                let first = d.tokens()[0];
+                let kept = if first == 8 { vec![0, 1] } else { vec![] };
+                c.observe(&Outcome {
+                    draft: &d,
+                    kept: &kept,
+                    draft_s: 0.0,
+                    verify_s: 1.0,
+                });
+                first
+            })
+            .collect();
+        // Each tried in order until it has a record, then the faster; the slower retried each time it was
+        // passed over MODEL_RETRY_AFTER times (from cycle 2 on).
+        assert_eq!(&drafted[..4], &[7, 7, 8, 8]);
+        let retried: Vec<usize> = (4..300).filter(|&i| drafted[i] == 7).collect();
+        assert_eq!(retried, vec![2 + r, 3 + 2 * r, 4 + 3 * r]);
+        // A model ran only in the cycles it drafted.
+        let by = |t| drafted.iter().filter(|&&d| d == t).count();
+        assert_eq!(counters[0].load(Ordering::Relaxed), by(7));
+        assert_eq!(counters[1].load(Ordering::Relaxed), by(8));
+    }
+
+    #[test]
+    fn the_target_reports_the_union_of_the_models_states_and_each_model_gets_its_own() {
+        let (models, _, seen) = two_models();
+        let mut c = Chooser::new(models, 2);
+        let f = c.features();
+        assert_eq!(
+            f,
+            TargetFeatures {
+                layers: vec![3, 1],
+                final_state: true
+            }
+        );
+        assert_eq!(f.tag(), "layers:3,1+final");
+        assert_eq!(TargetFeatures::from_tag(&f.tag()), Some(f.clone()));
+        // Two rows of [layer 3, layer 1, final], two values each.
+        let rows: Vec<f32> = (0..12).map(|v| v as f32).collect();
+        c.observe_hidden(0, &rows);
+        assert_eq!(*seen[0].lock().unwrap(), vec![4.0, 5.0, 10.0, 11.0]);
+        assert_eq!(
+            *seen[1].lock().unwrap(),
+            vec![0.0, 1.0, 2.0, 3.0, 6.0, 7.0, 8.0, 9.0]
+        );
     }
 
     /// Who drafted a cycle.
@@ -297,7 +460,7 @@ mod tests {
         use Side::*;
         let r = RETRY_AFTER as usize;
         // "1 2" was followed by 3 before: a 2-token match, which the prior leaves to the model.
-        let mut c = Chooser::new(fixed().0);
+        let mut c = Chooser::new(vec![fixed().0], 4);
         let ctx = [1, 2, 3, 4, 5, 6, 1, 2];
         let sides: Vec<Side> = (0..60).map(|_| cycle(&mut c, &ctx)).collect();
         // The prior twice, then copying's two tries, then copying with the model retried each time it was
@@ -306,35 +469,36 @@ mod tests {
         let others: Vec<usize> = (4..60).filter(|&i| sides[i] != Copy).collect();
         assert_eq!(others, vec![2 + r, 3 + 2 * r]);
         // No match: the model drafts every cycle.
-        let mut c = Chooser::new(fixed().0);
+        let mut c = Chooser::new(vec![fixed().0], 4);
         assert!((0..30).all(|_| cycle(&mut c, &[7, 8]) == Model));
     }
 
     #[test]
     fn the_source_is_decided_once_per_cycle_before_the_width() {
-        let mut c = Chooser::new(fixed().0);
+        let mut c = Chooser::new(vec![fixed().0], 4);
         assert_eq!(c.source(&[7, 8]), 0, "no match: the model");
         // A full-length match: copying, reported as its match length's source, and the draft is the copy.
         let ctx = [1, 2, 3, 4, 3, 5, 6, 1, 2, 3, 4];
         assert_eq!(c.source(&ctx), 1 + MAX_MATCH - MIN_MATCH);
-        let passed_over = c.model_yield.passed_over;
+        let passed_over = c.model_yield[0].passed_over;
         assert_eq!(c.propose(&ctx, 8).unwrap().tokens(), &[3, 5, 6]);
         assert_eq!(
-            c.model_yield.passed_over, passed_over,
+            c.model_yield[0].passed_over, passed_over,
             "propose kept the decision"
         );
     }
 
     #[test]
-    fn a_full_length_match_is_copied_first_and_the_model_catches_up() {
-        let (model, catch_ups) = fixed();
-        let mut c = Chooser::new(model);
+    fn a_full_length_match_is_copied_first_and_the_model_idles() {
+        let (model, proposals) = fixed();
+        let mut c = Chooser::new(vec![model], 4);
         let ctx = [1, 2, 3, 4, 3, 5, 6, 1, 2, 3, 4];
         let d = c.propose(&ctx, 8).unwrap();
         assert_eq!(d.tokens(), &[3, 5, 6]);
         c.observe(&Outcome::of(&d, &[]));
-        assert_eq!(catch_ups.load(Ordering::Relaxed), 1);
+        assert_eq!(proposals.load(Ordering::Relaxed), 0);
         // Without a match the model drafts, alone (its prior against AR steps).
         assert_eq!(c.propose(&[7, 8], 8).unwrap().tokens(), &[9, 9]);
+        assert_eq!(proposals.load(Ordering::Relaxed), 1);
     }
 }

@@ -182,7 +182,7 @@ impl<B: Backend> Proposer for DrafterProposer<B> {
     }
 
     fn features(&self) -> TargetFeatures {
-        TargetFeatures::Layers(self.drafter.spec().target_layers.clone())
+        TargetFeatures::layers(self.drafter.spec().target_layers.clone())
     }
 
     fn observe_hidden(&mut self, start: usize, hidden: &[f32]) {
@@ -227,10 +227,6 @@ impl<B: Backend> Proposer for DrafterProposer<B> {
             history.push(t);
         }
         Ok(Draft::chain(history[context.len()..].to_vec()))
-    }
-
-    fn catch_up(&mut self, context: &[u32]) -> Result<()> {
-        self.prepare(context).map(|_| ())
     }
 
     fn observe(&mut self, _outcome: &Outcome) {

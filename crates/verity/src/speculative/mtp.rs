@@ -184,7 +184,7 @@ impl<B: Backend> Proposer for MtpProposer<B> {
     }
 
     fn features(&self) -> TargetFeatures {
-        TargetFeatures::Final
+        TargetFeatures::final_state()
     }
 
     fn observe_hidden(&mut self, start: usize, hidden: &[f32]) {
@@ -240,13 +240,6 @@ impl<B: Backend> Proposer for MtpProposer<B> {
             }
         }
         Ok(Draft::chain(tokens))
-    }
-
-    fn catch_up(&mut self, context: &[u32]) -> Result<()> {
-        if let Some((next, n)) = self.prepare(context) {
-            self.run_catch_up(context, next, n)?;
-        }
-        Ok(())
     }
 
     fn observe(&mut self, _outcome: &Outcome) {

@@ -228,17 +228,11 @@ pub trait Proposer: Send {
     /// forget everything else (its caches roll back to the kept path).
     fn observe(&mut self, outcome: &Outcome);
 
-    /// Bring the proposer's own state up to `context` without drafting (a cycle another proposer drafts; see
-    /// [`super::chooser::Chooser`]). Stateless proposers have nothing to do.
-    fn catch_up(&mut self, _context: &[u32]) -> Result<()> {
-        Ok(())
-    }
-
     /// Which target hidden states the proposer conditions on (an MTP head: the final ones; a block drafter:
     /// several layers'). The engine then runs the target with that output and reports committed rows through
     /// [`Proposer::observe_hidden`].
     fn features(&self) -> TargetFeatures {
-        TargetFeatures::None
+        TargetFeatures::none()
     }
 
     /// The target's [`Proposer::features`] of committed rows at positions `start..`, `rows × width`, row-major.

@@ -62,6 +62,8 @@ pub enum Route {
     Copy,
     Mtp,
     Drafter,
+    /// The block drafter and the MTP head, competing cycle by cycle.
+    DrafterAndMtp,
     DraftModel(PathBuf),
 }
 
@@ -72,6 +74,7 @@ impl Route {
             Route::Copy => "copy",
             Route::Mtp => "mtp",
             Route::Drafter => "drafter",
+            Route::DrafterAndMtp => "drafter+mtp",
             Route::DraftModel(_) => "draft_model",
         }
     }
@@ -84,9 +87,10 @@ pub struct Plan {
     pub reason: String,
 }
 
-/// Resolve a mode against what the bundle offers. `off` always wins; `auto` takes a complete block drafter,
-/// else a complete native MTP head, else copying from the prompt; an explicit `mtp` or `drafter` on a bundle
-/// without a complete one is an error that says why.
+/// Resolve a mode against what the bundle offers. `off` always wins; `auto` takes a complete block drafter and
+/// a complete native MTP head together (the chooser measures which drafts better), else the one that is
+/// complete, else copying from the prompt; an explicit `mtp` or `drafter` on a bundle without a complete one is
+/// an error that says why.
 pub fn plan(bundle: &Bundle, mode: &SpecMode) -> Result<Plan> {
     let head = match &bundle.mtp {
         MtpStatus::Complete(_) => Ok(()),
@@ -138,6 +142,15 @@ pub fn plan(bundle: &Bundle, mode: &SpecMode) -> Result<Plan> {
                 )))
             }
         },
+        SpecMode::Auto if drafter.is_ok() && head.is_ok() => Plan {
+            route: Route::DrafterAndMtp,
+            reason: format!(
+                "auto: {} and {}; each cycle the one that has yielded more tokens per second drafts, copying \
+                 competing where the context has a match",
+                bundle.drafter.describe(),
+                bundle.mtp.describe()
+            ),
+        },
         SpecMode::Auto if drafter.is_ok() => drafter_plan("auto"),
         SpecMode::DraftModel(Some(p)) => Plan {
             route: Route::DraftModel(p.clone()),
@@ -185,7 +198,7 @@ pub fn build<B: Backend>(
             Ok(head) => {
                 let head = MtpProposer::new(head, model.hp.vocab, model.hp.context_len)?;
                 // Copying competes with the head wherever the context has a match (the chooser).
-                Box::new(Chooser::new(Box::new(head)))
+                Box::new(Chooser::new(vec![Box::new(head)], model.hp.hidden))
             }
             Err(e) if *mode == SpecMode::Auto => {
                 tracing::warn!("MTP head unusable, copying instead: {e}");
@@ -200,7 +213,7 @@ pub fn build<B: Backend>(
         Route::Drafter => match BlockDrafter::load(bundle, model) {
             Ok(drafter) => {
                 let drafter = DrafterProposer::new(drafter, model.hp.vocab, model.hp.context_len)?;
-                Box::new(Chooser::new(Box::new(drafter)))
+                Box::new(Chooser::new(vec![Box::new(drafter)], model.hp.hidden))
             }
             Err(e) if *mode == SpecMode::Auto => {
                 tracing::warn!("block drafter unusable: {e}");
@@ -212,6 +225,49 @@ pub fn build<B: Backend>(
             }
             Err(e) => return Err(e),
         },
+        Route::DrafterAndMtp => {
+            let drafter = BlockDrafter::load(bundle, model).and_then(|d| {
+                Ok(Box::new(DrafterProposer::new(
+                    d,
+                    model.hp.vocab,
+                    model.hp.context_len,
+                )?) as Box<dyn Proposer>)
+            });
+            let head = MtpHead::load(bundle, model).and_then(|h| {
+                Ok(
+                    Box::new(MtpProposer::new(h, model.hp.vocab, model.hp.context_len)?)
+                        as Box<dyn Proposer>,
+                )
+            });
+            // Only `auto` plans both: one that does not load leaves the other (the plan says so).
+            let (models, plan) = match (drafter, head) {
+                (Ok(d), Ok(h)) => (vec![d, h], plan),
+                (Ok(d), Err(e)) | (Err(e), Ok(d)) => {
+                    tracing::warn!("a speculative model is unusable: {e}");
+                    let route = if d.features().final_state {
+                        Route::Mtp
+                    } else {
+                        Route::Drafter
+                    };
+                    let plan = Plan {
+                        reason: format!("{} alone: the other is unusable ({e})", route.name()),
+                        route,
+                    };
+                    (vec![d], plan)
+                }
+                (Err(e), Err(_)) => {
+                    tracing::warn!("block drafter and MTP head unusable: {e}");
+                    let plan = Plan {
+                        route: Route::Copy,
+                        reason: format!(
+                            "block drafter and MTP head unusable ({e}): copy from the prompt"
+                        ),
+                    };
+                    return Ok((plan, Some(Box::new(SuffixCopy::new()))));
+                }
+            };
+            return Ok((plan, Some(Box::new(Chooser::new(models, model.hp.hidden)))));
+        }
         Route::DraftModel(p) => {
             let draft_bundle = Bundle::open(p)?;
             let draft_tok = Tokenizer::from_bundle(&draft_bundle)?;

@@ -366,7 +366,19 @@ pub fn write_drafter(bundle: &Path, config: &serde_json::Value, tensors: &[StEnt
 /// SmolLM2's GGUF in a bundle folder with a random drafter of a real drafter's shape (one layer reading four
 /// of its 30 layers).
 pub fn smollm2_with_drafter() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("verity-drafter-smollm2-{}", std::process::id()));
+    smollm2_with_drafter_in("verity-drafter-smollm2")
+}
+
+/// [`smollm2_with_drafter`]'s bundle with verity's trained MTP head beside the drafter.
+pub fn smollm2_with_drafter_and_mtp() -> PathBuf {
+    let dir = smollm2_with_drafter_in("verity-drafter-mtp-smollm2");
+    let head = verity::bundle::mtp::SIDE_FILE;
+    std::fs::copy(smollm2_mtp().join(head), dir.join(head)).unwrap();
+    dir
+}
+
+fn smollm2_with_drafter_in(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let gguf = smollm2();
