@@ -423,24 +423,39 @@ fn drafter_output_equals_ar(d: &Path) {
 
 #[test]
 fn drafter_output_equals_ar_on_smollm2() {
-    let d = smollm2_with_drafter();
-    let b = backend();
-    let mut ar = Engine::load(&d, b.clone(), &SpecMode::Off).unwrap();
-    let mut drafter = Engine::load(&d, b, &SpecMode::Auto).unwrap();
-    assert_eq!(
-        drafter.plan.route.name(),
+    auto_equals_ar_on_smollm2(
+        &smollm2_with_drafter(),
         "drafter",
-        "{}",
-        drafter.plan.reason
+        &[
+            "Write a haiku about the sea.",
+            "Write a Python function that reverses a string.",
+            "List the planets of the solar system.",
+        ],
     );
-    for (i, text) in [
-        "Write a haiku about the sea.",
-        "Write a Python function that reverses a string.",
-        "List the planets of the solar system.",
-    ]
-    .iter()
-    .enumerate()
-    {
+}
+
+/// `auto` on a bundle with both a block drafter and an MTP head runs them side by side (the chooser lets the
+/// one that yields more tokens per second draft, each fed its own target states): its output is AR's, greedy
+/// and sampled.
+#[test]
+fn auto_with_a_drafter_and_an_mtp_head_equals_ar_on_smollm2() {
+    auto_equals_ar_on_smollm2(
+        &smollm2_with_drafter_and_mtp(),
+        "drafter+mtp",
+        &[
+            "Write a Python function that reverses a string.",
+            "Rewrite this sentence in the passive voice: The cat chased the mouse across the garden.",
+        ],
+    );
+}
+
+/// `auto` on bundle `d` takes `route` and answers each of `texts` as AR does, greedy and sampled, drafting.
+fn auto_equals_ar_on_smollm2(d: &Path, route: &str, texts: &[&str]) {
+    let b = backend();
+    let mut ar = Engine::load(d, b.clone(), &SpecMode::Off).unwrap();
+    let mut spec = Engine::load(d, b, &SpecMode::Auto).unwrap();
+    assert_eq!(spec.plan.route.name(), route, "{}", spec.plan.reason);
+    for (i, text) in texts.iter().enumerate() {
         let prompt = ar.chat_prompt(&[Message::new("user", text)]).unwrap();
         for sampling in [
             SamplerConfig::greedy(),
@@ -457,53 +472,7 @@ fn drafter_output_equals_ar_on_smollm2() {
                 ..GenerateRequest::greedy(96)
             };
             let (want, ..) = answer(&mut ar, &prompt, &req);
-            let (got, _, stats) = answer(&mut drafter, &prompt, &req);
-            let drafted = stats.drafted;
-            assert_eq!(want, got, "{text}: {sampling:?}");
-            assert!(drafted > 0, "{text}: nothing drafted");
-        }
-    }
-}
-
-/// `auto` on a bundle with both a block drafter and an MTP head runs them side by side (the chooser lets the
-/// one that yields more tokens per second draft, the other catching up, each fed its own target states): its
-/// output is AR's, greedy and sampled.
-#[test]
-fn auto_with_a_drafter_and_an_mtp_head_equals_ar_on_smollm2() {
-    let d = smollm2_with_drafter_and_mtp();
-    let b = backend();
-    let mut ar = Engine::load(&d, b.clone(), &SpecMode::Off).unwrap();
-    let mut both = Engine::load(&d, b, &SpecMode::Auto).unwrap();
-    assert_eq!(
-        both.plan.route.name(),
-        "drafter+mtp",
-        "{}",
-        both.plan.reason
-    );
-    for (i, text) in [
-        "Write a Python function that reverses a string.",
-        "Rewrite this sentence in the passive voice: The cat chased the mouse across the garden.",
-    ]
-    .iter()
-    .enumerate()
-    {
-        let prompt = ar.chat_prompt(&[Message::new("user", text)]).unwrap();
-        for sampling in [
-            SamplerConfig::greedy(),
-            SamplerConfig {
-                temperature: 0.7,
-                seed: 5,
-                ..SamplerConfig::greedy()
-            },
-        ] {
-            let req = GenerateRequest {
-                ignore_eos: true,
-                draft_width: Some(3 + i),
-                sampling,
-                ..GenerateRequest::greedy(96)
-            };
-            let (want, ..) = answer(&mut ar, &prompt, &req);
-            let (got, _, stats) = answer(&mut both, &prompt, &req);
+            let (got, _, stats) = answer(&mut spec, &prompt, &req);
             assert_eq!(want, got, "{text}: {sampling:?}");
             assert!(stats.drafted > 0, "{text}: nothing drafted");
         }
