@@ -473,6 +473,7 @@ fn auto_equals_ar_on_smollm2(d: &Path, route: &str, texts: &[&str]) {
             };
             let (want, ..) = answer(&mut ar, &prompt, &req);
             let (got, _, stats) = answer(&mut spec, &prompt, &req);
+            assert_eq!(stats.route, route);
             assert_eq!(want, got, "{text}: {sampling:?}");
             assert!(stats.drafted > 0, "{text}: nothing drafted");
         }

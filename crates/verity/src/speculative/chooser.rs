@@ -87,6 +87,8 @@ struct Decision {
 }
 
 pub struct Chooser {
+    /// The route's name, as statistics report it.
+    name: &'static str,
     copy: SuffixCopy,
     /// The model proposers, in the bundle's order of preference (the order they are first tried in).
     models: Vec<Box<dyn Proposer>>,
@@ -134,6 +136,7 @@ impl Chooser {
             .iter()
             .fold(TargetFeatures::none(), |all, f| all.union(f));
         Chooser {
+            name: models[0].name(),
             copy: SuffixCopy::new(),
             model_yield: vec![Yield::default(); models.len()],
             model_rank: vec![Yield::default(); models.len()],
@@ -144,6 +147,11 @@ impl Chooser {
             copy_yield: Default::default(),
             decision: None,
         }
+    }
+
+    /// The chooser reported as route `name` (several models: the first model's name would not say it).
+    pub fn named(self, name: &'static str) -> Self {
+        Chooser { name, ..self }
     }
 
     /// The model that drafts where copying does not: each tried in order until it has a record, then the
@@ -206,7 +214,7 @@ impl Chooser {
 
 impl Proposer for Chooser {
     fn name(&self) -> &'static str {
-        self.models[0].name()
+        self.name
     }
 
     fn forget(&mut self) {

@@ -266,7 +266,9 @@ pub fn build<B: Backend>(
                     return Ok((plan, Some(Box::new(SuffixCopy::new()))));
                 }
             };
-            return Ok((plan, Some(Box::new(Chooser::new(models, model.hp.hidden)))));
+            let name = plan.route.name();
+            let chooser = Chooser::new(models, model.hp.hidden).named(name);
+            return Ok((plan, Some(Box::new(chooser))));
         }
         Route::DraftModel(p) => {
             let draft_bundle = Bundle::open(p)?;
