@@ -226,6 +226,18 @@ impl<B: Backend> Model<B> {
         logit_rows: LogitRows,
         hidden_layers: &[usize],
     ) -> Result<ForwardOutput> {
+        self.forward_states(cache, batch, logit_rows, hidden_layers, false)
+    }
+
+    /// [`Model::forward`], with every row's final hidden state too where `final_hidden`.
+    fn forward_states(
+        &mut self,
+        cache: &mut KvCache<B>,
+        batch: &Batch,
+        logit_rows: LogitRows,
+        hidden_layers: &[usize],
+        final_hidden: bool,
+    ) -> Result<ForwardOutput> {
         let rows = batch.rows();
         self.check_batch(batch, hidden_layers)?;
         cache.reserve(self.backend.as_ref(), rows)?;
@@ -235,7 +247,14 @@ impl<B: Backend> Model<B> {
             matches!(logit_rows, LogitRows::All | LogitRows::Greedy),
         );
         let mut s = self.scratch(rows);
-        let out = self.run(cache, batch, logit_rows, hidden_layers, false, &mut s);
+        let out = self.run(
+            cache,
+            batch,
+            logit_rows,
+            hidden_layers,
+            final_hidden,
+            &mut s,
+        );
         self.scratch = Some(s);
         self.fault_check(cache, rows)?;
         Ok(out)
@@ -261,19 +280,7 @@ impl<B: Backend> Model<B> {
         batch: &Batch,
         logit_rows: LogitRows,
     ) -> Result<ForwardOutput> {
-        let rows = batch.rows();
-        self.check_batch(batch, &[])?;
-        cache.reserve(self.backend.as_ref(), rows)?;
-        // Rows whose logits are all asked for are a verify's: a rollback may keep any of them.
-        cache.begin_forward(
-            rows,
-            matches!(logit_rows, LogitRows::All | LogitRows::Greedy),
-        );
-        let mut s = self.scratch(rows);
-        let out = self.run(cache, batch, logit_rows, &[], true, &mut s);
-        self.scratch = Some(s);
-        self.fault_check(cache, rows)?;
-        Ok(out)
+        self.forward_states(cache, batch, logit_rows, &[], true)
     }
 
     /// [`Model::forward`] that also returns `features` of every row in [`ForwardOutput::features`] (`rows ×
@@ -288,26 +295,14 @@ impl<B: Backend> Model<B> {
         if features.is_none() {
             return self.forward(cache, batch, logit_rows, &[]);
         }
-        let h = self.hp.hidden;
-        let rows = batch.rows();
-        self.check_batch(batch, &features.layers)?;
-        cache.reserve(self.backend.as_ref(), rows)?;
-        // Rows whose logits are all asked for are a verify's: a rollback may keep any of them.
-        cache.begin_forward(
-            rows,
-            matches!(logit_rows, LogitRows::All | LogitRows::Greedy),
-        );
-        let mut s = self.scratch(rows);
-        let mut out = self.run(
+        let (h, rows) = (self.hp.hidden, batch.rows());
+        let mut out = self.forward_states(
             cache,
             batch,
             logit_rows,
             &features.layers,
             features.final_state,
-            &mut s,
-        );
-        self.scratch = Some(s);
-        self.fault_check(cache, rows)?;
+        )?;
         let per_layer: Vec<&[f32]> = features
             .layers
             .iter()

@@ -19,9 +19,9 @@
 //!
 //! A model proposer that does not draft a cycle does no work in it: it keeps the target states the cycles
 //! report (contiguous rows) and brings its own state (an MTP head's cache, a block drafter's context) up to the
-//! context when it drafts next, in one multi-row pass whose time counts in that cycle's cost. The target reports the union of the models' hidden states
-//! ([`TargetFeatures::union`]), and each model receives its own part. Each proposer learns (widths, silence)
-//! only from the cycles it drafted.
+//! context when it drafts next, in one multi-row pass whose time counts in that cycle's cost. The target
+//! reports the union of the models' hidden states ([`TargetFeatures::union`]), and each model receives its own
+//! part. Each proposer learns (widths, silence) only from the cycles it drafted.
 
 use super::copy::{SuffixCopy, MAX_MATCH, MIN_MATCH};
 use super::proposer::{Draft, Outcome, Proposer};

@@ -16,8 +16,9 @@
 //!   (also across requests: a follow-up turn keeps the head's cache of the shared conversation);
 //!   a gap in the reported hidden states (a restored prefix) restarts the head's cache at the first position it
 //!   can condition; without the hidden state of the position before `pending` the head proposes nothing.
-//! - [`Proposer::catch_up`] runs the catch-up alone, for a cycle another proposer drafts (the route composes the
-//!   head with copying: [`super::chooser::Chooser`]), so the head's cache stays aligned.
+//! - Cycles another proposer drafts (the route composes the head with copying and other models:
+//!   [`super::chooser::Chooser`]) leave the head idle: the hidden states they report accumulate, and the next
+//!   catch-up covers every position since the head last drafted.
 //! - With sampling, the draft at position `p` is the head's sample from its processed distribution `q`
 //!   with the request's seed: the keyed race the target's sample at `p` runs (see [`super::verify`]).
 //! - Greedy drafts run as one chain on the backend ([`MtpHead::draft_greedy`]): each recursive step's token is
