@@ -92,7 +92,9 @@ const TILED_FORMATS: &[(GgmlType, &str)] = &[
 /// backend's 8-bit kernels do, so every output is bitwise the CPU's: every tiled format (the legacy ones, the
 /// 5-bit ones, the K-quants with Q3_K as Q6_K); a ragged shape (a partial tile), one whose blocks take several
 /// exchange chunks, one wide enough for the warp-per-tile schedule, and an 8B model's down projection (rows of
-/// 14,336 values, staged in windows); 1 to 20 rows (two launches past 16).
+/// 14,336 values, staged in windows); 1 to 16 rows (the narrow and wide schedules), 20 to 70 rows (the tall
+/// schedule's launches of up to 64 rows, a partial last n-tile, a launch of 6 rows after one of 64); the gated
+/// product of gate and up (SwiGLU) at every width, the tall schedule walking both side by side.
 #[test]
 fn cuda_int8_projections_are_bitwise_the_cpu_8_bit_kernels() {
     let (gpu, cpu) = (gpu(), backend());
@@ -100,8 +102,13 @@ fn cuda_int8_projections_are_bitwise_the_cpu_8_bit_kernels() {
     for &(ty, name) in TILED_FORMATS {
         for (n, k) in [(37, 256), (300, 2560), (16_400, 256), (40, 14_336)] {
             let m = fixture_matrix(ty, name, n, k, &mut seed);
+            let up = fixture_matrix(ty, name, n, k, &mut seed);
             let cw = cpu.load_matrix(m.clone()).unwrap();
-            for rows in [1, 2, 5, 8, 9, 16, 20] {
+            let (gw, gu) = (
+                gpu.load_matrix(m.clone()).unwrap(),
+                gpu.load_matrix(up).unwrap(),
+            );
+            for rows in [1, 2, 5, 8, 9, 16, 20, 37, 64, 70] {
                 let x = random_f32(rows * k, seed ^ rows as u64, 1.0);
                 let mut want = cpu.buffer(rows * n);
                 cpu.matmul(&cw, &x, rows, &mut want);
@@ -117,6 +124,25 @@ fn cuda_int8_projections_are_bitwise_the_cpu_8_bit_kernels() {
                     got[bad.unwrap()],
                     want[bad.unwrap()]
                 );
+                // The gated product: each row bitwise its one-row launch's.
+                let gx = gpu.upload(&x);
+                let mut out = gpu.buffer(rows * n);
+                gpu.glu_matmul(&gx, None, rows, &gw, &gu, Glu::Silu, &mut out);
+                let got = gpu.download(&out, rows * n);
+                for r in 0..rows {
+                    let row = gpu.upload(&x[r * k..(r + 1) * k]);
+                    let mut one = gpu.buffer(n);
+                    gpu.glu_matmul(&row, None, 1, &gw, &gu, Glu::Silu, &mut one);
+                    let one = gpu.download(&one, n);
+                    let bad = got[r * n..(r + 1) * n]
+                        .iter()
+                        .zip(&one)
+                        .position(|(a, b)| a.to_bits() != b.to_bits());
+                    assert!(
+                        bad.is_none(),
+                        "{name} {n}×{k}, {rows} rows: gated output of row {r} differs from its one-row launch at {bad:?}"
+                    );
+                }
             }
         }
     }
@@ -124,7 +150,7 @@ fn cuda_int8_projections_are_bitwise_the_cpu_8_bit_kernels() {
 
 /// A projection launch with the RMS norm fused (Q/K/V and gate/up, the output layer) computes bitwise what the
 /// norm kernel followed by the plain projection computes: the fused staging sums each row's squares in the norm
-/// kernel's order, whether it reads x once (its items fit one pass) or twice; both schedules, 1 to 16 rows.
+/// kernel's order, whether it reads x once (its items fit one pass) or twice; every schedule, 1 to 64 rows.
 #[test]
 fn cuda_fused_norm_projections_are_bitwise_the_norm_then_the_projection() {
     let be = gpu();
@@ -136,7 +162,7 @@ fn cuda_fused_norm_projections_are_bitwise_the_norm_then_the_projection() {
             let up = fixture_matrix(ty, name, n, k, &mut seed);
             let (w, u) = (be.load_matrix(m).unwrap(), be.load_matrix(up).unwrap());
             let nw = be.upload(&random_f32(k, seed, 1.0));
-            for rows in [1, 2, 3, 5, 8, 12, 16] {
+            for rows in [1, 2, 3, 5, 8, 12, 16, 24, 64] {
                 let x = be.upload(&random_f32(rows * k, seed ^ rows as u64, 2.0));
                 let mut xn = be.buffer(rows * k);
                 be.rms_norm(&x, &nw, rows, k, eps, &mut xn);
@@ -429,6 +455,64 @@ fn cuda_argmax_picks_what_the_host_argmax_picks() {
     assert_eq!(got, want);
 }
 
+/// After `ctx`, one forward of all of `rows` and then each row stepped alone: every row's logits bitwise the same.
+/// Returns the cache (holding `ctx` again) and the forward's logits.
+fn assert_rows_are_one_row_steps(
+    m: &mut Model<CudaBackend>,
+    ctx: &[u32],
+    rows: &[u32],
+    what: &str,
+) -> (KvCache<CudaBackend>, Vec<f32>) {
+    let mut cache = m.new_cache(ctx.len() + rows.len() + 64);
+    m.forward(&mut cache, &Batch::causal(ctx, 0), LogitRows::None, &[])
+        .unwrap();
+    let (base, vocab) = (cache.len(), m.hp.vocab);
+    let wide = m
+        .forward(&mut cache, &Batch::causal(rows, base), LogitRows::All, &[])
+        .unwrap()
+        .logits;
+    cache.truncate(base);
+    for (i, &t) in rows.iter().enumerate() {
+        let one = m
+            .forward(
+                &mut cache,
+                &Batch::causal(&[t], base + i),
+                LogitRows::All,
+                &[],
+            )
+            .unwrap()
+            .logits;
+        let row = &wide[i * vocab..(i + 1) * vocab];
+        assert!(
+            row.iter()
+                .zip(&one)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{what}, row {i}: not bitwise equal to the one-row step"
+        );
+    }
+    cache.truncate(base);
+    (cache, wide)
+}
+
+/// On every fixture bundle the GPU runs (float, MLX and GGUF weights; grouped-query, local and mixture layers),
+/// each row of a W-row forward is bitwise the one-row step at its position: W = 3, 4, 7 and 16 (one launch per
+/// projection and attention), 24 (two attention launches; past 16 rows the projections of tiled weights take the
+/// tall schedule).
+#[test]
+fn cuda_forward_rows_are_bitwise_one_row_steps_on_the_fixture_bundles() {
+    let be = gpu();
+    for name in CUDA_BUNDLES {
+        let dir = hf_bundle(name);
+        let bundle = Bundle::open(&dir).unwrap();
+        let tokens = ids(&json(&dir.join("reference.json"))["token_ids"]);
+        let mut m = Model::load(&bundle, be.clone()).unwrap();
+        for w in [3usize, 4, 7, 16, 24] {
+            let (ctx, rows) = (&tokens[..40], &tokens[40..40 + w]);
+            assert_rows_are_one_row_steps(&mut m, ctx, rows, &format!("{name}, W={w}"));
+        }
+    }
+}
+
 /// Every row of a W-row verify is bitwise the logits of the one-row step at that position (W = 2…16), and the
 /// W-row projection kernel was admitted for every weight shape of the model (no row-by-row fallback).
 #[test]
@@ -450,15 +534,8 @@ fn cuda_verify_rows_are_bitwise_the_one_row_step() {
     let vocab = m.hp.vocab;
     for w in 2..=16usize {
         let (ctx, rows) = (&text[..text.len() - w], &text[text.len() - w..]);
-        let mut cache = m.new_cache(512);
-        m.forward(&mut cache, &Batch::causal(ctx, 0), LogitRows::None, &[])
-            .unwrap();
+        let (mut cache, wide) = assert_rows_are_one_row_steps(&mut m, ctx, rows, &format!("W={w}"));
         let base = cache.len();
-        let wide = m
-            .forward(&mut cache, &Batch::causal(rows, base), LogitRows::All, &[])
-            .unwrap()
-            .logits;
-        cache.truncate(base);
         let greedy = m
             .forward(
                 &mut cache,
@@ -473,25 +550,6 @@ fn cuda_verify_rows_are_bitwise_the_one_row_step() {
             greedy, want,
             "W={w}: the device's argmax of the verify rows"
         );
-        cache.truncate(base);
-        for (i, &t) in rows.iter().enumerate() {
-            let one = m
-                .forward(
-                    &mut cache,
-                    &Batch::causal(&[t], base + i),
-                    LogitRows::All,
-                    &[],
-                )
-                .unwrap()
-                .logits;
-            let row = &wide[i * vocab..(i + 1) * vocab];
-            assert!(
-                row.iter()
-                    .zip(&one)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "W={w}, row {i}: not bitwise equal to the one-row step"
-            );
-        }
     }
 }
 

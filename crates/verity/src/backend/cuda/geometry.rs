@@ -26,7 +26,8 @@ pub struct QGeometry {
 /// gate/up), within `budget` bytes of shared memory, or `None` where it does not fit. x is not staged
 /// (`quantize_x` has quantized it once for the launch): the wide schedule keeps nothing in shared memory; the
 /// narrow one keeps its warps' weight stream (`stream` bytes) and each run's sums (`kernels.cu`'s
-/// `split_tile`): a float per run, matrix, (column, row) of its MMA n-tiles (8 rows each) — at most 32 KiB.
+/// `split_tile`): a float per run, matrix, (column, row) of its MMA n-tiles (8 rows each) — at most 128 KiB (64
+/// rows of gate and up, the tall schedule).
 pub fn q_geometry(
     rows: usize,
     k: usize,
@@ -39,7 +40,7 @@ pub fn q_geometry(
         return Some(QGeometry { bytes: 0 });
     }
     let runs = INT8_RUNS.min(k / 32);
-    let n_tiles = if rows <= 8 { 1 } else { 2 };
+    let n_tiles = rows.div_ceil(8);
     let bytes = stream + runs * per_tile * n_tiles * 16 * 8 * 4;
     (bytes <= budget).then_some(QGeometry { bytes })
 }
@@ -73,6 +74,15 @@ mod tests {
             Some(QGeometry { bytes: 0 })
         );
         assert!(q_geometry(16, 4096, false, 2, 0, 1024).is_none());
+        // The tall schedule's 64 rows: eight n-tiles.
+        assert_eq!(
+            q_geometry(64, 4096, false, 2, 0, H200).unwrap().bytes,
+            16 * 2 * 8 * 128 * 4
+        );
+        assert_eq!(
+            q_geometry(37, 4096, false, 1, 0, H200).unwrap().bytes,
+            16 * 5 * 128 * 4
+        );
         // A weight stream of 4 slots per warp of a 16-warp CTA comes first.
         assert_eq!(
             q_geometry(1, 4096, false, 2, 16 * 4 * 640, H200)

@@ -1056,16 +1056,16 @@ __device__ __forceinline__ void load_blocks(const u8* q, const u8* sc, int b0, i
 
 // One block of a tile in a warp's chains: the block's loaded quants and scales (`load_quants`, `scale_raw` for
 // columns g and g + 8) against x's n-tiles, each (n-tile nt, slot j) chain taking the contract's step.
-template <int TY>
+template <int TY, int NT>
 __device__ __forceinline__ void tile_block(const u32 (&raw)[4], const ScaleRaw (&sw)[2], const Staged& st, int b,
-                                           int lane, int ntiles, float (&acc)[2][4]) {
+                                           int lane, int ntiles, float (&acc)[NT][4]) {
     constexpr int SUMS = tile_sums(TY);
     int i2 = 2 * (lane & 3);
     u32 a[4];
     fragment<TY>(raw, a);
     BlockScale bs[2] = {block_scale<TY>(sw[0]), block_scale<TY>(sw[1])};
 #pragma unroll
-    for (int nt = 0; nt < 2; nt++) {
+    for (int nt = 0; nt < NT; nt++) {
         if (nt < ntiles) {
             u32 x0, x1;
             x_fragment(st, nt, b, lane, &x0, &x1);
@@ -1123,20 +1123,21 @@ __device__ __forceinline__ void stream_block(u8* slot, const u8* q, const u8* sc
     }
 }
 
-// Narrow schedule: this CTA's tile (`up`: the up projection for glu, gate in t; MATS = 1 or 2), its blocks' runs
-// spread over the warps (warp w sums runs w, w + WARPS, ...). A warp streams its run's contiguous bytes (the
-// first blocks requested before the grid before has finished), and keeps the run's chains in its MMA fragment
+// Narrow schedule: this CTA's tile (`up`: the up projection for glu, gate in t; MATS = 1 or 2) over up to 8 NT
+// rows (NT MMA n-tiles: 2 for launches of up to 16 rows, 8 for the tall schedule's), its blocks' runs spread
+// over the warps (warp w sums runs w, w + WARPS, ...). A warp streams its run's contiguous bytes (the first
+// blocks requested before the grid before has finished), and keeps the run's chains in its MMA fragment
 // registers (n-tile nt, column g / g + 8, row 2i / 2i + 1); the runs' sums meet in shared memory and one thread
 // per (column, row) adds them in run order. Every warp of every CTA streams weights the whole time: no (column,
 // row) waits on one thread's chain over all its blocks.
 // Shared memory (`q_geometry`): with NQ_STREAM, WARPS x NQ_STREAM stream slots; then runs x MATS x n-tiles x 4 x
 // 32 floats.
-template <int TY, int MATS, int WARPS>
+template <int TY, int MATS, int WARPS, int NT>
 __device__ void split_tile(const TileOf& t, const u8* up, const Staged& st, int rows, u8* smem, int accumulate,
                            const RopeFusion& rope) {
     constexpr int QB = tile_quant_bytes(TY);
     int nb = st.nb, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int ntiles = rows <= 8 ? 1 : 2, runs = min(RUNS, nb);
+    int ntiles = min(NT, (rows + 7) / 8), runs = min(RUNS, nb);
     float* part = (float*)(smem + WARPS * NQ_STREAM * STREAM_SLOT);
 #if NQ_STREAM > 0
     int g = lane >> 2;
@@ -1175,7 +1176,11 @@ __device__ void split_tile(const TileOf& t, const u8* up, const Staged& st, int 
         int lo = run_start(s, nb), hi = run_start(s + 1, nb);
 #pragma unroll
         for (int m = 0; m < MATS; m++) {
-            float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+            float acc[NT][4];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) acc[nt][j] = 0.f;
 #if NQ_STREAM > 0
             for (int b = lo; b < hi; b++) {
                 cp_async_wait<NQ_STREAM - 1>();
@@ -1198,7 +1203,7 @@ __device__ void split_tile(const TileOf& t, const u8* up, const Staged& st, int 
             }
 #endif
 #pragma unroll
-            for (int nt = 0; nt < 2; nt++)
+            for (int nt = 0; nt < NT; nt++)
                 if (nt < ntiles)
 #pragma unroll
                     for (int j = 0; j < 4; j++) part[(((s * MATS + m) * ntiles + nt) * 4 + j) * 32 + lane] = acc[nt][j];
@@ -1289,7 +1294,7 @@ __device__ void wide_tile(const TileOf& t, const u8* up, const Staged& st, int r
     }
 }
 
-template <bool WIDE, int WARPS>
+template <bool WIDE, int WARPS, int NT = 2>
 __device__ __forceinline__ void qmatmuls_body(const signed char* xq, const float* xd, const float* xs, int k,
                                               int rows, int accumulate, int glu, const u8* w0, int ty0,
                                               int n0, float* o0, const u8* w1, int ty1, int n1, float* o1,
@@ -1329,8 +1334,8 @@ __device__ __forceinline__ void qmatmuls_body(const signed char* xq, const float
         if (glu) wide_tile<TY, 2>(t, up, st, rows, accumulate);                                      \
         else wide_tile<TY, 1>(t, up, st, rows, accumulate);                                          \
     } else {                                                                                         \
-        if (glu) split_tile<TY, 2, WARPS>(t, up, st, rows, smem, accumulate, rp);                    \
-        else split_tile<TY, 1, WARPS>(t, up, st, rows, smem, accumulate, rp);                        \
+        if (glu) split_tile<TY, 2, WARPS, NT>(t, up, st, rows, smem, accumulate, rp);                \
+        else split_tile<TY, 1, WARPS, NT>(t, up, st, rows, smem, accumulate, rp);                    \
     }
     switch (t.ty) {
         case T_TQ4_0: QM_RUN(T_TQ4_0); break;
@@ -1370,6 +1375,13 @@ extern "C" __global__ void __launch_bounds__(NQ_WARPS * 32, NQ_WARPS <= 16 ? 2 :
 extern "C" __global__ void __launch_bounds__(QM_WARPS * 32, QM_WARPS <= 8 ? 2 : 1) qmatmuls_wide(QM_PARAMS) {
     FLOOR_EXIT
     qmatmuls_body<true, QM_WARPS>(QM_ARGS, RopeFusion{0, 0, nullptr, nullptr, nullptr, 0, 0});
+}
+
+// The tall schedule (prefill chunks): the narrow one over up to 64 rows per row group (8 n-tiles), every weight
+// block loaded once for them all. One CTA per SM: its chains take twice the registers.
+extern "C" __global__ void __launch_bounds__(NQ_WARPS * 32, 1) qmatmuls_tall(QM_PARAMS) {
+    FLOOR_EXIT
+    qmatmuls_body<false, NQ_WARPS, 8>(QM_ARGS, RopeFusion{rope_table, rope_hd, kc, vc, step, cap, r0});
 }
 
 // out[r, :] = table row step.tokens[r] (one block of threads per row, one thread per 32-value block).

@@ -86,10 +86,12 @@ use crate::backend::{AttnMask, AttnShape, Backend, Glu, Rope, StepInputs};
 use crate::error::{Error, Result};
 use crate::quant::QMatrix;
 use module::{nvrtc_options, nvrtc_version, source, Kernels};
-use projections::RopeFusion;
+use projections::{Admitted, RopeFusion};
 
 /// Rows per projection launch (longer batches run in chunks), and per attention launch.
 const MAX_ROWS: usize = 16;
+/// Rows per tall projection launch (prefill chunks: `kernels.cu`'s `qmatmuls_tall`).
+const TALL_ROWS: usize = 64;
 /// The float projection kernel's warps per block (`kernels.cu`'s `matmuls`); what every projection kernel keeps
 /// back from the dynamic shared memory for its static shared memory (a bound: `matmuls` uses 32 bytes,
 /// `qmatmuls_*` none). The rest of the projections' geometry is `geometry.rs`.
@@ -146,6 +148,9 @@ pub struct CudaMatrix {
     /// memory, once the W-row kernel was admitted for this shape (bitwise equal to the one-row kernel on these
     /// weights); else 1.
     launch_rows: usize,
+    /// Launches of more than `MAX_ROWS` rows take the tall schedule (admitted for this shape, bitwise equal
+    /// to the one-row kernel).
+    tall: bool,
 }
 
 /// A forward's inputs on the device, laid out as `kernels.cu`'s `Step` reads them: an i32 header {base, rows,
@@ -218,14 +223,18 @@ pub struct CudaBackend {
     /// Narrow launches of 8 rows or fewer split their rows in two groups where [`CudaBackend::row_groups`]'s
     /// rule says so (`VERITY_CUDA_SPLIT_ROWS=0`: never, for side-by-side measurements).
     split_rows: bool,
+    /// Launches of more than `MAX_ROWS` rows take the tall schedule where admitted (`VERITY_CUDA_TALL=0`: never,
+    /// for side-by-side measurements).
+    tall: bool,
     /// `quantize_x`'s output, read by the integer projections (the last is current; see [`StagedX`]).
     staged: Mutex<Vec<StagedX>>,
     /// The argmax kernel's per-row records and counters (`Backend::argmax`).
     argmax_work: CudaSlice<f32>,
     /// Streaming multiprocessors of the device.
     sms: usize,
-    /// The admission verdict per weight shape (type, rows, cols): rows per launch.
-    admitted: Mutex<HashMap<(i32, usize, usize), usize>>,
+    /// The admission verdict per weight shape (type, rows, cols): rows per launch, and whether the tall
+    /// schedule is admitted.
+    admitted: Mutex<HashMap<(i32, usize, usize), Admitted>>,
     /// Compiled with a knockout (measurements only): every shape admitted unchecked.
     knockout: bool,
     /// Rotations prepared at load (`prepare_attention`), in the order of every step's tables.
@@ -248,9 +257,9 @@ struct StagedX {
     xs: CudaSlice<f32>,
 }
 
-/// Rows of a `StagedX`: a launch's rows, and those a row group of the kernel reads past them (a group pads its
-/// rows to 8 or 16 and starts at most `MAX_ROWS - 1` rows in).
-const STAGED_ROWS: usize = 2 * MAX_ROWS;
+/// Rows of a `StagedX`: a launch's rows, and those its row groups read past them (a group pads its rows to a
+/// multiple of 8 — narrow: to 8 or 16 — and starts fewer rows in than the launch has).
+const STAGED_ROWS: usize = TALL_ROWS + 8;
 
 /// A mutex's guard, also after a panic elsewhere (the guarded tables stay consistent: every update is one push
 /// or insert).
@@ -385,7 +394,12 @@ impl CudaBackend {
         let sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| err("device", &e))? as usize;
-        for f in [&k.matmuls, &k.qmatmuls_narrow, &k.qmatmuls_wide] {
+        for f in [
+            &k.matmuls,
+            &k.qmatmuls_narrow,
+            &k.qmatmuls_wide,
+            &k.qmatmuls_tall,
+        ] {
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 matmul_shared as i32,
@@ -432,6 +446,7 @@ impl CudaBackend {
             att_split_by_context: opts.att_split_by_context,
             row_groups: opts.row_groups,
             split_rows: opts.split_rows,
+            tall: opts.tall,
             argmax_work,
             staged: Mutex::new(Vec::new()),
             sms,
@@ -762,7 +777,8 @@ impl Backend for CudaBackend {
     ) {
         // Fused where a tile never splits a rotated pair (interleaved pairs, an even head size) and the
         // projections run the narrow integer schedule, whose epilogue holds a column and its neighbour in
-        // neighbouring threads; not for local layers, whose cache may be a ring.
+        // neighbouring threads (as the tall schedule, its many-row form, does; not the wide one); not for local
+        // layers, whose cache may be a ring.
         let n_tiles: usize = mats.iter().map(|m| tiles::tiles(m.rows)).sum();
         let fused = self.fuse_rope
             && rope.dims.is_none()

@@ -47,6 +47,9 @@ pub struct CudaOptions {
     pub row_groups: Option<usize>,
     /// Multi-row launches split into row groups (`VERITY_CUDA_SPLIT_ROWS=0`: off).
     pub split_rows: bool,
+    /// Launches of more than `MAX_ROWS` rows (prefill chunks) take the tall schedule, every weight read once for
+    /// up to `TALL_ROWS` rows, where admitted (`VERITY_CUDA_TALL=0`: off; they run in launches of `MAX_ROWS`).
+    pub tall: bool,
 }
 
 impl Default for CudaOptions {
@@ -69,6 +72,7 @@ impl Default for CudaOptions {
             att_split_by_context: true,
             row_groups: None,
             split_rows: true,
+            tall: true,
         }
     }
 }
@@ -108,6 +112,7 @@ impl CudaOptions {
             att_split_by_context: on("VERITY_CUDA_ATT_SPLIT_BY_CONTEXT"),
             row_groups: count("VERITY_CUDA_ROW_GROUPS", 1..=MAX_ROWS),
             split_rows: on("VERITY_CUDA_SPLIT_ROWS"),
+            tall: on("VERITY_CUDA_TALL"),
         }
     }
 

@@ -10,10 +10,23 @@ use super::geometry::{q_geometry, staged_bytes, QGeometry, ROWS_PER_GROUP};
 use super::launch::Arg;
 use super::types::Tag;
 use super::{affine, dev, lock, tiles, CudaBackend, CudaMatrix, CudaStep, StagedX, STAGED_ROWS};
-use super::{GROUP_ROWS_MIN, MAX_ROWS, MM_WARPS, WIDE_COLUMNS};
+use super::{GROUP_ROWS_MIN, MAX_ROWS, MM_WARPS, TALL_ROWS, WIDE_COLUMNS};
 use crate::backend::{Backend, Glu};
 use crate::error::{Error, Result};
 use crate::quant::{QMatrix, WeightFormat};
+
+/// A weight shape's admission verdict (`CudaBackend::admit`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Admitted {
+    /// Rows one narrow or wide launch may take: the shared memory's limit, or 1 where the W-row launches are
+    /// not bitwise the one-row kernel.
+    pub(super) rows: usize,
+    /// Whether launches of more than `MAX_ROWS` rows take the tall schedule.
+    pub(super) tall: bool,
+}
+
+/// Rows of the admission check's input: a tall launch's, and the offset of its second check.
+const ADMIT_ROWS: usize = TALL_ROWS + 8;
 
 /// RoPE and the cache write fused into a Q/K/V launch of the integer kernel (`kernels.cu`'s `RopeFusion`).
 pub(super) struct RopeFusion<'a> {
@@ -45,6 +58,14 @@ fn row_groups(tiles: usize, rows: usize, rope: bool, sms: usize, split_rows: boo
     } else {
         1
     };
+    nonempty_groups(rows, want)
+}
+
+/// Row groups of a tall launch of `tiles` CTAs and `rows` rows: one, unless the tiles leave SMs idle; then as
+/// many as fill them, but no more than launches of `MAX_ROWS` rows would take (each group reads the weights
+/// again, from L2 where the groups run together).
+fn tall_groups(tiles: usize, rows: usize, sms: usize) -> usize {
+    let want = (sms / tiles.max(1)).clamp(1, rows.div_ceil(MAX_ROWS));
     nonempty_groups(rows, want)
 }
 
@@ -102,6 +123,7 @@ impl CudaBackend {
             cols: m.cols,
             data,
             launch_rows: 0,
+            tall: false,
         };
         // The integer kernels read x quantized (any row length runs); the float kernel stages whole rows.
         if form.is_some() {
@@ -117,7 +139,8 @@ impl CudaBackend {
                 m.name, m.cols
             ))
         })?;
-        matrix.launch_rows = self.admit(&matrix);
+        let admitted = self.admit(&matrix);
+        (matrix.launch_rows, matrix.tall) = (admitted.rows, admitted.tall);
         Ok(matrix)
     }
 
@@ -158,7 +181,7 @@ impl CudaBackend {
         let s = staged
             .last()
             .expect("reserved when a tiled matrix was loaded");
-        debug_assert!(s.k >= k && rows <= MAX_ROWS);
+        debug_assert!(s.k >= k && rows <= STAGED_ROWS);
         let staged_args = [self.at(&s.xq, 0), self.at(&s.xd, 0), self.at(&s.xs, 0)];
         // Four threads per 32-value block in one pass where the CTA's 1,024 threads allow, else two.
         let threads = (k / 32 * 4).clamp(32, 1024).next_multiple_of(32);
@@ -185,6 +208,18 @@ impl CudaBackend {
     /// Whether a launch of `mats` runs the integer kernels: every matrix tiled, and gate and up of one type.
     fn int8_launch(glu: bool, mats: &[&CudaMatrix]) -> bool {
         mats.iter().all(|m| m.form.is_some()) && (!glu || mats[0].ty == mats[1].ty)
+    }
+
+    /// Whether `rows` rows of `mats` take the tall schedule: more than one narrow launch's rows, the integer
+    /// kernels, every matrix admitted for it.
+    fn tall_launch(&self, rows: usize, glu: bool, mats: &[&CudaMatrix]) -> bool {
+        self.tall && rows > MAX_ROWS && Self::int8_launch(glu, mats) && mats.iter().all(|m| m.tall)
+    }
+
+    /// Whether the tall schedule may run rows of `k` values: on, and its run sums of gate and up fit the shared
+    /// memory.
+    fn tall_fits(&self, k: usize) -> bool {
+        self.tall && self.int8_tiles && self.q_geometry(TALL_ROWS, k, false, true).is_some()
     }
 
     /// The most rows the float kernel stages for rows of `k` values (at least 1: a row that does not fit was
@@ -226,8 +261,14 @@ impl CudaBackend {
         rope: Option<&RopeFusion>,
     ) {
         let glu = act.is_some();
-        debug_assert!((1..=3).contains(&mats.len()) && rows <= MAX_ROWS);
-        debug_assert!(mats.iter().all(|m| rows <= m.launch_rows));
+        let tall = rows > MAX_ROWS;
+        debug_assert!((1..=3).contains(&mats.len()) && rows <= TALL_ROWS);
+        // Tall launches: what `matmuls_chunked` (or the admission check) asks for.
+        debug_assert!(if tall {
+            Self::int8_launch(glu, mats)
+        } else {
+            mats.iter().all(|m| rows <= m.launch_rows)
+        });
         debug_assert_eq!(outs.len(), if glu { 1 } else { mats.len() });
         let k = mats[0].cols;
         assert!(
@@ -263,8 +304,11 @@ impl CudaBackend {
                 mats.iter().map(|m| tiles::tiles(m.rows)).sum()
             };
             // The wide schedule's CTAs may straddle matrices, so it needs them of one type (`kernels.cu`).
-            let wide = n_tiles >= self.wide_tiles && mats.iter().all(|m| m.ty == mats[0].ty);
-            let (ctas, groups) = if wide {
+            let wide =
+                !tall && n_tiles >= self.wide_tiles && mats.iter().all(|m| m.ty == mats[0].ty);
+            let (ctas, groups) = if tall {
+                (n_tiles, tall_groups(n_tiles, rows, self.sms))
+            } else if wide {
                 (n_tiles.div_ceil(self.wide_warps), 1)
             } else {
                 (n_tiles, self.row_groups(n_tiles, rows, rope.is_some()))
@@ -273,11 +317,13 @@ impl CudaBackend {
             let cta_rows = rows.div_ceil(groups);
             let bytes = self
                 .q_geometry(cta_rows, k, wide, glu)
-                .expect("capped by `launch_rows`")
+                .expect("capped by `launch_rows` and `tall_fits`")
                 .bytes;
-            // Both schedules give every (column, row) the same arithmetic: which one a launch takes changes no
+            // The schedules give every (column, row) the same arithmetic: which one a launch takes changes no
             // bits.
-            let (f, warps) = if wide {
+            let (f, warps) = if tall {
+                (&self.k.qmatmuls_tall, self.narrow_warps)
+            } else if wide {
                 (&self.k.qmatmuls_wide, self.wide_warps)
             } else {
                 (&self.k.qmatmuls_narrow, self.narrow_warps)
@@ -375,6 +421,7 @@ impl CudaBackend {
         outs: &mut [&mut CudaSlice<f32>],
         rope: Option<&RopeFusion>,
     ) {
+        let tall = self.tall_launch(rows, act.is_some(), mats);
         let mut per_launch = mats.iter().map(|m| m.launch_rows).min().unwrap_or(1);
         if !Self::int8_launch(act.is_some(), mats) {
             // Tiled matrices beside untiled ones run the float kernel, whose staging caps the rows of long ones.
@@ -382,76 +429,115 @@ impl CudaBackend {
         }
         let mut r0 = 0;
         while r0 < rows {
-            let take = (rows - r0).min(per_launch);
+            let left = rows - r0;
+            // Tall launches of up to TALL_ROWS rows while more than MAX_ROWS are left.
+            let take = if tall && left > MAX_ROWS {
+                left.min(TALL_ROWS)
+            } else {
+                left.min(per_launch)
+            };
             self.launch_matmuls(x, norm, r0, take, accumulate, act, mats, outs, rope);
             r0 += take;
         }
     }
     /// Weight shapes checked so far, and how many of them failed the admission check (their verifies run one
-    /// row per launch).
+    /// row per launch, or their prefill chunks in launches of `MAX_ROWS`).
     pub fn admission(&self) -> (usize, usize) {
         let a = lock(&self.admitted);
-        (a.len(), a.values().filter(|&&r| r < MAX_ROWS).count())
+        let failed = a
+            .iter()
+            .filter(|((_, _, k), v)| v.rows < MAX_ROWS || (self.tall_fits(*k) && !v.tall))
+            .count();
+        (a.len(), failed)
     }
 
-    /// The admission check of the W-row projection kernel for `m`'s shape, on `m`'s own weights: widths 16 (two
-    /// row groups), 5, 3 and 2 (each row-count variant; those above `m.launch_rows`, which the shared memory
-    /// allows, are skipped) against the one-row kernel on pseudo-random rows, bitwise. Returns the rows one
-    /// launch may take: `m.launch_rows` if admitted, else 1.
-    fn admit(&self, m: &CudaMatrix) -> usize {
+    /// The admission check of the multi-row projection kernels for `m`'s shape, on `m`'s own weights, bitwise
+    /// against the one-row kernel on pseudo-random rows: widths 16 (two row groups), 5, 3 and 2 (each row-count
+    /// variant; those above `m.launch_rows`, which the shared memory allows, are skipped), and for the tall
+    /// schedule 64 rows and 37 rows from row 5 (a partial last n-tile, rows past the launch's read).
+    fn admit(&self, m: &CudaMatrix) -> Admitted {
         let key = (m.ty, m.rows, m.cols);
-        if let Some(&rows) = lock(&self.admitted).get(&key) {
-            return rows;
+        if let Some(&verdict) = lock(&self.admitted).get(&key) {
+            return verdict;
         }
+        let tall_possible = m.form.is_some() && self.tall_fits(m.cols);
         if self.knockout {
-            return m.launch_rows;
+            return Admitted {
+                rows: m.launch_rows,
+                tall: tall_possible,
+            };
         }
         let (k, n) = (m.cols, m.rows);
         let mut seed = 0x9e37_79b9u32;
-        let x: Vec<f32> = (0..MAX_ROWS * k)
+        let x: Vec<f32> = (0..ADMIT_ROWS * k)
             .map(|_| {
                 seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
                 (seed >> 8) as f32 / (1u32 << 23) as f32 - 1.0
             })
             .collect();
         let x = self.upload(&x);
-        let mut one = self.buffer(MAX_ROWS * n);
-        for r in 0..MAX_ROWS {
+        let mut one = self.buffer(ADMIT_ROWS * n);
+        let checked = if tall_possible { ADMIT_ROWS } else { MAX_ROWS };
+        for r in 0..checked {
             self.launch_matmuls(&x, None, r, 1, false, None, &[m], &mut [&mut one], None);
         }
-        let one = self.download(&one, MAX_ROWS * n);
-        let mut wide = self.buffer(MAX_ROWS * n);
-        let mut exact = true;
-        for (r0, w) in [(0, MAX_ROWS), (1, 5), (6, 3), (9, 2)] {
-            if w > m.launch_rows {
-                continue;
-            }
-            self.launch_matmuls(&x, None, r0, w, false, None, &[m], &mut [&mut wide], None);
-            let got = self.download(&wide, MAX_ROWS * n);
+        let one = self.download(&one, ADMIT_ROWS * n);
+        let mut many = self.buffer(ADMIT_ROWS * n);
+        // A launch of more than MAX_ROWS rows takes the tall schedule.
+        let mut exact_at = |r0: usize, w: usize| {
+            self.launch_matmuls(&x, None, r0, w, false, None, &[m], &mut [&mut many], None);
+            let got = self.download(&many, ADMIT_ROWS * n);
             let span = r0 * n..(r0 + w) * n;
-            exact &= got[span.clone()]
+            got[span.clone()]
                 .iter()
                 .zip(&one[span])
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-        }
-        let rows = if exact {
-            m.launch_rows
-        } else {
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+        };
+        let narrow = [(0, MAX_ROWS), (1, 5), (6, 3), (9, 2)]
+            .into_iter()
+            .filter(|&(_, w)| w <= m.launch_rows)
+            .all(|(r0, w)| exact_at(r0, w));
+        let tall = tall_possible
+            && [(0, TALL_ROWS), (5, 37)]
+                .into_iter()
+                .all(|(r0, w)| exact_at(r0, w));
+        if !narrow {
             tracing::warn!(
                 "the {MAX_ROWS}-row projection kernel is not bitwise the one-row kernel for a {n}×{k} matrix of \
                  type {}: its verifies run one row per launch",
                 m.ty
             );
-            1
+        }
+        if tall_possible && !tall {
+            tracing::warn!(
+                "the tall projection kernel is not bitwise the one-row kernel for a {n}×{k} matrix of type {}: \
+                 its prefill runs in launches of {MAX_ROWS} rows",
+                m.ty
+            );
+        }
+        let verdict = Admitted {
+            rows: if narrow { m.launch_rows } else { 1 },
+            tall,
         };
-        lock(&self.admitted).insert(key, rows);
-        rows
+        lock(&self.admitted).insert(key, verdict);
+        verdict
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::row_groups;
+    use super::{row_groups, tall_groups};
+
+    #[test]
+    fn tall_launches_split_their_rows_only_where_the_tiles_leave_sms_idle() {
+        // A 1B model on an H100 (132 SMs): gate/up 512 tiles, q/o/down 128, k/v 32.
+        assert_eq!(tall_groups(512, 64, 132), 1);
+        assert_eq!(tall_groups(128, 64, 132), 1);
+        assert_eq!(tall_groups(32, 64, 132), 4);
+        // SmolLM2's o (36 tiles) at 20 rows: two groups, never more than 16-row launches would be.
+        assert_eq!(tall_groups(36, 20, 132), 2);
+        assert_eq!(tall_groups(3, 64, 132), 4);
+    }
 
     #[test]
     fn o_and_down_take_two_row_groups_at_seven_and_eight_rows_but_qkv_keeps_one() {
