@@ -28,6 +28,11 @@ pub struct Args {
     /// Requests that may wait while a batch is full (or a constrained request runs); more are answered 503.
     #[arg(long, default_value_t = 16)]
     queue: usize,
+    /// KV cache the decoding requests may hold together, in MiB (0 = no limit): a request joins the batch only
+    /// while the caches' size at the batch's prompts plus their token limits stays within it, and waits
+    /// otherwise; a request that alone needs more is refused.
+    #[arg(long, default_value_t = 0)]
+    kv_budget_mb: usize,
     /// RAM for prefix-cache checkpoints of earlier conversations, in MiB (0 = off).
     #[arg(long, default_value_t = 512)]
     prefix_cache_mb: usize,
@@ -169,7 +174,12 @@ fn serve<B: Backend>(c: Checked, backend: Arc<B>) -> Result<()> {
             .file_stem()
             .map_or(a.model.clone(), |s| s.to_string_lossy().into_owned())
     };
-    let app = verity_server::app(engine, &model_id, a.queue.max(1), a.batch.max(1));
+    let capacity = verity_server::Capacity {
+        queue: a.queue.max(1),
+        batch: a.batch.max(1),
+        kv_budget: (a.kv_budget_mb > 0).then_some(a.kv_budget_mb << 20),
+    };
+    let app = verity_server::app(engine, &model_id, capacity);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

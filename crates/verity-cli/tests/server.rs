@@ -398,6 +398,63 @@ fn concurrent_requests_get_their_solo_answers() {
     );
 }
 
+/// With a KV budget that holds one request's cache (SmolLM2's first 256 slots: 11.25 MiB), concurrent requests
+/// decode one after another, each with its solo answer, and never in batched steps; the metrics count the waits.
+/// A request whose cache alone would pass the budget is refused with an error that says so.
+#[test]
+fn the_kv_budget_makes_requests_wait_and_refuses_what_never_fits() {
+    let srv = Server::start(&["--kv-budget-mb", "16"]);
+    let bodies = [
+        chat_body("Name three colours.", 40, ""),
+        r#"{"messages":[{"role":"user","content":"Count from one to five."}],"max_tokens":40,"temperature":0.8,"seed":3}"#
+            .to_string(),
+        chat_body("What is the capital of Italy?", 40, ""),
+    ];
+    let content = |reply: &str| {
+        let v: serde_json::Value = serde_json::from_str(reply).unwrap();
+        v["choices"][0]["message"]["content"].clone()
+    };
+    let solo: Vec<_> = bodies
+        .iter()
+        .map(|b| {
+            let (st, reply) = http(&srv.addr, "POST", "/v1/chat/completions", b);
+            assert_eq!(st, 200, "{reply}");
+            content(&reply)
+        })
+        .collect();
+    let together: Vec<_> = bodies
+        .iter()
+        .map(|b| {
+            let (addr, b) = (srv.addr.clone(), b.clone());
+            std::thread::sleep(Duration::from_millis(60));
+            std::thread::spawn(move || http(&addr, "POST", "/v1/chat/completions", &b))
+        })
+        .collect();
+    for (i, t) in together.into_iter().enumerate() {
+        let (st, reply) = t.join().unwrap();
+        assert_eq!(st, 200, "{reply}");
+        assert_eq!(content(&reply), solo[i], "request {i}");
+    }
+    let metrics = http(&srv.addr, "GET", "/metrics", "").1;
+    let count = |name: &str| -> u64 {
+        let line = metrics.lines().find(|l| l.starts_with(name)).unwrap();
+        line[name.len()..].trim().parse().unwrap()
+    };
+    assert!(count("verity_kv_budget_waits_total ") >= 1, "{metrics}");
+    assert_eq!(count("verity_batch_steps_total "), 0, "{metrics}");
+    let (st, reply) = http(
+        &srv.addr,
+        "POST",
+        "/v1/chat/completions",
+        &chat_body("Tell me a long story.", 600, ""),
+    );
+    assert_eq!(st, 400, "{reply}");
+    assert!(
+        reply.contains("KV cache") && reply.contains("16 MiB"),
+        "{reply}"
+    );
+}
+
 /// Send SIGTERM to the server and wait (up to `patience`) for it to exit; returns whether it exited cleanly.
 #[cfg(unix)]
 fn terminate(srv: &mut Server, patience: Duration) -> bool {

@@ -62,10 +62,22 @@ pub struct App {
     worker: Worker,
 }
 
-/// Build the server around an engine; `queue` is how many requests may wait, `batch` how many decode together.
-pub fn app<B: Backend>(engine: Engine<B>, model_id: &str, queue: usize, batch: usize) -> App {
+/// How much the engine thread takes on at once.
+#[derive(Clone, Copy, Debug)]
+pub struct Capacity {
+    /// Requests that may wait; more are answered 503.
+    pub queue: usize,
+    /// Requests that decode together in batched steps.
+    pub batch: usize,
+    /// Bytes of KV cache the decoding requests may hold together, each counted at its prompt plus its token
+    /// limit: a request that would pass it waits, one that alone would is refused. `None`: no limit.
+    pub kv_budget: Option<usize>,
+}
+
+/// Build the server around an engine.
+pub fn app<B: Backend>(engine: Engine<B>, model_id: &str, capacity: Capacity) -> App {
     let metrics = Arc::new(Metrics::default());
-    let worker = Worker::start(engine, queue, batch, metrics.clone());
+    let worker = Worker::start(engine, capacity, metrics.clone());
     let state = Arc::new(AppState {
         model_id: model_id.to_string(),
         worker: worker.clone(),

@@ -24,6 +24,8 @@ pub struct Metrics {
     pub batch_steps: AtomicU64,
     pub batch_tokens: AtomicU64,
     pub handovers: AtomicU64,
+    /// Requests that waited for the KV budget before starting.
+    pub kv_waits: AtomicU64,
     /// Bytes of K/V the sessions' caches hold, and the prefix cache's RAM checkpoints and their bytes, as of
     /// the last request's end.
     pub kv_bytes: AtomicU64,
@@ -127,6 +129,11 @@ impl Metrics {
             "verity_batch_joins_from_alone_total",
             "Requests that decoded alone and moved into batched steps when others arrived.",
             self.handovers.load(Relaxed).to_string(),
+        );
+        counter(
+            "verity_kv_budget_waits_total",
+            "Requests that waited for the KV budget before they started.",
+            self.kv_waits.load(Relaxed).to_string(),
         );
         let _ = writeln!(
             o,

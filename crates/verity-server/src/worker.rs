@@ -20,7 +20,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use verity::backend::Backend;
 use verity::chat::{Message, OutputParser, StreamDecoder, TemplateArgs, Tokenizer, ToolCall};
 use verity::engine::{
-    Decoding, Emitted, Engine, GenerateRequest, GenerationStats, Session, StopReason,
+    Decoding, Emitted, Engine, GenerateRequest, GenerationStats, Session, StopReason, PREFILL_CHUNK,
 };
 use verity::sample::constraint::SharedConstraint;
 
@@ -28,6 +28,7 @@ use crate::api::{Params, ResponseFormat, ToolChoice};
 use crate::error::ApiError;
 use crate::grammar::Grammars;
 use crate::metrics::Metrics;
+use crate::Capacity;
 
 pub enum Input {
     Chat(Vec<Message>),
@@ -99,23 +100,20 @@ fn shutting_down() -> ApiError {
 }
 
 impl Worker {
-    /// Start the engine thread with a queue of `capacity` waiting requests, decoding up to `max_batch` of them
-    /// together.
-    pub fn start<B: Backend>(
-        engine: Engine<B>,
-        capacity: usize,
-        max_batch: usize,
-        metrics: Arc<Metrics>,
-    ) -> Self {
-        let (tx, rx) = sync_channel::<Task>(capacity);
+    /// Start the engine thread with a queue of `capacity.queue` waiting requests, decoding up to
+    /// `capacity.batch` of them together within `capacity.kv_budget`.
+    pub fn start<B: Backend>(engine: Engine<B>, capacity: Capacity, metrics: Arc<Metrics>) -> Self {
+        let (tx, rx) = sync_channel::<Task>(capacity.queue);
         let shutdown = Arc::new(Shutdown::default());
         let scheduler = Scheduler {
             engine,
             grammars: None,
             batch: Vec::new(),
             answers: Vec::new(),
+            parked: None,
             idle: Vec::new(),
-            max_batch: max_batch.max(1),
+            max_batch: capacity.batch.max(1),
+            kv_budget: capacity.kv_budget,
             metrics,
             flags: shutdown.clone(),
         };
@@ -353,6 +351,7 @@ fn prepare<B: Backend>(
         tool_calls: Vec::new(),
         hit_stop: None,
         failure: None,
+        kv_need: 0,
     };
     Ok(Prepared { request, answer })
 }
@@ -372,6 +371,9 @@ struct Answer {
     tool_calls: Vec<ToolCall>,
     hit_stop: Option<String>,
     failure: Option<ApiError>,
+    /// Bytes of KV cache its session holds at its prompt plus its token limit: what it counts against the KV
+    /// budget while it decodes.
+    kv_need: usize,
 }
 
 impl Answer {
@@ -465,11 +467,22 @@ struct Scheduler<B: Backend> {
     /// Requests decoding in batched steps, each with its answer.
     batch: Vec<Decoding<B>>,
     answers: Vec<Answer>,
+    /// The request that waits for the KV budget; none is taken from the queue meanwhile (first come, first
+    /// served).
+    parked: Option<Parked<B>>,
     /// Sessions of finished requests, most recent last: a follow-up turn reuses its conversation's cached prefix.
     idle: Vec<Session<B>>,
     max_batch: usize,
+    kv_budget: Option<usize>,
     metrics: Arc<Metrics>,
     flags: Arc<Shutdown>,
+}
+
+/// A prepared request waiting for the KV budget, with its session.
+struct Parked<B: Backend> {
+    request: GenerateRequest,
+    answer: Answer,
+    session: Session<B>,
 }
 
 /// Idle sessions kept between requests (others give their buffers back; the prefix cache keeps their
@@ -479,8 +492,17 @@ const IDLE_SESSIONS: usize = 2;
 impl<B: Backend> Scheduler<B> {
     fn run(mut self, rx: Receiver<Task>) {
         loop {
+            if let Some(p) = self.parked.take() {
+                if self.flags.draining.load(Relaxed) {
+                    self.fail(p.answer, shutting_down());
+                } else if self.fits(p.answer.kv_need) {
+                    self.start(p.request, p.answer, p.session);
+                } else {
+                    self.parked = Some(p);
+                }
+            }
             // Take requests while the batch has room; wait for one only when nothing decodes.
-            while self.batch.len() < self.max_batch {
+            while self.parked.is_none() && self.batch.len() < self.max_batch {
                 let task = if self.batch.is_empty() {
                     match rx.recv() {
                         Ok(t) => t,
@@ -506,9 +528,15 @@ impl<B: Backend> Scheduler<B> {
         }
     }
 
-    /// Whether a request waits in the queue.
+    /// Whether a request waits in the queue and may be taken (none waits for the KV budget).
     fn waiting(&self) -> bool {
-        self.max_batch > 1 && self.metrics.queue_depth.load(Relaxed) > 0
+        self.max_batch > 1 && self.parked.is_none() && self.metrics.queue_depth.load(Relaxed) > 0
+    }
+
+    /// Whether a request whose cache needs `need` bytes fits the KV budget beside the batch's.
+    fn fits(&self, need: usize) -> bool {
+        let held: usize = self.answers.iter().map(|a| a.kv_need).sum();
+        self.kv_budget.is_none_or(|budget| held + need <= budget)
     }
 
     fn take(&mut self, task: Task) {
@@ -530,7 +558,10 @@ impl<B: Backend> Scheduler<B> {
             return;
         }
         let events = job.events.clone();
-        let Prepared { request, answer } = match prepare(&self.engine, &mut self.grammars, job) {
+        let Prepared {
+            request,
+            mut answer,
+        } = match prepare(&self.engine, &mut self.grammars, job) {
             Ok(p) => p,
             Err(e) => {
                 let _ = events.send(Event::Error(e));
@@ -538,6 +569,37 @@ impl<B: Backend> Scheduler<B> {
             }
         };
         let session = self.session_for(&answer.prompt);
+        let slots = answer.prompt.len() + request.max_tokens;
+        answer.kv_need = session.cache.bytes_holding(slots, PREFILL_CHUNK);
+        if let Some(budget) = self.kv_budget.filter(|&b| answer.kv_need > b) {
+            let e = ApiError::invalid(
+                format!(
+                    "the request needs {} MiB of KV cache (a prompt of {} tokens and max_tokens {}), more than \
+                     the server's budget of {} MiB",
+                    answer.kv_need.div_ceil(1 << 20),
+                    answer.prompt.len(),
+                    request.max_tokens,
+                    budget >> 20
+                ),
+                Some("max_tokens"),
+            );
+            self.keep_idle(session);
+            return self.fail(answer, e);
+        }
+        if !self.fits(answer.kv_need) {
+            self.metrics.kv_waits.fetch_add(1, Relaxed);
+            self.parked = Some(Parked {
+                request,
+                answer,
+                session,
+            });
+            return;
+        }
+        self.start(request, answer, session);
+    }
+
+    /// Start a prepared request: alone, or joining the batch.
+    fn start(&mut self, request: GenerateRequest, answer: Answer, session: Session<B>) {
         // Constrained requests decode alone (the batched steps take none), so do requests while nothing else
         // runs: alone, a request drafts on its speculative route; it moves into batched steps when others come.
         if request.constraint.is_some() || self.batch.is_empty() {
@@ -592,7 +654,8 @@ impl<B: Backend> Scheduler<B> {
         self.metrics
             .active
             .store(1 + self.batch.len() as i64, Relaxed);
-        let may_hand_over = rest.constraint.is_none() && self.max_batch > 1;
+        let may_hand_over =
+            rest.constraint.is_none() && self.max_batch > 1 && self.parked.is_none();
         let mut handed = false;
         let (cancel, depth) = (&self.flags.cancelling, &self.metrics.queue_depth);
         let result = decode(&mut self.engine, &mut |tok, e| {
@@ -666,13 +729,18 @@ impl<B: Backend> Scheduler<B> {
     fn finish(&mut self, session: Session<B>, answer: Answer, stats: GenerationStats) {
         let events = answer.events.clone();
         let last = answer.finish(stats, &self.metrics);
+        self.keep_idle(session);
+        self.update_gauges();
+        let _ = events.send(last.unwrap_or_else(Event::Error));
+    }
+
+    /// Keep a session for a follow-up turn; the oldest beyond `IDLE_SESSIONS` gives its buffers back.
+    fn keep_idle(&mut self, session: Session<B>) {
         self.idle.push(session);
         if self.idle.len() > IDLE_SESSIONS {
             let oldest = self.idle.remove(0);
             self.engine.end_session(oldest);
         }
-        self.update_gauges();
-        let _ = events.send(last.unwrap_or_else(Event::Error));
     }
 
     fn fail(&mut self, answer: Answer, e: ApiError) {

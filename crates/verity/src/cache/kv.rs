@@ -165,8 +165,48 @@ impl<B: Backend> KvCache<B> {
     /// Bytes of K/V the buffers hold (what the cache costs in device memory), and of the recurrent states.
     pub fn bytes(&self) -> usize {
         let slots: usize = (0..self.windows.len()).map(|l| self.slots(l)).sum();
+        self.bytes_of(slots)
+    }
+
+    /// What [`KvCache::bytes`] would say once the buffers have grown to hold `len` positions for forwards of up
+    /// to `rows` rows, without growing them (a server's admission by memory).
+    pub fn bytes_holding(&self, len: usize, rows: usize) -> usize {
+        let (capacity, ring) = self.grown(len.min(self.max_capacity), rows);
+        let slots: usize = self
+            .kv_layers()
+            .into_iter()
+            .map(|l| {
+                if self.windows[l].is_some() {
+                    ring
+                } else {
+                    capacity
+                }
+            })
+            .sum();
+        self.bytes_of(slots)
+    }
+
+    /// Bytes of `slots` K/V slots over the layers, and of the recurrent states.
+    fn bytes_of(&self, slots: usize) -> usize {
         let states: usize = self.recurrent.as_ref().map_or(0, |r| r.lens().iter().sum());
         (2 * slots * self.kv_dim + states) * 4
+    }
+
+    /// The whole-context capacity and ring slots the buffers grow to for `need` slots and forwards of `rows`
+    /// rows.
+    fn grown(&self, need: usize, rows: usize) -> (usize, usize) {
+        let capacity = if need <= self.capacity {
+            self.capacity
+        } else {
+            need.next_power_of_two().min(self.max_capacity)
+        };
+        // A ring never shrinks (that would drop what it holds); until the context outgrows it, the local
+        // layers are as long as the others.
+        let ring = match self.window() {
+            Some(w) => capacity.min(self.ring.max(ring_slots(w, rows))),
+            None => capacity,
+        };
+        (capacity, ring)
     }
 
     /// Slots of layer `l`'s buffers (none for a recurrent layer).
@@ -213,17 +253,7 @@ impl<B: Backend> KvCache<B> {
 
     /// Buffers for `need` slots, with rings wide enough for forwards of `rows` rows.
     fn grow(&mut self, backend: &B, need: usize, rows: usize) {
-        let capacity = if need <= self.capacity {
-            self.capacity
-        } else {
-            need.next_power_of_two().min(self.max_capacity)
-        };
-        // A ring never shrinks (that would drop what it holds); until the context outgrows it, the local
-        // layers are as long as the others.
-        let ring = match self.window() {
-            Some(w) => capacity.min(self.ring.max(ring_slots(w, rows))),
-            None => capacity,
-        };
+        let (capacity, ring) = self.grown(need, rows);
         if capacity == self.capacity && ring == self.ring {
             return;
         }
@@ -620,6 +650,37 @@ mod tests {
             0,
             "the ring no longer holds that window"
         );
+    }
+
+    #[test]
+    fn bytes_holding_foretells_what_growing_the_cache_allocates() {
+        let be = CpuBackend::new(1).unwrap();
+        let shape = CacheShape {
+            n_layers: 6,
+            n_heads: 4,
+            n_kv_heads: 1,
+            head_dim: 64,
+        };
+        let windows: Vec<Option<usize>> = (0..6).map(|l| (l % 3 != 2).then_some(256)).collect();
+        for mut cache in [
+            KvCache::with_windows(&be, shape, 4096, windows),
+            KvCache::new(&be, shape, 4096),
+        ] {
+            for len in [10, 64, 200, 1000, 3000, 4096] {
+                let told = cache.bytes_holding(len, 64);
+                while cache.len() < len {
+                    let rows = (len - cache.len()).min(64);
+                    cache.reserve(&be, rows).unwrap();
+                    cache.advance(rows);
+                }
+                assert_eq!(cache.bytes(), told, "{len} positions");
+            }
+            assert_eq!(
+                cache.bytes_holding(100_000, 64),
+                cache.bytes(),
+                "capped by the context"
+            );
+        }
     }
 
     #[test]
