@@ -314,6 +314,50 @@ fn a_disconnected_stream_is_cancelled_and_a_full_queue_answers_503() {
     assert_eq!(b.join().unwrap(), 200);
 }
 
+/// A client that hangs up in the middle of batched steps ends only its own generation: the requests decoding
+/// beside it get bitwise their solo answers, and the metrics count one cancellation.
+#[test]
+fn a_stream_cancelled_mid_batch_leaves_the_others_answers_unchanged() {
+    let srv = Server::start(&[]);
+    let bodies = [
+        chat_body("Describe a forest in spring.", 64, ""),
+        r#"{"messages":[{"role":"user","content":"List some fruits."}],"max_tokens":48,"temperature":0.9,"seed":7}"#
+            .to_string(),
+    ];
+    let content = |reply: &str| {
+        let v: serde_json::Value = serde_json::from_str(reply).unwrap();
+        v["choices"][0]["message"]["content"].clone()
+    };
+    let solo: Vec<_> = bodies
+        .iter()
+        .map(|b| content(&http(&srv.addr, "POST", "/v1/chat/completions", b).1))
+        .collect();
+    let stream = long_stream(&srv.addr);
+    let others: Vec<_> = bodies
+        .iter()
+        .map(|b| {
+            let (addr, b) = (srv.addr.clone(), b.clone());
+            std::thread::spawn(move || http(&addr, "POST", "/v1/chat/completions", &b))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(150));
+    drop(stream);
+    for (i, t) in others.into_iter().enumerate() {
+        let (st, reply) = t.join().unwrap();
+        assert_eq!(st, 200, "{reply}");
+        assert_eq!(content(&reply), solo[i], "request {i}");
+    }
+    let metrics = http(&srv.addr, "GET", "/metrics", "").1;
+    assert!(
+        metrics.contains("verity_requests_cancelled_total 1"),
+        "{metrics}"
+    );
+    assert!(
+        !metrics.contains("verity_batch_steps_total 0\n"),
+        "{metrics}"
+    );
+}
+
 /// Requests decoding together (joining a request that decodes alone, joining a running batch, outliving the
 /// others and going on alone) get bitwise the answers they get one at a time: text, finish reason, token
 /// counts and log-probabilities, greedy and seeded sampling, on the speculative route and with it off.
