@@ -360,7 +360,8 @@ fn a_stream_cancelled_mid_batch_leaves_the_others_answers_unchanged() {
 
 /// Requests decoding together (joining a request that decodes alone, joining a running batch, outliving the
 /// others and going on alone) get bitwise the answers they get one at a time: text, finish reason, token
-/// counts and log-probabilities, greedy and seeded sampling, on the speculative route and with it off.
+/// counts and log-probabilities, greedy and seeded sampling, on the speculative route and with it off, and
+/// under a JSON grammar.
 #[test]
 fn concurrent_requests_get_their_solo_answers() {
     let srv = Server::start(&[]);
@@ -374,6 +375,11 @@ fn concurrent_requests_get_their_solo_answers() {
             "Write a short story about a lighthouse.",
             96,
             r#","temperature":0"#,
+        ),
+        body(
+            "Describe a cat as a JSON object.",
+            48,
+            r#","temperature":0.7,"seed":2,"response_format":{"type":"json_object"}"#,
         ),
         body(
             "Name five rivers of Europe.",

@@ -5,8 +5,8 @@
 //! both go on in batched steps (`Engine::decode_step`: one forward carries every request's next row); requests
 //! join between steps, up to `max_batch`, and leave when they finish; the last one left goes on alone on its
 //! speculative route again. Every route emits AR's tokens and each draw is keyed by the request's seed and
-//! position, so these moves change no token of any answer (tested through the HTTP API). Constrained requests
-//! (grammars) decode alone; the batch waits meanwhile. A newcomer's prompt is prefilled in chunks by the
+//! position, so these moves change no token of any answer (tested through the HTTP API). A constrained request
+//! (a grammar) takes the batched steps too, its grammar masking each of its rows as alone. A newcomer's prompt is prefilled in chunks by the
 //! batched steps, beside the others' tokens. A bounded queue keeps latency predictable and answers 503
 //! when it is full. Finished requests' sessions stay a while, so a follow-up turn of a recent conversation
 //! reuses its cached prefix (others come back from the prefix cache). A request is cancelled as soon as its
@@ -600,9 +600,9 @@ impl<B: Backend> Scheduler<B> {
 
     /// Start a prepared request: alone, or joining the batch.
     fn start(&mut self, request: GenerateRequest, answer: Answer, session: Session<B>) {
-        // Constrained requests decode alone (the batched steps take none), so do requests while nothing else
-        // runs: alone, a request drafts on its speculative route; it moves into batched steps when others come.
-        if request.constraint.is_some() || self.batch.is_empty() {
+        // A request decodes alone while nothing else runs: alone, it drafts on its speculative route; it moves
+        // into batched steps when others come.
+        if self.batch.is_empty() {
             let (rest, prompt) = (request.clone(), answer.prompt.clone());
             let decode =
                 move |e: &mut Engine<B>, on: &mut dyn FnMut(&Tokenizer, &Emitted) -> bool| {
@@ -654,8 +654,7 @@ impl<B: Backend> Scheduler<B> {
         self.metrics
             .active
             .store(1 + self.batch.len() as i64, Relaxed);
-        let may_hand_over =
-            rest.constraint.is_none() && self.max_batch > 1 && self.parked.is_none();
+        let may_hand_over = self.max_batch > 1 && self.parked.is_none();
         let mut handed = false;
         let (cancel, depth) = (&self.flags.cancelling, &self.metrics.queue_depth);
         let result = decode(&mut self.engine, &mut |tok, e| {

@@ -56,8 +56,8 @@ impl<B: Backend> Decoding<B> {
 
 impl<B: Backend> Engine<B> {
     /// Make a request ready for batched steps: what `session` or the prefix cache holds of `prompt` is
-    /// restored now, the rest is prefilled by the steps. Requests with a grammar constraint decode alone
-    /// ([`Engine::generate`]).
+    /// restored now, the rest is prefilled by the steps. A grammar constraint masks each step's row as it does
+    /// alone (drafts are off under one either way).
     pub fn start_decoding(
         &mut self,
         mut session: Session<B>,
@@ -66,11 +66,6 @@ impl<B: Backend> Engine<B> {
     ) -> Result<Decoding<B>> {
         if prompt.is_empty() {
             return Err(Error::Invalid("empty prompt".into()));
-        }
-        if request.constraint.is_some() {
-            return Err(Error::Invalid(
-                "a constrained request decodes alone, not in a batch".into(),
-            ));
         }
         if prompt.len() > session.cache.max_capacity() {
             return Err(Error::Invalid(format!(
@@ -204,7 +199,7 @@ impl<B: Backend> Engine<B> {
                 None => logits_wanted(&batch[i].verifier, &batch[i].request),
             })
             .collect();
-        let outs = {
+        let mut outs = {
             // The live requests in order, as `live` lists them.
             let mut seqs: Vec<SeqForward<B>> = batch
                 .iter_mut()
@@ -219,7 +214,7 @@ impl<B: Backend> Engine<B> {
             self.model.forward_batched(&mut seqs)?
         };
         let verify = t0.elapsed();
-        for ((&i, out), want) in live.iter().zip(&outs).zip(&wants) {
+        for ((&i, out), want) in live.iter().zip(outs.iter_mut()).zip(&wants) {
             let d = &mut batch[i];
             if let Some((_, end)) = chunk_end(d) {
                 let plan = d.prefill.as_mut().expect("prefilling");
@@ -230,6 +225,15 @@ impl<B: Backend> Engine<B> {
                     d.prefill = None;
                 }
                 continue;
+            }
+            if let Some(c) = &d.request.constraint {
+                // As alone: where the grammar admits no token the request ends, its pending row undone.
+                if !c.mask(&mut out.logits[..vocab])? {
+                    let n = d.session.cache.len() - 1;
+                    d.session.cache.truncate(n);
+                    self.finish_step(d, StopReason::Stop)?;
+                    continue;
+                }
             }
             let no_draft = Draft::default();
             let verdict = match want {
@@ -253,15 +257,20 @@ impl<B: Backend> Engine<B> {
                 &mut |tok, emitted| emit(i, tok, emitted),
             )?;
             if let Some(reason) = stop {
-                d.done = true;
-                d.stats.stop = reason;
-                if let Some(t) = d.first_at {
-                    d.stats.decode_s = t.elapsed().as_secs_f64();
-                }
-                d.stats.store_s +=
-                    self.store_answer(&d.session, &d.request, d.stats.prompt_tokens)?;
+                self.finish_step(d, reason)?;
             }
         }
+        Ok(())
+    }
+
+    /// `d` ends for `reason`: its statistics are closed and its answer is stored in the prefix cache.
+    fn finish_step(&mut self, d: &mut Decoding<B>, reason: StopReason) -> Result<()> {
+        d.done = true;
+        d.stats.stop = reason;
+        if let Some(t) = d.first_at {
+            d.stats.decode_s = t.elapsed().as_secs_f64();
+        }
+        d.stats.store_s += self.store_answer(&d.session, &d.request, d.stats.prompt_tokens)?;
         Ok(())
     }
 }
