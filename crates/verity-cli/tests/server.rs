@@ -188,6 +188,62 @@ fn chat_body(content: &str, max_tokens: i64, extra: &str) -> String {
     )
 }
 
+/// Each chat body sent alone, one after the other; their replies (each must be 200).
+fn one_at_a_time(addr: &str, bodies: &[String]) -> Vec<String> {
+    bodies
+        .iter()
+        .map(|b| {
+            let (st, reply) = http(addr, "POST", "/v1/chat/completions", b);
+            assert_eq!(st, 200, "{reply}");
+            reply
+        })
+        .collect()
+}
+
+/// The chat bodies sent from threads of their own, body `i` after a pause of `gap(i)`; the threads.
+fn side_by_side(
+    addr: &str,
+    bodies: &[String],
+    gap: impl Fn(usize) -> Duration,
+) -> Vec<std::thread::JoinHandle<(u16, String)>> {
+    bodies
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let (addr, b) = (addr.to_string(), b.clone());
+            std::thread::sleep(gap(i));
+            std::thread::spawn(move || http(&addr, "POST", "/v1/chat/completions", &b))
+        })
+        .collect()
+}
+
+/// The replies of [`side_by_side`]'s requests, in order (each must be 200).
+fn replies(threads: Vec<std::thread::JoinHandle<(u16, String)>>) -> Vec<String> {
+    threads
+        .into_iter()
+        .map(|t| {
+            let (st, reply) = t.join().unwrap();
+            assert_eq!(st, 200, "{reply}");
+            reply
+        })
+        .collect()
+}
+
+/// The value of a counter or gauge in `/metrics` text.
+fn metric(metrics: &str, name: &str) -> u64 {
+    let line = metrics
+        .lines()
+        .find(|l| l.strip_prefix(name).is_some_and(|v| v.starts_with(' ')))
+        .unwrap_or_else(|| panic!("no {name} in {metrics}"));
+    line[name.len()..].trim().parse().unwrap()
+}
+
+/// The message text of a chat completion reply.
+fn message(reply: &str) -> serde_json::Value {
+    let v: serde_json::Value = serde_json::from_str(reply).unwrap();
+    v["choices"][0]["message"]["content"].clone()
+}
+
 #[test]
 fn serves_chat_and_rejects_bad_input_with_openai_errors() {
     let srv = Server::start(&[]);
@@ -324,36 +380,18 @@ fn a_stream_cancelled_mid_batch_leaves_the_others_answers_unchanged() {
         r#"{"messages":[{"role":"user","content":"List some fruits."}],"max_tokens":48,"temperature":0.9,"seed":7}"#
             .to_string(),
     ];
-    let content = |reply: &str| {
-        let v: serde_json::Value = serde_json::from_str(reply).unwrap();
-        v["choices"][0]["message"]["content"].clone()
-    };
-    let solo: Vec<_> = bodies
-        .iter()
-        .map(|b| content(&http(&srv.addr, "POST", "/v1/chat/completions", b).1))
-        .collect();
+    let solo = one_at_a_time(&srv.addr, &bodies);
     let stream = long_stream(&srv.addr);
-    let others: Vec<_> = bodies
-        .iter()
-        .map(|b| {
-            let (addr, b) = (srv.addr.clone(), b.clone());
-            std::thread::spawn(move || http(&addr, "POST", "/v1/chat/completions", &b))
-        })
-        .collect();
+    let others = side_by_side(&srv.addr, &bodies, |_| Duration::ZERO);
     std::thread::sleep(Duration::from_millis(150));
     drop(stream);
-    for (i, t) in others.into_iter().enumerate() {
-        let (st, reply) = t.join().unwrap();
-        assert_eq!(st, 200, "{reply}");
-        assert_eq!(content(&reply), solo[i], "request {i}");
+    for (i, reply) in replies(others).iter().enumerate() {
+        assert_eq!(message(reply), message(&solo[i]), "request {i}");
     }
     let metrics = http(&srv.addr, "GET", "/metrics", "").1;
+    assert_eq!(metric(&metrics, "verity_requests_cancelled_total"), 1);
     assert!(
-        metrics.contains("verity_requests_cancelled_total 1"),
-        "{metrics}"
-    );
-    assert!(
-        !metrics.contains("verity_batch_steps_total 0\n"),
+        metric(&metrics, "verity_batch_steps_total") > 0,
         "{metrics}"
     );
 }
@@ -408,42 +446,25 @@ fn concurrent_requests_get_their_solo_answers() {
             c["logprobs"].clone(),
         )
     };
-    let solo: Vec<_> = bodies
-        .iter()
-        .map(|b| {
-            let (st, reply) = http(&srv.addr, "POST", "/v1/chat/completions", b);
-            assert_eq!(st, 200, "{reply}");
-            answer(&reply)
-        })
-        .collect();
+    let solo = one_at_a_time(&srv.addr, &bodies);
     // The first starts alone; the others arrive while it decodes, one after the batch has formed.
-    let together: Vec<_> = bodies
-        .iter()
-        .enumerate()
-        .map(|(i, b)| {
-            let (addr, b) = (srv.addr.clone(), b.clone());
-            std::thread::sleep(Duration::from_millis(if i == 4 { 400 } else { 60 }));
-            std::thread::spawn(move || http(&addr, "POST", "/v1/chat/completions", &b))
-        })
-        .collect();
-    for (i, t) in together.into_iter().enumerate() {
-        let (st, reply) = t.join().unwrap();
-        assert_eq!(st, 200, "{reply}");
+    let gap = |i| Duration::from_millis(if i == 4 { 400 } else { 60 });
+    let together = replies(side_by_side(&srv.addr, &bodies, gap));
+    for (i, reply) in together.iter().enumerate() {
         assert_eq!(
-            answer(&reply),
-            solo[i],
+            answer(reply),
+            answer(&solo[i]),
             "request {i}: its answer beside others differs from alone"
         );
     }
     let metrics = http(&srv.addr, "GET", "/metrics", "").1;
-    assert!(metrics.contains("verity_active_generations 0"), "{metrics}");
-    let count = |name: &str| -> u64 {
-        let line = metrics.lines().find(|l| l.starts_with(name)).unwrap();
-        line[name.len()..].trim().parse().unwrap()
-    };
-    assert!(count("verity_batch_steps_total ") > 0, "{metrics}");
+    assert_eq!(metric(&metrics, "verity_active_generations"), 0);
     assert!(
-        count("verity_batch_joins_from_alone_total ") > 0,
+        metric(&metrics, "verity_batch_steps_total") > 0,
+        "{metrics}"
+    );
+    assert!(
+        metric(&metrics, "verity_batch_joins_from_alone_total") > 0,
         "{metrics}"
     );
 }
@@ -460,38 +481,19 @@ fn the_kv_budget_makes_requests_wait_and_refuses_what_never_fits() {
             .to_string(),
         chat_body("What is the capital of Italy?", 40, ""),
     ];
-    let content = |reply: &str| {
-        let v: serde_json::Value = serde_json::from_str(reply).unwrap();
-        v["choices"][0]["message"]["content"].clone()
-    };
-    let solo: Vec<_> = bodies
-        .iter()
-        .map(|b| {
-            let (st, reply) = http(&srv.addr, "POST", "/v1/chat/completions", b);
-            assert_eq!(st, 200, "{reply}");
-            content(&reply)
-        })
-        .collect();
-    let together: Vec<_> = bodies
-        .iter()
-        .map(|b| {
-            let (addr, b) = (srv.addr.clone(), b.clone());
-            std::thread::sleep(Duration::from_millis(60));
-            std::thread::spawn(move || http(&addr, "POST", "/v1/chat/completions", &b))
-        })
-        .collect();
-    for (i, t) in together.into_iter().enumerate() {
-        let (st, reply) = t.join().unwrap();
-        assert_eq!(st, 200, "{reply}");
-        assert_eq!(content(&reply), solo[i], "request {i}");
+    let solo = one_at_a_time(&srv.addr, &bodies);
+    let together = replies(side_by_side(&srv.addr, &bodies, |_| {
+        Duration::from_millis(60)
+    }));
+    for (i, reply) in together.iter().enumerate() {
+        assert_eq!(message(reply), message(&solo[i]), "request {i}");
     }
     let metrics = http(&srv.addr, "GET", "/metrics", "").1;
-    let count = |name: &str| -> u64 {
-        let line = metrics.lines().find(|l| l.starts_with(name)).unwrap();
-        line[name.len()..].trim().parse().unwrap()
-    };
-    assert!(count("verity_kv_budget_waits_total ") >= 1, "{metrics}");
-    assert_eq!(count("verity_batch_steps_total "), 0, "{metrics}");
+    assert!(
+        metric(&metrics, "verity_kv_budget_waits_total") >= 1,
+        "{metrics}"
+    );
+    assert_eq!(metric(&metrics, "verity_batch_steps_total"), 0);
     let (st, reply) = http(
         &srv.addr,
         "POST",

@@ -164,30 +164,22 @@ impl<B: Backend> KvCache<B> {
 
     /// Bytes of K/V the buffers hold (what the cache costs in device memory), and of the recurrent states.
     pub fn bytes(&self) -> usize {
-        let slots: usize = (0..self.windows.len()).map(|l| self.slots(l)).sum();
-        self.bytes_of(slots)
+        self.bytes_at(self.capacity, self.ring)
     }
 
     /// What [`KvCache::bytes`] would say once the buffers have grown to hold `len` positions for forwards of up
     /// to `rows` rows, without growing them (a server's admission by memory).
     pub fn bytes_holding(&self, len: usize, rows: usize) -> usize {
         let (capacity, ring) = self.grown(len.min(self.max_capacity), rows);
-        let slots: usize = self
-            .kv_layers()
-            .into_iter()
-            .map(|l| {
-                if self.windows[l].is_some() {
-                    ring
-                } else {
-                    capacity
-                }
-            })
-            .sum();
-        self.bytes_of(slots)
+        self.bytes_at(capacity, ring)
     }
 
-    /// Bytes of `slots` K/V slots over the layers, and of the recurrent states.
-    fn bytes_of(&self, slots: usize) -> usize {
+    /// Bytes of the K/V buffers at `capacity` whole-context slots and `ring` local slots, and of the recurrent
+    /// states.
+    fn bytes_at(&self, capacity: usize, ring: usize) -> usize {
+        let slots: usize = (0..self.windows.len())
+            .map(|l| self.slots_at(l, capacity, ring))
+            .sum();
         let states: usize = self.recurrent.as_ref().map_or(0, |r| r.lens().iter().sum());
         (2 * slots * self.kv_dim + states) * 4
     }
@@ -211,12 +203,17 @@ impl<B: Backend> KvCache<B> {
 
     /// Slots of layer `l`'s buffers (none for a recurrent layer).
     fn slots(&self, l: usize) -> usize {
+        self.slots_at(l, self.capacity, self.ring)
+    }
+
+    /// Slots of layer `l`'s buffers at `capacity` whole-context slots and `ring` local slots.
+    fn slots_at(&self, l: usize, capacity: usize, ring: usize) -> usize {
         if !self.has_kv(l) {
             0
         } else if self.windows[l].is_some() {
-            self.ring
+            ring
         } else {
-            self.capacity
+            capacity
         }
     }
 
@@ -260,14 +257,7 @@ impl<B: Backend> KvCache<B> {
         // Every position each buffer holds, moved to where the new buffer keeps it.
         let held = |slots: usize, len: usize| len.saturating_sub(slots)..len;
         for l in self.kv_layers() {
-            let (old, new) = (
-                self.slots(l),
-                if self.windows[l].is_some() {
-                    ring
-                } else {
-                    capacity
-                },
-            );
+            let (old, new) = (self.slots(l), self.slots_at(l, capacity, ring));
             if old == new {
                 continue;
             }

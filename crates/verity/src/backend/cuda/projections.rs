@@ -25,9 +25,6 @@ pub(super) struct Admitted {
     pub(super) tall: bool,
 }
 
-/// Rows of the admission check's input: a tall launch's, and the offset of its second check.
-const ADMIT_ROWS: usize = TALL_ROWS + 8;
-
 /// RoPE and the cache write fused into a Q/K/V launch of the integer kernel (`kernels.cu`'s `RopeFusion`).
 pub(super) struct RopeFusion<'a> {
     /// The step's `(cos, sin)` table (`CudaStep::rope_table`).
@@ -469,24 +466,24 @@ impl CudaBackend {
         }
         let (k, n) = (m.cols, m.rows);
         let mut seed = 0x9e37_79b9u32;
-        let x: Vec<f32> = (0..ADMIT_ROWS * k)
+        let x: Vec<f32> = (0..TALL_ROWS * k)
             .map(|_| {
                 seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
                 (seed >> 8) as f32 / (1u32 << 23) as f32 - 1.0
             })
             .collect();
         let x = self.upload(&x);
-        let mut one = self.buffer(ADMIT_ROWS * n);
-        let checked = if tall_possible { ADMIT_ROWS } else { MAX_ROWS };
+        let mut one = self.buffer(TALL_ROWS * n);
+        let checked = if tall_possible { TALL_ROWS } else { MAX_ROWS };
         for r in 0..checked {
             self.launch_matmuls(&x, None, r, 1, false, None, &[m], &mut [&mut one], None);
         }
-        let one = self.download(&one, ADMIT_ROWS * n);
-        let mut many = self.buffer(ADMIT_ROWS * n);
+        let one = self.download(&one, TALL_ROWS * n);
+        let mut many = self.buffer(TALL_ROWS * n);
         // A launch of more than MAX_ROWS rows takes the tall schedule.
         let mut exact_at = |r0: usize, w: usize| {
             self.launch_matmuls(&x, None, r0, w, false, None, &[m], &mut [&mut many], None);
-            let got = self.download(&many, ADMIT_ROWS * n);
+            let got = self.download(&many, TALL_ROWS * n);
             let span = r0 * n..(r0 + w) * n;
             got[span.clone()]
                 .iter()
