@@ -497,18 +497,43 @@ fn assert_rows_are_one_row_steps(
 /// On every fixture bundle the GPU runs (float, MLX and GGUF weights; grouped-query, local and mixture layers),
 /// each row of a W-row forward is bitwise the one-row step at its position: W = 3, 4, 7 and 16 (one launch per
 /// projection and attention), 24 (two attention launches; past 16 rows the projections of tiled weights take the
-/// tall schedule).
+/// tall schedule); and over contexts of several attention chunks with prefill-sized row counts, with attention
+/// of many rows in a block per chunk (the rule at these widths) and in a warp per chunk (forced from 2 rows),
+/// against one-row steps in a block per chunk.
 #[test]
 fn cuda_forward_rows_are_bitwise_one_row_steps_on_the_fixture_bundles() {
-    let be = gpu();
+    let block = gpu();
+    let warp = Arc::new(
+        CudaBackend::with_options(
+            0,
+            CudaOptions {
+                att_warp_rows: Some(2),
+                ..CudaOptions::from_env()
+            },
+        )
+        .expect("a CUDA device"),
+    );
     for name in CUDA_BUNDLES {
         let dir = hf_bundle(name);
         let bundle = Bundle::open(&dir).unwrap();
         let tokens = ids(&json(&dir.join("reference.json"))["token_ids"]);
-        let mut m = Model::load(&bundle, be.clone()).unwrap();
-        for w in [3usize, 4, 7, 16, 24] {
-            let (ctx, rows) = (&tokens[..40], &tokens[40..40 + w]);
-            assert_rows_are_one_row_steps(&mut m, ctx, rows, &format!("{name}, W={w}"));
+        let long: Vec<u32> = tokens.iter().cycle().take(192).copied().collect();
+        for (be, kernel) in [(&block, "block"), (&warp, "warp")] {
+            let mut m = Model::load(&bundle, be.clone()).unwrap();
+            for w in [3usize, 4, 7, 16, 24] {
+                let (ctx, rows) = (&tokens[..40], &tokens[40..40 + w]);
+                assert_rows_are_one_row_steps(
+                    &mut m,
+                    ctx,
+                    rows,
+                    &format!("{name}, {kernel}, W={w}"),
+                );
+            }
+            for (c, w) in [(100usize, 2usize), (100, 70), (129, 63)] {
+                let (ctx, rows) = (&long[..c], &long[c..c + w]);
+                let what = format!("{name}, {kernel}, context {c}, W={w}");
+                assert_rows_are_one_row_steps(&mut m, ctx, rows, &what);
+            }
         }
     }
 }

@@ -5,7 +5,10 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::launch::Arg;
 use super::ATT_RESIDENT_PER_SM;
-use super::{CudaBackend, CudaStep, ATT_CHUNK, ATT_HEADS, ATT_SPLIT, ATT_SPLIT_MAX, MAX_ROWS};
+use super::{
+    CudaBackend, CudaStep, ATT_CHUNK, ATT_HEADS, ATT_SPLIT, ATT_SPLIT_MAX, ATT_WARPS,
+    ATT_WARP_ROWS, ATT_WARP_WIDTH, MAX_ROWS,
+};
 use crate::backend::{AttnShape, Backend};
 
 /// Query heads per attention block for a launch of `rows` rows over a cache of `chunks` 64-slot chunks: one
@@ -38,6 +41,22 @@ pub(super) fn att_heads(
         .rev()
         .find(|h| group.is_multiple_of(*h))
         .unwrap_or(1)
+}
+
+/// The warp-per-chunk kernel's variant for `heads` query heads per block and heads of `head_dim` values: its
+/// index in `Kernels::attention_warps` (heads, then 1, 2, 4 or 8 dims per lane: the fewest that cover the head).
+pub(super) fn att_warp_kernel(heads: usize, head_dim: usize) -> usize {
+    let per_lane = head_dim.div_ceil(32).next_power_of_two().clamp(1, 8);
+    (heads - 1) * 4 + per_lane.trailing_zeros() as usize
+}
+
+/// Blocks per (row, head block) of the warp-per-chunk kernel over a cache of `capacity` slots: a warp per chunk
+/// of the capacity up to ATT_SPLIT blocks (beyond, each warp takes every ATT_WARPS * split-th chunk).
+pub(super) fn att_warp_split(capacity: usize) -> usize {
+    capacity
+        .div_ceil(ATT_CHUNK)
+        .div_ceil(ATT_WARPS)
+        .clamp(1, ATT_SPLIT)
 }
 
 impl CudaBackend {
@@ -95,20 +114,46 @@ impl CudaBackend {
         let mut r0 = 0;
         while r0 < shape.rows {
             let take = (shape.rows - r0).min(MAX_ROWS);
-            let heads = att_heads(
-                shape.n_heads,
-                shape.n_kv_heads,
-                take,
-                chunks,
-                self.sms,
-                self.att_heads,
-            );
+            // Many rows (prefill chunks, wide verifies): a warp per chunk, every block sharing each K and V value
+            // over its heads; else a block per chunk, the heads per block and split by the rules above.
+            let warps = match self.att_warp_rows {
+                Some(forced) => forced > 0 && take >= forced,
+                None => take >= ATT_WARP_ROWS && shape.n_heads * shape.head_dim >= ATT_WARP_WIDTH,
+            };
+            let heads = if warps {
+                // No SMs: no grid counts as small, so a block serves as many heads as the group allows.
+                att_heads(
+                    shape.n_heads,
+                    shape.n_kv_heads,
+                    take,
+                    chunks,
+                    0,
+                    self.att_heads,
+                )
+            } else {
+                att_heads(
+                    shape.n_heads,
+                    shape.n_kv_heads,
+                    take,
+                    chunks,
+                    self.sms,
+                    self.att_heads,
+                )
+            };
             let per_chunk = take * shape.n_heads / heads;
-            let split = self.att_split(per_chunk, capacity);
+            let split = match (warps, self.att_split) {
+                (true, Some(forced)) => forced,
+                (true, None) => att_warp_split(capacity),
+                (false, _) => self.att_split(per_chunk, capacity),
+            };
             let cfg = LaunchConfig {
                 grid_dim: (split as u32, per_chunk as u32, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: (heads * 4 * shape.head_dim * 4) as u32,
+                block_dim: (if warps { 32 * ATT_WARPS } else { 256 } as u32, 1, 1),
+                shared_mem_bytes: if warps {
+                    0
+                } else {
+                    (heads * 4 * shape.head_dim * 4) as u32
+                },
             };
             let row0 = r0 as i32;
             let args = [
@@ -131,7 +176,9 @@ impl CudaBackend {
             // The early-load variant takes more registers, so fewer of its blocks fit an SM: it runs where the
             // grid is small enough (decode steps, verifies of short contexts). Both give the same bits.
             let blocks = split * per_chunk;
-            let f = if self.att_ahead && blocks <= self.att_ahead_per_sm * self.sms {
+            let f = if warps {
+                &self.k.attention_warps[att_warp_kernel(heads, shape.head_dim)]
+            } else if self.att_ahead && blocks <= self.att_ahead_per_sm * self.sms {
                 &self.k.attention_ahead[heads - 1]
             } else {
                 &self.k.attention[heads - 1]
@@ -147,7 +194,8 @@ impl CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::att_heads;
+    use super::{att_heads, att_warp_kernel, att_warp_split};
+    use crate::backend::cuda::ATT_SPLIT;
 
     #[test]
     fn attention_blocks_serve_a_head_each_while_they_fit_two_per_sm() {
@@ -160,6 +208,19 @@ mod tests {
         assert_eq!(att_heads(9, 3, 1, 32, sms, None), 3);
         assert_eq!(att_heads(9, 3, 2, 16, sms, None), 3);
     }
+    #[test]
+    fn the_warp_kernels_variant_covers_the_head_with_the_fewest_dims_per_lane() {
+        assert_eq!(att_warp_kernel(1, 16), 0);
+        assert_eq!(att_warp_kernel(1, 32), 0);
+        assert_eq!(att_warp_kernel(3, 64), 2 * 4 + 1); // SmolLM2
+        assert_eq!(att_warp_kernel(4, 128), 3 * 4 + 2); // Llama 8B
+        assert_eq!(att_warp_kernel(4, 96), 3 * 4 + 2);
+        assert_eq!(att_warp_kernel(4, 256), 3 * 4 + 3); // Gemma 3
+        assert_eq!(att_warp_split(512), 2);
+        assert_eq!(att_warp_split(100), 1);
+        assert_eq!(att_warp_split(32_768), ATT_SPLIT);
+    }
+
     #[test]
     fn a_group_block_serves_the_largest_divisor_of_the_group_up_to_four_heads() {
         let many = |n_heads, n_kv_heads| att_heads(n_heads, n_kv_heads, 16, 32, 132, None);

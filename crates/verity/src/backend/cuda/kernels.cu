@@ -1748,6 +1748,216 @@ ATT_KERNELS(2)
 ATT_KERNELS(3)
 ATT_KERNELS(4)
 
+// Attention of many rows (prefill chunks, wide verifies): the same chunk records and combine as `attention_body`,
+// bit for bit, with a warp per (row, head block, chunk) instead of a block of 256 threads per chunk. A chunk's
+// record needs no barrier but the warp's own: the scores with four lanes per slot (lane 4 s + u: slot s of the
+// pass, quarter u of the head's dims, the same fmaf chain and butterfly as the block's four threads), each head's
+// max and halving-tree exp-sum in the warp (two slots per lane, as there), the value sums with the lanes over
+// the head's dims, each quarter of 16 slots in order and the quarters added in order. So a block's warps work on
+// their chunks independently, and where `attention_body` spends three block barriers per chunk, these pass none.
+// Grid: (blocks per (row, head block), rows of the launch x head blocks); warp w of block x takes chunks
+// x * ATT_WARPS + w, then every ATT_WARPS * gridDim.x-th; the block that finishes last for its (row, head block)
+// combines as `attention_body` does. A row's chunks past the last slot it sees are skipped, exactly: their
+// records would add exact zeros. DPL: the head's dims per lane (32 * DPL >= head_dim). Dynamic shared memory: none.
+#define ATT_WARPS 4
+template <int HEADS, int DPL>
+__device__ __forceinline__ void attention_warps_body(const float* q, const float* kc, const float* vc, int row0,
+                                                     int n_heads, int n_kv_heads, int head_dim, float scale,
+                                                     int window, int slots, const int* step, int cap, float* work,
+                                                     int chunks, float* out) {
+    // The heads' q, each quarter of a head's dims padded by four floats (the score pass's four quarters fall in
+    // different banks).
+    __shared__ __align__(16) float qs[HEADS * (MAX_HEAD_DIM + 16)];
+    __shared__ __align__(16) float sc[ATT_WARPS][HEADS][ATT_CHUNK];
+    __shared__ int last;
+    Step st = read_step(step, cap);
+    int base = st.base, rows = st.rows, n = base + rows;
+    int t = threadIdx.x, warp = t >> 5, lane = t & 31;
+    int per_row = n_heads / HEADS;
+    int ri = blockIdx.y / per_row, h0 = blockIdx.y % per_row * HEADS;
+    int i = row0 + ri;
+    int kvh = h0 / (n_heads / n_kv_heads);
+    int kv_dim = n_kv_heads * head_dim;
+    int rec = head_dim + 2;
+    int qpos = st.positions[i];
+    // The chunks this row reads: from its window's first (local layers) to the one holding the last slot it can
+    // see (its own, causally; a tree row may see any of the step's rows).
+    int c_lo = window > 0 ? max(0, qpos - window + 1) / ATT_CHUNK : 0;
+    int nc = ((st.tree ? n - 1 : base + i) / ATT_CHUNK) + 1;
+    int workers = min((int)gridDim.x, (nc + ATT_WARPS - 1) / ATT_WARPS);
+    if ((int)blockIdx.x >= workers) return;
+    const float* kh = kc + kvh * head_dim;
+    const float* vh = vc + kvh * head_dim;
+    unsigned int* counters = (unsigned int*)work;
+    float* records = work + 16 * n_heads + (size_t)(ri * n_heads + h0) * chunks * rec;
+    wait_inputs();
+    release_dependents();
+    const float* qv = q + ((size_t)i * n_heads + h0) * head_dim;
+    bool vec = (head_dim & 15) == 0;
+    int qd = head_dim / 4, qstride = 4 * (qd + 4);  // a quarter's dims; a head's floats in qs (vec)
+    for (int u = t; u < HEADS * head_dim; u += blockDim.x) {
+        int g = u / head_dim, e = u % head_dim;
+        qs[vec ? g * qstride + e / qd * (qd + 4) + e % qd : u] = qv[u];
+    }
+    __syncthreads();
+    int sub = lane & 3;
+    float(*ws)[ATT_CHUNK] = sc[warp];
+    for (int c = blockIdx.x * ATT_WARPS + warp; c < nc; c += ATT_WARPS * gridDim.x) {
+        if (c < c_lo) continue;
+        int j0 = c * ATT_CHUNK;
+        // Scores, eight slots a pass. Every lane loads a slot's keys (past the step's slots, the last one's), so
+        // the loads of a pass issue together; slots the row does not see keep NEG_INF, their dots unused.
+#pragma unroll 2
+        for (int pass = 0; pass < ATT_CHUNK / 8; pass++) {
+            int js = pass * 8 + (lane >> 2), j = j0 + js;
+            bool sees = j < n && (j < base || (st.tree ? st.mask[i * rows + (j - base)] != 0 : (j - base) <= i));
+            if (window > 0 && sees) sees = qpos - (j < base ? j : st.positions[j - base]) < window;
+            float d[HEADS];
+#pragma unroll
+            for (int g = 0; g < HEADS; g++) d[g] = 0.f;
+            const float* kv = kh + (size_t)(min(j, n - 1) % slots) * kv_dim;
+            if (vec) {
+                int w = head_dim / 16;
+                const float4* k4 = (const float4*)kv + sub * w;
+#pragma unroll
+                for (int e = 0; e < MAX_HEAD_DIM / 16; e++) {
+                    if (e < w) {
+                        float4 b = k4[e];
+#pragma unroll
+                        for (int g = 0; g < HEADS; g++) {
+                            float4 a = ((const float4*)(qs + g * qstride + sub * (qd + 4)))[e];
+                            d[g] = fmaf(a.x, b.x, d[g]);
+                            d[g] = fmaf(a.y, b.y, d[g]);
+                            d[g] = fmaf(a.z, b.z, d[g]);
+                            d[g] = fmaf(a.w, b.w, d[g]);
+                        }
+                    }
+                }
+            } else {
+                for (int e = sub; e < head_dim; e += 4) {
+                    float b = kv[e];
+#pragma unroll
+                    for (int g = 0; g < HEADS; g++) d[g] = fmaf(qs[g * head_dim + e], b, d[g]);
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < HEADS; g++) {
+                float s = d[g];
+                s += __shfl_xor_sync(0xffffffffu, s, 1);
+                s += __shfl_xor_sync(0xffffffffu, s, 2);
+                if (sub == 0) ws[g][js] = sees ? s * scale : NEG_INF;
+            }
+        }
+        __syncwarp();
+        // Each head's max and exp-sum: two slots per lane, the halving tree.
+#pragma unroll
+        for (int g = 0; g < HEADS; g++) {
+            float a = ws[g][lane], b = ws[g][lane + 32];
+            float m = fmaxf(a, b);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+            float pa = a == NEG_INF ? 0.f : __expf(a - m), pb = b == NEG_INF ? 0.f : __expf(b - m);
+            ws[g][lane] = pa;
+            ws[g][lane + 32] = pb;
+            float sum = pa + pb;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, o);
+            if (lane == 0) {
+                float* r = records + ((size_t)g * chunks + c % chunks) * rec;
+                r[0] = m;
+                r[1] = sum;
+            }
+        }
+        __syncwarp();
+        // Value sums: lane l holds dims l + 32 dd; each quarter's 16 slots in order, the quarters added in order.
+        float tot[HEADS][DPL];
+#pragma unroll
+        for (int qq = 0; qq < 4; qq++) {
+            float a[HEADS][DPL];
+#pragma unroll
+            for (int g = 0; g < HEADS; g++)
+#pragma unroll
+                for (int dd = 0; dd < DPL; dd++) a[g][dd] = 0.f;
+            // Eight slots' values loaded at a time (past the step's slots, the last one's: loaded, never added),
+            // then their FMAs in slot order.
+#pragma unroll
+            for (int j8 = 0; j8 < ATT_CHUNK / 32; j8++) {
+                int jb = j0 + qq * (ATT_CHUNK / 4) + 8 * j8;
+                float v[8][DPL];
+#pragma unroll
+                for (int s8 = 0; s8 < 8; s8++) {
+                    const float* vr = vh + (size_t)(min(jb + s8, n - 1) % slots) * kv_dim;
+#pragma unroll
+                    for (int dd = 0; dd < DPL; dd++) v[s8][dd] = lane + 32 * dd < head_dim ? vr[lane + 32 * dd] : 0.f;
+                }
+#pragma unroll
+                for (int h4 = 0; h4 < 2; h4++) {
+                    float4 p[HEADS];
+#pragma unroll
+                    for (int g = 0; g < HEADS; g++)
+                        p[g] = ((const float4*)&ws[g][qq * (ATT_CHUNK / 4) + 8 * j8])[h4];
+#pragma unroll
+                    for (int s4 = 0; s4 < 4; s4++) {
+                        int s8 = 4 * h4 + s4;
+                        if (jb + s8 < n) {
+#pragma unroll
+                            for (int g = 0; g < HEADS; g++) {
+                                float w = s4 == 0 ? p[g].x : s4 == 1 ? p[g].y : s4 == 2 ? p[g].z : p[g].w;
+#pragma unroll
+                                for (int dd = 0; dd < DPL; dd++) a[g][dd] = fmaf(w, v[s8][dd], a[g][dd]);
+                            }
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < HEADS; g++)
+#pragma unroll
+                for (int dd = 0; dd < DPL; dd++) tot[g][dd] = qq == 0 ? a[g][dd] : tot[g][dd] + a[g][dd];
+        }
+#pragma unroll
+        for (int g = 0; g < HEADS; g++)
+#pragma unroll
+            for (int dd = 0; dd < DPL; dd++) {
+                int e = lane + 32 * dd;
+                if (e < head_dim) records[((size_t)g * chunks + c % chunks) * rec + 2 + e] = tot[g][dd];
+            }
+        __syncwarp();  // the slot weights are read before the next chunk's scores overwrite them
+    }
+    __threadfence();
+    __syncthreads();
+    if (t == 0) last = atomicAdd(&counters[blockIdx.y], 1u) == workers - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (t == 0) counters[blockIdx.y] = 0;
+    for (int u = t; u < HEADS * head_dim; u += blockDim.x) {
+        int g = u / head_dim, e = u % head_dim;
+        const float* rg = records + (size_t)g * chunks * rec;
+        float big = NEG_INF;
+        for (int c = c_lo; c < nc; c++) big = fmaxf(big, __ldcg(rg + (size_t)(c % chunks) * rec));
+        float den = 0.f, num = 0.f;
+        for (int c = c_lo; c < nc; c++) {
+            const float* rc = rg + (size_t)(c % chunks) * rec;
+            float mc = __ldcg(rc);
+            float f = mc == NEG_INF ? 0.f : __expf(mc - big);
+            den = fmaf(f, __ldcg(rc + 1), den);
+            num = fmaf(f, __ldcg(rc + 2 + e), num);
+        }
+        out[((size_t)i * n_heads + h0 + g) * head_dim + e] = num / den;
+    }
+}
+
+#define ATT_WARP_KERNEL(H, D)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attention_warps_##H##_##D(ATT_PARAMS) {       \
+        ATT_EXIT attention_warps_body<H, D>(ATT_ARGS);                                                         \
+    }
+#define ATT_WARP_KERNELS(H) ATT_WARP_KERNEL(H, 1) ATT_WARP_KERNEL(H, 2) ATT_WARP_KERNEL(H, 4) ATT_WARP_KERNEL(H, 8)
+ATT_WARP_KERNELS(1)
+ATT_WARP_KERNELS(2)
+ATT_WARP_KERNELS(3)
+ATT_WARP_KERNELS(4)
+
 extern "C" __global__ void add_bias(float* x, const float* b, int dim, int n) {
     FLOOR_EXIT
     wait_inputs();

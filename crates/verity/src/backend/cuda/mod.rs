@@ -44,7 +44,8 @@
 //! every sum keeps a fixed order. Its first chunk of committed K/V is loaded before it waits for the Q/K/V
 //! launch (only the new slots depend on it). Where a block per (row, head, chunk) would crowd the SMs (wide
 //! verifies, long contexts), a block serves all the query heads of a KV head (`att_heads`), loading each K and
-//! V value once for them.
+//! V value once for them. Launches of many rows (prefill chunks, wide verifies) take a warp per chunk instead
+//! (`attention_warps_*`): the same records by the same arithmetic, with no block barrier inside a chunk.
 //!
 //! MLX-affine weights are re-laid at upload into 32-value blocks with f32 scale and bias (`affine.rs`) and run
 //! the f32-activation kernel, decoding bitwise as the CPU does.
@@ -120,6 +121,14 @@ const ATT_SPLIT: usize = 8;
 const ATT_SPLIT_MAX: usize = 32;
 /// The most query heads one attention block serves (`kernels.cu`'s `ATT_KERNELS`).
 const ATT_HEADS: usize = 4;
+/// Attention launches of at least this many rows, of models whose query heads span at least this many values,
+/// run with a warp per chunk (`kernels.cu`'s `attention_warps_*`, `ATT_WARPS` warps a block). Measured against a
+/// block per chunk (BENCHMARKS.md, "Real model sizes on the GPU"): faster for 16-row launches at the 1B and 8B
+/// shapes (prefill chunks, 16-row verifies), slower for fewer rows over short contexts and at SmolLM2's shape
+/// (9 heads of 64), where a launch has too few warps' worth of work.
+const ATT_WARP_ROWS: usize = 16;
+const ATT_WARP_WIDTH: usize = 2048;
+const ATT_WARPS: usize = 4;
 /// Blocks of the plain attention kernel resident on an SM (46-62 registers × 256 threads, by heads per block;
 /// beside others' CTAs).
 const ATT_RESIDENT_PER_SM: usize = 4;
@@ -217,6 +226,10 @@ pub struct CudaBackend {
     /// The split sized by the cache's capacity (`att_split`; `VERITY_CUDA_ATT_SPLIT_BY_CONTEXT=0`: by the row
     /// count alone, for side-by-side measurements).
     att_split_by_context: bool,
+    /// Attention launches of at least this many rows take a warp per chunk at any width (0: none), forced by
+    /// `VERITY_CUDA_ATT_WARP_ROWS` (side-by-side measurements, tests); `None`: `ATT_WARP_ROWS` and
+    /// `ATT_WARP_WIDTH`.
+    att_warp_rows: Option<usize>,
     /// Row groups per narrow launch forced by `VERITY_CUDA_ROW_GROUPS` (1: none; side-by-side measurements);
     /// `None`: [`CudaBackend::row_groups`]'s rule.
     row_groups: Option<usize>,
@@ -444,6 +457,7 @@ impl CudaBackend {
             att_split: opts.att_split,
             att_heads: opts.att_heads,
             att_split_by_context: opts.att_split_by_context,
+            att_warp_rows: opts.att_warp_rows,
             row_groups: opts.row_groups,
             split_rows: opts.split_rows,
             tall: opts.tall,

@@ -34,6 +34,9 @@ pub(super) struct Kernels {
     /// Attention for blocks of 1 ..= ATT_HEADS query heads (index: heads - 1), without and with the early load.
     pub(super) attention: Vec<CudaFunction>,
     pub(super) attention_ahead: Vec<CudaFunction>,
+    /// Attention with a warp per chunk (`attention_warps_*`), by heads per block then dims per lane: index
+    /// (heads - 1) * 4 + log2(dims per lane), dims per lane 1, 2, 4 or 8.
+    pub(super) attention_warps: Vec<CudaFunction>,
     pub(super) add_bias: CudaFunction,
     pub(super) argmax_rows: CudaFunction,
     pub(super) draft_token: CudaFunction,
@@ -65,6 +68,10 @@ impl Kernels {
                 .collect::<Result<_>>()?,
             attention_ahead: (1..=ATT_HEADS)
                 .map(|h| f(&format!("attention_ahead_{h}")))
+                .collect::<Result<_>>()?,
+            attention_warps: (1..=ATT_HEADS)
+                .flat_map(|h| [1, 2, 4, 8].map(|d| (h, d)))
+                .map(|(h, d)| f(&format!("attention_warps_{h}_{d}")))
                 .collect::<Result<_>>()?,
             add_bias: f("add_bias")?,
             argmax_rows: f("argmax_rows")?,

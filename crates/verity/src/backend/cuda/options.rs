@@ -43,6 +43,11 @@ pub struct CudaOptions {
     pub att_heads: Option<usize>,
     /// The attention split follows the context, not the rows alone (`VERITY_CUDA_ATT_SPLIT_BY_CONTEXT=0`: off).
     pub att_split_by_context: bool,
+    /// Attention launches of at least this many rows take a warp per 64-slot chunk (`attention_warps_*`)
+    /// instead of a block per chunk, whatever the model's width (`VERITY_CUDA_ATT_WARP_ROWS`: 1 to `MAX_ROWS`,
+    /// or 0: never); `None`: the rule (`ATT_WARP_ROWS` rows of models `ATT_WARP_WIDTH` wide). The same bits
+    /// either way.
+    pub att_warp_rows: Option<usize>,
     /// A fixed count of row groups per projection launch (`VERITY_CUDA_ROW_GROUPS`: 1 to `MAX_ROWS`).
     pub row_groups: Option<usize>,
     /// Multi-row launches split into row groups (`VERITY_CUDA_SPLIT_ROWS=0`: off).
@@ -70,6 +75,7 @@ impl Default for CudaOptions {
             att_split: None,
             att_heads: None,
             att_split_by_context: true,
+            att_warp_rows: None,
             row_groups: None,
             split_rows: true,
             tall: true,
@@ -110,6 +116,7 @@ impl CudaOptions {
             att_split: count("VERITY_CUDA_ATT_SPLIT", 1..=ATT_SPLIT_MAX),
             att_heads: count("VERITY_CUDA_ATT_HEADS", 1..=ATT_HEADS),
             att_split_by_context: on("VERITY_CUDA_ATT_SPLIT_BY_CONTEXT"),
+            att_warp_rows: count("VERITY_CUDA_ATT_WARP_ROWS", 0..=MAX_ROWS),
             row_groups: count("VERITY_CUDA_ROW_GROUPS", 1..=MAX_ROWS),
             split_rows: on("VERITY_CUDA_SPLIT_ROWS"),
             tall: on("VERITY_CUDA_TALL"),
