@@ -1519,6 +1519,41 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
 #define MAX_HEAD_DIM 256
 #define ATT_AHEAD_DIM 64  // heads up to this size load their first chunk before waiting for the grid before
 
+// d + a . b, the four products in order: one step of a score's quarter chain.
+__device__ __forceinline__ float fma4(float4 a, float4 b, float d) {
+    d = fmaf(a.x, b.x, d);
+    d = fmaf(a.y, b.y, d);
+    d = fmaf(a.z, b.z, d);
+    return fmaf(a.w, b.w, d);
+}
+
+// The combine, for the last block of a (row, head block): each head's chunk records c_lo .. nc - 1 in chunk order,
+// with big the largest chunk max and f_c = exp(m_c - big): den = fmaf(f_c, sum_c, den), num = fmaf(f_c,
+// value_c[e], num), out = num / den. `out`: the row's first head of the block.
+template <int HEADS>
+__device__ void combine_chunks(const float* records, int chunks, int rec, int c_lo, int nc, int head_dim,
+                               float* out) {
+    for (int u = threadIdx.x; u < HEADS * head_dim; u += blockDim.x) {
+        int g = u / head_dim, e = u % head_dim;
+#ifdef KO_ATT_NOCOMBINE
+        out[u] = 0.f;  // knockout: no combine
+        continue;
+#endif
+        const float* rg = records + (size_t)g * chunks * rec;
+        float big = NEG_INF;
+        for (int c = c_lo; c < nc; c++) big = fmaxf(big, __ldcg(rg + (size_t)(c % chunks) * rec));
+        float den = 0.f, num = 0.f;
+        for (int c = c_lo; c < nc; c++) {
+            const float* rc = rg + (size_t)(c % chunks) * rec;
+            float mc = __ldcg(rc);
+            float f = mc == NEG_INF ? 0.f : __expf(mc - big);
+            den = fmaf(f, __ldcg(rc + 1), den);
+            num = fmaf(f, __ldcg(rc + 2 + e), num);
+        }
+        out[u] = num / den;
+    }
+}
+
 template <bool AHEAD, int HEADS>
 __device__ __forceinline__ void attention_body(const float* q, const float* kc, const float* vc, int row0,
                                                int n_heads, int n_kv_heads, int head_dim, float scale,
@@ -1606,11 +1641,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
                         float4 b = AHEAD && held && e < ATT_AHEAD_DIM / 16 ? kq[AHEAD ? e : 0] : k4[e];
 #pragma unroll
                         for (int g = 0; g < HC; g++) {
-                            float4 a = ((const float4*)(qv + g * head_dim))[sub * w + e];
-                            d[g] = fmaf(a.x, b.x, d[g]);
-                            d[g] = fmaf(a.y, b.y, d[g]);
-                            d[g] = fmaf(a.z, b.z, d[g]);
-                            d[g] = fmaf(a.w, b.w, d[g]);
+                            d[g] = fma4(((const float4*)(qv + g * head_dim))[sub * w + e], b, d[g]);
                         }
                     }
                 }
@@ -1706,25 +1737,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
     if (!last) return;
     __threadfence();
     if (t == 0) counters[blockIdx.y] = 0;
-    for (int u = t; u < HEADS * head_dim; u += blockDim.x) {
-        int g = u / head_dim, e = u % head_dim;
-#ifdef KO_ATT_NOCOMBINE
-        out[((size_t)i * n_heads + h0 + g) * head_dim + e] = 0.f;  // knockout: no combine
-        continue;
-#endif
-        const float* rg = records + (size_t)g * chunks * rec;
-        float big = NEG_INF;
-        for (int c = c_lo; c < nc; c++) big = fmaxf(big, __ldcg(rg + (size_t)(c % chunks) * rec));
-        float den = 0.f, num = 0.f;
-        for (int c = c_lo; c < nc; c++) {
-            const float* rc = rg + (size_t)(c % chunks) * rec;
-            float mc = __ldcg(rc);
-            float f = mc == NEG_INF ? 0.f : __expf(mc - big);
-            den = fmaf(f, __ldcg(rc + 1), den);
-            num = fmaf(f, __ldcg(rc + 2 + e), num);
-        }
-        out[((size_t)i * n_heads + h0 + g) * head_dim + e] = num / den;
-    }
+    combine_chunks<HEADS>(records, chunks, rec, c_lo, nc, head_dim, out + ((size_t)i * n_heads + h0) * head_dim);
 }
 
 // The attention kernels, one per count of heads a block serves: the same arithmetic (the same bits), with the
@@ -1825,11 +1838,7 @@ __device__ __forceinline__ void attention_warps_body(const float* q, const float
                         float4 b = k4[e];
 #pragma unroll
                         for (int g = 0; g < HEADS; g++) {
-                            float4 a = ((const float4*)(qs + g * qstride + sub * (qd + 4)))[e];
-                            d[g] = fmaf(a.x, b.x, d[g]);
-                            d[g] = fmaf(a.y, b.y, d[g]);
-                            d[g] = fmaf(a.z, b.z, d[g]);
-                            d[g] = fmaf(a.w, b.w, d[g]);
+                            d[g] = fma4(((const float4*)(qs + g * qstride + sub * (qd + 4)))[e], b, d[g]);
                         }
                     }
                 }
@@ -1931,21 +1940,7 @@ __device__ __forceinline__ void attention_warps_body(const float* q, const float
     if (!last) return;
     __threadfence();
     if (t == 0) counters[blockIdx.y] = 0;
-    for (int u = t; u < HEADS * head_dim; u += blockDim.x) {
-        int g = u / head_dim, e = u % head_dim;
-        const float* rg = records + (size_t)g * chunks * rec;
-        float big = NEG_INF;
-        for (int c = c_lo; c < nc; c++) big = fmaxf(big, __ldcg(rg + (size_t)(c % chunks) * rec));
-        float den = 0.f, num = 0.f;
-        for (int c = c_lo; c < nc; c++) {
-            const float* rc = rg + (size_t)(c % chunks) * rec;
-            float mc = __ldcg(rc);
-            float f = mc == NEG_INF ? 0.f : __expf(mc - big);
-            den = fmaf(f, __ldcg(rc + 1), den);
-            num = fmaf(f, __ldcg(rc + 2 + e), num);
-        }
-        out[((size_t)i * n_heads + h0 + g) * head_dim + e] = num / den;
-    }
+    combine_chunks<HEADS>(records, chunks, rec, c_lo, nc, head_dim, out + ((size_t)i * n_heads + h0) * head_dim);
 }
 
 #define ATT_WARP_KERNEL(H, D)                                                                                  \
