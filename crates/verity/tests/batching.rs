@@ -171,13 +171,13 @@ fn a_batched_forward_gives_every_sequence_its_own_forwards_bits() {
 }
 
 /// Requests decoded together in batched steps — greedy and sampled, one reporting log-probabilities, one
-/// joining after five steps, one cancelled after three tokens — each get bitwise the tokens, log-probabilities
-/// and final cache that `generate` gives them alone on the engine's own (speculative) route.
+/// joining after five steps, one cancelled after three tokens, one copying its prompt — each get bitwise the
+/// tokens, log-probabilities and final cache that `generate` gives them alone on the engine's own
+/// (speculative) route, whether the batched steps run AR or draft by copying.
 #[test]
 fn requests_decoded_together_get_their_solo_answers() {
     let path = smollm2();
     let mut solo = Engine::load(&path, backend(), &SpecMode::Auto).unwrap();
-    let mut together = Engine::load(&path, backend(), &SpecMode::Off).unwrap();
     let questions = [
         "Name three colors of the rainbow.",
         "Write a haiku about the sea.",
@@ -191,6 +191,7 @@ fn requests_decoded_together_get_their_solo_answers() {
          some are fast swimmers that cross whole oceans, and some never move from the rock they settled on. \
          Please keep the answer short.",
         "Say hello in French.",
+        "Repeat this sentence word for word: the quick brown fox jumps over the lazy dog by the river bank.",
     ];
     let prompts: Vec<Vec<u32>> = questions
         .iter()
@@ -206,6 +207,7 @@ fn requests_decoded_together_get_their_solo_answers() {
         },
         sampled(28, 1.0, 3),
         GenerateRequest::greedy(12),
+        GenerateRequest::greedy(24),
     ];
     // The long prompt stores a checkpoint inside its last chunk, as a chat prompt does before the answer.
     let mut requests = requests;
@@ -235,50 +237,63 @@ fn requests_decoded_together_get_their_solo_answers() {
         alone.push((got, stats.stop, cache));
     }
 
-    let mut got: Vec<Vec<(u32, Option<String>)>> = vec![Vec::new(); requests.len()];
-    let mut batch: Vec<Decoding<CpuBackend>> = Vec::new();
-    let mut order = Vec::new();
-    let start = |e: &mut Engine<CpuBackend>, i: usize| {
-        let sess = e.new_session();
-        e.start_decoding(sess, &prompts[i], requests[i].clone())
-            .unwrap()
-    };
-    for i in [0, 1, 2, 4] {
-        batch.push(start(&mut together, i));
-        order.push(i);
-    }
-    let mut steps = 0;
-    while batch.iter().any(|d| !d.is_finished()) {
-        if steps == 5 {
-            batch.push(start(&mut together, 3));
-            order.push(3);
+    // Batched steps on AR, and on the copy route: each request drafting from its own context.
+    for mode in [SpecMode::Off, SpecMode::Auto] {
+        let mut together = Engine::load(&path, backend(), &mode).unwrap();
+        let mut got: Vec<Vec<(u32, Option<String>)>> = vec![Vec::new(); requests.len()];
+        let mut batch: Vec<Decoding<CpuBackend>> = Vec::new();
+        let mut order = Vec::new();
+        let start = |e: &mut Engine<CpuBackend>, i: usize| {
+            let sess = e.new_session();
+            e.start_decoding(sess, &prompts[i], requests[i].clone())
+                .unwrap()
+        };
+        for i in [0, 1, 2, 4, 5] {
+            batch.push(start(&mut together, i));
+            order.push(i);
         }
-        together
-            .decode_step(&mut batch, |j, _, t| {
-                let i = order[j];
-                got[i].push((t.id, t.logprobs.clone().map(|l| format!("{l:?}"))));
-                !cancel_after(i, got[i].len())
-            })
-            .unwrap();
-        steps += 1;
-    }
-    for (j, d) in batch.into_iter().enumerate() {
-        let i = order[j];
-        let (sess, stats) = d.into_parts();
-        assert_eq!(
-            got[i], alone[i].0,
-            "request {i}: tokens differ from its solo run"
-        );
-        assert_eq!(stats.stop, alone[i].1, "request {i}: stop reason");
-        let cache = sess
-            .cache
-            .checkpoint(together.model.backend())
-            .layers()
-            .to_vec();
-        assert!(
-            cache == alone[i].2,
-            "request {i}: cache differs from its solo run's"
-        );
+        let mut steps = 0;
+        while batch.iter().any(|d| !d.is_finished()) {
+            if steps == 5 {
+                batch.push(start(&mut together, 3));
+                order.push(3);
+            }
+            together
+                .decode_step(&mut batch, |j, _, t| {
+                    let i = order[j];
+                    got[i].push((t.id, t.logprobs.clone().map(|l| format!("{l:?}"))));
+                    !cancel_after(i, got[i].len())
+                })
+                .unwrap();
+            steps += 1;
+        }
+        let (mut drafted, mut accepted) = (0, 0);
+        for (j, d) in batch.into_iter().enumerate() {
+            let i = order[j];
+            let (sess, stats) = d.into_parts();
+            drafted += stats.drafted;
+            accepted += stats.accepted;
+            assert_eq!(
+                got[i], alone[i].0,
+                "request {i}: tokens differ from its solo run"
+            );
+            assert_eq!(stats.stop, alone[i].1, "request {i}: stop reason");
+            let cache = sess
+                .cache
+                .checkpoint(together.model.backend())
+                .layers()
+                .to_vec();
+            assert!(
+                cache == alone[i].2,
+                "request {i}: cache differs from its solo run's"
+            );
+        }
+        if mode == SpecMode::Auto {
+            assert!(
+                drafted > 0 && accepted > 0,
+                "drafted {drafted}, accepted {accepted}"
+            );
+        }
     }
     assert_eq!(alone[4].1, StopReason::Cancelled);
 }

@@ -3,22 +3,26 @@
 //! newcomer's prompt goes through the same steps in chunks ([`crate::engine::PREFILL_CHUNK`] rows a step,
 //! beside the others' tokens), so a long prompt does not stall the requests already decoding.
 //!
-//! Each request's step is the AR cycle of `decode.rs` with no drafts — its pending token through the target, the
-//! verifier's draw from that row — run as one row of a [`Model::forward_batched`] beside the others' rows. The
-//! forward gives each row bitwise its own forward's logits and the draw is keyed by the request's seed and
-//! position, so every request gets bitwise the tokens it would get alone, on any route (every route's output
-//! is AR's), whichever requests share its steps and whenever it joined.
+//! Each request's step is the cycle of `decode.rs` — its pending token and its drafts through the target, the
+//! verifier's verdict on those rows, the kept path committed — run as its rows of a [`Model::forward_batched`]
+//! beside the others' rows. On a speculative route every request drafts by copying from its own context (a
+//! [`SuffixCopy`] of its own: it needs no model, so no per-request device state; model drafters — MTP heads,
+//! block drafters, draft models — keep one state per engine and draft only for a request decoding alone). The
+//! forward gives each row bitwise its own forward's logits and the draws are keyed by the request's seed and
+//! position, so every request gets bitwise the tokens it would get alone, on any route (every route's output is
+//! AR's), whichever requests share its steps, whatever they drafted and whenever it joined.
 
 use std::time::{Duration, Instant};
 
-use super::decode::{logits_wanted, Emission};
+use super::decode::{logits_wanted, Cycle};
 use super::prefill::PrefillPlan;
 use super::{Emitted, Engine, GenerateRequest, GenerationStats, Session, StopReason};
 use crate::backend::Backend;
 use crate::chat::Tokenizer;
 use crate::error::{Error, Result};
 use crate::model::{Batch, LogitRows, SeqForward, TargetFeatures};
-use crate::speculative::{Draft, Verifier};
+use crate::speculative::copy::SuffixCopy;
+use crate::speculative::{Draft, Outcome, Proposer, Route, Verifier};
 
 /// One request being decoded in batched steps.
 pub struct Decoding<B: Backend> {
@@ -35,6 +39,8 @@ pub struct Decoding<B: Backend> {
     earlier: Option<GenerationStats>,
     /// The prompt's prefill while it goes on (`None` once the prompt is in the cache).
     prefill: Option<PrefillPlan>,
+    /// Its drafts, on a speculative route without a constraint.
+    proposer: Option<SuffixCopy>,
 }
 
 impl<B: Backend> Decoding<B> {
@@ -57,7 +63,7 @@ impl<B: Backend> Decoding<B> {
 impl<B: Backend> Engine<B> {
     /// Make a request ready for batched steps: what `session` or the prefix cache holds of `prompt` is
     /// restored now, the rest is prefilled by the steps. A grammar constraint masks each step's row as it does
-    /// alone (drafts are off under one either way).
+    /// alone (drafts are off under one, as alone).
     pub fn start_decoding(
         &mut self,
         mut session: Session<B>,
@@ -82,7 +88,10 @@ impl<B: Backend> Engine<B> {
             request.store_prefix,
             &TargetFeatures::none(),
         )?;
-        let mut stats = GenerationStats::new("ar");
+        let proposer =
+            (self.plan.route != Route::Ar && request.speculate && request.constraint.is_none())
+                .then(SuffixCopy::new);
+        let mut stats = GenerationStats::new(proposer.as_ref().map_or("ar", |p| p.name()));
         stats.prompt_tokens = prompt.len();
         stats.restored_tokens = plan.done.restored;
         let prefill = plan.next_end(prompt.len() - 1).map(|_| plan);
@@ -98,6 +107,7 @@ impl<B: Backend> Engine<B> {
             done,
             earlier: None,
             prefill,
+            proposer,
         })
     }
 
@@ -147,9 +157,9 @@ impl<B: Backend> Engine<B> {
         Ok((session, so_far.then(&later)))
     }
 
-    /// One token of every unfinished request of `batch` whose prompt is in its cache, and the next chunk of
-    /// every prompt still being prefilled, in one batched forward. `emit(i, tokenizer, token)`
-    /// receives request `i`'s token and returns `false` to cancel that request. A request that finishes (a stop
+    /// One cycle of every unfinished request of `batch` whose prompt is in its cache (its pending token and its
+    /// drafts), and the next chunk of every prompt still being prefilled, in one batched forward.
+    /// `emit(i, tokenizer, token)` receives request `i`'s tokens and returns `false` to cancel that request. A request that finishes (a stop
     /// token, its token limit, the context's end, cancelled) is marked so and takes no further steps.
     pub fn decode_step(
         &mut self,
@@ -179,15 +189,44 @@ impl<B: Backend> Engine<B> {
                 (p.pos, end.expect("a prefill under way has rows left"))
             })
         };
+        // Each decoding request's drafts (past its token limit or the context they would be wasted).
+        let mut drafts: Vec<Draft> = Vec::with_capacity(live.len());
+        for &i in &live {
+            let d = &mut batch[i];
+            let draft = match (&mut d.proposer, &d.prefill) {
+                (Some(p), None) => {
+                    let room = d.session.cache.max_capacity() - (d.session.cache.len() + 1);
+                    let limit = (d.request.max_tokens - d.stats.completion_tokens - 1).min(room);
+                    let offered = p.width(limit);
+                    let k = d.request.draft_width.map_or(offered, |w| w.min(offered));
+                    let mut draft = if k > 0 {
+                        p.propose(&d.context, k)?
+                    } else {
+                        Draft::default()
+                    };
+                    draft.truncate(k);
+                    draft
+                }
+                _ => Draft::default(),
+            };
+            drafts.push(draft);
+        }
+        let t1 = Instant::now();
         let rows: Vec<Batch> = live
             .iter()
-            .map(|&i| {
+            .zip(&drafts)
+            .map(|(&i, draft)| {
                 let d = &batch[i];
                 match chunk_end(d) {
                     Some((pos, end)) => Batch::causal(&d.context[pos..end], pos),
                     None => {
                         let pending = *d.context.last().expect("non-empty context");
-                        Batch::causal(&[pending], d.session.cache.len())
+                        let (tokens, positions, mask) = draft.rows(pending, d.session.cache.len());
+                        Batch {
+                            tokens,
+                            positions,
+                            mask,
+                        }
                     }
                 }
             })
@@ -213,8 +252,9 @@ impl<B: Backend> Engine<B> {
                 .collect();
             self.model.forward_batched(&mut seqs)?
         };
-        let verify = t0.elapsed();
-        for ((&i, out), want) in live.iter().zip(outs.iter_mut()).zip(&wants) {
+        let t2 = Instant::now();
+        for (((&i, out), want), draft) in live.iter().zip(outs.iter_mut()).zip(&wants).zip(&drafts)
+        {
             let d = &mut batch[i];
             if let Some((_, end)) = chunk_end(d) {
                 let plan = d.prefill.as_mut().expect("prefilling");
@@ -226,31 +266,49 @@ impl<B: Backend> Engine<B> {
                 }
                 continue;
             }
+            // The forward appended the request's rows: the pending token's, then its drafts'.
+            let n = d.session.cache.len() - 1 - draft.len();
             if let Some(c) = &d.request.constraint {
                 // As alone: where the grammar admits no token the request ends, its pending row undone.
                 if !c.mask(&mut out.logits[..vocab])? {
-                    let n = d.session.cache.len() - 1;
                     d.session.cache.truncate(n);
                     self.finish_step(d, StopReason::Stop)?;
                     continue;
                 }
             }
-            let no_draft = Draft::default();
             let verdict = match want {
-                LogitRows::Greedy => d.verifier.verify_greedy(&out.greedy, &no_draft),
-                _ => d.verifier.verify(&out.logits, vocab, &d.context, &no_draft),
+                LogitRows::Greedy => d.verifier.verify_greedy(&out.greedy, draft),
+                _ => d.verifier.verify(&out.logits, vocab, &d.context, draft),
             };
             let pending = *d.context.last().expect("non-empty context");
-            d.session.tokens.push(pending);
-            d.stats
-                .record_cycle(0, 0, Duration::ZERO, verify, Duration::ZERO);
-            let stop = self.emit(
+            self.commit(&mut d.session, n, pending, draft, &verdict);
+            // The step's draft and forward times are the batch's, shared by its requests.
+            if let Some(p) = d.proposer.as_mut() {
+                p.observe(&Outcome {
+                    draft,
+                    kept: &verdict.kept,
+                    draft_s: (t1 - t0).as_secs_f64(),
+                    verify_s: (t2 - t1).as_secs_f64(),
+                });
+            }
+            d.stats.record_cycle(
+                draft.len(),
+                verdict.accepted(),
+                t1 - t0,
+                t2 - t1,
+                Duration::ZERO,
+            );
+            let cycle = Cycle {
+                n,
+                draft,
+                verdict: &verdict,
+                logits: &out.logits,
+                start: d.start,
+            };
+            let stop = self.emit_cycle(
+                &mut d.session,
                 &d.request,
-                Emission {
-                    token: verdict.next,
-                    logits: out.logits.get(..vocab),
-                    start: d.start,
-                },
+                cycle,
                 &mut d.context,
                 &mut d.stats,
                 &mut d.first_at,

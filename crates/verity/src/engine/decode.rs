@@ -17,7 +17,7 @@ use crate::backend::Backend;
 use crate::chat::Tokenizer;
 use crate::error::{Error, Result};
 use crate::model::{Batch, LogitRows};
-use crate::speculative::{Controller, Draft, Outcome, Proposer, Verifier};
+use crate::speculative::{Controller, Draft, Outcome, Proposer, Verdict, Verifier};
 
 impl<B: Backend> Engine<B> {
     /// Generate a completion of `prompt`. `on_token` receives each completion token as it is produced (with the
@@ -101,7 +101,7 @@ impl<B: Backend> Engine<B> {
         // `context` = committed tokens + `pending` (its last element).
         let mut context = prompt.to_vec();
         let mut first_at = None;
-        'cycles: while stats.completion_tokens < req.max_tokens {
+        while stats.completion_tokens < req.max_tokens {
             let n = sess.cache.len();
             let Some(room) = sess.cache.max_capacity().checked_sub(n + 1) else {
                 stats.stop = StopReason::ContextFull;
@@ -156,12 +156,7 @@ impl<B: Backend> Engine<B> {
                 _ => verifier.verify(&out.logits, vocab, &context, &draft),
             };
             let accepted = verdict.accepted();
-            // Commit the kept path: pending + accepted drafts; roll back the rest everywhere.
-            let kept_rows = verdict.rows();
-            sess.cache.keep_rows(self.model.backend(), n, &kept_rows);
-            sess.tokens.push(pending);
-            sess.tokens
-                .extend(verdict.kept.iter().map(|&i| draft.tokens()[i]));
+            let kept_rows = self.commit(sess, n, pending, &draft, &verdict);
             if let Some(p) = proposer.as_deref_mut() {
                 p.observe(&Outcome {
                     draft: &draft,
@@ -197,32 +192,24 @@ impl<B: Backend> Engine<B> {
             }
             stats.record_cycle(draft.len(), accepted, t1 - t0, t2 - t1, t2.elapsed());
 
-            let emitted: Vec<u32> = verdict
-                .kept
-                .iter()
-                .map(|&i| draft.tokens()[i])
-                .chain([verdict.next])
-                .collect();
-            for (j, &tok) in emitted.iter().enumerate() {
-                let r = kept_rows[j];
-                let stop = self.emit(
-                    req,
-                    Emission {
-                        token: tok,
-                        logits: out.logits.get(r * vocab..(r + 1) * vocab),
-                        start,
-                    },
-                    &mut context,
-                    &mut stats,
-                    &mut first_at,
-                    &mut *on_token,
-                )?;
-                if let Some(reason) = stop {
-                    // End exactly where AR would: the cache holds everything before `tok`.
-                    sess.truncate(n + 1 + j);
-                    stats.stop = reason;
-                    break 'cycles;
-                }
+            let cycle = Cycle {
+                n,
+                draft: &draft,
+                verdict: &verdict,
+                logits: &out.logits,
+                start,
+            };
+            if let Some(reason) = self.emit_cycle(
+                sess,
+                req,
+                cycle,
+                &mut context,
+                &mut stats,
+                &mut first_at,
+                &mut *on_token,
+            )? {
+                stats.stop = reason;
+                break;
             }
         }
         if let Some(t) = first_at {
@@ -243,6 +230,70 @@ pub(super) fn logits_wanted(verifier: &Verifier, req: &GenerateRequest) -> Logit
         LogitRows::Greedy
     } else {
         LogitRows::All
+    }
+}
+
+/// A verified cycle: the forward's rows were `[pending, drafts]` at cache position `n`.
+pub(super) struct Cycle<'a> {
+    pub(super) n: usize,
+    pub(super) draft: &'a Draft,
+    pub(super) verdict: &'a Verdict,
+    /// Every row's logits, or none (the greedy verdict came from the rows' argmax alone).
+    pub(super) logits: &'a [f32],
+    /// When the request started.
+    pub(super) start: Instant,
+}
+
+impl<B: Backend> Engine<B> {
+    /// Commit a cycle's kept path: the pending token and the accepted drafts stay in the cache (moved down over
+    /// rejected rows where the path leaves the first-child line) and join the session's tokens; the rest rolls
+    /// back. Returns the kept rows.
+    pub(super) fn commit(
+        &self,
+        sess: &mut Session<B>,
+        n: usize,
+        pending: u32,
+        draft: &Draft,
+        verdict: &Verdict,
+    ) -> Vec<usize> {
+        let kept_rows = verdict.rows();
+        sess.cache.keep_rows(self.model.backend(), n, &kept_rows);
+        sess.tokens.push(pending);
+        sess.tokens
+            .extend(verdict.kept.iter().map(|&i| draft.tokens()[i]));
+        kept_rows
+    }
+
+    /// Emit a committed cycle's tokens — the kept drafts, then the verifier's next — in order. Where one ends
+    /// the request, the session ends just before it, exactly where AR would have stopped; returns why.
+    #[allow(clippy::too_many_arguments)] // a cycle's session, request, context, statistics and sink
+    pub(super) fn emit_cycle(
+        &self,
+        sess: &mut Session<B>,
+        req: &GenerateRequest,
+        c: Cycle,
+        context: &mut Vec<u32>,
+        stats: &mut GenerationStats,
+        first_at: &mut Option<Instant>,
+        on_token: &mut dyn FnMut(&Tokenizer, &Emitted) -> bool,
+    ) -> Result<Option<StopReason>> {
+        let vocab = self.model.hp.vocab;
+        let kept_rows = c.verdict.rows();
+        let emitted = c.verdict.kept.iter().map(|&i| c.draft.tokens()[i]);
+        for (j, tok) in emitted.chain([c.verdict.next]).enumerate() {
+            let r = kept_rows[j];
+            let e = Emission {
+                token: tok,
+                logits: c.logits.get(r * vocab..(r + 1) * vocab),
+                start: c.start,
+            };
+            if let Some(reason) = self.emit(req, e, context, stats, first_at, on_token)? {
+                // The cache holds everything before `tok`.
+                sess.truncate(c.n + 1 + j);
+                return Ok(Some(reason));
+            }
+        }
+        Ok(None)
     }
 }
 
