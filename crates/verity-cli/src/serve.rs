@@ -25,6 +25,10 @@ pub struct Args {
     /// Requests that decode together in batched steps (1: one at a time, each on its speculative route).
     #[arg(long, default_value_t = 8)]
     batch: usize,
+    /// Requests in batched steps draft by copying from their own context (on a speculative route). Off by
+    /// default: on a small CPU a batch's rows cost about the same each, and the drafts cost more than they gave.
+    #[arg(long)]
+    batch_drafts: bool,
     /// Requests that may wait while a batch is full (or a constrained request runs); more are answered 503.
     #[arg(long, default_value_t = 16)]
     queue: usize,
@@ -164,6 +168,7 @@ fn serve<B: Backend>(c: Checked, backend: Arc<B>) -> Result<()> {
     let a = &c.args;
     let mut engine = crate::load::engine_on(&a.model, backend, &a.speculation)?;
     engine.set_prefix_cache_budget(a.prefix_cache_mb << 20);
+    engine.set_batch_drafts(a.batch_drafts);
     if a.prefix_cache_disk_mb > 0 {
         engine.set_prefix_cache_dir(&crate::cache::root()?, a.prefix_cache_disk_mb << 20);
     }

@@ -19,7 +19,7 @@ pub struct Metrics {
     pub queue_depth: AtomicI64,
     /// Generations running now (the batch, and a request decoding alone).
     pub active: AtomicI64,
-    /// Batched steps taken (each one forward of every batched request's next token and drafts), and the tokens they
+    /// Batched steps taken (each one forward of every batched request's rows), and the tokens they
     /// gave; requests moved from decoding alone into a batch.
     pub batch_steps: AtomicU64,
     pub batch_tokens: AtomicU64,

@@ -2,8 +2,8 @@
 //!
 //! A request that arrives while nothing else decodes runs alone, drafting on its speculative route (a verify's
 //! rows are that request's). When another request arrives, the one decoding alone stops at its next token and
-//! both go on in batched steps (`Engine::decode_step`: one forward carries every request's next row and, on a
-//! speculative route, the drafts it copies from its own context); requests
+//! both go on in batched steps (`Engine::decode_step`: one forward carries every request's next row and, with
+//! batched drafts on, the drafts it copies from its own context); requests
 //! join between steps, up to `max_batch`, and leave when they finish; the last one left goes on alone on its
 //! speculative route again. Every route emits AR's tokens and each draw is keyed by the request's seed and
 //! position, so these moves change no token of any answer (tested through the HTTP API). A constrained request

@@ -237,9 +237,10 @@ fn requests_decoded_together_get_their_solo_answers() {
         alone.push((got, stats.stop, cache));
     }
 
-    // Batched steps on AR, and on the copy route: each request drafting from its own context.
+    // Batched steps on AR, and on the copy route with batched drafts: each request drafting from its own context.
     for mode in [SpecMode::Off, SpecMode::Auto] {
         let mut together = Engine::load(&path, backend(), &mode).unwrap();
+        together.set_batch_drafts(true);
         let mut got: Vec<Vec<(u32, Option<String>)>> = vec![Vec::new(); requests.len()];
         let mut batch: Vec<Decoding<CpuBackend>> = Vec::new();
         let mut order = Vec::new();

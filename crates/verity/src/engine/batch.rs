@@ -5,9 +5,11 @@
 //!
 //! Each request's step is the cycle of `decode.rs` — its pending token and its drafts through the target, the
 //! verifier's verdict on those rows, the kept path committed — run as its rows of a [`Model::forward_batched`]
-//! beside the others' rows. On a speculative route every request drafts by copying from its own context (a
-//! [`SuffixCopy`] of its own: it needs no model, so no per-request device state; model drafters — MTP heads,
-//! block drafters, draft models — keep one state per engine and draft only for a request decoding alone). The
+//! beside the others' rows. With batched drafts on ([`Engine::set_batch_drafts`]), on a speculative route every
+//! request drafts by copying from its own context (a [`SuffixCopy`] of its own: it needs no model, so no
+//! per-request device state; model drafters — MTP heads, block drafters, draft models — keep one state per
+//! engine and draft only for a request decoding alone), each request's widths chosen against what a drafted
+//! row costs the whole batch. The
 //! forward gives each row bitwise its own forward's logits and the draws are keyed by the request's seed and
 //! position, so every request gets bitwise the tokens it would get alone, on any route (every route's output is
 //! AR's), whichever requests share its steps, whatever they drafted and whenever it joined.
@@ -22,7 +24,7 @@ use crate::chat::Tokenizer;
 use crate::error::{Error, Result};
 use crate::model::{Batch, LogitRows, SeqForward, TargetFeatures};
 use crate::speculative::copy::SuffixCopy;
-use crate::speculative::{Draft, Outcome, Proposer, Route, Verifier};
+use crate::speculative::{Controller, Draft, Outcome, Proposer, Route, Verifier};
 
 /// One request being decoded in batched steps.
 pub struct Decoding<B: Backend> {
@@ -39,9 +41,13 @@ pub struct Decoding<B: Backend> {
     earlier: Option<GenerationStats>,
     /// The prompt's prefill while it goes on (`None` once the prompt is in the cache).
     prefill: Option<PrefillPlan>,
-    /// Its drafts, on a speculative route without a constraint.
+    /// Its drafts, on a speculative route without a constraint, and their widths.
     proposer: Option<SuffixCopy>,
+    controller: Controller,
 }
+
+/// Batched steps' row counts measured apart (the engine's [`crate::speculative::RowCost`]).
+pub(super) const STEP_ROWS: usize = 256;
 
 impl<B: Backend> Decoding<B> {
     /// Whether the request has finished (it takes no further steps).
@@ -88,9 +94,11 @@ impl<B: Backend> Engine<B> {
             request.store_prefix,
             &TargetFeatures::none(),
         )?;
-        let proposer =
-            (self.plan.route != Route::Ar && request.speculate && request.constraint.is_none())
-                .then(SuffixCopy::new);
+        let proposer = (self.batch_drafts
+            && self.plan.route != Route::Ar
+            && request.speculate
+            && request.constraint.is_none())
+        .then(SuffixCopy::new);
         let mut stats = GenerationStats::new(proposer.as_ref().map_or("ar", |p| p.name()));
         stats.prompt_tokens = prompt.len();
         stats.restored_tokens = plan.done.restored;
@@ -108,6 +116,7 @@ impl<B: Backend> Engine<B> {
             earlier: None,
             prefill,
             proposer,
+            controller: Controller::default(),
         })
     }
 
@@ -189,7 +198,15 @@ impl<B: Backend> Engine<B> {
                 (p.pos, end.expect("a prefill under way has rows left"))
             })
         };
-        // Each decoding request's drafts (past its token limit or the context they would be wasted).
+        // Each decoding request's drafts (past its token limit or the context they would be wasted). A drafted
+        // row is worth its expected acceptance against what it costs the whole batch: the step's seconds per
+        // extra row, in tokens at the batch's rate without drafts.
+        let decoding = live.iter().filter(|&&i| batch[i].prefill.is_none()).count();
+        let base_rows: usize = live
+            .iter()
+            .map(|&i| chunk_end(&batch[i]).map_or(1, |(pos, end)| end - pos))
+            .sum();
+        let row_cost = self.step_cost.per_row() * decoding as f64 / self.step_cost.cost(base_rows);
         let mut drafts: Vec<Draft> = Vec::with_capacity(live.len());
         for &i in &live {
             let d = &mut batch[i];
@@ -198,7 +215,10 @@ impl<B: Backend> Engine<B> {
                     let room = d.session.cache.max_capacity() - (d.session.cache.len() + 1);
                     let limit = (d.request.max_tokens - d.stats.completion_tokens - 1).min(room);
                     let offered = p.width(limit);
-                    let k = d.request.draft_width.map_or(offered, |w| w.min(offered));
+                    let k = match d.request.draft_width {
+                        Some(w) => w.min(offered),
+                        None => d.controller.choose_in_batch(offered, row_cost),
+                    };
                     let mut draft = if k > 0 {
                         p.propose(&d.context, k)?
                     } else {
@@ -253,6 +273,8 @@ impl<B: Backend> Engine<B> {
             self.model.forward_batched(&mut seqs)?
         };
         let t2 = Instant::now();
+        let rows_total: usize = rows.iter().map(Batch::rows).sum();
+        self.step_cost.record(rows_total, (t2 - t1).as_secs_f64());
         for (((&i, out), want), draft) in live.iter().zip(outs.iter_mut()).zip(&wants).zip(&drafts)
         {
             let d = &mut batch[i];
@@ -297,6 +319,13 @@ impl<B: Backend> Engine<B> {
                 t1 - t0,
                 t2 - t1,
                 Duration::ZERO,
+            );
+            d.controller.record(
+                draft.len(),
+                verdict.accepted(),
+                draft.len() + 1,
+                (t2 - t1).as_secs_f64(),
+                (t1 - t0).as_secs_f64(),
             );
             let cycle = Cycle {
                 n,

@@ -29,7 +29,7 @@ use crate::cache::{CheckpointShape, DiskTier, KvCache, PrefixTiers};
 use crate::chat::{ChatTemplate, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::Model;
-use crate::speculative::{self, Plan, Proposer, SpecMode};
+use crate::speculative::{self, Plan, Proposer, RowCost, SpecMode};
 use prefill::Prefilled;
 
 pub struct Engine<B: Backend> {
@@ -44,6 +44,10 @@ pub struct Engine<B: Backend> {
     fingerprint: u64,
     /// Caches of ended sessions, handed to new ones ([`Engine::end_session`]).
     spare: Vec<KvCache<B>>,
+    /// Whether requests in batched steps draft (by copying; [`Engine::set_batch_drafts`]), and the steps'
+    /// forward time by row count, which prices their drafted rows.
+    batch_drafts: bool,
+    step_cost: RowCost,
 }
 
 /// Ended sessions' caches kept for new ones. A cache keeps its buffers (and the capacity they grew to), so a
@@ -87,7 +91,17 @@ impl<B: Backend> Engine<B> {
             prefix: PrefixTiers::default(),
             fingerprint: bundle.fingerprint(),
             spare: Vec::new(),
+            batch_drafts: false,
+            step_cost: RowCost::new(batch::STEP_ROWS),
         })
+    }
+
+    /// Let requests in batched steps draft on a speculative route, each copying from its own context (off by
+    /// default: on a 2-core CPU, where a batch's forward costs about the same per row, the drafted rows cost the
+    /// batch more than they gave — BENCHMARKS.md, "Server under load"). Requests started before keep their
+    /// setting; no answer changes either way.
+    pub fn set_batch_drafts(&mut self, on: bool) {
+        self.batch_drafts = on;
     }
 
     /// Keep prefix-cache checkpoints up to `bytes` in RAM (0 turns the RAM tier off and drops what it holds).

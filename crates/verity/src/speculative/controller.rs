@@ -5,7 +5,9 @@
 //! plus the proposer's cost per drafted token. For each candidate `k` it estimates
 //! `E[tokens] = 1 + Σ_{j≤k} Π_{i≤j} a_i` over `cost(k) = verify(k + 1) + k · draft_per_token` and takes the
 //! best; `k = 0` is plain AR. When speculation stops paying it falls back to AR, probing again now and then so a
-//! change of text (e.g. the answer starts quoting the prompt) is noticed.
+//! change of text (e.g. the answer starts quoting the prompt) is noticed. Inside a batched step a request's
+//! rows share the forward with other requests', so there it weighs each drafted row's share of the batch's time
+//! instead ([`Controller::choose_in_batch`]).
 
 /// The widest draft any proposer is offered.
 pub const MAX_K: usize = 16;
@@ -15,12 +17,15 @@ const ALPHA: f32 = 0.25;
 const PRIOR: f32 = 0.6;
 /// After this many AR cycles in a row, probe with a small draft.
 const PROBE_EVERY: usize = 8;
+/// In a batched step, a row costing more than this many tokens' worth of the batch's time stretches the probe
+/// interval in proportion.
+const PROBE_ROW_COST: f64 = 0.1;
 
 #[derive(Debug, Clone)]
 pub struct Controller {
     accept: [f32; MAX_K],
-    /// Indexed by rows W = k + 1, so 1..=MAX_K + 1.
-    verify_s: [Option<f64>; MAX_K + 2],
+    /// Verifies of W = k + 1 rows.
+    verify: RowCost,
     draft_s_per_token: f64,
     ar_streak: usize,
 }
@@ -29,66 +34,158 @@ impl Default for Controller {
     fn default() -> Self {
         Controller {
             accept: [PRIOR; MAX_K],
-            verify_s: [None; MAX_K + 2],
+            verify: RowCost::new(MAX_K + 1),
             draft_s_per_token: 0.0,
             ar_streak: 0,
         }
     }
 }
 
-impl Controller {
-    /// Seconds for a verify of `w` rows: measured; else, once two widths are measured, the least-squares line
-    /// through every measured width (how this machine's cost really grows per row); else extrapolated from the
-    /// one measured width assuming weight streaming dominates (a small per-row increment), which keeps
-    /// unmeasured widths worth trying.
-    fn verify_cost(&self, w: usize) -> f64 {
-        if let Some(t) = self.verify_s[w] {
+/// The measured cost of a forward by its row count: an EMA per count, and between and beyond the measured
+/// counts the least-squares line through them (how this machine's cost really grows per row); with one count
+/// measured, extrapolated assuming weight streaming dominates (a small per-row increment), which keeps unmeasured
+/// counts worth trying; with none, relative units (one row costs 1).
+#[derive(Debug, Clone)]
+pub struct RowCost {
+    /// Indexed by rows, 1..=max.
+    secs: Vec<Option<f64>>,
+}
+
+/// The per-row increment assumed, relative to a one-row forward, before two row counts are measured.
+const ROW_PRIOR: f64 = 0.05;
+
+impl RowCost {
+    /// Row counts up to `max` are measured apart (more count as `max`).
+    pub fn new(max: usize) -> Self {
+        RowCost {
+            secs: vec![None; max + 1],
+        }
+    }
+
+    /// Learn a forward of `rows` rows that took `secs`.
+    pub fn record(&mut self, rows: usize, secs: f64) {
+        let w = rows.clamp(1, self.secs.len() - 1);
+        let a = ALPHA as f64;
+        self.secs[w] = Some(match self.secs[w] {
+            Some(t) => t + a * (secs - t),
+            None => secs,
+        });
+    }
+
+    /// Seconds for a forward of `w` rows.
+    pub fn cost(&self, w: usize) -> f64 {
+        let w = w.clamp(1, self.secs.len() - 1);
+        if let Some(t) = self.secs[w] {
             return t;
         }
-        let measured: Vec<(f64, f64)> = (1..=MAX_K + 1)
-            .filter_map(|v| self.verify_s[v].map(|t| (v as f64, t)))
+        match self.line() {
+            Line::None => 1.0 + ROW_PRIOR * (w as f64 - 1.0),
+            Line::One(v, t) => t * (1.0 + ROW_PRIOR * (w as f64 - v)).max(0.5),
+            Line::Fit { mx, my, slope } => (my + slope * (w as f64 - mx)).max(my * 0.5),
+        }
+    }
+
+    /// Seconds each extra row adds.
+    pub fn per_row(&self) -> f64 {
+        match self.line() {
+            Line::None => ROW_PRIOR,
+            Line::One(v, t) => t * ROW_PRIOR / (1.0 + ROW_PRIOR * (v - 1.0)),
+            Line::Fit { slope, .. } => slope,
+        }
+    }
+
+    fn line(&self) -> Line {
+        let measured: Vec<(f64, f64)> = (1..self.secs.len())
+            .filter_map(|v| self.secs[v].map(|t| (v as f64, t)))
             .collect();
         match measured.as_slice() {
-            [] => 1.0 + 0.05 * (w as f64 - 1.0),
-            [(v, t)] => t * (1.0 + 0.05 * (w as f64 - v)).max(0.5),
+            [] => Line::None,
+            [(v, t)] => Line::One(*v, *t),
             pts => {
                 let n = pts.len() as f64;
                 let mx = pts.iter().map(|p| p.0).sum::<f64>() / n;
                 let my = pts.iter().map(|p| p.1).sum::<f64>() / n;
                 let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
                 let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
-                let slope = (sxy / sxx).max(0.0);
-                (my + slope * (w as f64 - mx)).max(my * 0.5)
+                Line::Fit {
+                    mx,
+                    my,
+                    slope: (sxy / sxx).max(0.0),
+                }
             }
         }
     }
+}
 
+/// The k in 0..=offered with the best `value(k, expected tokens of a cycle of k drafts)`; after a streak of
+/// k = 0, a small probe so that a change of text is noticed.
+fn best_width(
+    accept: &[f32; MAX_K],
+    ar_streak: &mut usize,
+    offered: usize,
+    probe_every: usize,
+    value: impl Fn(usize, f64) -> f64,
+) -> usize {
+    let offered = offered.min(MAX_K);
+    if offered == 0 {
+        return 0;
+    }
+    let mut best = (0, value(0, 1.0));
+    let (mut expected, mut chain) = (1.0f64, 1.0f64);
+    for k in 1..=offered {
+        chain *= accept[k - 1] as f64;
+        expected += chain;
+        let v = value(k, expected);
+        if v > best.1 {
+            best = (k, v);
+        }
+    }
+    if best.0 == 0 {
+        *ar_streak += 1;
+        if *ar_streak >= probe_every {
+            *ar_streak = 0;
+            return offered.min(2);
+        }
+    } else {
+        *ar_streak = 0;
+    }
+    best.0
+}
+
+enum Line {
+    None,
+    One(f64, f64),
+    Fit { mx: f64, my: f64, slope: f64 },
+}
+
+impl Controller {
     /// The width to draft this cycle, given the most the proposer offers.
     pub fn choose(&mut self, offered: usize) -> usize {
-        let offered = offered.min(MAX_K);
-        if offered == 0 {
-            return 0;
-        }
-        let mut best = (0, 1.0 / self.verify_cost(1));
-        let (mut expected, mut chain) = (1.0f64, 1.0f64);
-        for k in 1..=offered {
-            chain *= self.accept[k - 1] as f64;
-            expected += chain;
-            let rate = expected / (self.verify_cost(k + 1) + k as f64 * self.draft_s_per_token);
-            if rate > best.1 {
-                best = (k, rate);
-            }
-        }
-        if best.0 == 0 {
-            self.ar_streak += 1;
-            if self.ar_streak >= PROBE_EVERY {
-                self.ar_streak = 0;
-                return offered.min(2);
-            }
-        } else {
-            self.ar_streak = 0;
-        }
-        best.0
+        let (draft, verify) = (self.draft_s_per_token, &self.verify);
+        // Expected tokens per second of a cycle of k drafts.
+        best_width(
+            &self.accept,
+            &mut self.ar_streak,
+            offered,
+            PROBE_EVERY,
+            |k, expected| expected / (verify.cost(k + 1) + k as f64 * draft),
+        )
+    }
+
+    /// The width for a request drafting inside a batched step, whose rows share one forward with other
+    /// requests': each drafted row costs `row_cost` tokens' worth of the batch's time (the step's seconds per
+    /// extra row times the batch's tokens per second), so the width with the most expected tokens net of that
+    /// cost, 0 where no draft gains. Probes come the rarer the dearer a row: every request of the batch probes,
+    /// and on a machine where each row costs most of a token the probes alone would cost more than they find.
+    pub fn choose_in_batch(&mut self, offered: usize, row_cost: f64) -> usize {
+        let every = (PROBE_EVERY as f64 * (row_cost / PROBE_ROW_COST).max(1.0)) as usize;
+        best_width(
+            &self.accept,
+            &mut self.ar_streak,
+            offered,
+            every,
+            |k, expected| expected - k as f64 * row_cost,
+        )
     }
 
     /// Learn from a finished cycle.
@@ -108,15 +205,10 @@ impl Controller {
                 break; // later positions were not tested
             }
         }
-        let w = rows.clamp(1, MAX_K + 1);
-        let a = ALPHA as f64;
-        self.verify_s[w] = Some(match self.verify_s[w] {
-            Some(t) => t + a * (verify_s - t),
-            None => verify_s,
-        });
+        self.verify.record(rows, verify_s);
         if drafted > 0 {
             let per = draft_s / drafted as f64;
-            self.draft_s_per_token += a * (per - self.draft_s_per_token);
+            self.draft_s_per_token += ALPHA as f64 * (per - self.draft_s_per_token);
         }
     }
 }
@@ -171,9 +263,9 @@ mod tests {
         c.record(0, 0, 1, 0.010, 0.0);
         c.record(2, 1, 3, 0.016, 0.0);
         assert!(
-            (c.verify_cost(6) - 0.025).abs() < 1e-9,
+            (c.verify.cost(6) - 0.025).abs() < 1e-9,
             "{}",
-            c.verify_cost(6)
+            c.verify.cost(6)
         );
         // A proposer right 35% of the time does not pay at that cost: no wide drafts.
         for i in 0..40 {
@@ -182,6 +274,33 @@ mod tests {
             c.record(k, acc, k + 1, 0.010 + 0.003 * k as f64, 0.0002 * k as f64);
         }
         let ks: Vec<usize> = (0..16).map(|_| c.choose(8)).collect();
+        assert!(ks.iter().all(|&k| k <= 2), "{ks:?}");
+    }
+
+    #[test]
+    fn in_a_batch_a_row_must_earn_its_share_of_the_batchs_time() {
+        // Rows nearly free (a GPU): an always-right proposer drafts as wide as offered.
+        let mut c = Controller::default();
+        for _ in 0..20 {
+            let k = c.choose_in_batch(8, 0.05);
+            c.record(k, k, k + 1, 0.01, 0.0);
+        }
+        assert_eq!(c.choose_in_batch(8, 0.05), 8);
+        // A row costing about a token (a small CPU) and 40 % acceptance: no drafts but rare probes.
+        let mut c = Controller::default();
+        let ks: Vec<usize> = (0..200)
+            .map(|i| {
+                let k = c.choose_in_batch(8, 1.0);
+                let acc = usize::from(k > 0 && i % 5 < 2);
+                c.record(k, acc.min(k), k + 1, 0.01, 0.0);
+                k
+            })
+            .collect();
+        let probes = ks.iter().filter(|&&k| k > 0).count();
+        assert!(
+            probes <= 200 / (PROBE_EVERY * 10) + 1,
+            "{probes} probes: {ks:?}"
+        );
         assert!(ks.iter().all(|&k| k <= 2), "{ks:?}");
     }
 
