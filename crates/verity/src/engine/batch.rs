@@ -64,6 +64,27 @@ impl<B: Backend> Decoding<B> {
     pub fn request(&self) -> &GenerateRequest {
         &self.request
     }
+
+    /// This step's drafts, each drafted row costing `row_cost` tokens' worth of the batch's time: none while
+    /// its prompt is prefilled or without a proposer, none past its token limit or the context (wasted there).
+    fn draft(&mut self, row_cost: f64) -> Result<Draft> {
+        let (Some(p), None) = (&mut self.proposer, &self.prefill) else {
+            return Ok(Draft::default());
+        };
+        let room = self.session.cache.max_capacity() - (self.session.cache.len() + 1);
+        let limit = (self.request.max_tokens - self.stats.completion_tokens - 1).min(room);
+        let offered = p.width(limit);
+        let k = match self.request.draft_width {
+            Some(w) => w.min(offered),
+            None => self.controller.choose_in_batch(offered, row_cost),
+        };
+        if k == 0 {
+            return Ok(Draft::default());
+        }
+        let mut draft = p.propose(&self.context, k)?;
+        draft.truncate(k);
+        Ok(draft)
+    }
 }
 
 impl<B: Backend> Engine<B> {
@@ -198,39 +219,19 @@ impl<B: Backend> Engine<B> {
                 (p.pos, end.expect("a prefill under way has rows left"))
             })
         };
-        // Each decoding request's drafts (past its token limit or the context they would be wasted). A drafted
-        // row is worth its expected acceptance against what it costs the whole batch: the step's seconds per
-        // extra row, in tokens at the batch's rate without drafts.
+        // Each decoding request's drafts. A drafted row is worth its expected acceptance against what it costs
+        // the whole batch: the step's seconds per extra row, in tokens at the batch's rate without drafts.
         let decoding = live.iter().filter(|&&i| batch[i].prefill.is_none()).count();
         let base_rows: usize = live
             .iter()
             .map(|&i| chunk_end(&batch[i]).map_or(1, |(pos, end)| end - pos))
             .sum();
-        let row_cost = self.step_cost.per_row() * decoding as f64 / self.step_cost.cost(base_rows);
-        let mut drafts: Vec<Draft> = Vec::with_capacity(live.len());
-        for &i in &live {
-            let d = &mut batch[i];
-            let draft = match (&mut d.proposer, &d.prefill) {
-                (Some(p), None) => {
-                    let room = d.session.cache.max_capacity() - (d.session.cache.len() + 1);
-                    let limit = (d.request.max_tokens - d.stats.completion_tokens - 1).min(room);
-                    let offered = p.width(limit);
-                    let k = match d.request.draft_width {
-                        Some(w) => w.min(offered),
-                        None => d.controller.choose_in_batch(offered, row_cost),
-                    };
-                    let mut draft = if k > 0 {
-                        p.propose(&d.context, k)?
-                    } else {
-                        Draft::default()
-                    };
-                    draft.truncate(k);
-                    draft
-                }
-                _ => Draft::default(),
-            };
-            drafts.push(draft);
-        }
+        let row_cost = self.step_cost.per_row_near(base_rows) * decoding as f64
+            / self.step_cost.cost(base_rows);
+        let drafts = live
+            .iter()
+            .map(|&i| batch[i].draft(row_cost))
+            .collect::<Result<Vec<Draft>>>()?;
         let t1 = Instant::now();
         let rows: Vec<Batch> = live
             .iter()

@@ -85,6 +85,16 @@ impl RowCost {
         }
     }
 
+    /// Seconds each extra row adds around `w` rows: the line through the counts measured from half to twice
+    /// `w` (a forward's cost per row changes with its size: many rows share each weight load better), else
+    /// through all of them.
+    pub fn per_row_near(&self, w: usize) -> f64 {
+        match self.line_in(w - w / 2, 2 * w + 1) {
+            Line::Fit { slope, .. } => slope,
+            _ => self.per_row(),
+        }
+    }
+
     /// Seconds each extra row adds.
     pub fn per_row(&self) -> f64 {
         match self.line() {
@@ -95,7 +105,12 @@ impl RowCost {
     }
 
     fn line(&self) -> Line {
-        let measured: Vec<(f64, f64)> = (1..self.secs.len())
+        self.line_in(1, self.secs.len())
+    }
+
+    /// The line through the counts measured in `lo..hi`.
+    fn line_in(&self, lo: usize, hi: usize) -> Line {
+        let measured: Vec<(f64, f64)> = (lo.max(1)..hi.min(self.secs.len()))
             .filter_map(|v| self.secs[v].map(|t| (v as f64, t)))
             .collect();
         match measured.as_slice() {
@@ -275,6 +290,23 @@ mod tests {
         }
         let ks: Vec<usize> = (0..16).map(|_| c.choose(8)).collect();
         assert!(ks.iter().all(|&k| k <= 2), "{ks:?}");
+    }
+
+    #[test]
+    fn the_cost_of_a_row_is_read_near_the_row_count_that_pays_it() {
+        // A small CPU: 8- and 10-row steps cost ~1 ms a row, a 64-row prefill step much less per row.
+        let mut c = RowCost::new(256);
+        c.record(8, 0.0089);
+        c.record(10, 0.0110);
+        c.record(64, 0.0300);
+        assert!(
+            (c.per_row_near(8) - 0.00105).abs() < 1e-6,
+            "{}",
+            c.per_row_near(8)
+        );
+        assert!(c.per_row() < 0.0005, "{}", c.per_row());
+        // Nothing measured near 40 rows: the line through every count.
+        assert_eq!(c.per_row_near(40), c.per_row());
     }
 
     #[test]

@@ -120,26 +120,17 @@ impl CudaBackend {
                 Some(forced) => forced > 0 && take >= forced,
                 None => take >= ATT_WARP_ROWS && shape.n_heads * shape.head_dim >= ATT_WARP_WIDTH,
             };
-            let heads = if warps {
-                // No SMs: no grid counts as small, so a block serves as many heads as the group allows.
-                att_heads(
-                    shape.n_heads,
-                    shape.n_kv_heads,
-                    take,
-                    chunks,
-                    0,
-                    self.att_heads,
-                )
-            } else {
-                att_heads(
-                    shape.n_heads,
-                    shape.n_kv_heads,
-                    take,
-                    chunks,
-                    self.sms,
-                    self.att_heads,
-                )
-            };
+            // With a warp per chunk a block always serves as many heads as the group allows (no SMs: no grid
+            // counts as small).
+            let sms = if warps { 0 } else { self.sms };
+            let heads = att_heads(
+                shape.n_heads,
+                shape.n_kv_heads,
+                take,
+                chunks,
+                sms,
+                self.att_heads,
+            );
             let per_chunk = take * shape.n_heads / heads;
             let split = match (warps, self.att_split) {
                 (true, Some(forced)) => forced,
