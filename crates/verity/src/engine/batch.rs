@@ -275,7 +275,10 @@ impl<B: Backend> Engine<B> {
         };
         let t2 = Instant::now();
         let rows_total: usize = rows.iter().map(Batch::rows).sum();
-        self.step_cost.record(rows_total, (t2 - t1).as_secs_f64());
+        // Only steps of decoding requests price a row: a prompt's chunk brings cache growth and copies with it.
+        if decoding == live.len() {
+            self.step_cost.record(rows_total, (t2 - t1).as_secs_f64());
+        }
         for (((&i, out), want), draft) in live.iter().zip(outs.iter_mut()).zip(&wants).zip(&drafts)
         {
             let d = &mut batch[i];

@@ -85,11 +85,10 @@ impl RowCost {
         }
     }
 
-    /// Seconds each extra row adds around `w` rows: the line through the counts measured from half to twice
-    /// `w` (a forward's cost per row changes with its size: many rows share each weight load better), else
-    /// through all of them.
+    /// Seconds each row past `w` adds: the line through the counts measured from `w` to twice `w` (a forward's
+    /// cost per row changes with its size: many rows share each weight load better), else through all of them.
     pub fn per_row_near(&self, w: usize) -> f64 {
-        match self.line_in(w - w / 2, 2 * w + 1) {
+        match self.line_in(w, 2 * w + 1) {
             Line::Fit { slope, .. } => slope,
             _ => self.per_row(),
         }
