@@ -226,8 +226,12 @@ impl<B: Backend> Engine<B> {
             .iter()
             .map(|&i| chunk_end(&batch[i]).map_or(1, |(pos, end)| end - pos))
             .sum();
-        let row_cost = self.step_cost.per_row_near(base_rows) * decoding as f64
-            / self.step_cost.cost(base_rows);
+        let row_cost = if live.iter().any(|&i| batch[i].proposer.is_some()) {
+            self.step_cost.per_row_near(base_rows) * decoding as f64
+                / self.step_cost.cost(base_rows)
+        } else {
+            0.0 // nobody drafts: not read
+        };
         let drafts = live
             .iter()
             .map(|&i| batch[i].draft(row_cost))

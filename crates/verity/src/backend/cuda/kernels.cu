@@ -1527,6 +1527,37 @@ __device__ __forceinline__ float fma4(float4 a, float4 b, float d) {
     return fmaf(a.w, b.w, d);
 }
 
+// Whether step row i (at position qpos) sees slot j: committed slots below base, the step's rows causally or
+// by its tree mask, none at or past n = base + rows; a local layer's `window` keeps only the last positions.
+__device__ __forceinline__ bool slot_seen(const Step& st, int i, int j, int n, int window, int qpos) {
+    int base = st.base;
+    bool sees = j < n && (j < base || (st.tree ? st.mask[i * st.rows + (j - base)] != 0 : (j - base) <= i));
+    if (window > 0 && sees) sees = qpos - (j < base ? j : st.positions[j - base]) < window;
+    return sees;
+}
+
+// A slot's score from its four quarter dots on lanes 4s .. 4s + 3: (q0 + q1) + (q2 + q3) on every lane of the
+// four.
+__device__ __forceinline__ float quarter_sum(float d) {
+    d += __shfl_xor_sync(0xffffffffu, d, 1);
+    return d + __shfl_xor_sync(0xffffffffu, d, 2);
+}
+
+// One head's chunk of 64 scores in a warp, slots lane and lane + 32 in `a` and `b` (NEG_INF: unseen): its max
+// (exact in any order) into `m`, the two slots' weights exp(score - m) back into `a` and `b`, and on lane 0 the
+// exp-sum in the order of a halving tree (slot lane + 32 onto lane, then shfl_down 16 ... 1).
+__device__ __forceinline__ float chunk_weights(float& a, float& b, float& m) {
+    m = fmaxf(a, b);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    a = a == NEG_INF ? 0.f : __expf(a - m);
+    b = b == NEG_INF ? 0.f : __expf(b - m);
+    float sum = a + b;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, o);
+    return sum;
+}
+
 // The combine, for the last block of a (row, head block): each head's chunk records c_lo .. nc - 1 in chunk order,
 // with big the largest chunk max and f_c = exp(m_c - big): den = fmaf(f_c, sum_c, den), num = fmaf(f_c,
 // value_c[e], num), out = num / den. `out`: the row's first head of the block.
@@ -1624,8 +1655,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
         // Scores: four threads per slot, each a quarter of the head's dims (every head from the same loaded K),
         // then a fixed butterfly.
         int js = t >> 2, sub = t & 3, j = j0 + js;
-        bool sees = j < n && (j < base || (st.tree ? st.mask[i * rows + (j - base)] != 0 : (j - base) <= i));
-        if (window > 0 && sees) sees = qpos - (j < base ? j : st.positions[j - base]) < window;
+        bool sees = slot_seen(st, i, j, n, window, qpos);
         float d[HEADS];
 #pragma unroll
         for (int g = 0; g < HEADS; g++) d[g] = 0.f;
@@ -1655,9 +1685,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
         }
 #pragma unroll
         for (int g = 0; g < HEADS; g++) {
-            float s = d[g];
-            s += __shfl_xor_sync(0xffffffffu, s, 1);
-            s += __shfl_xor_sync(0xffffffffu, s, 2);
+            float s = quarter_sum(d[g]);
             if (sub == 0) sc[g][js] = sees ? s * scale : NEG_INF;
         }
         __syncthreads();
@@ -1665,16 +1693,10 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
         // halving tree (slot lane + 32 onto lane, then shfl_down 16 ... 1), the max exact in any order.
         int g = t >> 5, lane = t & 31;
         if (g < HEADS) {
-            float a = sc[g][lane], b = sc[g][lane + 32];
-            float m = fmaxf(a, b);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-            float pa = a == NEG_INF ? 0.f : __expf(a - m), pb = b == NEG_INF ? 0.f : __expf(b - m);
-            sc[g][lane] = pa;
-            sc[g][lane + 32] = pb;
-            float sum = pa + pb;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, o);
+            float a = sc[g][lane], b = sc[g][lane + 32], m;
+            float sum = chunk_weights(a, b, m);
+            sc[g][lane] = a;
+            sc[g][lane + 32] = b;
             if (lane == 0) {
                 red[g][0] = m;
                 red[g][1] = sum;
@@ -1823,8 +1845,7 @@ __device__ __forceinline__ void attention_warps_body(const float* q, const float
 #pragma unroll 2
         for (int pass = 0; pass < ATT_CHUNK / 8; pass++) {
             int js = pass * 8 + (lane >> 2), j = j0 + js;
-            bool sees = j < n && (j < base || (st.tree ? st.mask[i * rows + (j - base)] != 0 : (j - base) <= i));
-            if (window > 0 && sees) sees = qpos - (j < base ? j : st.positions[j - base]) < window;
+            bool sees = slot_seen(st, i, j, n, window, qpos);
             float d[HEADS];
 #pragma unroll
             for (int g = 0; g < HEADS; g++) d[g] = 0.f;
@@ -1851,9 +1872,7 @@ __device__ __forceinline__ void attention_warps_body(const float* q, const float
             }
 #pragma unroll
             for (int g = 0; g < HEADS; g++) {
-                float s = d[g];
-                s += __shfl_xor_sync(0xffffffffu, s, 1);
-                s += __shfl_xor_sync(0xffffffffu, s, 2);
+                float s = quarter_sum(d[g]);
                 if (sub == 0) ws[g][js] = sees ? s * scale : NEG_INF;
             }
         }
@@ -1861,16 +1880,10 @@ __device__ __forceinline__ void attention_warps_body(const float* q, const float
         // Each head's max and exp-sum: two slots per lane, the halving tree.
 #pragma unroll
         for (int g = 0; g < HEADS; g++) {
-            float a = ws[g][lane], b = ws[g][lane + 32];
-            float m = fmaxf(a, b);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-            float pa = a == NEG_INF ? 0.f : __expf(a - m), pb = b == NEG_INF ? 0.f : __expf(b - m);
-            ws[g][lane] = pa;
-            ws[g][lane + 32] = pb;
-            float sum = pa + pb;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, o);
+            float a = ws[g][lane], b = ws[g][lane + 32], m;
+            float sum = chunk_weights(a, b, m);
+            ws[g][lane] = a;
+            ws[g][lane + 32] = b;
             if (lane == 0) {
                 float* r = records + ((size_t)g * chunks + c % chunks) * rec;
                 r[0] = m;
