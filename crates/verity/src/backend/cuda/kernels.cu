@@ -1560,28 +1560,74 @@ __device__ __forceinline__ float chunk_weights(float& a, float& b, float& m) {
 
 // The combine, for the last block of a (row, head block): each head's chunk records c_lo .. nc - 1 in chunk order,
 // with big the largest chunk max and f_c = exp(m_c - big): den = fmaf(f_c, sum_c, den), num = fmaf(f_c,
-// value_c[e], num), out = num / den. `out`: the row's first head of the block.
-template <int HEADS>
+// value_c[e], num), out = num / den. Each (head, chunk)'s f_c and sum are computed once into shared memory,
+// COMBINE_CHUNKS chunks at a time, and each thread's value loads run ahead of its chains (one chain per thread
+// and chunk loaded in turn waits on every load): the same arithmetic, the same bits. ITEMS: the most (head, dim)
+// outputs a thread holds (HEADS * MAX_HEAD_DIM / threads). `out`: the row's first head of the block.
+#define COMBINE_CHUNKS 32
+template <int HEADS, int ITEMS>
 __device__ void combine_chunks(const float* records, int chunks, int rec, int c_lo, int nc, int head_dim,
                                float* out) {
-    for (int u = threadIdx.x; u < HEADS * head_dim; u += blockDim.x) {
-        int g = u / head_dim, e = u % head_dim;
+    __shared__ float wmax[32][HEADS], big[HEADS];
+    __shared__ float wf[HEADS][COMBINE_CHUNKS], wsum[HEADS][COMBINE_CHUNKS];
+    __shared__ int off[COMBINE_CHUNKS];
+    int t = threadIdx.x, lane = t & 31, warp = t >> 5, n = HEADS * head_dim;
 #ifdef KO_ATT_NOCOMBINE
-        out[u] = 0.f;  // knockout: no combine
-        continue;
+    for (int u = t; u < n; u += blockDim.x) out[u] = 0.f;  // knockout: no combine
+    return;
 #endif
-        const float* rg = records + (size_t)g * chunks * rec;
-        float big = NEG_INF;
-        for (int c = c_lo; c < nc; c++) big = fmaxf(big, __ldcg(rg + (size_t)(c % chunks) * rec));
-        float den = 0.f, num = 0.f;
-        for (int c = c_lo; c < nc; c++) {
-            const float* rc = rg + (size_t)(c % chunks) * rec;
-            float mc = __ldcg(rc);
-            float f = mc == NEG_INF ? 0.f : __expf(mc - big);
-            den = fmaf(f, __ldcg(rc + 1), den);
-            num = fmaf(f, __ldcg(rc + 2 + e), num);
+    float mx[HEADS];
+#pragma unroll
+    for (int g = 0; g < HEADS; g++) mx[g] = NEG_INF;
+    for (int c = c_lo + t; c < nc; c += blockDim.x)
+#pragma unroll
+        for (int g = 0; g < HEADS; g++) mx[g] = fmaxf(mx[g], __ldcg(records + ((size_t)g * chunks + c % chunks) * rec));
+#pragma unroll
+    for (int g = 0; g < HEADS; g++) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mx[g] = fmaxf(mx[g], __shfl_xor_sync(0xffffffffu, mx[g], o));
+        if (lane == 0) wmax[warp][g] = mx[g];
+    }
+    __syncthreads();
+    if (t < HEADS) {
+        float m = NEG_INF;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) m = fmaxf(m, wmax[w][t]);
+        big[t] = m;
+    }
+    float num[ITEMS], den[ITEMS];
+#pragma unroll
+    for (int it = 0; it < ITEMS; it++) num[it] = den[it] = 0.f;
+    for (int c0 = c_lo; c0 < nc; c0 += COMBINE_CHUNKS) {
+        int cn = min(COMBINE_CHUNKS, nc - c0);
+        __syncthreads();  // big is set; the last batch's weights are read
+        for (int u = t; u < HEADS * cn; u += blockDim.x) {
+            int g = u / cn, k = u % cn;
+            const float* r = records + ((size_t)g * chunks + (c0 + k) % chunks) * rec;
+            float mc = __ldcg(r);
+            wf[g][k] = mc == NEG_INF ? 0.f : __expf(mc - big[g]);
+            wsum[g][k] = __ldcg(r + 1);
+            if (g == 0) off[k] = (c0 + k) % chunks * rec;
         }
-        out[u] = num / den;
+        __syncthreads();
+#pragma unroll
+        for (int it = 0; it < ITEMS; it++) {
+            int u = t + it * (int)blockDim.x;
+            if (u < n) {
+                int g = u / head_dim, e = u % head_dim;
+                const float* rv = records + (size_t)g * chunks * rec + 2 + e;
+#pragma unroll 8
+                for (int k = 0; k < cn; k++) {
+                    float f = wf[g][k];
+                    den[it] = fmaf(f, wsum[g][k], den[it]);
+                    num[it] = fmaf(f, __ldcg(rv + off[k]), num[it]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int it = 0; it < ITEMS; it++) {
+        int u = t + it * (int)blockDim.x;
+        if (u < n) out[u] = num[it] / den[it];
     }
 }
 
@@ -1759,7 +1805,8 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
     if (!last) return;
     __threadfence();
     if (t == 0) counters[blockIdx.y] = 0;
-    combine_chunks<HEADS>(records, chunks, rec, c_lo, nc, head_dim, out + ((size_t)i * n_heads + h0) * head_dim);
+    combine_chunks<HEADS, HEADS * MAX_HEAD_DIM / 256>(records, chunks, rec, c_lo, nc, head_dim,
+                                                      out + ((size_t)i * n_heads + h0) * head_dim);
 }
 
 // The attention kernels, one per count of heads a block serves: the same arithmetic (the same bits), with the
@@ -1953,7 +2000,8 @@ __device__ __forceinline__ void attention_warps_body(const float* q, const float
     if (!last) return;
     __threadfence();
     if (t == 0) counters[blockIdx.y] = 0;
-    combine_chunks<HEADS>(records, chunks, rec, c_lo, nc, head_dim, out + ((size_t)i * n_heads + h0) * head_dim);
+    combine_chunks<HEADS, HEADS * MAX_HEAD_DIM / (ATT_WARPS * 32)>(records, chunks, rec, c_lo, nc, head_dim,
+                                                                  out + ((size_t)i * n_heads + h0) * head_dim);
 }
 
 #define ATT_WARP_KERNEL(H, D)                                                                                  \
