@@ -1058,7 +1058,7 @@ __device__ __forceinline__ void load_blocks(const u8* q, const u8* sc, int b0, i
 // columns g and g + 8) against x's n-tiles, each (n-tile nt, slot j) chain taking the contract's step.
 template <int TY, int NT>
 __device__ __forceinline__ void tile_block(const u32 (&raw)[4], const ScaleRaw (&sw)[2], const Staged& st, int b,
-                                           int lane, int ntiles, float (&acc)[NT][4]) {
+                                           int lane, int ntiles, bool odd_rows, float (&acc)[NT][4]) {
     constexpr int SUMS = tile_sums(TY);
     int i2 = 2 * (lane & 3);
     u32 a[4];
@@ -1073,6 +1073,8 @@ __device__ __forceinline__ void tile_block(const u32 (&raw)[4], const ScaleRaw (
             block_dots<TY>(a, x0, x1, d[0], d[SUMS - 1]);
 #pragma unroll
             for (int j = 0; j < 4; j++) {
+                // A one-row launch stores no odd fragment row (row i2 + 1 >= 1): its chains are skipped.
+                if ((j & 1) && !odd_rows) continue;
                 int r = 8 * nt + i2 + (j & 1);
                 acc[nt][j] = chain_step<TY>(acc[nt][j], bs[j >> 1], staged_d(st, r, b), staged_s(st, r, b), d[0][j],
                                             d[SUMS - 1][j]);
@@ -1192,14 +1194,14 @@ __device__ void split_tile(const TileOf& t, const u8* up, const Staged& st, int 
                 __syncwarp();  // every lane has read the slot before it is refilled
                 load_next(slot);
                 slot = slot + 1 == NQ_STREAM ? 0 : slot + 1;
-                tile_block<TY>(raw, sw, st, b, lane, ntiles, acc);
+                tile_block<TY>(raw, sw, st, b, lane, ntiles, rows > 1, acc);
             }
 #else
             for (int b0 = lo; b0 < hi; b0 += NQ_AHEAD) {
                 if (s != warp || m > 0 || b0 > lo) load_group(m, b0, hi);
 #pragma unroll
                 for (int i = 0; i < NQ_AHEAD; i++)
-                    if (b0 + i < hi) tile_block<TY>(raw[i], sw[i], st, b0 + i, lane, ntiles, acc);
+                    if (b0 + i < hi) tile_block<TY>(raw[i], sw[i], st, b0 + i, lane, ntiles, rows > 1, acc);
             }
 #endif
 #pragma unroll
@@ -1264,7 +1266,7 @@ __device__ void wide_tile(const TileOf& t, const u8* up, const Staged& st, int r
             for (int i = 0; i < QM_AHEAD; i++) {
                 int b = b0 + i;
                 if (b < nb) {
-                    tile_block<TY>(raw[i], sw[i], st, b, lane, ntiles, acc[m]);
+                    tile_block<TY>(raw[i], sw[i], st, b, lane, ntiles, rows > 1, acc[m]);
                     if (b + 1 == end) {  // the end of a run (`run_start`)
                         run++;
                         end = run_start(run + 1, nb);
