@@ -93,55 +93,83 @@ const TILED_FORMATS: &[(GgmlType, &str)] = &[
 /// 5-bit ones, the K-quants with Q3_K as Q6_K); a ragged shape (a partial tile), one whose blocks take several
 /// exchange chunks, one wide enough for the warp-per-tile schedule, and an 8B model's down projection (rows of
 /// 14,336 values, staged in windows); 1 to 16 rows (the narrow and wide schedules), 20 to 70 rows (the tall
-/// schedule's launches of up to 64 rows, a partial last n-tile, a launch of 6 rows after one of 64); the gated
-/// product of gate and up (SwiGLU) at every width, the tall schedule walking both side by side.
+/// schedule's launches of up to 64 rows, a partial last n-tile, a launch of 6 rows after one of 64), and those
+/// rows again in the GEMM schedule (forced at any grid); the gated product of gate and up (SwiGLU) at every
+/// width, the tall and GEMM schedules walking both side by side.
 #[test]
 fn cuda_int8_projections_are_bitwise_the_cpu_8_bit_kernels() {
     let (gpu, cpu) = (gpu(), backend());
+    let gemm = Arc::new(
+        CudaBackend::with_options(
+            0,
+            CudaOptions {
+                gemm_ctas: Some(1),
+                ..CudaOptions::from_env()
+            },
+        )
+        .expect("a CUDA device"),
+    );
     let mut seed = 7u64;
     for &(ty, name) in TILED_FORMATS {
         for (n, k) in [(37, 256), (300, 2560), (16_400, 256), (40, 14_336)] {
             let m = fixture_matrix(ty, name, n, k, &mut seed);
             let up = fixture_matrix(ty, name, n, k, &mut seed);
             let cw = cpu.load_matrix(m.clone()).unwrap();
-            let (gw, gu) = (
+            let one_row = (
                 gpu.load_matrix(m.clone()).unwrap(),
-                gpu.load_matrix(up).unwrap(),
+                gpu.load_matrix(up.clone()).unwrap(),
+            );
+            let gemm_mats = (
+                gemm.load_matrix(m.clone()).unwrap(),
+                gemm.load_matrix(up).unwrap(),
             );
             for rows in [1, 2, 5, 8, 9, 16, 20, 37, 64, 70] {
                 let x = random_f32(rows * k, seed ^ rows as u64, 1.0);
                 let mut want = cpu.buffer(rows * n);
                 cpu.matmul(&cw, &x, rows, &mut want);
-                let got = gpu_matmul(&gpu, &m, &x, rows);
-                let bad = got
-                    .iter()
-                    .zip(&want)
-                    .position(|(a, b)| a.to_bits() != b.to_bits());
-                assert!(
-                    bad.is_none(),
-                    "{name} {n}×{k}, {rows} rows: output {} is {} on the GPU, {} on the CPU",
-                    bad.unwrap(),
-                    got[bad.unwrap()],
-                    want[bad.unwrap()]
-                );
-                // The gated product: each row bitwise its one-row launch's.
-                let gx = gpu.upload(&x);
-                let mut out = gpu.buffer(rows * n);
-                gpu.glu_matmul(&gx, None, rows, &gw, &gu, Glu::Silu, &mut out);
-                let got = gpu.download(&out, rows * n);
-                for r in 0..rows {
-                    let row = gpu.upload(&x[r * k..(r + 1) * k]);
-                    let mut one = gpu.buffer(n);
-                    gpu.glu_matmul(&row, None, 1, &gw, &gu, Glu::Silu, &mut one);
-                    let one = gpu.download(&one, n);
-                    let bad = got[r * n..(r + 1) * n]
+                let schedules = if rows > 16 {
+                    &[false, true][..]
+                } else {
+                    &[false][..]
+                };
+                for &forced in schedules {
+                    let (be, (gw, gu), label) = if forced {
+                        (&gemm, &gemm_mats, "GEMM")
+                    } else {
+                        (&gpu, &one_row, "default")
+                    };
+                    let got = gpu_matmul(be, &m, &x, rows);
+                    let bad = got
                         .iter()
-                        .zip(&one)
+                        .zip(&want)
                         .position(|(a, b)| a.to_bits() != b.to_bits());
                     assert!(
                         bad.is_none(),
-                        "{name} {n}×{k}, {rows} rows: gated output of row {r} differs from its one-row launch at {bad:?}"
+                        "{name} {n}×{k}, {rows} rows ({label}): output {} is {} on the GPU, {} on the CPU",
+                        bad.unwrap(),
+                        got[bad.unwrap()],
+                        want[bad.unwrap()]
                     );
+                    // The gated product: each row bitwise its one-row launch's (default schedule).
+                    let gx = be.upload(&x);
+                    let mut out = be.buffer(rows * n);
+                    be.glu_matmul(&gx, None, rows, gw, gu, Glu::Silu, &mut out);
+                    let got = be.download(&out, rows * n);
+                    for r in 0..rows {
+                        let (ow, ou) = &one_row;
+                        let row = gpu.upload(&x[r * k..(r + 1) * k]);
+                        let mut one = gpu.buffer(n);
+                        gpu.glu_matmul(&row, None, 1, ow, ou, Glu::Silu, &mut one);
+                        let one = gpu.download(&one, n);
+                        let bad = got[r * n..(r + 1) * n]
+                            .iter()
+                            .zip(&one)
+                            .position(|(a, b)| a.to_bits() != b.to_bits());
+                        assert!(
+                            bad.is_none(),
+                            "{name} {n}×{k}, {rows} rows ({label}): gated output of row {r} differs from its one-row launch at {bad:?}"
+                        );
+                    }
                 }
             }
         }
@@ -465,11 +493,11 @@ fn assert_rows_are_one_row_steps(
 ) -> (KvCache<CudaBackend>, Vec<f32>) {
     let mut cache = m.new_cache(ctx.len() + rows.len() + 64);
     m.forward(&mut cache, &Batch::causal(ctx, 0), LogitRows::None, &[])
-        .unwrap();
+        .unwrap_or_else(|e| panic!("{what}, the context: {e}"));
     let (base, vocab) = (cache.len(), m.hp.vocab);
     let wide = m
         .forward(&mut cache, &Batch::causal(rows, base), LogitRows::All, &[])
-        .unwrap()
+        .unwrap_or_else(|e| panic!("{what}, the rows: {e}"))
         .logits;
     cache.truncate(base);
     for (i, &t) in rows.iter().enumerate() {
@@ -480,7 +508,7 @@ fn assert_rows_are_one_row_steps(
                 LogitRows::All,
                 &[],
             )
-            .unwrap()
+            .unwrap_or_else(|e| panic!("{what}, the one-row step of row {i}: {e}"))
             .logits;
         let row = &wide[i * vocab..(i + 1) * vocab];
         assert!(
@@ -498,8 +526,9 @@ fn assert_rows_are_one_row_steps(
 /// each row of a W-row forward is bitwise the one-row step at its position: W = 3, 4, 7 and 16 (one launch per
 /// projection and attention), 24 (two attention launches; past 16 rows the projections of tiled weights take the
 /// tall schedule); and over contexts of several attention chunks with prefill-sized row counts, with attention
-/// of many rows in a block per chunk (the rule at these widths) and in a warp per chunk (forced from 2 rows),
-/// against one-row steps in a block per chunk.
+/// of many rows in a block per chunk (the rule at these widths) and in a warp per chunk (forced from 2 rows, and
+/// with it the GEMM schedule for every prefill-sized projection launch), against one-row steps in a block per
+/// chunk.
 #[test]
 fn cuda_forward_rows_are_bitwise_one_row_steps_on_the_fixture_bundles() {
     let block = gpu();
@@ -508,6 +537,7 @@ fn cuda_forward_rows_are_bitwise_one_row_steps_on_the_fixture_bundles() {
             0,
             CudaOptions {
                 att_warp_rows: Some(2),
+                gemm_ctas: Some(1),
                 ..CudaOptions::from_env()
             },
         )
@@ -677,6 +707,51 @@ fn a_device_fault_fails_its_request_and_the_next_request_runs() {
             run(&mut e, None).unwrap(),
             before,
             "after a fault ({fail_after:?})"
+        );
+    }
+}
+
+/// A graph recording the driver breaks off (work outside it, such as another thread freeing memory, invalidates
+/// a capture) costs the forward nothing: it runs unrecorded, with no fault, and gives bitwise what the same
+/// forward gives when it is recorded and when it is replayed.
+#[test]
+fn a_broken_off_graph_recording_runs_the_forward_unrecorded() {
+    let be = gpu();
+    let dir = hf_bundle("llama-rope-llama3-gguf");
+    let bundle = Bundle::open(&dir).unwrap();
+    let tokens = ids(&json(&dir.join("reference.json"))["token_ids"]);
+    let mut m = Model::load(&bundle, be.clone()).unwrap();
+    let mut cache = m.new_cache(tokens.len() + 8);
+    let (ctx, next) = (&tokens[..tokens.len() - 1], tokens[tokens.len() - 1]);
+    m.forward(&mut cache, &Batch::causal(ctx, 0), LogitRows::None, &[])
+        .unwrap();
+    let base = cache.len();
+    let mut step = |m: &mut Model<CudaBackend>, broken: bool| {
+        if broken {
+            be.break_next_capture();
+        }
+        let logits = m
+            .forward(
+                &mut cache,
+                &Batch::causal(&[next], base),
+                LogitRows::All,
+                &[],
+            )
+            .unwrap()
+            .logits;
+        cache.truncate(base);
+        assert!(be.take_fault().is_none(), "no fault (broken off: {broken})");
+        logits
+    };
+    let unrecorded = step(&mut m, true);
+    let (recorded, replayed) = (step(&mut m, false), step(&mut m, false));
+    for (other, what) in [(&recorded, "recorded"), (&replayed, "replayed")] {
+        assert!(
+            unrecorded
+                .iter()
+                .zip(other)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "the unrecorded forward differs from the {what} one"
         );
     }
 }

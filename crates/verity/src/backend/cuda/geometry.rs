@@ -1,6 +1,7 @@
 //! Shared-memory geometry of the projection launches, as pure functions of the shape (`kernels.cu` lays its
 //! shared memory out the same way; a launch asks for what these return).
 
+use super::STREAM_SLOT;
 use crate::backend::INT8_RUNS;
 
 /// The float projection kernel (`matmuls`): rows staged per block, floats per staged 32-value block.
@@ -14,6 +15,17 @@ pub fn staged_bytes(rows: usize, k: usize) -> usize {
     let group = rows.min(ROWS_PER_GROUP);
     (group.next_power_of_two() * XPAD + group) * (k / 32) * 4
 }
+
+/// Tiles of a GEMM-schedule CTA (`kernels.cu`'s `GM_WARPS`, a warp each; gate/up pairs take two), blocks per
+/// stage of its pipeline (`GM_KC`) and stages (`GM_STAGES`).
+pub const GEMM_WARPS: usize = 8;
+const GEMM_KC: usize = 4;
+const GEMM_STAGES: usize = 3;
+/// A GEMM-schedule CTA's shared memory: per stage, 64 rows of x (GM_KC blocks and 16 bytes of padding each),
+/// their (scale, sum) pairs (two floats of padding a row) and each warp's GM_KC blocks in stream slots. The
+/// kernel checks its own sum against this one (`GM_SHARED_BYTES`, passed at compilation).
+pub const GEMM_SHARED_BYTES: usize = GEMM_STAGES
+    * (64 * (GEMM_KC * 32 + 16) + 64 * (GEMM_KC * 2 + 2) * 4 + GEMM_WARPS * GEMM_KC * STREAM_SLOT);
 
 /// What an integer projection launch keeps in shared memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1054,10 +1054,32 @@ __device__ __forceinline__ void load_blocks(const u8* q, const u8* sc, int b0, i
     }
 }
 
+// x as the GEMM schedule stages it in shared memory (`qmatmuls_gemm`): GM_KC blocks of up to 64 rows from block
+// b0, GM_XROW bytes a row (padded: a fragment's eight rows start in eight different banks), and each row's
+// (scale, sum) pairs, GM_SROW floats a row.
+#define GM_KC 4
+#define GM_XROW (GM_KC * 32 + 16)
+#define GM_SROW (GM_KC * 2 + 2)
+struct SharedX {
+    const u8* q;
+    const float* ds;
+    int b0;
+};
+__device__ __forceinline__ float staged_d(const SharedX& s, int r, int b) { return s.ds[r * GM_SROW + 2 * (b - s.b0)]; }
+__device__ __forceinline__ float staged_s(const SharedX& s, int r, int b) {
+    return s.ds[r * GM_SROW + 2 * (b - s.b0) + 1];
+}
+__device__ __forceinline__ void x_fragment(const SharedX& s, int nt, int b, int lane, u32* b0, u32* b1) {
+    const u8* p = s.q + (8 * nt + (lane >> 2)) * GM_XROW + (b - s.b0) * 32 + (lane & 3) * 4;
+    *b0 = *(const u32*)p;
+    *b1 = *(const u32*)(p + 16);
+}
+
 // One block of a tile in a warp's chains: the block's loaded quants and scales (`load_quants`, `scale_raw` for
-// columns g and g + 8) against x's n-tiles, each (n-tile nt, slot j) chain taking the contract's step.
-template <int TY, int NT>
-__device__ __forceinline__ void tile_block(const u32 (&raw)[4], const ScaleRaw (&sw)[2], const Staged& st, int b,
+// columns g and g + 8) against x's n-tiles (x read where `st` keeps it: global `Staged` or `SharedX`), each
+// (n-tile nt, slot j) chain taking the contract's step.
+template <int TY, int NT, class X>
+__device__ __forceinline__ void tile_block(const u32 (&raw)[4], const ScaleRaw (&sw)[2], const X& st, int b,
                                            int lane, int ntiles, bool odd_rows, float (&acc)[NT][4]) {
     constexpr int SUMS = tile_sums(TY);
     int i2 = 2 * (lane & 3);
@@ -1091,6 +1113,23 @@ __device__ __forceinline__ void tile_block(const u32 (&raw)[4], const ScaleRaw (
 #endif
 __device__ __forceinline__ int run_start(int s, int nb) { return s * nb / min(RUNS, nb); }
 
+// A warp summing a tile's blocks in order, after block b: at the end of a run (`run`, ending before block `end`)
+// the run's chains join the totals, runs in order, and start again from 0.
+template <int NT>
+__device__ __forceinline__ void run_step(int b, int nb, int& run, int& end, float (&acc)[NT][4],
+                                         float (&total)[NT][4]) {
+    if (b + 1 != end) return;
+    run++;
+    end = run_start(run + 1, nb);
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            total[nt][j] = __fadd_rn(total[nt][j], acc[nt][j]);
+            acc[nt][j] = 0.f;
+        }
+}
+
 // The narrow schedule's weight stream: NQ_STREAM blocks of each warp's run in flight through shared memory
 // (`cp.async`: a load in flight holds no register), or with 0 the blocks loaded into registers NQ_AHEAD at a
 // time. Set by the host (`CudaOptions::narrow_stream`).
@@ -1105,6 +1144,10 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     unsigned to = (unsigned)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(src) : "memory");
 }
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+    unsigned to = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(to), "l"(src) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -1112,13 +1155,12 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // Block b of the tile whose quants start at `q` and scales at `sc` into a stream slot, 16 bytes a lane.
-template <int TY>
-__device__ __forceinline__ void stream_block(u8* slot, const u8* q, const u8* sc, int b, int lane) {
-    constexpr int QB = tile_quant_bytes(TY), QC = QB / 16, SC = tiled_k(TY) ? 6 : 4;
+__device__ __forceinline__ void stream_block(int ty, u8* slot, const u8* q, const u8* sc, int b, int lane) {
+    const int QB = tile_quant_bytes(ty), QC = QB / 16, SC = tiled_k(ty) ? 6 : 4;
     for (int c = lane; c < QC + SC; c += 32) {
         const u8* src;
         if (c < QC) src = q + (size_t)b * QB + 16 * c;
-        else if (!tiled_k(TY)) src = sc + (size_t)b * 64 + 16 * (c - QC);
+        else if (!tiled_k(ty)) src = sc + (size_t)b * 64 + 16 * (c - QC);
         else if (c - QC < 4) src = sc + (size_t)(b >> 3) * 320 + 16 * (c - QC);
         else src = sc + (size_t)(b >> 3) * 320 + 64 + (b & 7) * 32 + 16 * (c - QC - 4);
         cp_async16(slot + 16 * c, src);
@@ -1150,7 +1192,7 @@ __device__ void split_tile(const TileOf& t, const u8* up, const Staged& st, int 
     auto load_next = [&](int into) {
         if (ls < runs) {
             const u8* w = lm ? up : t.w;
-            stream_block<TY>(ring + into * STREAM_SLOT, w + (size_t)t.lt * nb * QB, tile_scales(TY, w, t.tiles, nb, t.lt),
+            stream_block(TY, ring + into * STREAM_SLOT, w + (size_t)t.lt * nb * QB, tile_scales(TY, w, t.tiles, nb, t.lt),
                              lb, lane);
             if (++lb == run_start(ls + 1, nb)) {
                 if (++lm == MATS) lm = 0, ls += WARPS;
@@ -1267,17 +1309,7 @@ __device__ void wide_tile(const TileOf& t, const u8* up, const Staged& st, int r
                 int b = b0 + i;
                 if (b < nb) {
                     tile_block<TY>(raw[i], sw[i], st, b, lane, ntiles, rows > 1, acc[m]);
-                    if (b + 1 == end) {  // the end of a run (`run_start`)
-                        run++;
-                        end = run_start(run + 1, nb);
-#pragma unroll
-                        for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-                            for (int j = 0; j < 4; j++) {
-                                total[m][nt][j] = __fadd_rn(total[m][nt][j], acc[m][nt][j]);
-                                acc[m][nt][j] = 0.f;
-                            }
-                    }
+                    run_step(b, nb, run, end, acc[m], total[m]);
                 }
             }
         }
@@ -1296,6 +1328,43 @@ __device__ void wide_tile(const TileOf& t, const u8* up, const Staged& st, int r
     }
 }
 
+// RUN(TY) with the tiled type `ty` as a compile-time constant.
+#define TILED_SWITCH(ty, RUN)                   \
+    switch (ty) {                               \
+        case T_TQ4_0: RUN(T_TQ4_0); break;      \
+        case T_TQ4_1: RUN(T_TQ4_1); break;      \
+        case T_TQ5_0: RUN(T_TQ5_0); break;      \
+        case T_TQ5_1: RUN(T_TQ5_1); break;      \
+        case T_TQ4_K: RUN(T_TQ4_K); break;      \
+        case T_TQ5_K: RUN(T_TQ5_K); break;      \
+        case T_TQ6_K: RUN(T_TQ6_K); break;      \
+        default: RUN(T_TQ8_0);                  \
+    }
+
+// Row group blockIdx.y of a launch split into gridDim.y groups: rows [lo, lo + per) of the launch, as a launch
+// of its own (x, the outputs and the RoPE rows moved to its first row). False, with the whole CTA released before
+// any barrier, where the group is empty.
+__device__ __forceinline__ bool row_group(int& rows, int k, const signed char*& xq, const float*& xd,
+                                          const float*& xs, float*& o0, int n0, float*& o1, int n1, float*& o2,
+                                          int n2, RopeFusion& rp) {
+    if (gridDim.y == 1) return true;
+    int nb = k / 32, per = (rows + gridDim.y - 1) / gridDim.y, lo = blockIdx.y * per;
+    if (lo >= rows) {
+        wait_inputs();
+        release_dependents();
+        return false;
+    }
+    rows = min(rows, lo + per) - lo;
+    xq += (size_t)lo * k;
+    xd += (size_t)lo * nb;
+    xs += (size_t)lo * nb;
+    o0 += (size_t)lo * n0;
+    if (o1) o1 += (size_t)lo * n1;
+    if (o2) o2 += (size_t)lo * n2;
+    rp.r0 += lo;
+    return true;
+}
+
 template <bool WIDE, int WARPS, int NT = 2>
 __device__ __forceinline__ void qmatmuls_body(const signed char* xq, const float* xd, const float* xs, int k,
                                               int rows, int accumulate, int glu, const u8* w0, int ty0,
@@ -1304,23 +1373,7 @@ __device__ __forceinline__ void qmatmuls_body(const signed char* xq, const float
     extern __shared__ __align__(16) u8 smem[];
     int warp = threadIdx.x >> 5, nb = k / 32;
     RopeFusion rp = rope;
-    if (!WIDE && gridDim.y > 1) {
-        // Row group blockIdx.y: rows [lo, lo + per) of the launch, as a launch of its own.
-        int per = (rows + gridDim.y - 1) / gridDim.y, lo = blockIdx.y * per;
-        if (lo >= rows) {  // the whole CTA, before any barrier
-            wait_inputs();
-            release_dependents();
-            return;
-        }
-        rows = min(rows, lo + per) - lo;
-        xq += (size_t)lo * k;
-        xd += (size_t)lo * nb;
-        xs += (size_t)lo * nb;
-        o0 += (size_t)lo * n0;
-        if (o1) o1 += (size_t)lo * n1;
-        if (o2) o2 += (size_t)lo * n2;
-        rp.r0 += lo;
-    }
+    if (!WIDE && !row_group(rows, k, xq, xd, xs, o0, n0, o1, n1, o2, n2, rp)) return;
     Staged st = {xq, xd, xs, k, nb};
     TileOf t;
     if (!tile_of(WIDE ? blockIdx.x * QM_WARPS + warp : blockIdx.x, glu, w0, ty0, n0, o0, w1, ty1, n1, o1, w2, ty2,
@@ -1339,16 +1392,7 @@ __device__ __forceinline__ void qmatmuls_body(const signed char* xq, const float
         if (glu) split_tile<TY, 2, WARPS, NT>(t, up, st, rows, smem, accumulate, rp);                \
         else split_tile<TY, 1, WARPS, NT>(t, up, st, rows, smem, accumulate, rp);                    \
     }
-    switch (t.ty) {
-        case T_TQ4_0: QM_RUN(T_TQ4_0); break;
-        case T_TQ4_1: QM_RUN(T_TQ4_1); break;
-        case T_TQ5_0: QM_RUN(T_TQ5_0); break;
-        case T_TQ5_1: QM_RUN(T_TQ5_1); break;
-        case T_TQ4_K: QM_RUN(T_TQ4_K); break;
-        case T_TQ5_K: QM_RUN(T_TQ5_K); break;
-        case T_TQ6_K: QM_RUN(T_TQ6_K); break;
-        default: QM_RUN(T_TQ8_0);
-    }
+    TILED_SWITCH(t.ty, QM_RUN)
 #undef QM_RUN
 }
 
@@ -1384,6 +1428,136 @@ extern "C" __global__ void __launch_bounds__(QM_WARPS * 32, QM_WARPS <= 8 ? 2 : 
 extern "C" __global__ void __launch_bounds__(NQ_WARPS * 32, 1) qmatmuls_tall(QM_PARAMS) {
     FLOOR_EXIT
     qmatmuls_body<false, NQ_WARPS, 8>(QM_ARGS, RopeFusion{rope_table, rope_hd, kc, vc, step, cap, r0});
+}
+
+// The GEMM schedule (prefill chunks with tiles enough to fill the SMs by whole tiles): a CTA of GM_WARPS warps
+// holds GM_WARPS tiles (or GM_WARPS / 2 gate/up pairs, a warp per matrix) over up to 64 rows, each warp summing
+// its tile's blocks in order with its runs' chains in registers — the wide schedule's arithmetic over 8 n-tiles.
+// The CTA stages x's quants and (scale, sum) pairs once for all its warps, and each warp its own tile's blocks,
+// GM_KC blocks a stage through GM_STAGES shared-memory stages of asynchronous copies: the chains wait on shared
+// memory, where the tall schedule's warps each load x from L2 for their own run. Dynamic shared memory:
+// GM_STAGES x GM_STAGE_BYTES.
+#define GM_WARPS 8
+#define GM_STAGES 3
+#define GM_X_BYTES (64 * GM_XROW)
+#define GM_S_BYTES (64 * GM_SROW * 4)
+#define GM_STAGE_BYTES (GM_X_BYTES + GM_S_BYTES + GM_WARPS * GM_KC * STREAM_SLOT)
+static_assert(GM_STAGES * GM_STAGE_BYTES == GM_SHARED_BYTES, "the host's geometry (`GEMM_SHARED_BYTES`)");
+
+// The blocks b0 .. b0 + GM_KC (those below nb) of one stage in a warp's chains: `slots` the warp's staged blocks,
+// the runs' bookkeeping `run_step`'s, as in `wide_tile`.
+template <int TY>
+__device__ __forceinline__ void gemm_blocks(const u8* slots, const SharedX& sx, int nb, int lane, int ntiles, int& run,
+                                            int& end, float (&acc)[8][4], float (&total)[8][4]) {
+    constexpr int QB = tile_quant_bytes(TY);
+    int g = lane >> 2;
+#pragma unroll
+    for (int i = 0; i < GM_KC; i++) {
+        int b = sx.b0 + i;
+        if (b < nb) {
+            const u8* in = slots + i * STREAM_SLOT;
+            u32 raw[4];
+            load_quants<TY, false>(in, lane, raw);
+            ScaleRaw sw[2] = {scale_raw<TY>(in + QB, 0, g), scale_raw<TY>(in + QB, 0, g + 8)};
+            tile_block<TY>(raw, sw, sx, b, lane, ntiles, true, acc);
+            run_step(b, nb, run, end, acc, total);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GM_WARPS * 32, 2) qmatmuls_gemm(QM_PARAMS) {
+    FLOOR_EXIT
+    extern __shared__ __align__(16) u8 smem[];
+    RopeFusion rp = {rope_table, rope_hd, kc, vc, step, cap, r0};
+    if (!row_group(rows, k, xq, xd, xs, o0, n0, o1, n1, o2, n2, rp)) return;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nb = k / 32;
+    int ntiles = min(8, (rows + 7) / 8), xrows = 8 * ntiles, chunks = (nb + GM_KC - 1) / GM_KC;
+    // This warp's tile and matrix (gate/up pairs: the even warp the gate, the odd one the up projection).
+    TileOf t;
+    bool mine = tile_of(blockIdx.x * (glu ? GM_WARPS / 2 : GM_WARPS) + (glu ? warp >> 1 : warp), glu, w0, ty0, n0, o0,
+                        w1, ty1, n1, o1, w2, ty2, n2, o2, &t);
+    int m = glu ? warp & 1 : 0;
+    const u8* wm = m ? w1 : t.w;
+    const u8* tq = mine ? wm + (size_t)t.lt * nb * tile_quant_bytes(t.ty) : nullptr;
+    const u8* tsc = mine ? tile_scales(t.ty, wm, t.tiles, nb, t.lt) : nullptr;
+    // Stage c's copies (every thread commits one group per stage, empty past the last, so the waits count alike).
+    auto stage = [&](int c) {
+        if (c < chunks) {
+            u8* base = smem + (c % GM_STAGES) * GM_STAGE_BYTES;
+            int b0 = c * GM_KC;
+            for (int i = threadIdx.x; i < xrows * GM_KC * 2; i += blockDim.x) {
+                int r = i / (GM_KC * 2), e = i % (GM_KC * 2), b = b0 + e / 2;
+                if (b < nb) {
+                    cp_async16(base + r * GM_XROW + e * 16, xq + (size_t)r * k + b0 * 32 + e * 16);
+                    cp_async4(base + GM_X_BYTES + (r * GM_SROW + e) * 4, (e & 1 ? xs : xd) + (size_t)r * nb + b);
+                }
+            }
+            if (mine) {
+                u8* ws = base + GM_X_BYTES + GM_S_BYTES + warp * GM_KC * STREAM_SLOT;
+                for (int i = 0; i < GM_KC && b0 + i < nb; i++)
+                    stream_block(t.ty, ws + i * STREAM_SLOT, tq, tsc, b0 + i, lane);
+            }
+        }
+        cp_async_commit();
+    };
+    wait_inputs();
+    release_dependents();
+#pragma unroll
+    for (int c = 0; c < GM_STAGES - 1; c++) stage(c);
+    float acc[8][4], total[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) acc[nt][j] = total[nt][j] = 0.f;
+    int run = 0, end = run_start(1, nb);
+    for (int c = 0; c < chunks; c++) {
+        cp_async_wait<GM_STAGES - 2>();
+        __syncthreads();
+        // Into the stage read at c - 1, which every warp has left (the barrier).
+        stage(c + GM_STAGES - 1);
+        if (mine) {
+            const u8* base = smem + (c % GM_STAGES) * GM_STAGE_BYTES;
+            SharedX sx = {base, (const float*)(base + GM_X_BYTES), c * GM_KC};
+            const u8* ws = base + GM_X_BYTES + GM_S_BYTES + warp * GM_KC * STREAM_SLOT;
+#define GM_RUN(TY) gemm_blocks<TY>(ws, sx, nb, lane, ntiles, run, end, acc, total)
+            TILED_SWITCH(t.ty, GM_RUN)
+#undef GM_RUN
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    // The epilogue: a gate/up pair's up sums pass through shared memory to the gate's warp.
+    int g = lane >> 2, i2 = 2 * (lane & 3);
+    float* ups = (float*)smem + (warp >> 1) * 32 * 32;
+    if (glu) {
+        if (mine && m == 1)
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) ups[(nt * 4 + j) * 32 + lane] = total[nt][j];
+        __syncthreads();
+    }
+    if (!mine || m == 1) return;
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+        if (nt < ntiles) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                int r = 8 * nt + i2 + (j & 1), col = t.lt * 16 + g + 8 * (j >> 1);
+                float v = total[nt][j];
+                bool live = r < rows && col < t.n;
+                if (glu) {
+                    v = glu_of(t.glu, v, ups[(nt * 4 + j) * 32 + lane]);
+                } else if (rp.hd > 0) {
+                    // The pair partner is the neighbouring column: g ^ 1, lane ^ 4 (every lane is here).
+                    float partner = __shfl_xor_sync(0xffffffffu, v, 4);
+                    if (live) store_qkv(rp, t, qkv_inputs(rp, t, col, r), col, r, v, partner);
+                    continue;
+                }
+                if (live) store_out(t.o, t.n, col, r, v, accumulate);
+            }
+        }
+    }
 }
 
 // out[r, :] = table row step.tokens[r] (one block of threads per row, one thread per 32-value block).

@@ -12,7 +12,10 @@
 //!   for operation the CPU backend's 8-bit contract, so a row's result is bitwise the CPU's, and one MMA serves
 //!   8 rows, so a W-row verify costs little more than a one-row step. x is quantized once per launch
 //!   (`quantize_x`, with the fused RMS norm) into a buffer every CTA reads, so no CTA repeats that work and any
-//!   row length runs.
+//!   row length runs. Prefill chunks (up to 64 rows a launch) take the tall schedule (`qmatmuls_tall`: a CTA
+//!   per tile, its warps each streaming a run of the tile's blocks over all rows) or, where the grid has CTAs
+//!   enough, the GEMM schedule (`qmatmuls_gemm`: a CTA of 8 tiles staging x once for all of them through a
+//!   pipeline of shared-memory stages) — every schedule the same arithmetic per (column, row).
 //! - every other format (F32, F16, BF16, Q2_K, the IQ4 grids, MLX affine; and launches mixing tiled and untiled
 //!   matrices) (`matmuls`): f32 activations staged in shared memory, a warp per output column whose lanes
 //!   decode each weight block once and apply it to every staged row, each row's sums in a fixed order.
@@ -50,11 +53,14 @@
 //! MLX-affine weights are re-laid at upload into 32-value blocks with f32 scale and bias (`affine.rs`) and run
 //! the f32-activation kernel, decoding bitwise as the CPU does.
 //!
-//! Not yet: a tiled GEMM for long prefills (they run 16 rows per launch), integer kernels for F16/BF16, the IQ4
-//! grids, Q2_K and MLX affine (they run the f32-activation kernel), a persistent per-layer kernel. The
+//! Not yet: split-K GEMM launches for the narrow matrices of a prefill chunk, integer kernels for F16/BF16, the
+//! IQ4 grids, Q2_K and MLX affine (they run the f32-activation kernel), a persistent per-layer kernel.
+//!
 //! Faults: the `Backend` operations cannot fail, so a driver error after load is kept as the backend's fault,
 //! the launches after it are skipped, and the forward returns it as its error (`Backend::take_fault`): the
-//! request sees it and the process goes on. Only an allocation the device cannot satisfy still panics.
+//! request sees it and the process goes on. Only an allocation the device cannot satisfy still panics. A graph
+//! recording the driver breaks off (work outside it, such as another thread freeing memory, invalidates a
+//! capture) is no fault: the forward runs unrecorded.
 
 pub mod affine;
 mod attention;
@@ -160,6 +166,8 @@ pub struct CudaMatrix {
     /// Launches of more than `MAX_ROWS` rows take the tall schedule (admitted for this shape, bitwise equal
     /// to the one-row kernel).
     tall: bool,
+    /// They may take the GEMM schedule instead (admitted likewise).
+    gemm: bool,
 }
 
 /// A forward's inputs on the device, laid out as `kernels.cu`'s `Step` reads them: an i32 header {base, rows,
@@ -239,6 +247,10 @@ pub struct CudaBackend {
     /// Launches of more than `MAX_ROWS` rows take the tall schedule where admitted (`VERITY_CUDA_TALL=0`: never,
     /// for side-by-side measurements).
     tall: bool,
+    /// Of those, launches with CTAs enough take the GEMM schedule where admitted (`CudaOptions::gemm`,
+    /// `CudaOptions::gemm_ctas`).
+    gemm: bool,
+    gemm_ctas: Option<usize>,
     /// `quantize_x`'s output, read by the integer projections (the last is current; see [`StagedX`]).
     staged: Mutex<Vec<StagedX>>,
     /// The argmax kernel's per-row records and counters (`Backend::argmax`).
@@ -258,6 +270,24 @@ pub struct CudaBackend {
     fault: Mutex<Option<String>>,
     /// The next launch fails as a driver error would (`fail_next_launch`).
     fail_next: std::sync::atomic::AtomicBool,
+    /// A forward is being recorded (`replay_or_record`), and whether the driver has broken the recording off:
+    /// a capture is invalidated by work outside it (another thread synchronizing the device, freeing memory),
+    /// not by the forward, so the forward then runs unrecorded instead of failing.
+    capturing: std::sync::atomic::AtomicBool,
+    capture_broken: std::sync::atomic::AtomicBool,
+    /// The next recording is broken off as the driver would (`break_next_capture`).
+    break_next: std::sync::atomic::AtomicBool,
+}
+
+/// Whether `e` reports a stream capture broken off by the driver rather than a failed operation.
+fn capture_broken_off(e: &cudarc::driver::DriverError) -> bool {
+    use cudarc::driver::sys::CUresult as R;
+    matches!(
+        e.0,
+        R::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+            | R::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
+            | R::CUDA_ERROR_STREAM_CAPTURE_ISOLATION
+    )
 }
 
 /// The integer projections' quantized input (`kernels.cu`'s `quantize_x`): `STAGED_ROWS` rows of `k` bytes,
@@ -412,6 +442,7 @@ impl CudaBackend {
             &k.qmatmuls_narrow,
             &k.qmatmuls_wide,
             &k.qmatmuls_tall,
+            &k.qmatmuls_gemm,
         ] {
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -461,6 +492,8 @@ impl CudaBackend {
             row_groups: opts.row_groups,
             split_rows: opts.split_rows,
             tall: opts.tall,
+            gemm: opts.gemm,
+            gemm_ctas: opts.gemm_ctas,
             argmax_work,
             staged: Mutex::new(Vec::new()),
             sms,
@@ -469,6 +502,9 @@ impl CudaBackend {
             ropes: Mutex::new(Vec::new()),
             fault: Mutex::new(None),
             fail_next: std::sync::atomic::AtomicBool::new(false),
+            capturing: std::sync::atomic::AtomicBool::new(false),
+            capture_broken: std::sync::atomic::AtomicBool::new(false),
+            break_next: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -506,13 +542,26 @@ impl CudaBackend {
             .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Makes the next graph recording end broken off, as the driver breaks one off when work outside it
+    /// interferes: the recovery's test (`tests/cuda.rs`) drives it on a real device; nothing else calls it.
+    #[doc(hidden)]
+    pub fn break_next_capture(&self) {
+        self.break_next
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// `r`'s value, or `None` with its error kept as the fault (the first one since the fault was last taken).
     fn check<T>(
         &self,
         what: &str,
         r: std::result::Result<T, cudarc::driver::DriverError>,
     ) -> Option<T> {
+        use std::sync::atomic::Ordering::Relaxed;
         r.map_err(|e| {
+            if self.capturing.load(Relaxed) && capture_broken_off(&e) {
+                self.capture_broken.store(true, Relaxed);
+                return;
+            }
             let mut fault = lock(&self.fault);
             if fault.is_none() {
                 tracing::error!("CUDA {what}: {e}");
@@ -661,15 +710,29 @@ impl Backend for CudaBackend {
             self.check("graph launch", r);
             return;
         }
+        use std::sync::atomic::Ordering::Relaxed;
         let r = self
             .stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
         if self.check("graph capture", r).is_none() {
             return;
         }
+        self.capturing.store(true, Relaxed);
         work();
+        if self.break_next.swap(false, Relaxed) {
+            self.capture_broken.store(true, Relaxed);
+        }
         let r = self.stream.end_capture(CUgraphInstantiate_flags(0));
-        let Some(graph) = self.check("graph capture", r).flatten() else {
+        let r = self.check("graph capture", r);
+        self.capturing.store(false, Relaxed);
+        if self.capture_broken.swap(false, Relaxed) {
+            // Nothing of the broken recording ran: the forward runs as launches, to be recorded next time.
+            tracing::debug!(
+                "CUDA graph capture broken off by the driver: the forward runs unrecorded"
+            );
+            return work();
+        }
+        let Some(graph) = r.flatten() else {
             return;
         };
         if self.faulted() {

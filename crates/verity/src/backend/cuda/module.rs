@@ -6,6 +6,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
+use super::geometry::GEMM_SHARED_BYTES;
 use super::{options::CudaOptions, ptx_cache, types, ATT_HEADS};
 use crate::error::{Error, Result};
 
@@ -26,6 +27,7 @@ pub(super) struct Kernels {
     pub(super) qmatmuls_narrow: CudaFunction,
     pub(super) qmatmuls_wide: CudaFunction,
     pub(super) qmatmuls_tall: CudaFunction,
+    pub(super) qmatmuls_gemm: CudaFunction,
     pub(super) quantize_x: CudaFunction,
     pub(super) embed: CudaFunction,
     pub(super) rms_norm: CudaFunction,
@@ -58,6 +60,7 @@ impl Kernels {
             qmatmuls_narrow: f("qmatmuls_narrow")?,
             qmatmuls_wide: f("qmatmuls_wide")?,
             qmatmuls_tall: f("qmatmuls_tall")?,
+            qmatmuls_gemm: f("qmatmuls_gemm")?,
             quantize_x: f("quantize_x")?,
             embed: f("embed")?,
             rms_norm: f("rms_norm")?,
@@ -88,6 +91,7 @@ pub(super) fn nvrtc_options(opts: &CudaOptions) -> Vec<String> {
     options.push(format!("-DNQ_WARPS={}", opts.narrow_warps));
     options.push(format!("-DNQ_STREAM={}", opts.narrow_stream));
     options.push(format!("-DRUNS={}", crate::backend::INT8_RUNS));
+    options.push(format!("-DGM_SHARED_BYTES={GEMM_SHARED_BYTES}"));
     options
 }
 

@@ -55,6 +55,11 @@ pub struct CudaOptions {
     /// Launches of more than `MAX_ROWS` rows (prefill chunks) take the tall schedule, every weight read once for
     /// up to `TALL_ROWS` rows, where admitted (`VERITY_CUDA_TALL=0`: off; they run in launches of `MAX_ROWS`).
     pub tall: bool,
+    /// Of those, launches whose GEMM grid (`geometry::GEMM_WARPS` tiles a CTA) has at least `gemm_ctas` CTAs
+    /// take the GEMM schedule where admitted (`VERITY_CUDA_GEMM=0`: never; `VERITY_CUDA_GEMM_CTAS`: 1 to 65,536,
+    /// else the device's SM count). The same bits either way.
+    pub gemm: bool,
+    pub gemm_ctas: Option<usize>,
 }
 
 impl Default for CudaOptions {
@@ -79,6 +84,8 @@ impl Default for CudaOptions {
             row_groups: None,
             split_rows: true,
             tall: true,
+            gemm: true,
+            gemm_ctas: None,
         }
     }
 }
@@ -120,6 +127,8 @@ impl CudaOptions {
             row_groups: count("VERITY_CUDA_ROW_GROUPS", 1..=MAX_ROWS),
             split_rows: on("VERITY_CUDA_SPLIT_ROWS"),
             tall: on("VERITY_CUDA_TALL"),
+            gemm: on("VERITY_CUDA_GEMM"),
+            gemm_ctas: count("VERITY_CUDA_GEMM_CTAS", 1..=65_536),
         }
     }
 

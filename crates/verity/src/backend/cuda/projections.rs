@@ -6,7 +6,9 @@ use std::borrow::Cow;
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
-use super::geometry::{q_geometry, staged_bytes, QGeometry, ROWS_PER_GROUP};
+use super::geometry::{
+    q_geometry, staged_bytes, QGeometry, GEMM_SHARED_BYTES, GEMM_WARPS, ROWS_PER_GROUP,
+};
 use super::launch::Arg;
 use super::types::Tag;
 use super::{affine, dev, lock, tiles, CudaBackend, CudaMatrix, CudaStep, StagedX, STAGED_ROWS};
@@ -23,6 +25,8 @@ pub(super) struct Admitted {
     pub(super) rows: usize,
     /// Whether launches of more than `MAX_ROWS` rows take the tall schedule.
     pub(super) tall: bool,
+    /// Whether they may take the GEMM schedule.
+    pub(super) gemm: bool,
 }
 
 /// RoPE and the cache write fused into a Q/K/V launch of the integer kernel (`kernels.cu`'s `RopeFusion`).
@@ -121,6 +125,7 @@ impl CudaBackend {
             data,
             launch_rows: 0,
             tall: false,
+            gemm: false,
         };
         // The integer kernels read x quantized (any row length runs); the float kernel stages whole rows.
         if form.is_some() {
@@ -137,7 +142,8 @@ impl CudaBackend {
             ))
         })?;
         let admitted = self.admit(&matrix);
-        (matrix.launch_rows, matrix.tall) = (admitted.rows, admitted.tall);
+        (matrix.launch_rows, matrix.tall, matrix.gemm) =
+            (admitted.rows, admitted.tall, admitted.gemm);
         Ok(matrix)
     }
 
@@ -213,6 +219,37 @@ impl CudaBackend {
         self.tall && rows > MAX_ROWS && Self::int8_launch(glu, mats) && mats.iter().all(|m| m.tall)
     }
 
+    /// The tiles of a launch of `mats` (gate/up: the pairs).
+    fn launch_tiles(glu: bool, mats: &[&CudaMatrix]) -> usize {
+        if glu {
+            tiles::tiles(mats[0].rows)
+        } else {
+            mats.iter().map(|m| tiles::tiles(m.rows)).sum()
+        }
+    }
+
+    /// The CTAs of a GEMM-schedule launch of `rows` rows of `mats` (its row groups as a tall launch's).
+    fn gemm_ctas(rows: usize, glu: bool, mats: &[&CudaMatrix], sms: usize) -> usize {
+        let per_cta = if glu { GEMM_WARPS / 2 } else { GEMM_WARPS };
+        let ctas = Self::launch_tiles(glu, mats).div_ceil(per_cta);
+        ctas * tall_groups(ctas, rows, sms)
+    }
+
+    /// Whether a tall launch of `rows` rows of `mats` takes the GEMM schedule: every matrix admitted for it, and
+    /// its grid at least `gemm_ctas` CTAs (by default one per SM: below that the tall schedule's CTA per tile
+    /// keeps more SMs busy).
+    fn gemm_launch(&self, rows: usize, glu: bool, mats: &[&CudaMatrix]) -> bool {
+        self.gemm
+            && mats.iter().all(|m| m.gemm)
+            && Self::gemm_ctas(rows, glu, mats, self.sms) >= self.gemm_ctas.unwrap_or(self.sms)
+    }
+
+    /// Whether the GEMM schedule may run rows of `k` values: the tall one may, and its stages fit the shared
+    /// memory.
+    fn gemm_fits(&self, k: usize) -> bool {
+        self.gemm && self.tall_fits(k) && GEMM_SHARED_BYTES <= self.matmul_shared
+    }
+
     /// Whether the tall schedule may run rows of `k` values: on, and its run sums of gate and up fit the shared
     /// memory.
     fn tall_fits(&self, k: usize) -> bool {
@@ -241,9 +278,10 @@ impl CudaBackend {
         )
     }
 
-    /// One launch of the `matmuls` kernel over up to three matrices that share `x` (`rows` ≤ `MAX_ROWS`, row
+    /// One launch of the `matmuls` kernel over up to three matrices that share `x` (`rows` ≤ `TALL_ROWS`, row
     /// offset `r0` into `x` and every output): `outs[m]` receives `mats[m]`'s projection; with an activation
-    /// `act`, `mats` are the gate and up projections and their gated product goes to the one output.
+    /// `act`, `mats` are the gate and up projections and their gated product goes to the one output. Launches
+    /// of more than `MAX_ROWS` rows take the tall schedule, or with `gemm` the GEMM schedule.
     #[allow(clippy::too_many_arguments)]
     fn launch_matmuls(
         &self,
@@ -256,9 +294,11 @@ impl CudaBackend {
         mats: &[&CudaMatrix],
         outs: &mut [&mut CudaSlice<f32>],
         rope: Option<&RopeFusion>,
+        gemm: bool,
     ) {
         let glu = act.is_some();
         let tall = rows > MAX_ROWS;
+        let gemm = tall && gemm;
         debug_assert!((1..=3).contains(&mats.len()) && rows <= TALL_ROWS);
         // Tall launches: what `matmuls_chunked` (or the admission check) asks for.
         debug_assert!(if tall {
@@ -295,15 +335,14 @@ impl CudaBackend {
         }
         args.push(Arg::I32(glu_i));
         let (f, cfg) = if int8 {
-            let n_tiles: usize = if glu {
-                tiles::tiles(mats[0].rows)
-            } else {
-                mats.iter().map(|m| tiles::tiles(m.rows)).sum()
-            };
+            let n_tiles = Self::launch_tiles(glu, mats);
             // The wide schedule's CTAs may straddle matrices, so it needs them of one type (`kernels.cu`).
             let wide =
                 !tall && n_tiles >= self.wide_tiles && mats.iter().all(|m| m.ty == mats[0].ty);
-            let (ctas, groups) = if tall {
+            let (ctas, groups) = if gemm {
+                let ctas = n_tiles.div_ceil(if glu { GEMM_WARPS / 2 } else { GEMM_WARPS });
+                (ctas, tall_groups(ctas, rows, self.sms))
+            } else if tall {
                 (n_tiles, tall_groups(n_tiles, rows, self.sms))
             } else if wide {
                 (n_tiles.div_ceil(self.wide_warps), 1)
@@ -312,13 +351,18 @@ impl CudaBackend {
             };
             // The rows one CTA takes (the kernel's own split).
             let cta_rows = rows.div_ceil(groups);
-            let bytes = self
-                .q_geometry(cta_rows, k, wide, glu)
-                .expect("capped by `launch_rows` and `tall_fits`")
-                .bytes;
+            let bytes = if gemm {
+                GEMM_SHARED_BYTES
+            } else {
+                self.q_geometry(cta_rows, k, wide, glu)
+                    .expect("capped by `launch_rows` and `tall_fits`")
+                    .bytes
+            };
             // The schedules give every (column, row) the same arithmetic: which one a launch takes changes no
             // bits.
-            let (f, warps) = if tall {
+            let (f, warps) = if gemm {
+                (&self.k.qmatmuls_gemm, GEMM_WARPS)
+            } else if tall {
                 (&self.k.qmatmuls_tall, self.narrow_warps)
             } else if wide {
                 (&self.k.qmatmuls_wide, self.wide_warps)
@@ -418,7 +462,8 @@ impl CudaBackend {
         outs: &mut [&mut CudaSlice<f32>],
         rope: Option<&RopeFusion>,
     ) {
-        let tall = self.tall_launch(rows, act.is_some(), mats);
+        let glu = act.is_some();
+        let tall = self.tall_launch(rows, glu, mats);
         let mut per_launch = mats.iter().map(|m| m.launch_rows).min().unwrap_or(1);
         if !Self::int8_launch(act.is_some(), mats) {
             // Tiled matrices beside untiled ones run the float kernel, whose staging caps the rows of long ones.
@@ -433,7 +478,8 @@ impl CudaBackend {
             } else {
                 left.min(per_launch)
             };
-            self.launch_matmuls(x, norm, r0, take, accumulate, act, mats, outs, rope);
+            let gemm = take > MAX_ROWS && self.gemm_launch(take, glu, mats);
+            self.launch_matmuls(x, norm, r0, take, accumulate, act, mats, outs, rope, gemm);
             r0 += take;
         }
     }
@@ -443,7 +489,11 @@ impl CudaBackend {
         let a = lock(&self.admitted);
         let failed = a
             .iter()
-            .filter(|((_, _, k), v)| v.rows < MAX_ROWS || (self.tall_fits(*k) && !v.tall))
+            .filter(|((_, _, k), v)| {
+                v.rows < MAX_ROWS
+                    || (self.tall_fits(*k) && !v.tall)
+                    || (self.gemm_fits(*k) && !v.gemm)
+            })
             .count();
         (a.len(), failed)
     }
@@ -451,17 +501,19 @@ impl CudaBackend {
     /// The admission check of the multi-row projection kernels for `m`'s shape, on `m`'s own weights, bitwise
     /// against the one-row kernel on pseudo-random rows: widths 16 (two row groups), 5, 3 and 2 (each row-count
     /// variant; those above `m.launch_rows`, which the shared memory allows, are skipped), and for the tall
-    /// schedule 64 rows and 37 rows from row 5 (a partial last n-tile, rows past the launch's read).
+    /// and GEMM schedules 64 rows and 37 rows from row 5 (a partial last n-tile, rows past the launch's read).
     fn admit(&self, m: &CudaMatrix) -> Admitted {
         let key = (m.ty, m.rows, m.cols);
         if let Some(&verdict) = lock(&self.admitted).get(&key) {
             return verdict;
         }
         let tall_possible = m.form.is_some() && self.tall_fits(m.cols);
+        let gemm_possible = m.form.is_some() && self.gemm_fits(m.cols);
         if self.knockout {
             return Admitted {
                 rows: m.launch_rows,
                 tall: tall_possible,
+                gemm: gemm_possible,
             };
         }
         let (k, n) = (m.cols, m.rows);
@@ -476,13 +528,35 @@ impl CudaBackend {
         let mut one = self.buffer(TALL_ROWS * n);
         let checked = if tall_possible { TALL_ROWS } else { MAX_ROWS };
         for r in 0..checked {
-            self.launch_matmuls(&x, None, r, 1, false, None, &[m], &mut [&mut one], None);
+            self.launch_matmuls(
+                &x,
+                None,
+                r,
+                1,
+                false,
+                None,
+                &[m],
+                &mut [&mut one],
+                None,
+                false,
+            );
         }
         let one = self.download(&one, TALL_ROWS * n);
         let mut many = self.buffer(TALL_ROWS * n);
-        // A launch of more than MAX_ROWS rows takes the tall schedule.
-        let mut exact_at = |r0: usize, w: usize| {
-            self.launch_matmuls(&x, None, r0, w, false, None, &[m], &mut [&mut many], None);
+        // A launch of more than MAX_ROWS rows takes the tall schedule, or with `gemm` the GEMM one.
+        let mut exact_at = |r0: usize, w: usize, gemm: bool| {
+            self.launch_matmuls(
+                &x,
+                None,
+                r0,
+                w,
+                false,
+                None,
+                &[m],
+                &mut [&mut many],
+                None,
+                gemm,
+            );
             let got = self.download(&many, TALL_ROWS * n);
             let span = r0 * n..(r0 + w) * n;
             got[span.clone()]
@@ -493,11 +567,10 @@ impl CudaBackend {
         let narrow = [(0, MAX_ROWS), (1, 5), (6, 3), (9, 2)]
             .into_iter()
             .filter(|&(_, w)| w <= m.launch_rows)
-            .all(|(r0, w)| exact_at(r0, w));
-        let tall = tall_possible
-            && [(0, TALL_ROWS), (5, 37)]
-                .into_iter()
-                .all(|(r0, w)| exact_at(r0, w));
+            .all(|(r0, w)| exact_at(r0, w, false));
+        let tall_at = [(0, TALL_ROWS), (5, 37)];
+        let tall = tall_possible && tall_at.into_iter().all(|(r0, w)| exact_at(r0, w, false));
+        let gemm = gemm_possible && tall_at.into_iter().all(|(r0, w)| exact_at(r0, w, true));
         if !narrow {
             tracing::warn!(
                 "the {MAX_ROWS}-row projection kernel is not bitwise the one-row kernel for a {n}×{k} matrix of \
@@ -512,9 +585,17 @@ impl CudaBackend {
                 m.ty
             );
         }
+        if gemm_possible && !gemm {
+            tracing::warn!(
+                "the GEMM projection kernel is not bitwise the one-row kernel for a {n}×{k} matrix of type {}: \
+                 its prefill takes the tall schedule",
+                m.ty
+            );
+        }
         let verdict = Admitted {
             rows: if narrow { m.launch_rows } else { 1 },
             tall,
+            gemm,
         };
         lock(&self.admitted).insert(key, verdict);
         verdict
