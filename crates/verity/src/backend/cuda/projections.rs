@@ -70,6 +70,13 @@ fn tall_groups(tiles: usize, rows: usize, sms: usize) -> usize {
     nonempty_groups(rows, want)
 }
 
+/// The grid of a GEMM-schedule launch of `tiles` tiles (gate/up: pairs) and `rows` rows: CTAs of `GEMM_WARPS`
+/// tiles (half as many pairs), and row groups as a tall launch's.
+fn gemm_grid(tiles: usize, glu: bool, rows: usize, sms: usize) -> (usize, usize) {
+    let ctas = tiles.div_ceil(if glu { GEMM_WARPS / 2 } else { GEMM_WARPS });
+    (ctas, tall_groups(ctas, rows, sms))
+}
+
 /// The groups a launch of `rows` rows in `want` groups has: the kernel gives each group ceil(rows / groups) rows,
 /// so as many as that leaves non-empty.
 fn nonempty_groups(rows: usize, want: usize) -> usize {
@@ -228,20 +235,14 @@ impl CudaBackend {
         }
     }
 
-    /// The CTAs of a GEMM-schedule launch of `rows` rows of `mats` (its row groups as a tall launch's).
-    fn gemm_ctas(rows: usize, glu: bool, mats: &[&CudaMatrix], sms: usize) -> usize {
-        let per_cta = if glu { GEMM_WARPS / 2 } else { GEMM_WARPS };
-        let ctas = Self::launch_tiles(glu, mats).div_ceil(per_cta);
-        ctas * tall_groups(ctas, rows, sms)
-    }
-
     /// Whether a tall launch of `rows` rows of `mats` takes the GEMM schedule: every matrix admitted for it, and
     /// its grid at least `gemm_ctas` CTAs (by default one per SM: below that the tall schedule's CTA per tile
     /// keeps more SMs busy).
     fn gemm_launch(&self, rows: usize, glu: bool, mats: &[&CudaMatrix]) -> bool {
-        self.gemm
-            && mats.iter().all(|m| m.gemm)
-            && Self::gemm_ctas(rows, glu, mats, self.sms) >= self.gemm_ctas.unwrap_or(self.sms)
+        self.gemm && mats.iter().all(|m| m.gemm) && {
+            let (ctas, groups) = gemm_grid(Self::launch_tiles(glu, mats), glu, rows, self.sms);
+            ctas * groups >= self.gemm_ctas.unwrap_or(self.sms)
+        }
     }
 
     /// Whether the GEMM schedule may run rows of `k` values: the tall one may, and its stages fit the shared
@@ -340,8 +341,7 @@ impl CudaBackend {
             let wide =
                 !tall && n_tiles >= self.wide_tiles && mats.iter().all(|m| m.ty == mats[0].ty);
             let (ctas, groups) = if gemm {
-                let ctas = n_tiles.div_ceil(if glu { GEMM_WARPS / 2 } else { GEMM_WARPS });
-                (ctas, tall_groups(ctas, rows, self.sms))
+                gemm_grid(n_tiles, glu, rows, self.sms)
             } else if tall {
                 (n_tiles, tall_groups(n_tiles, rows, self.sms))
             } else if wide {
@@ -604,7 +604,7 @@ impl CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::{row_groups, tall_groups};
+    use super::{gemm_grid, row_groups, tall_groups};
 
     #[test]
     fn tall_launches_split_their_rows_only_where_the_tiles_leave_sms_idle() {
@@ -615,6 +615,17 @@ mod tests {
         // SmolLM2's o (36 tiles) at 20 rows: two groups, never more than 16-row launches would be.
         assert_eq!(tall_groups(36, 20, 132), 2);
         assert_eq!(tall_groups(3, 64, 132), 4);
+    }
+
+    #[test]
+    fn gemm_grids_hold_eight_tiles_or_four_gate_up_pairs_a_cta() {
+        // An 8B model's 64-row prefill chunk on an H100: gate/up 896 pairs, Q/K/V 384 tiles, o 256.
+        assert_eq!(gemm_grid(896, true, 64, 132), (224, 1));
+        assert_eq!(gemm_grid(384, false, 64, 132), (48, 2));
+        assert_eq!(gemm_grid(256, false, 64, 132), (32, 4));
+        // A 1B model's gate/up: 512 pairs, 128 CTAs (under one per SM).
+        assert_eq!(gemm_grid(512, true, 64, 132), (128, 1));
+        assert_eq!(gemm_grid(3, false, 20, 132), (1, 2));
     }
 
     #[test]
