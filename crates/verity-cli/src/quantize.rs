@@ -1,4 +1,4 @@
-//! `verity quantize`: write a quantized GGUF from a GGUF of float weights.
+//! `verity quantize`: write a quantized GGUF from a GGUF of float weights or a Hugging Face safetensors folder.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -6,11 +6,13 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use verity::bundle::gguf::GgufFile;
+use verity::quantize::hf::write_gguf;
 use verity::quantize::{plan, quantize, Plan, Preset};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// A GGUF whose weights are F32, F16 or BF16.
+    /// A GGUF whose weights are F32, F16 or BF16, or a Hugging Face safetensors folder (dense Llama, Qwen2 or
+    /// Qwen3), written first as a GGUF of its float weights beside the output.
     input: PathBuf,
     /// The GGUF to write.
     output: PathBuf,
@@ -23,10 +25,33 @@ pub struct Args {
     dry_run: bool,
 }
 
+/// A file removed when dropped: the GGUF a safetensors folder is converted to, whatever happens next.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 pub fn main(a: Args, threads: usize) -> Result<()> {
     let preset: Preset = a.preset.parse()?;
+    let converted = if a.input.is_dir() {
+        let mut name = a.output.file_name().unwrap_or_default().to_os_string();
+        name.push(format!(".float-{}.gguf", std::process::id()));
+        let scratch = Scratch(a.output.with_file_name(name));
+        eprintln!(
+            "writing {} as a GGUF of its float weights",
+            a.input.display()
+        );
+        write_gguf(&a.input, &scratch.0)?;
+        Some(scratch)
+    } else {
+        None
+    };
+    let input = converted.as_ref().map_or(&a.input, |s| &s.0);
     if a.dry_run {
-        let model = GgufFile::open(&a.input)?;
+        let model = GgufFile::open(input)?;
         let plan = plan(&model, preset)?;
         for t in &plan.tensors {
             let note = t.fallback.as_deref().unwrap_or("");
@@ -46,7 +71,7 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
             .expect("valid template"),
     );
     let start = Instant::now();
-    let plan = quantize(&a.input, &a.output, preset, threads, &mut |p| {
+    let plan = quantize(input, &a.output, preset, threads, &mut |p| {
         bar.set_length(p.total_bytes);
         bar.set_position(p.done_bytes);
         bar.set_message(p.tensor.name.clone());

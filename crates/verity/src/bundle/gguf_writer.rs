@@ -9,8 +9,11 @@ use crate::quant::GgmlType;
 const VERSION: u32 = 3;
 const DEFAULT_ALIGNMENT: usize = 32;
 const TYPE_U32: u32 = 4;
+const TYPE_I32: u32 = 5;
 const TYPE_F32: u32 = 6;
+const TYPE_BOOL: u32 = 7;
 const TYPE_STRING: u32 = 8;
+const TYPE_ARRAY: u32 = 9;
 
 /// A tensor's entry in the directory.
 #[derive(Debug, Clone)]
@@ -65,6 +68,28 @@ impl GgufWriter {
     pub fn set_str(&mut self, key: &str, v: &str) {
         let mut b = TYPE_STRING.to_le_bytes().to_vec();
         put_string(&mut b, v);
+        self.set_raw(key, b);
+    }
+
+    pub fn set_bool(&mut self, key: &str, v: bool) {
+        let mut b = TYPE_BOOL.to_le_bytes().to_vec();
+        b.push(u8::from(v));
+        self.set_raw(key, b);
+    }
+
+    pub fn set_str_array(&mut self, key: &str, v: &[String]) {
+        let mut b = array_header(TYPE_STRING, v.len());
+        for s in v {
+            put_string(&mut b, s);
+        }
+        self.set_raw(key, b);
+    }
+
+    pub fn set_i32_array(&mut self, key: &str, v: &[i32]) {
+        let mut b = array_header(TYPE_I32, v.len());
+        for x in v {
+            b.extend_from_slice(&x.to_le_bytes());
+        }
         self.set_raw(key, b);
     }
 
@@ -142,6 +167,14 @@ impl GgufWriter {
     }
 }
 
+/// An array value's type tag, element type and length.
+fn array_header(element: u32, len: usize) -> Vec<u8> {
+    let mut b = TYPE_ARRAY.to_le_bytes().to_vec();
+    b.extend_from_slice(&element.to_le_bytes());
+    b.extend_from_slice(&(len as u64).to_le_bytes());
+    b
+}
+
 fn put_string(b: &mut Vec<u8>, s: &str) {
     b.extend_from_slice(&(s.len() as u64).to_le_bytes());
     b.extend_from_slice(s.as_bytes());
@@ -159,6 +192,9 @@ mod tests {
         w.set_u32("general.file_type", 1);
         w.set_u32("llama.block_count", 2);
         w.set_u32("general.file_type", 15);
+        w.set_str_array("tokenizer.ggml.tokens", &["a".into(), "bc".into()]);
+        w.set_i32_array("tokenizer.ggml.token_type", &[1, 3]);
+        w.set_bool("tokenizer.ggml.add_bos_token", true);
         w.add_tensor(TensorEntry {
             name: "a".into(),
             dims: vec![64, 3],
@@ -189,10 +225,28 @@ mod tests {
             [
                 "general.architecture",
                 "llama.block_count",
-                "general.file_type"
+                "general.file_type",
+                "tokenizer.ggml.tokens",
+                "tokenizer.ggml.token_type",
+                "tokenizer.ggml.add_bos_token"
             ]
         );
         assert_eq!(h.metadata["general.file_type"], MetaValue::U32(15));
+        assert_eq!(
+            h.metadata["tokenizer.ggml.tokens"],
+            MetaValue::Array(vec![
+                MetaValue::Str("a".into()),
+                MetaValue::Str("bc".into())
+            ])
+        );
+        assert_eq!(
+            h.metadata["tokenizer.ggml.token_type"],
+            MetaValue::Array(vec![MetaValue::I32(1), MetaValue::I32(3)])
+        );
+        assert_eq!(
+            h.metadata["tokenizer.ggml.add_bos_token"],
+            MetaValue::Bool(true)
+        );
         assert_eq!(h.tensors[1].dims, [5]);
         assert_eq!(&file[h.tensors[0].range.clone()], &[7u8; 204][..]);
         assert_eq!(&file[h.tensors[1].range.clone()], &[1u8; 20][..]);

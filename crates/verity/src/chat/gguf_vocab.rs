@@ -13,6 +13,7 @@ use std::collections::HashMap;
 use serde_json::{json, Value};
 
 use crate::bundle::gguf::GgufFile;
+use crate::bundle::gguf_writer::GgufWriter;
 use crate::error::{Error, Result};
 
 const LLAMA3_SPLIT: &str = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
@@ -156,6 +157,123 @@ fn sentencepiece_bpe(g: &GgufFile) -> Result<Value> {
     }))
 }
 
+/// The byte-level pre-tokenizers verity knows, by the name llama.cpp gives them (`tokenizer.ggml.pre`), as
+/// the models' own tokenizer.json writes them.
+fn pre_tokenizers() -> [(&'static str, Value); 4] {
+    [
+        ("gpt2", byte_level(true)),
+        (
+            "smollm",
+            json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
+        ),
+        (
+            "llama-bpe",
+            json!({"type": "Sequence", "pretokenizers": [split(LLAMA3_SPLIT), byte_level(false)]}),
+        ),
+        (
+            "qwen2",
+            json!({"type": "Sequence", "pretokenizers": [split(QWEN2_SPLIT), byte_level(false)]}),
+        ),
+    ]
+}
+
+/// A vocabulary as GGUF tokenizer metadata: what [`tokenizer_json`] reads back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GgufVocab {
+    /// `tokenizer.ggml.pre`.
+    pub pre: &'static str,
+    /// `tokenizer.ggml.tokens`, by id.
+    pub tokens: Vec<String>,
+    /// `tokenizer.ggml.token_type`: 1 normal, 3 control (special added tokens), 4 user-defined (other added
+    /// tokens).
+    pub token_type: Vec<i32>,
+    /// `tokenizer.ggml.merges`, `"left right"`, by rank.
+    pub merges: Vec<String>,
+}
+
+impl GgufVocab {
+    /// A Hugging Face byte-level BPE tokenizer.json as GGUF metadata (`gpt2` model), for the pre-tokenizers
+    /// verity knows.
+    pub fn from_tokenizer_json(tok: &Value) -> Result<Self> {
+        let bad = |m: &str| Error::Unsupported(format!("tokenizer.json: {m}"));
+        let model = &tok["model"];
+        if model["type"] != "BPE" || model["byte_fallback"] == true {
+            return Err(bad(
+                "only byte-level BPE vocabularies convert to GGUF (`gpt2` model)",
+            ));
+        }
+        let pre = pre_tokenizers()
+            .into_iter()
+            .find(|(_, v)| *v == tok["pre_tokenizer"])
+            .map(|(name, _)| name)
+            .ok_or_else(|| {
+                bad("its pre-tokenizer is none of those verity knows (gpt2, smollm, llama-bpe, qwen2)")
+            })?;
+        let vocab = model["vocab"]
+            .as_object()
+            .ok_or_else(|| bad("model.vocab is not a map"))?;
+        let mut by_id: Vec<Option<(String, i32)>> = Vec::new();
+        let mut put = |id: Option<u64>, s: &str, ty: i32| -> Result<()> {
+            let id = id.ok_or_else(|| bad("a token id is not a number"))? as usize;
+            if id >= by_id.len() {
+                by_id.resize(id + 1, None);
+            }
+            by_id[id] = Some((s.to_string(), ty));
+            Ok(())
+        };
+        for (s, id) in vocab {
+            put(id.as_u64(), s, 1)?;
+        }
+        for a in tok["added_tokens"].as_array().into_iter().flatten() {
+            let content = a["content"]
+                .as_str()
+                .ok_or_else(|| bad("an added token has no content"))?;
+            let ty = if a["special"] == true {
+                TYPE_CONTROL
+            } else {
+                TYPE_USER_DEFINED
+            };
+            put(a["id"].as_u64(), content, ty as i32)?;
+        }
+        let (tokens, token_type) = by_id
+            .into_iter()
+            .map(|t| t.ok_or_else(|| bad("its token ids leave a gap")))
+            .collect::<Result<(Vec<String>, Vec<i32>)>>()?;
+        let merges = model["merges"]
+            .as_array()
+            .ok_or_else(|| bad("model.merges is not a list"))?
+            .iter()
+            .map(|m| match m {
+                Value::String(s) => Ok(s.clone()),
+                Value::Array(p) => match (
+                    p.first().and_then(|l| l.as_str()),
+                    p.get(1).and_then(|r| r.as_str()),
+                ) {
+                    (Some(l), Some(r)) if p.len() == 2 => Ok(format!("{l} {r}")),
+                    _ => Err(bad("a merge is not a pair of strings")),
+                },
+                _ => Err(bad("a merge is neither a string nor a pair")),
+            })
+            .collect::<Result<_>>()?;
+        Ok(GgufVocab {
+            pre,
+            tokens,
+            token_type,
+            merges,
+        })
+    }
+
+    /// The vocabulary's keys in a GGUF under construction.
+    pub fn write(&self, w: &mut GgufWriter) {
+        w.set_str("tokenizer.ggml.model", "gpt2");
+        w.set_str("tokenizer.ggml.pre", self.pre);
+        w.set_str_array("tokenizer.ggml.tokens", &self.tokens);
+        w.set_i32_array("tokenizer.ggml.token_type", &self.token_type);
+        w.set_str_array("tokenizer.ggml.merges", &self.merges);
+    }
+}
+
 /// Byte-level BPE (`gpt2` model) with the pre-tokenizer llama.cpp names.
 fn byte_level_bpe(g: &GgufFile) -> Result<Value> {
     let bad = |m: String| Error::malformed(&g.path, m);
@@ -163,18 +281,16 @@ fn byte_level_bpe(g: &GgufFile) -> Result<Value> {
         .get("tokenizer.ggml.pre")
         .and_then(|v| v.as_str())
         .unwrap_or("default");
-    let pre_tokenizer = match pre {
-        "default" | "gpt2" => byte_level(true),
-        "smollm" => json!({"type": "Sequence", "pretokenizers": [
-            {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
-        "llama-bpe" | "llama3" => json!({"type": "Sequence", "pretokenizers": [split(LLAMA3_SPLIT), byte_level(false)]}),
-        "qwen2" => json!({"type": "Sequence", "pretokenizers": [split(QWEN2_SPLIT), byte_level(false)]}),
-        other => {
-            return Err(Error::Unsupported(format!(
-                "{}: GGUF pre-tokenizer {other:?} (verity knows default, gpt2, smollm, llama-bpe, qwen2)",
-                g.path.display()
-            )))
-        }
+    let name = match pre {
+        "default" => "gpt2",
+        "llama3" => "llama-bpe",
+        other => other,
+    };
+    let Some((_, pre_tokenizer)) = pre_tokenizers().into_iter().find(|(n, _)| *n == name) else {
+        return Err(Error::Unsupported(format!(
+            "{}: GGUF pre-tokenizer {pre:?} (verity knows default, gpt2, smollm, llama-bpe, qwen2)",
+            g.path.display()
+        )));
     };
     let (strings, added) = vocabulary(g)?;
     let merges = g
@@ -203,4 +319,107 @@ fn byte_level_bpe(g: &GgufFile) -> Result<Value> {
                   "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
                   "vocab": vocab_map(&strings), "merges": merges}
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bundle::gguf::MetaValue;
+    use std::path::{Path, PathBuf};
+
+    fn fixture(path: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/hf")
+            .join(path)
+    }
+
+    /// A GGUF holding nothing but `vocab`'s keys, read back.
+    fn gguf_of(vocab: &GgufVocab, name: &str) -> GgufFile {
+        let mut w = GgufWriter::new();
+        w.set_str("general.architecture", "llama");
+        vocab.write(&mut w);
+        let path =
+            std::env::temp_dir().join(format!("verity-vocab-{name}-{}.gguf", std::process::id()));
+        std::fs::write(&path, w.header()).unwrap();
+        let g = GgufFile::open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        g
+    }
+
+    fn strings(v: &MetaValue) -> Vec<String> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s.as_str().unwrap().to_string())
+            .collect()
+    }
+
+    #[test]
+    fn a_gguf_vocabulary_comes_back_from_its_tokenizer_json_key_for_key() {
+        let g = GgufFile::open(&fixture("llama-rope-llama3-gguf/model.gguf")).unwrap();
+        let back = GgufVocab::from_tokenizer_json(&tokenizer_json(&g).unwrap()).unwrap();
+        assert_eq!(
+            back.tokens,
+            strings(g.get("tokenizer.ggml.tokens").unwrap())
+        );
+        assert_eq!(
+            back.merges,
+            strings(g.get("tokenizer.ggml.merges").unwrap())
+        );
+        let types: Vec<i32> = g
+            .get("tokenizer.ggml.token_type")
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as i32)
+            .collect();
+        assert_eq!(back.token_type, types);
+        let pre = g.get("tokenizer.ggml.pre").and_then(|p| p.as_str());
+        assert_eq!(
+            back.pre,
+            match pre {
+                None | Some("default") => "gpt2",
+                Some("llama3") => "llama-bpe",
+                Some(p) => p,
+            }
+        );
+    }
+
+    #[test]
+    fn a_tokenizer_json_written_as_gguf_tokenizes_as_it_did() {
+        let path = fixture("llama-f32/tokenizer.json");
+        let json: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let vocab = GgufVocab::from_tokenizer_json(&json).unwrap();
+        let back = tokenizer_json(&gguf_of(&vocab, "llama-f32")).unwrap();
+        let want = tokenizers::Tokenizer::from_file(&path).unwrap();
+        let got = tokenizers::Tokenizer::from_bytes(serde_json::to_vec(&back).unwrap()).unwrap();
+        for text in [
+            "Hello, world! 12345 tokens",
+            "<|im_start|>user\nfn main() { println!(\"hi\"); }<|im_end|>",
+            "  spaces\tand\nnewlines  ",
+            "naïve café — ünïcödé",
+        ] {
+            let (w, g) = (
+                want.encode(text, false).unwrap(),
+                got.encode(text, false).unwrap(),
+            );
+            assert_eq!(w.get_ids(), g.get_ids(), "{text:?}");
+            assert_eq!(
+                want.decode(w.get_ids(), false).unwrap(),
+                got.decode(g.get_ids(), false).unwrap(),
+                "{text:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn vocabularies_gguf_cannot_carry_are_refused() {
+        let path = fixture("llama-f32/tokenizer.json");
+        let mut json: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        json["pre_tokenizer"] = json!({"type": "Whitespace"});
+        assert!(GgufVocab::from_tokenizer_json(&json).is_err());
+        json["model"]["type"] = json!("WordPiece");
+        assert!(GgufVocab::from_tokenizer_json(&json).is_err());
+    }
 }

@@ -1,7 +1,7 @@
 //! Text in and out: tokenizers (from `tokenizer.json` or GGUF metadata), chat templates, streaming detokenization,
 //! and splitting generated text into answer, reasoning and tool calls.
 
-mod gguf_vocab;
+pub(crate) mod gguf_vocab;
 mod output;
 mod template;
 mod tokenizer;

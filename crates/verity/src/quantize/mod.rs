@@ -7,6 +7,7 @@
 //! on the thread count. The output is written beside its final name and renamed into place when complete: an
 //! interrupted run leaves no half-written model under that name.
 
+pub mod hf;
 mod mix;
 
 pub use mix::{Choice, ModelFacts, Preset};
@@ -295,7 +296,8 @@ pub fn quantize(
     result.map(|()| plan)
 }
 
-fn partial_path(output: &Path) -> PathBuf {
+/// Where a file is written before it is renamed into place.
+pub(crate) fn partial_path(output: &Path) -> PathBuf {
     let mut name = output.file_name().unwrap_or_default().to_os_string();
     name.push(format!(".partial-{}", std::process::id()));
     output.with_file_name(name)
