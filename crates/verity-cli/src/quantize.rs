@@ -20,7 +20,8 @@ pub struct Args {
     /// f16, bf16 or f32 (llama.cpp's presets: the same type per tensor and the same blocks).
     #[arg(long = "type", value_name = "TYPE", default_value = "q4_k_m")]
     preset: String,
-    /// Print each tensor's type and the sizes without writing anything.
+    /// Print each tensor's type and the sizes without writing the output (a safetensors folder is still
+    /// converted to its temporary float GGUF first, to plan from).
     #[arg(long)]
     dry_run: bool,
 }

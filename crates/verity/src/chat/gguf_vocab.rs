@@ -213,13 +213,17 @@ impl GgufVocab {
         let vocab = model["vocab"]
             .as_object()
             .ok_or_else(|| bad("model.vocab is not a map"))?;
-        let mut by_id: Vec<Option<(String, i32)>> = Vec::new();
+        let added = tok["added_tokens"].as_array().map_or(0, Vec::len);
+        // Every id lies below the count of tokens (a gap is refused below), so none sizes the table.
+        let mut by_id: Vec<Option<(String, i32)>> = vec![None; vocab.len() + added];
+        let total = by_id.len();
         let mut put = |id: Option<u64>, s: &str, ty: i32| -> Result<()> {
-            let id = id.ok_or_else(|| bad("a token id is not a number"))? as usize;
-            if id >= by_id.len() {
-                by_id.resize(id + 1, None);
-            }
-            by_id[id] = Some((s.to_string(), ty));
+            let id = id.ok_or_else(|| bad("a token id is not a number"))?;
+            let slot = usize::try_from(id)
+                .ok()
+                .and_then(|i| by_id.get_mut(i))
+                .ok_or_else(|| bad(&format!("token id {id} lies past its {total} tokens")))?;
+            *slot = Some((s.to_string(), ty));
             Ok(())
         };
         for (s, id) in vocab {
@@ -236,8 +240,11 @@ impl GgufVocab {
             };
             put(a["id"].as_u64(), content, ty as i32)?;
         }
+        // An added token may repeat a vocabulary entry: the slots past the highest id are then unused.
+        let used = by_id.iter().rposition(Option::is_some).map_or(0, |i| i + 1);
         let (tokens, token_type) = by_id
             .into_iter()
+            .take(used)
             .map(|t| t.ok_or_else(|| bad("its token ids leave a gap")))
             .collect::<Result<(Vec<String>, Vec<i32>)>>()?;
         let merges = model["merges"]
@@ -414,9 +421,12 @@ mod tests {
     }
 
     #[test]
-    fn vocabularies_gguf_cannot_carry_are_refused() {
+    fn vocabularies_gguf_cannot_carry_and_ids_past_the_vocabulary_are_refused() {
         let path = fixture("llama-f32/tokenizer.json");
         let mut json: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let mut far = json.clone();
+        far["added_tokens"][0]["id"] = json!(u64::MAX);
+        assert!(GgufVocab::from_tokenizer_json(&far).is_err());
         json["pre_tokenizer"] = json!({"type": "Whitespace"});
         assert!(GgufVocab::from_tokenizer_json(&json).is_err());
         json["model"]["type"] = json!("WordPiece");

@@ -99,6 +99,15 @@ fn interleave_rows(bytes: &[u8], heads: usize, head_dim: usize, row_bytes: usize
     out
 }
 
+/// The heads whose rows a tensor of `key` has reordered into GGUF's rotary order (Llama's Q and K), else 0.
+fn rotated_heads(hp: &HParams, key: TensorKey) -> usize {
+    match (hp.arch, key) {
+        (Arch::Llama, TensorKey::Q(_)) => hp.n_heads,
+        (Arch::Llama, TensorKey::K(_)) => hp.n_kv_heads,
+        _ => 0,
+    }
+}
+
 /// Write the bundle at `dir` as a GGUF of its float weights to `out` (see the module doc).
 pub fn write_gguf(dir: &Path, out: &Path) -> Result<()> {
     let bundle = Bundle::open(dir)?;
@@ -133,6 +142,17 @@ pub fn write_gguf(dir: &Path, out: &Path) -> Result<()> {
         let t = tensors
             .get(&name)
             .ok_or_else(|| Error::Invalid(tensors.why_missing(&name)))?;
+        // The rows the rotary reordering moves must be the heads the config declares.
+        let heads = rotated_heads(hp, *key);
+        if heads > 0 && t.shape.first() != Some(&(heads * hp.head_dim)) {
+            return Err(Error::tensor(
+                &name,
+                format!(
+                    "shape {:?}: the config's {heads} heads of {} rows",
+                    t.shape, hp.head_dim
+                ),
+            ));
+        }
         let ty = match t.dtype {
             StDtype::F32 => GgmlType::F32,
             StDtype::F16 => GgmlType::F16,
@@ -151,21 +171,9 @@ pub fn write_gguf(dir: &Path, out: &Path) -> Result<()> {
         })?;
         sources.push((*key, t.clone()));
     }
-    write_then_rename(out, |partial| {
+    super::write_then_rename(out, |partial| {
         write_tensors(&w, tensors, hp, &sources, partial)
     })
-}
-
-/// `write` to a file beside `out`, renamed into place once complete (an interrupted run leaves no half-written
-/// model under that name).
-fn write_then_rename(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let partial = super::partial_path(out);
-    let result = write(&partial)
-        .and_then(|()| std::fs::rename(&partial, out).map_err(|e| Error::io(out, e)));
-    if result.is_err() {
-        let _ = std::fs::remove_file(&partial);
-    }
-    result
 }
 
 fn write_tensors(
@@ -181,12 +189,8 @@ fn write_tensors(
     for (key, t) in sources {
         let bytes = tensors.bytes(t);
         let bytes = bytes.as_slice();
-        let heads = match key {
-            TensorKey::Q(_) => hp.n_heads,
-            TensorKey::K(_) => hp.n_kv_heads,
-            _ => 0,
-        };
-        if hp.arch == Arch::Llama && heads > 0 {
+        let heads = rotated_heads(hp, *key);
+        if heads > 0 {
             let row_bytes = bytes.len() / (heads * hp.head_dim);
             w.write_data(
                 &mut file,

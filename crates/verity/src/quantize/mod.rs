@@ -261,10 +261,9 @@ pub fn quantize(
         .build()
         .map_err(|e| Error::Invalid(format!("cannot start {threads} threads: {e}")))?;
 
-    let partial = partial_path(output);
-    let result = (|| -> Result<()> {
-        let io = |e| Error::io(&partial, e);
-        let mut out = BufWriter::new(File::create(&partial).map_err(io)?);
+    write_then_rename(output, |partial| {
+        let io = |e| Error::io(partial, e);
+        let mut out = BufWriter::new(File::create(partial).map_err(io)?);
         out.write_all(&w.header()).map_err(io)?;
         let total_bytes = plan.in_bytes();
         let mut done_bytes = 0u64;
@@ -287,17 +286,27 @@ pub fn quantize(
         out.into_inner()
             .map_err(|e| io(e.into_error()))?
             .sync_all()
-            .map_err(io)?;
-        std::fs::rename(&partial, output).map_err(|e| Error::io(output, e))
-    })();
+            .map_err(io)
+    })?;
+    Ok(plan)
+}
+
+/// `write` to a file beside `output`, renamed into place once complete: an interrupted or failed run leaves no
+/// half-written model under that name (and no partial file).
+pub(crate) fn write_then_rename(
+    output: &Path,
+    write: impl FnOnce(&Path) -> Result<()>,
+) -> Result<()> {
+    let partial = partial_path(output);
+    let result = write(&partial)
+        .and_then(|()| std::fs::rename(&partial, output).map_err(|e| Error::io(output, e)));
     if result.is_err() {
         let _ = std::fs::remove_file(&partial);
     }
-    result.map(|()| plan)
+    result
 }
 
-/// Where a file is written before it is renamed into place.
-pub(crate) fn partial_path(output: &Path) -> PathBuf {
+fn partial_path(output: &Path) -> PathBuf {
     let mut name = output.file_name().unwrap_or_default().to_os_string();
     name.push(format!(".partial-{}", std::process::id()));
     output.with_file_name(name)

@@ -1477,9 +1477,12 @@ extern "C" __global__ void __launch_bounds__(GM_WARPS * 32, 2) qmatmuls_gemm(QM_
     bool mine = tile_of(blockIdx.x * (glu ? GM_WARPS / 2 : GM_WARPS) + (glu ? warp >> 1 : warp), glu, w0, ty0, n0, o0,
                         w1, ty1, n1, o1, w2, ty2, n2, o2, &t);
     int m = glu ? warp & 1 : 0;
-    const u8* wm = m ? w1 : t.w;
-    const u8* tq = mine ? wm + (size_t)t.lt * nb * tile_quant_bytes(t.ty) : nullptr;
-    const u8* tsc = mine ? tile_scales(t.ty, wm, t.tiles, nb, t.lt) : nullptr;
+    const u8 *tq = nullptr, *tsc = nullptr;  // this warp's tile's quants and scales
+    if (mine) {
+        const u8* wm = m ? w1 : t.w;
+        tq = wm + (size_t)t.lt * nb * tile_quant_bytes(t.ty);
+        tsc = tile_scales(t.ty, wm, t.tiles, nb, t.lt);
+    }
     // Stage c's copies (every thread commits one group per stage, empty past the last, so the waits count alike).
     auto stage = [&](int c) {
         if (c < chunks) {
