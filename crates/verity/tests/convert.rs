@@ -6,6 +6,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{f32_backend, hf_bundle, ids, json, load_model_on};
+use verity::bundle::gguf::GgufFile;
 use verity::bundle::Bundle;
 use verity::chat::Tokenizer;
 use verity::model::{Batch, LogitRows};
@@ -24,7 +25,8 @@ fn logits(path: &Path, tokens: &[u32]) -> Vec<f32> {
         .logits
 }
 
-/// Dense Llama (F32, BF16, F16 with tied embeddings), Qwen2 (Q/K/V biases) and Qwen3 (Q/K norms) bundles: the
+/// Dense Llama (F32, BF16, F16 with tied embeddings, Llama 3 and linear RoPE scaling), Qwen2 (Q/K/V biases) and
+/// Qwen3 (Q/K norms) bundles: the
 /// GGUF's tokenizer gives the same ids, BOS/EOS and template; its logits over the reference prompt are the
 /// bundle's — bitwise for Qwen, whose GGUF keeps the half-split rotary layout, and within 1e-5 of the largest
 /// for Llama, whose Q and K rows are reordered into interleaved pairs (the same products, each head's dot
@@ -35,6 +37,8 @@ fn a_safetensors_bundle_written_as_gguf_runs_as_the_bundle_does() {
         "llama-f32",
         "llama-bf16",
         "llama-f16-tied",
+        "llama-rope-llama3",
+        "llama-rope-linear",
         "qwen2-f32",
         "qwen3-f32",
     ] {
@@ -101,16 +105,65 @@ fn a_safetensors_bundle_written_as_gguf_runs_as_the_bundle_does() {
     }
 }
 
+/// Llama 3's RoPE scaling is written as llama.cpp's converter writes it: the fixture GGUF made by that
+/// converter's rule (`scripts/fixtures/make_rope_scaling_bundles.py`) has the same `rope_freqs.weight` and
+/// original context.
+#[test]
+fn llama3_rope_scaling_is_written_as_llama_cpp_writes_it() {
+    let out = scratch("llama3-rope.gguf");
+    write_gguf(&hf_bundle("llama-rope-llama3"), &out).unwrap();
+    let (ours, theirs) = (
+        GgufFile::open(&out).unwrap(),
+        GgufFile::open(&hf_bundle("llama-rope-llama3-gguf").join("model.gguf")).unwrap(),
+    );
+    let freqs = |g: &GgufFile| -> Vec<f32> {
+        let t = g.tensor("rope_freqs.weight").expect("rope_freqs.weight");
+        g.tensor_bytes(t)
+            .as_slice()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    let (a, b) = (freqs(&ours), freqs(&theirs));
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-6 * y, "{a:?} vs {b:?}");
+    }
+    assert!(a.contains(&1.0) && a.iter().any(|&f| f > 1.0 && f < 8.0));
+    let ctx = |g: &GgufFile| {
+        g.get("llama.rope.scaling.original_context_length")
+            .and_then(|v| v.as_f64())
+    };
+    assert_eq!(ctx(&ours), Some(32.0));
+    assert_eq!(ctx(&ours), ctx(&theirs));
+    std::fs::remove_file(&out).unwrap();
+}
+
 /// What the converter cannot write is refused by name, and leaves no file: a bundle of an architecture it does
-/// not convert (Gemma 3), one with RoPE scaling.
+/// not convert (Gemma 3), and Llama 3 RoPE scaling with frequency factors no GGUF reader would recover (verity
+/// runs that bundle from safetensors).
 #[test]
 fn bundles_the_converter_does_not_take_are_refused() {
-    for name in ["gemma3-f16", "llama-rope-llama3"] {
-        let out = scratch(&format!("refused-{name}.gguf"));
-        let err = write_gguf(&hf_bundle(name), &out)
-            .expect_err(name)
-            .to_string();
-        assert!(err.contains("converting"), "{name}: {err}");
-        assert!(!out.exists(), "{name}");
+    let odd = scratch("llama3-low-2");
+    std::fs::create_dir_all(&odd).unwrap();
+    for f in std::fs::read_dir(hf_bundle("llama-rope-llama3")).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, odd.join(f.file_name().unwrap())).unwrap();
     }
+    let config = odd.join("config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    assert!(text.contains("\"low_freq_factor\": 1.0"));
+    std::fs::write(
+        &config,
+        text.replace("\"low_freq_factor\": 1.0", "\"low_freq_factor\": 2.0"),
+    )
+    .unwrap();
+    assert!(Bundle::open(&odd).is_ok());
+    for dir in [hf_bundle("gemma3-f16"), odd.clone()] {
+        let out = scratch("refused.gguf");
+        let err = write_gguf(&dir, &out).expect_err("refused").to_string();
+        assert!(err.contains("converting"), "{}: {err}", dir.display());
+        assert!(!out.exists(), "{}", dir.display());
+    }
+    std::fs::remove_dir_all(&odd).unwrap();
 }

@@ -2,8 +2,9 @@
 //! the dense architectures verity runs from both formats (Llama, Qwen2, Qwen3): llama.cpp's tensor names and
 //! metadata keys, the tokenizer as `tokenizer.ggml.*` (byte-level BPE), each tensor in its stored type (F32,
 //! F16 or BF16), and Llama's Q and K rows reordered from the half-split rotary layout Hugging Face stores to
-//! the interleaved pairs GGUF's `llama` architecture rotates. [`super::quantize`] then reads it as any float
-//! GGUF.
+//! the interleaved pairs GGUF's `llama` architecture rotates. RoPE scaling is written as llama.cpp writes it:
+//! linear as `rope.scaling.type` and its factor, Llama 3's per-frequency rule as `rope_freqs.weight` (one divisor
+//! per rotated pair) with the original context. [`super::quantize`] then reads it as any float GGUF.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -62,6 +63,52 @@ fn model_keys(w: &mut GgufWriter, hp: &HParams, name: &str) {
     w.set_f32(&format!("{a}.rope.freq_base"), hp.rope_theta);
     w.set_f32(&format!("{a}.attention.layer_norm_rms_epsilon"), hp.rms_eps);
     w.set_u32(&format!("{a}.vocab_size"), u(hp.vocab));
+    match hp.rope_scaling {
+        RopeScaling::None => {}
+        RopeScaling::Linear { factor } => {
+            w.set_str(&format!("{a}.rope.scaling.type"), "linear");
+            w.set_f32(&format!("{a}.rope.scaling.factor"), factor);
+        }
+        RopeScaling::Llama3 {
+            original_context, ..
+        } => w.set_u32(
+            &format!("{a}.rope.scaling.original_context_length"),
+            original_context as u32,
+        ),
+    }
+}
+
+/// Llama 3's RoPE scaling as llama.cpp stores it: what each rotated pair's frequency is divided by, as F32 values
+/// of the tensor `rope_freqs.weight`; `None` for every other scaling (kept in the metadata).
+fn rope_freqs(hp: &HParams) -> Option<Vec<u8>> {
+    matches!(hp.rope_scaling, RopeScaling::Llama3 { .. }).then(|| {
+        (0..hp.head_dim / 2)
+            .flat_map(|i| {
+                let inv_freq = (hp.rope_theta as f64).powf(-2.0 * i as f64 / hp.head_dim as f64);
+                (hp.rope_scaling.divisor(inv_freq) as f32).to_le_bytes()
+            })
+            .collect()
+    })
+}
+
+/// Whether a GGUF reader recognises this scaling from what [`model_keys`] and [`rope_freqs`] write: llama.cpp's
+/// files carry no Llama 3 frequency factors, so readers (verity's among them) take those of every Llama 3.1–3.3
+/// release, 1 and 4.
+fn rope_scaling_converts(s: RopeScaling) -> bool {
+    match s {
+        RopeScaling::None | RopeScaling::Linear { .. } => true,
+        RopeScaling::Llama3 {
+            low_freq_factor,
+            high_freq_factor,
+            original_context,
+            ..
+        } => {
+            low_freq_factor == 1.0
+                && high_freq_factor == 4.0
+                && original_context.fract() == 0.0
+                && original_context >= 1.0
+        }
+    }
 }
 
 /// The tokenizer's GGUF metadata: its vocabulary, BOS/EOS, whether prompts start with BOS, the chat template.
@@ -120,13 +167,14 @@ pub fn write_gguf(dir: &Path, out: &Path) -> Result<()> {
     };
     let supported = matches!(hp.arch, Arch::Llama | Arch::Qwen2 | Arch::Qwen3)
         && hp.block == BlockStyle::default()
-        && hp.rope_scaling == RopeScaling::None;
+        && rope_scaling_converts(hp.rope_scaling);
     if !supported {
         return Err(Error::Unsupported(format!(
-            "{}: converting {} bundles to GGUF (verity converts dense Llama, Qwen2 and Qwen3 bundles without \
-             RoPE scaling)",
+            "{}: converting {} bundles with RoPE scaling {:?} to GGUF (verity converts dense Llama, Qwen2 and \
+             Qwen3 bundles, unscaled, linear or Llama 3's with frequency factors 1 and 4)",
             dir.display(),
-            hp.arch.name()
+            hp.arch.name(),
+            hp.rope_scaling
         )));
     }
     let mut w = GgufWriter::new();
@@ -135,6 +183,14 @@ pub fn write_gguf(dir: &Path, out: &Path) -> Result<()> {
         .map_or(String::new(), |n| n.to_string_lossy().into_owned());
     model_keys(&mut w, hp, &name);
     tokenizer_keys(&mut w, &bundle, dir)?;
+    let freqs = rope_freqs(hp);
+    if let Some(f) = &freqs {
+        w.add_tensor(TensorEntry {
+            name: "rope_freqs.weight".into(),
+            dims: vec![f.len() / 4],
+            ty: GgmlType::F32,
+        })?;
+    }
     let keys = tensor_keys(hp);
     let mut sources = Vec::with_capacity(keys.len());
     for key in &keys {
@@ -172,20 +228,25 @@ pub fn write_gguf(dir: &Path, out: &Path) -> Result<()> {
         sources.push((*key, t.clone()));
     }
     super::write_then_rename(out, |partial| {
-        write_tensors(&w, tensors, hp, &sources, partial)
+        write_tensors(&w, tensors, hp, freqs.as_deref(), &sources, partial)
     })
 }
 
+/// The file: `w`'s header, then the tensors in its order (`rope_freqs` first where there is one).
 fn write_tensors(
     w: &GgufWriter,
     tensors: &SafetensorsSet,
     hp: &HParams,
+    rope_freqs: Option<&[u8]>,
     sources: &[(TensorKey, StTensor)],
     out: &Path,
 ) -> Result<()> {
     let io = |e| Error::io(out, e);
     let mut file = BufWriter::new(File::create(out).map_err(io)?);
     file.write_all(&w.header()).map_err(io)?;
+    if let Some(f) = rope_freqs {
+        w.write_data(&mut file, f).map_err(io)?;
+    }
     for (key, t) in sources {
         let bytes = tensors.bytes(t);
         let bytes = bytes.as_slice();
