@@ -21,7 +21,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use verity::backend::Backend;
 use verity::chat::{Message, OutputParser, StreamDecoder, TemplateArgs, Tokenizer, ToolCall};
 use verity::engine::{
-    Decoding, Emitted, Engine, GenerateRequest, GenerationStats, Session, StopReason, PREFILL_CHUNK,
+    Decoding, Emitted, Engine, GenerateRequest, GenerationStats, Session, StopReason,
 };
 use verity::sample::constraint::SharedConstraint;
 
@@ -571,7 +571,8 @@ impl<B: Backend> Scheduler<B> {
         };
         let session = self.session_for(&answer.prompt);
         let slots = answer.prompt.len() + request.max_tokens;
-        answer.kv_need = session.cache.bytes_holding(slots, PREFILL_CHUNK);
+        let rows = self.engine.model.backend().prefill_rows();
+        answer.kv_need = session.cache.bytes_holding(slots, rows);
         if let Some(budget) = self.kv_budget.filter(|&b| answer.kv_need > b) {
             let e = ApiError::invalid(
                 format!(

@@ -213,7 +213,7 @@ fn requests_decoded_together_get_their_solo_answers() {
     let mut requests = requests;
     requests[3].store_prefix = Some(prompts[3].len() - 7);
     assert!(
-        prompts[3].len() > 2 * verity::engine::PREFILL_CHUNK,
+        prompts[3].len() > 2 * verity::backend::PREFILL_ROWS,
         "{}",
         prompts[3].len()
     );

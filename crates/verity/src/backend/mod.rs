@@ -189,6 +189,9 @@ pub struct StepInputs<'a> {
     pub mask: &'a AttnMask,
 }
 
+/// Rows per prefill forward unless a backend runs another count best ([`Backend::prefill_rows`]).
+pub const PREFILL_ROWS: usize = 64;
+
 /// A device that runs decoder forwards.
 ///
 /// A forward writes its per-call inputs once with [`Backend::set_step`]; every operation reads them from the
@@ -334,6 +337,11 @@ pub trait Backend: Send + Sync + 'static {
     fn prepare_attention(&self, head_dim: usize, rope: Rope) -> Result<()> {
         let _ = (head_dim, rope);
         Ok(())
+    }
+    /// Rows per prefill forward: a prompt is computed in chunks of this many (no result depends on it: a
+    /// forward's rows are row-exact), large enough to amortize each weight read, small enough to bound scratch.
+    fn prefill_rows(&self) -> usize {
+        PREFILL_ROWS
     }
     /// Values of scratch [`Backend::attention`] needs over a cache of `capacity` slots; the cache owns it, so it
     /// is reallocated with the cache's buffers.

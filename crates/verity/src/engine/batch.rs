@@ -1,6 +1,6 @@
 //! Decoding several requests together, one token each per batched forward (what a continuously batching
 //! server steps): requests join between steps ([`Engine::start_decoding`]) and leave when they finish. A
-//! newcomer's prompt goes through the same steps in chunks ([`crate::engine::PREFILL_CHUNK`] rows a step,
+//! newcomer's prompt goes through the same steps in chunks ([`crate::backend::Backend::prefill_rows`] rows a step,
 //! beside the others' tokens), so a long prompt does not stall the requests already decoding.
 //!
 //! Each request's step is the cycle of `decode.rs` — its pending token and its drafts through the target, the

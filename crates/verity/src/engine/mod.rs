@@ -17,7 +17,6 @@ use std::path::Path;
 use std::sync::Arc;
 
 pub use batch::Decoding;
-pub use prefill::PREFILL_CHUNK;
 pub use prompt::ChatPrompt;
 pub use request::{Emitted, GenerateRequest, Logprobs};
 pub use session::Session;

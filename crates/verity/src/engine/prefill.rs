@@ -10,9 +10,6 @@ use crate::model::TargetFeatures;
 use crate::model::{Batch, LogitRows};
 use crate::speculative::Proposer;
 
-/// Rows per prefill forward: large enough to amortize weight reads, small enough to bound scratch memory.
-pub const PREFILL_CHUNK: usize = 64;
-
 /// What prefill reused and what storing cost.
 pub(super) struct Prefilled {
     /// Prompt tokens whose state came from the session or the prefix cache.
@@ -136,6 +133,7 @@ impl<B: Backend> Engine<B> {
         let common = sess.truncate(common);
         Ok(PrefillPlan {
             pos: common,
+            rows: self.model.backend().prefill_rows(),
             store_at: store_at.filter(|&b| b > common && b <= body.len() && self.prefix.enabled()),
             done: Prefilled {
                 restored: common,
@@ -166,6 +164,8 @@ impl<B: Backend> Engine<B> {
 /// what was reused and what storing cost.
 pub(super) struct PrefillPlan {
     pub(super) pos: usize,
+    /// Rows per chunk (`Backend::prefill_rows`).
+    rows: usize,
     store_at: Option<usize>,
     pub(super) done: Prefilled,
 }
@@ -175,8 +175,8 @@ impl PrefillPlan {
     /// checkpoint is taken exactly there), or `None` once the body is in the cache.
     pub(super) fn next_end(&self, len: usize) -> Option<usize> {
         (self.pos < len).then(|| match self.store_at {
-            Some(b) if self.pos < b => (self.pos + PREFILL_CHUNK).min(b),
-            _ => (self.pos + PREFILL_CHUNK).min(len),
+            Some(b) if self.pos < b => (self.pos + self.rows).min(b),
+            _ => (self.pos + self.rows).min(len),
         })
     }
 }

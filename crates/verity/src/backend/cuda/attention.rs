@@ -6,7 +6,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 use super::launch::Arg;
 use super::ATT_RESIDENT_PER_SM;
 use super::{
-    CudaBackend, CudaStep, ATT_CHUNK, ATT_HEADS, ATT_SPLIT, ATT_SPLIT_MAX, ATT_WARPS,
+    CudaBackend, CudaStep, ATT_CHUNK, ATT_HEADS, ATT_ROWS, ATT_SPLIT, ATT_SPLIT_MAX, ATT_WARPS,
     ATT_WARP_ROWS, ATT_WARP_WIDTH, MAX_ROWS,
 };
 use crate::backend::{AttnShape, Backend};
@@ -86,7 +86,8 @@ impl CudaBackend {
             .clamp(1, wave.clamp(ATT_SPLIT, ATT_SPLIT_MAX))
     }
 
-    /// The attention of `shape.rows` rows (launches of up to `MAX_ROWS`), as `Backend::attention`.
+    /// The attention of `shape.rows` rows (launches of up to `MAX_ROWS` rows, or `ATT_ROWS` with a warp per
+    /// chunk), as `Backend::attention`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn launch_attention(
         &self,
@@ -113,13 +114,18 @@ impl CudaBackend {
         );
         let mut r0 = 0;
         while r0 < shape.rows {
-            let take = (shape.rows - r0).min(MAX_ROWS);
+            let left = shape.rows - r0;
             // Many rows (prefill chunks, wide verifies): a warp per chunk, every block sharing each K and V value
-            // over its heads; else a block per chunk, the heads per block and split by the rules above.
+            // over its heads, up to ATT_ROWS rows a launch; else a block per chunk, the heads per block and split
+            // by the rules above.
             let warps = match self.att_warp_rows {
-                Some(forced) => forced > 0 && take >= forced,
-                None => take >= ATT_WARP_ROWS && shape.n_heads * shape.head_dim >= ATT_WARP_WIDTH,
+                Some(forced) => forced > 0 && left.min(MAX_ROWS) >= forced,
+                None => {
+                    left.min(MAX_ROWS) >= ATT_WARP_ROWS
+                        && shape.n_heads * shape.head_dim >= ATT_WARP_WIDTH
+                }
             };
+            let take = left.min(if warps { ATT_ROWS } else { MAX_ROWS });
             // With a warp per chunk a block always serves as many heads as the group allows (no SMs: no grid
             // counts as small).
             let sms = if warps { 0 } else { self.sms };
@@ -175,7 +181,7 @@ impl CudaBackend {
                 &self.k.attention[heads - 1]
             };
             // SAFETY: q/out hold rows × n_heads × head_dim values, the caches (base + rows) × kv_dim within
-            // their capacity; `work` holds the counters and chunk records of up to MAX_ROWS rows (checked above);
+            // their capacity; `work` holds the counters and chunk records of up to ATT_ROWS rows (checked above);
             // the mask is in the step; both kernels take these arguments.
             unsafe { self.go("attention", f, cfg, &args) };
             r0 += take;

@@ -1692,8 +1692,12 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
 //   loaded values go through the same arithmetic, so the results are the same bits either way).
 // Every sum's order depends on slot indices alone, never on the number of slots, rows or heads per block, and
 // slots a row does not see add exact zeros, so a row gives the same bits alone or in a batch. Rows row0 ..
-// row0 + gridDim.y * HEADS / n_heads of the step; `work` holds 16 * n_heads counters, then per (row, head)
-// `chunks` records of {max, sum, head_dim value sums}. Dynamic shared memory: HEADS * 4 * head_dim floats.
+// row0 + gridDim.y * HEADS / n_heads of the step (at most ATT_ROWS); `work` holds ATT_ROWS * n_heads counters,
+// then per (row, head) `chunks` records of {max, sum, head_dim value sums}. Dynamic shared memory: HEADS * 4 *
+// head_dim floats.
+#ifndef ATT_ROWS
+#define ATT_ROWS 16
+#endif
 #define ATT_CHUNK 64
 #define MAX_HEAD_DIM 256
 #define ATT_AHEAD_DIM 64  // heads up to this size load their first chunk before waiting for the grid before
@@ -1846,7 +1850,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
     unsigned int* counters = (unsigned int*)work;
     // Head h0 + g's records at records + g * chunks * rec; chunk c's at c mod chunks (`chunks` covers the cache's
     // slots: in a local layer's ring, more than the chunks a row's window and the step's rows span).
-    float* records = work + 16 * n_heads + (size_t)(ri * n_heads + h0) * chunks * rec;
+    float* records = work + ATT_ROWS * n_heads + (size_t)(ri * n_heads + h0) * chunks * rec;
     // The first chunk's committed K (this thread's quarter of its slot) and V (this thread's first value-sum
     // item's 16 slots), for heads of up to ATT_AHEAD_DIM values (more would cost occupancy in registers).
     bool vec = (head_dim & 15) == 0;
@@ -2050,7 +2054,7 @@ __device__ __forceinline__ void attention_warps_body(const float* q, const float
     const float* kh = kc + kvh * head_dim;
     const float* vh = vc + kvh * head_dim;
     unsigned int* counters = (unsigned int*)work;
-    float* records = work + 16 * n_heads + (size_t)(ri * n_heads + h0) * chunks * rec;
+    float* records = work + ATT_ROWS * n_heads + (size_t)(ri * n_heads + h0) * chunks * rec;
     wait_inputs();
     release_dependents();
     const float* qv = q + ((size_t)i * n_heads + h0) * head_dim;

@@ -12,8 +12,9 @@
 //!   for operation the CPU backend's 8-bit contract, so a row's result is bitwise the CPU's, and one MMA serves
 //!   8 rows, so a W-row verify costs little more than a one-row step. x is quantized once per launch
 //!   (`quantize_x`, with the fused RMS norm) into a buffer every CTA reads, so no CTA repeats that work and any
-//!   row length runs. Prefill chunks (up to 64 rows a launch) take the tall schedule (`qmatmuls_tall`: a CTA
-//!   per tile, its warps each streaming a run of the tile's blocks over all rows) or, where the grid has CTAs
+//!   row length runs. Prefill forwards (256 rows: `CudaOptions::prefill_rows`) take the tall schedule
+//!   (`qmatmuls_tall`: a CTA per tile and row group of up to 64 rows, its warps each streaming a run of the
+//!   tile's blocks over all its rows) or, where the grid has CTAs
 //!   enough, the GEMM schedule (`qmatmuls_gemm`: a CTA of 8 tiles staging x once for all of them through a
 //!   pipeline of shared-memory stages) — every schedule the same arithmetic per (column, row).
 //! - every other format (F32, F16, BF16, Q2_K, the IQ4 grids, MLX affine; and launches mixing tiled and untiled
@@ -95,10 +96,17 @@ use crate::quant::QMatrix;
 use module::{nvrtc_options, nvrtc_version, source, Kernels};
 use projections::{Admitted, RopeFusion};
 
-/// Rows per projection launch (longer batches run in chunks), and per attention launch.
+/// Rows per projection launch (longer batches run in chunks), and per attention launch in a block per chunk.
 const MAX_ROWS: usize = 16;
-/// Rows per tall projection launch (prefill chunks: `kernels.cu`'s `qmatmuls_tall`).
-const TALL_ROWS: usize = 64;
+/// Rows per tall or GEMM projection launch (prefill chunks: `kernels.cu`'s `qmatmuls_tall`, `qmatmuls_gemm`),
+/// and per CTA of one (8 MMA n-tiles): a launch of more rows than a CTA takes has row groups.
+const TALL_ROWS: usize = 256;
+const TALL_CTA_ROWS: usize = 64;
+/// Rows per attention launch with a warp per chunk (`kernels.cu`'s `ATT_ROWS`): a 64-row prefill chunk in one
+/// launch, so its warps fill the SMs where 16 rows' left most of them idle; the attention scratch holds records
+/// for this many rows.
+const ATT_ROWS: usize = 64;
+
 /// The float projection kernel's warps per block (`kernels.cu`'s `matmuls`); what every projection kernel keeps
 /// back from the dynamic shared memory for its static shared memory (a bound: `matmuls` uses 32 bytes,
 /// `qmatmuls_*` none). The rest of the projections' geometry is `geometry.rs`.
@@ -251,6 +259,8 @@ pub struct CudaBackend {
     /// `CudaOptions::gemm_ctas`).
     gemm: bool,
     gemm_ctas: Option<usize>,
+    /// Rows per prefill forward (`Backend::prefill_rows`, `CudaOptions::prefill_rows`).
+    prefill_rows: usize,
     /// `quantize_x`'s output, read by the integer projections (the last is current; see [`StagedX`]).
     staged: Mutex<Vec<StagedX>>,
     /// The argmax kernel's per-row records and counters (`Backend::argmax`).
@@ -494,6 +504,7 @@ impl CudaBackend {
             tall: opts.tall,
             gemm: opts.gemm,
             gemm_ctas: opts.gemm_ctas,
+            prefill_rows: opts.prefill_rows,
             argmax_work,
             staged: Mutex::new(Vec::new()),
             sms,
@@ -984,9 +995,13 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn prefill_rows(&self) -> usize {
+        self.prefill_rows
+    }
+
     fn attention_work_len(&self, n_heads: usize, head_dim: usize, capacity: usize) -> usize {
         let per_row_head = 1 + capacity.div_ceil(ATT_CHUNK) * (head_dim + 2);
-        MAX_ROWS * n_heads * per_row_head
+        ATT_ROWS * n_heads * per_row_head
     }
 
     fn attention(

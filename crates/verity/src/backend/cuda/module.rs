@@ -7,7 +7,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
 use super::geometry::GEMM_SHARED_BYTES;
-use super::{options::CudaOptions, ptx_cache, types, ATT_HEADS};
+use super::{options::CudaOptions, ptx_cache, types, ATT_HEADS, ATT_ROWS};
 use crate::error::{Error, Result};
 
 /// The source's path from the repository root, where a profiler run there finds it (`-lineinfo`).
@@ -92,6 +92,7 @@ pub(super) fn nvrtc_options(opts: &CudaOptions) -> Vec<String> {
     options.push(format!("-DNQ_STREAM={}", opts.narrow_stream));
     options.push(format!("-DRUNS={}", crate::backend::INT8_RUNS));
     options.push(format!("-DGM_SHARED_BYTES={GEMM_SHARED_BYTES}"));
+    options.push(format!("-DATT_ROWS={ATT_ROWS}"));
     options
 }
 

@@ -4,7 +4,7 @@
 
 use super::{
     ATT_AHEAD_PER_SM, ATT_HEADS, ATT_SPLIT_MAX, MAX_ROWS, NARROW_STREAM, NARROW_WARPS,
-    QM_WIDE_TILES, WIDE_WARPS,
+    QM_WIDE_TILES, TALL_ROWS, WIDE_WARPS,
 };
 
 /// Every setting of a CUDA backend.
@@ -60,6 +60,11 @@ pub struct CudaOptions {
     /// else the device's SM count). The same bits either way.
     pub gemm: bool,
     pub gemm_ctas: Option<usize>,
+    /// Rows per prefill forward (`VERITY_CUDA_PREFILL_ROWS`: 16 to `TALL_ROWS`, by default `TALL_ROWS`: each
+    /// weight read once per 256 prompt rows, and grids wide enough for the GEMM schedule at 1B; a forward's
+    /// projections run launches of up to `TALL_ROWS` rows, its attention launches of up to `ATT_ROWS`). The same
+    /// bits either way.
+    pub prefill_rows: usize,
 }
 
 impl Default for CudaOptions {
@@ -86,6 +91,7 @@ impl Default for CudaOptions {
             tall: true,
             gemm: true,
             gemm_ctas: None,
+            prefill_rows: TALL_ROWS,
         }
     }
 }
@@ -129,6 +135,8 @@ impl CudaOptions {
             tall: on("VERITY_CUDA_TALL"),
             gemm: on("VERITY_CUDA_GEMM"),
             gemm_ctas: count("VERITY_CUDA_GEMM_CTAS", 1..=65_536),
+            prefill_rows: count("VERITY_CUDA_PREFILL_ROWS", 16..=TALL_ROWS)
+                .unwrap_or(d.prefill_rows),
         }
     }
 

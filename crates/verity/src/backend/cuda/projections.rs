@@ -12,7 +12,7 @@ use super::geometry::{
 use super::launch::Arg;
 use super::types::Tag;
 use super::{affine, dev, lock, tiles, CudaBackend, CudaMatrix, CudaStep, StagedX, STAGED_ROWS};
-use super::{GROUP_ROWS_MIN, MAX_ROWS, MM_WARPS, TALL_ROWS, WIDE_COLUMNS};
+use super::{GROUP_ROWS_MIN, MAX_ROWS, MM_WARPS, TALL_CTA_ROWS, TALL_ROWS, WIDE_COLUMNS};
 use crate::backend::{Backend, Glu};
 use crate::error::{Error, Result};
 use crate::quant::{QMatrix, WeightFormat};
@@ -62,12 +62,12 @@ fn row_groups(tiles: usize, rows: usize, rope: bool, sms: usize, split_rows: boo
     nonempty_groups(rows, want)
 }
 
-/// Row groups of a tall launch of `tiles` CTAs and `rows` rows: one, unless the tiles leave SMs idle; then as
-/// many as fill them, but no more than launches of `MAX_ROWS` rows would take (each group reads the weights
-/// again, from L2 where the groups run together).
+/// Row groups of a tall launch of `tiles` CTAs and `rows` rows: as few as leave a CTA at most `TALL_CTA_ROWS`
+/// rows, unless the tiles leave SMs idle; then as many as fill them, but no more than launches of `MAX_ROWS`
+/// rows would take (each group reads the weights again, from L2 where the groups run together).
 fn tall_groups(tiles: usize, rows: usize, sms: usize) -> usize {
-    let want = (sms / tiles.max(1)).clamp(1, rows.div_ceil(MAX_ROWS));
-    nonempty_groups(rows, want)
+    let fill = (sms / tiles.max(1)).clamp(1, rows.div_ceil(MAX_ROWS));
+    nonempty_groups(rows, fill.max(rows.div_ceil(TALL_CTA_ROWS)))
 }
 
 /// The grid of a GEMM-schedule launch of `tiles` tiles (gate/up: pairs) and `rows` rows: CTAs of `GEMM_WARPS`
@@ -254,7 +254,7 @@ impl CudaBackend {
     /// Whether the tall schedule may run rows of `k` values: on, and its run sums of gate and up fit the shared
     /// memory.
     fn tall_fits(&self, k: usize) -> bool {
-        self.tall && self.int8_tiles && self.q_geometry(TALL_ROWS, k, false, true).is_some()
+        self.tall && self.int8_tiles && self.q_geometry(TALL_CTA_ROWS, k, false, true).is_some()
     }
 
     /// The most rows the float kernel stages for rows of `k` values (at least 1: a row that does not fit was
@@ -615,6 +615,10 @@ mod tests {
         // SmolLM2's o (36 tiles) at 20 rows: two groups, never more than 16-row launches would be.
         assert_eq!(tall_groups(36, 20, 132), 2);
         assert_eq!(tall_groups(3, 64, 132), 4);
+        // Past 64 rows a CTA never takes more than 64 (8B gate/up pairs: 224 CTAs).
+        assert_eq!(tall_groups(224, 256, 132), 4);
+        assert_eq!(tall_groups(224, 65, 132), 2);
+        assert_eq!(tall_groups(48, 256, 132), 4);
     }
 
     #[test]
