@@ -140,8 +140,9 @@ fn llama3_rope_scaling_is_written_as_llama_cpp_writes_it() {
 }
 
 /// What the converter cannot write is refused by name, and leaves no file: a bundle of an architecture it does
-/// not convert (Gemma 3), and Llama 3 RoPE scaling with frequency factors no GGUF reader would recover (verity
-/// runs that bundle from safetensors).
+/// not convert (Gemma 3), sliding-window layers (Mistral's, Qwen2's), which a GGUF of those architectures would
+/// drop, and Llama 3 RoPE scaling with frequency factors no GGUF reader would recover (verity runs those bundles
+/// from safetensors).
 #[test]
 fn bundles_the_converter_does_not_take_are_refused() {
     let odd = scratch("llama3-low-2");
@@ -159,10 +160,15 @@ fn bundles_the_converter_does_not_take_are_refused() {
     )
     .unwrap();
     assert!(Bundle::open(&odd).is_ok());
-    for dir in [hf_bundle("gemma3-f16"), odd.clone()] {
+    for (dir, why) in [
+        (hf_bundle("gemma3-f16"), "converting gemma3 bundles"),
+        (hf_bundle("mistral-window"), "converting sliding-window"),
+        (hf_bundle("qwen2-window"), "converting sliding-window"),
+        (odd.clone(), "converting RoPE scaling Llama3"),
+    ] {
         let out = scratch("refused.gguf");
         let err = write_gguf(&dir, &out).expect_err("refused").to_string();
-        assert!(err.contains("converting"), "{}: {err}", dir.display());
+        assert!(err.contains(why), "{}: {err}", dir.display());
         assert!(!out.exists(), "{}", dir.display());
     }
     std::fs::remove_dir_all(&odd).unwrap();

@@ -155,6 +155,29 @@ fn rotated_heads(hp: &HParams, key: TensorKey) -> usize {
     }
 }
 
+/// What in `hp` the converter does not write, named for the error, or `None`: another architecture, blocks that
+/// are not Llama's (a GGUF of the `llama` or `qwen2` architecture would drop a sliding window or a mixture of
+/// experts and run differently), or a RoPE scaling no GGUF reader recovers.
+fn unconverted(hp: &HParams) -> Option<String> {
+    let b = &hp.block;
+    if !matches!(hp.arch, Arch::Llama | Arch::Qwen2 | Arch::Qwen3) {
+        Some(format!("{} bundles", hp.arch.name()))
+    } else if b.sliding.is_some() {
+        Some("sliding-window attention layers".into())
+    } else if b.moe.is_some() || b.linear.is_some() {
+        Some("mixture-of-experts or linear-attention layers".into())
+    } else if *b != BlockStyle::default() {
+        Some(format!(
+            "{} blocks that differ from Llama's: {b:?}",
+            hp.arch.name()
+        ))
+    } else if !rope_scaling_converts(hp.rope_scaling) {
+        Some(format!("RoPE scaling {:?}", hp.rope_scaling))
+    } else {
+        None
+    }
+}
+
 /// Write the bundle at `dir` as a GGUF of its float weights to `out` (see the module doc).
 pub fn write_gguf(dir: &Path, out: &Path) -> Result<()> {
     let bundle = Bundle::open(dir)?;
@@ -165,16 +188,11 @@ pub fn write_gguf(dir: &Path, out: &Path) -> Result<()> {
             dir.display()
         )));
     };
-    let supported = matches!(hp.arch, Arch::Llama | Arch::Qwen2 | Arch::Qwen3)
-        && hp.block == BlockStyle::default()
-        && rope_scaling_converts(hp.rope_scaling);
-    if !supported {
+    if let Some(what) = unconverted(hp) {
         return Err(Error::Unsupported(format!(
-            "{}: converting {} bundles with RoPE scaling {:?} to GGUF (verity converts dense Llama, Qwen2 and \
-             Qwen3 bundles, unscaled, linear or Llama 3's with frequency factors 1 and 4)",
+            "{}: converting {what} to GGUF (verity converts dense Llama, Qwen2 and Qwen3 bundles with full \
+             attention, unscaled or with linear or Llama 3 RoPE scaling)",
             dir.display(),
-            hp.arch.name(),
-            hp.rope_scaling
         )));
     }
     let mut w = GgufWriter::new();
