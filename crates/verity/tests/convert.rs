@@ -139,37 +139,80 @@ fn llama3_rope_scaling_is_written_as_llama_cpp_writes_it() {
     std::fs::remove_file(&out).unwrap();
 }
 
+/// A copy of fixture bundle `name` in a scratch folder, its config.json edited by `edit`.
+fn edited_bundle(name: &str, copy: &str, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf {
+    let dir = scratch(copy);
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in std::fs::read_dir(hf_bundle(name)).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
+    }
+    let config = dir.join("config.json");
+    let mut cfg = json(&config);
+    edit(&mut cfg);
+    std::fs::write(&config, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+    assert!(Bundle::open(&dir).is_ok(), "{copy}");
+    dir
+}
+
+/// YaRN as llama.cpp reads it (`rope.scaling.type` yarn, its factor and original context; the betas and
+/// attention factor its defaults): the GGUF of a Llama bundle with YaRN gives the bundle's logits, and the
+/// stretch matters (without it they differ).
+#[test]
+fn yarn_rope_scaling_survives_the_conversion() {
+    let yarn = edited_bundle("llama-f32", "llama-yarn", |c| {
+        c["rope_scaling"] = serde_json::json!({
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+        });
+    });
+    let out = scratch("llama-yarn.gguf");
+    write_gguf(&yarn, &out).unwrap();
+    let tokens = ids(&json(&yarn.join("reference.json"))["token_ids"]);
+    assert!(
+        tokens.len() > 32,
+        "the prompt must pass the original context"
+    );
+    let (want, got) = (logits(&yarn, &tokens), logits(&out, &tokens));
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = |a: &[f32], b: &[f32]| a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(
+        worst(&want, &got) <= 1e-5 * scale,
+        "{} (largest {scale})",
+        worst(&want, &got)
+    );
+    let plain = logits(&hf_bundle("llama-f32"), &tokens);
+    assert!(worst(&want, &plain) > 1e-3 * scale);
+    std::fs::remove_file(&out).unwrap();
+    std::fs::remove_dir_all(&yarn).unwrap();
+}
+
 /// What the converter cannot write is refused by name, and leaves no file: a bundle of an architecture it does
 /// not convert (Gemma 3), sliding-window layers (Mistral's, Qwen2's), which a GGUF of those architectures would
-/// drop, and Llama 3 RoPE scaling with frequency factors no GGUF reader would recover (verity runs those bundles
-/// from safetensors).
+/// drop, and RoPE scalings no GGUF reader would recover — Llama 3 with other frequency factors, YaRN with its
+/// own betas (verity runs those bundles from safetensors).
 #[test]
 fn bundles_the_converter_does_not_take_are_refused() {
-    let odd = scratch("llama3-low-2");
-    std::fs::create_dir_all(&odd).unwrap();
-    for f in std::fs::read_dir(hf_bundle("llama-rope-llama3")).unwrap() {
-        let f = f.unwrap().path();
-        std::fs::copy(&f, odd.join(f.file_name().unwrap())).unwrap();
-    }
-    let config = odd.join("config.json");
-    let text = std::fs::read_to_string(&config).unwrap();
-    assert!(text.contains("\"low_freq_factor\": 1.0"));
-    std::fs::write(
-        &config,
-        text.replace("\"low_freq_factor\": 1.0", "\"low_freq_factor\": 2.0"),
-    )
-    .unwrap();
-    assert!(Bundle::open(&odd).is_ok());
+    let llama3 = edited_bundle("llama-rope-llama3", "llama3-low-2", |c| {
+        c["rope_parameters"]["low_freq_factor"] = serde_json::json!(2.0);
+    });
+    let yarn = edited_bundle("llama-f32", "yarn-beta-16", |c| {
+        c["rope_scaling"] = serde_json::json!({
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 16,
+        });
+    });
     for (dir, why) in [
         (hf_bundle("gemma3-f16"), "converting gemma3 bundles"),
         (hf_bundle("mistral-window"), "converting sliding-window"),
         (hf_bundle("qwen2-window"), "converting sliding-window"),
-        (odd.clone(), "converting RoPE scaling Llama3"),
+        (llama3.clone(), "converting RoPE scaling Llama3"),
+        (yarn.clone(), "converting RoPE scaling Yarn"),
     ] {
         let out = scratch("refused.gguf");
         let err = write_gguf(&dir, &out).expect_err("refused").to_string();
         assert!(err.contains(why), "{}: {err}", dir.display());
         assert!(!out.exists(), "{}", dir.display());
     }
-    std::fs::remove_dir_all(&odd).unwrap();
+    for dir in [llama3, yarn] {
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -86,7 +86,7 @@ pub struct Rope {
 }
 
 /// How a model stretches its rotations beyond the context it was trained on: each pair's frequency
-/// `theta^(-2i/d)` divided by a factor.
+/// `theta^(-2i/d)` divided by a factor (YaRN also scales the rotation, so attention scores grow by its square).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub enum RopeScaling {
     #[default]
@@ -101,11 +101,48 @@ pub enum RopeScaling {
         high_freq_factor: f32,
         original_context: f32,
     },
+    /// YaRN (Peng et al. 2023, as transformers, vLLM and llama.cpp compute it): pairs that turn more than
+    /// `beta_fast` times over `original_context` positions kept, pairs that turn fewer than `beta_slow` times
+    /// divided by `factor`, a linear ramp over the pair index between (its ends rounded outwards with
+    /// `truncate`); every (cos, sin) multiplied by `attention_factor`.
+    Yarn {
+        factor: f32,
+        original_context: f32,
+        beta_fast: f32,
+        beta_slow: f32,
+        attention_factor: f32,
+        truncate: bool,
+    },
+}
+
+/// YaRN's default attention factor for a scaling `factor` (`mscale` 1): 0.1·ln(factor) + 1, or 1 where the
+/// factor does not stretch.
+pub fn yarn_mscale(factor: f64, mscale: f64) -> f64 {
+    if factor <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * factor.ln() + 1.0
+    }
 }
 
 impl RopeScaling {
-    /// What frequency `inv_freq` is divided by.
-    pub fn divisor(&self, inv_freq: f64) -> f64 {
+    /// YaRN with the settings transformers, vLLM and llama.cpp default to: betas 32 and 1, the ramp's ends
+    /// rounded outwards, the attention factor [`yarn_mscale`]`(factor, 1)`.
+    pub fn yarn(factor: f32, original_context: f32) -> RopeScaling {
+        RopeScaling::Yarn {
+            factor,
+            original_context,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: yarn_mscale(factor as f64, 1.0) as f32,
+            truncate: true,
+        }
+    }
+
+    /// What pair `i`'s frequency `theta^(-2i/rotated)` is divided by (`rotated`: the values of a head it
+    /// rotates).
+    pub fn divisor(&self, theta: f32, i: usize, rotated: usize) -> f64 {
+        let inv_freq = (theta as f64).powf(-2.0 * i as f64 / rotated as f64);
         match *self {
             RopeScaling::None => 1.0,
             RopeScaling::Linear { factor } => factor as f64,
@@ -131,6 +168,43 @@ impl RopeScaling {
                     1.0 / ((1.0 - smooth) / factor + smooth)
                 }
             }
+            RopeScaling::Yarn {
+                factor,
+                original_context,
+                beta_fast,
+                beta_slow,
+                truncate,
+                ..
+            } => {
+                // The pair index at which a pair turns `turns` times over the original context.
+                let (dim, base) = (rotated as f64, theta as f64);
+                let at = |turns: f32| {
+                    dim * (original_context as f64 / (turns as f64 * 2.0 * std::f64::consts::PI))
+                        .ln()
+                        / (2.0 * base.ln())
+                };
+                let (mut low, mut high) = (at(beta_fast), at(beta_slow));
+                if truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+                if low == high {
+                    high += 0.001;
+                }
+                // 1 where the pair keeps its frequency, 0 where it is divided by `factor`.
+                let kept = 1.0 - ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                1.0 / ((1.0 - kept) / factor as f64 + kept)
+            }
+        }
+    }
+
+    /// What every (cos, sin) of the rotation is multiplied by (YaRN's attention factor; else 1).
+    pub fn magnitude(&self) -> f32 {
+        match *self {
+            RopeScaling::Yarn {
+                attention_factor, ..
+            } => attention_factor,
+            _ => 1.0,
         }
     }
 }
@@ -146,8 +220,9 @@ impl Rope {
     /// and the same for a position in any batch.
     pub fn angle(&self, pos: usize, i: usize, rotated: usize) -> (f32, f32) {
         let inv_freq = (self.theta as f64).powf(-2.0 * i as f64 / rotated as f64);
-        let a = pos as f64 * inv_freq / self.scaling.divisor(inv_freq);
-        (a.cos() as f32, a.sin() as f32)
+        let a = pos as f64 * inv_freq / self.scaling.divisor(self.theta, i, rotated);
+        let m = self.scaling.magnitude() as f64;
+        ((m * a.cos()) as f32, (m * a.sin()) as f32)
     }
 
     /// A key that tells rotations apart (their tables of angles differ).
@@ -171,6 +246,26 @@ impl Rope {
                 low_freq_factor.to_bits(),
                 high_freq_factor.to_bits(),
                 original_context.to_bits(),
+            )
+                .hash(&mut h),
+            RopeScaling::Yarn {
+                factor,
+                original_context,
+                beta_fast,
+                beta_slow,
+                attention_factor,
+                truncate,
+            } => (
+                3u8,
+                [
+                    factor,
+                    original_context,
+                    beta_fast,
+                    beta_slow,
+                    attention_factor,
+                ]
+                .map(f32::to_bits),
+                truncate,
             )
                 .hash(&mut h),
         }

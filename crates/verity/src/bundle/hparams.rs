@@ -3,7 +3,7 @@
 use serde::Deserialize;
 
 use super::gguf::GgufFile;
-use crate::backend::{Glu, RopeScaling, RopeStyle};
+use crate::backend::{yarn_mscale, Glu, RopeScaling, RopeStyle};
 use crate::error::{Error, Result};
 
 /// The architectures verity implements.
@@ -471,7 +471,7 @@ impl HParams {
         let scaling_params = params
             .filter(|p| p.get("rope_type").is_some())
             .or(cfg.rope_scaling.as_ref());
-        let rope_scaling = hf_rope_scaling(rope_type, scaling_params)?;
+        let rope_scaling = hf_rope_scaling(rope_type, scaling_params, cfg.max_position_embeddings)?;
         let rope_theta = match (cfg.rope_theta, params.and_then(|p| p.get("rope_theta"))) {
             (Some(theta), _) => Some(theta),
             (None, None) => None,
@@ -586,13 +586,13 @@ impl HParams {
         }
         // The global layers' scaling (Gemma 3 4B and larger: linear).
         let rope_scaling = match global {
-            Some((_, t, e)) => hf_rope_scaling(t, Some(e))?,
+            Some((_, t, e)) => hf_rope_scaling(t, Some(e), cfg.max_position_embeddings)?,
             None => {
                 let legacy = cfg.rope_scaling.as_ref();
                 let t = legacy
                     .and_then(|s| s.get("rope_type").or_else(|| s.get("type")))
                     .and_then(|t| t.as_str());
-                hf_rope_scaling(t, legacy)?
+                hf_rope_scaling(t, legacy, cfg.max_position_embeddings)?
             }
         };
         let rope_theta = global
@@ -660,8 +660,8 @@ impl HParams {
 /// A GGUF's RoPE scaling: `rope.scaling.type` linear with its factor, or Llama 3's per-frequency factors as
 /// llama.cpp's converter stores them (`rope_freqs.weight`), recognised as Llama 3's rule with the original
 /// context the header names (8,192 where it names none) and the low/high frequency factors 1 and 4 — those of
-/// every Llama 3.1–3.3 release — or refused. Anything else scaled (YaRN, LongRoPE) is refused by name rather
-/// than computed as plain RoPE.
+/// every Llama 3.1–3.3 release — or refused; YaRN with llama.cpp's defaults. Anything else scaled (LongRoPE,
+/// YaRN with its own betas or attention factor) is refused by name rather than computed as plain RoPE.
 fn gguf_rope_scaling(
     g: &GgufFile,
     key: &dyn Fn(&str) -> String,
@@ -670,7 +670,7 @@ fn gguf_rope_scaling(
 ) -> Result<RopeScaling> {
     let unsupported = |what: String| {
         Err(Error::Unsupported(format!(
-            "{}: {what} (verity implements unscaled, linear and Llama 3 RoPE)",
+            "{}: {what} (verity implements unscaled, linear, Llama 3 and YaRN RoPE)",
             g.path.display()
         )))
     };
@@ -696,6 +696,38 @@ fn gguf_rope_scaling(
         (None | Some(Some("none")), Some(1.0)) => RopeScaling::None,
         (Some(Some("linear")), Some(factor)) => RopeScaling::Linear { factor },
         (Some(Some("linear")), None) => RopeScaling::None,
+        (Some(Some("yarn")), Some(factor)) => {
+            // llama.cpp's YaRN: betas 32 and 1, attention factor 0.1·ln(factor) + 1, unless the file sets
+            // its own (not implemented: refused by name below).
+            let tuned = [
+                "rope.scaling.attn_factor",
+                "rope.scaling.yarn_log_multiplier",
+                "rope.scaling.yarn_ext_factor",
+                "rope.scaling.yarn_beta_fast",
+                "rope.scaling.yarn_beta_slow",
+            ]
+            .into_iter()
+            .find(|k| g.get(&key(k)).is_some());
+            if let Some(k) = tuned {
+                return unsupported(format!("YaRN with {}", key(k)));
+            }
+            let original = g
+                .get(&key("rope.scaling.original_context_length"))
+                .or_else(|| g.get(&key("context_length")))
+                .and_then(|v| v.as_f64())
+                .filter(|c| *c >= 1.0)
+                .ok_or_else(|| {
+                    Error::malformed(
+                        &g.path,
+                        format!(
+                            "YaRN without {} or {}",
+                            key("rope.scaling.original_context_length"),
+                            key("context_length")
+                        ),
+                    )
+                })?;
+            RopeScaling::yarn(factor, original as f32)
+        }
         (kind, factor) => {
             return unsupported(format!(
                 "{} {kind:?} with factor {factor:?}",
@@ -734,8 +766,7 @@ fn gguf_rope_scaling(
         original_context,
     };
     let follows = stored.iter().enumerate().all(|(i, &f)| {
-        let inv_freq = (theta as f64).powf(-2.0 * i as f64 / head_dim as f64);
-        let want = llama3.divisor(inv_freq);
+        let want = llama3.divisor(theta, i, head_dim);
         (f as f64 - want).abs() <= 1e-5 * want
     });
     if !follows {
@@ -777,7 +808,22 @@ fn hf_sliding_window(cfg: &HfConfig, rope_theta: f32) -> Result<Option<SlidingWi
 fn hf_rope_scaling(
     rope_type: Option<&str>,
     params: Option<&serde_json::Value>,
+    max_positions: Option<usize>,
 ) -> Result<RopeScaling> {
+    let opt = |k: &str| -> Result<Option<f64>> {
+        match params.and_then(|p| p.get(k)) {
+            None | Some(serde_json::Value::Null) => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .filter(|v| v.is_finite())
+                .map(Some)
+                .ok_or_else(|| {
+                    Error::Invalid(format!(
+                        "config.json rope scaling {rope_type:?}: {k} is not a number: {v}"
+                    ))
+                }),
+        }
+    };
     let num = |k: &str| -> Result<f32> {
         params
             .and_then(|p| p.get(k))
@@ -817,9 +863,63 @@ fn hf_rope_scaling(
             }
             scaling
         }
+        Some("yarn") => {
+            // transformers' `_compute_yarn_parameters`: the original context from the parameters or the
+            // config's positions; a factor left out is their ratio; the attention factor given, or from
+            // DeepSeek's `mscale`/`mscale_all_dim`, or 0.1·ln(factor) + 1; betas 32 and 1 where unset or 0.
+            let original = opt("original_max_position_embeddings")?
+                .or(max_positions.map(|p| p as f64))
+                .filter(|c| *c >= 1.0)
+                .ok_or_else(|| {
+                    Error::Invalid(
+                        "config.json yarn rope scaling without original_max_position_embeddings or \
+                         max_position_embeddings"
+                            .into(),
+                    )
+                })?;
+            let factor = match opt("factor")? {
+                Some(f) => f,
+                None => max_positions.map_or(1.0, |p| p as f64) / original,
+            };
+            if factor <= 0.0 {
+                return Err(Error::Invalid(format!(
+                    "config.json yarn rope scaling with factor {factor}"
+                )));
+            }
+            let attention_factor = match (
+                opt("attention_factor")?,
+                opt("mscale")?,
+                opt("mscale_all_dim")?,
+            ) {
+                (Some(a), _, _) => a,
+                (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => {
+                    yarn_mscale(factor, m) / yarn_mscale(factor, all)
+                }
+                _ => yarn_mscale(factor, 1.0),
+            };
+            let beta = |k: &str, default: f64| -> Result<f64> {
+                Ok(opt(k)?.filter(|b| *b != 0.0).unwrap_or(default))
+            };
+            let truncate = match params.and_then(|p| p.get("truncate")) {
+                None | Some(serde_json::Value::Null) => true,
+                Some(v) => v.as_bool().ok_or_else(|| {
+                    Error::Invalid(format!(
+                        "config.json yarn rope scaling: truncate is not a boolean: {v}"
+                    ))
+                })?,
+            };
+            RopeScaling::Yarn {
+                factor: factor as f32,
+                original_context: original as f32,
+                beta_fast: beta("beta_fast", 32.0)? as f32,
+                beta_slow: beta("beta_slow", 1.0)? as f32,
+                attention_factor: attention_factor as f32,
+                truncate,
+            }
+        }
         Some(other) => {
             return Err(Error::Unsupported(format!(
-                "rope type {other:?} in config.json (verity implements default, linear and llama3)"
+                "rope type {other:?} in config.json (verity implements default, linear, llama3 and yarn)"
             )));
         }
     })
@@ -1030,6 +1130,7 @@ pub struct HfConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::Rope;
 
     fn moe_config(extra: serde_json::Value) -> Result<HParams> {
         let mut cfg = serde_json::json!({
@@ -1124,5 +1225,94 @@ mod tests {
         let mut uneven = cfg;
         uneven["linear_num_value_heads"] = serde_json::json!(3);
         assert!(HParams::from_hf(&serde_json::from_value(uneven).unwrap()).is_err());
+    }
+
+    /// YaRN from a config's rope parameters, as transformers computes it (`scripts/fixtures/yarn_reference.py`
+    /// restates `_compute_yarn_parameters` in float64: explicit and default betas, DeepSeek's mscale pair, the
+    /// untruncated ramp): each pair's frequency, the attention factor, and the rotation `Rope::angle` gives.
+    #[test]
+    fn yarn_rope_scaling_is_transformers_yarn() {
+        let text = include_str!("../../tests/fixtures/rope/yarn.json");
+        let fixture: serde_json::Value = serde_json::from_str(text).unwrap();
+        for case in fixture["cases"].as_array().unwrap() {
+            let name = case["name"].as_str().unwrap();
+            let mut params = serde_json::json!({
+                "rope_type": "yarn", "factor": case["factor"],
+                "original_max_position_embeddings": case["original"], "truncate": case["truncate"],
+            });
+            for k in ["beta_fast", "beta_slow", "mscale", "mscale_all_dim"] {
+                if !case[k].is_null() {
+                    params[k] = case[k].clone();
+                }
+            }
+            let scaling = hf_rope_scaling(Some("yarn"), Some(&params), Some(1 << 20)).unwrap();
+            let (d, theta) = (
+                case["head_dim"].as_u64().unwrap() as usize,
+                case["theta"].as_f64().unwrap() as f32,
+            );
+            let want_m = case["attention_factor"].as_f64().unwrap();
+            assert!((scaling.magnitude() as f64 - want_m).abs() < 1e-6, "{name}");
+            let rope = Rope {
+                theta,
+                style: RopeStyle::Interleaved,
+                scaling,
+                dims: None,
+            };
+            for (i, want) in case["inv_freq"].as_array().unwrap().iter().enumerate() {
+                let want = want.as_f64().unwrap();
+                let got =
+                    (theta as f64).powf(-2.0 * i as f64 / d as f64) / scaling.divisor(theta, i, d);
+                assert!(
+                    (got - want).abs() <= 1e-9 * want,
+                    "{name} pair {i}: {got} vs {want}"
+                );
+                let pos = 1000;
+                let (c, s) = rope.angle(pos, i, d);
+                let a = pos as f64 * want;
+                assert!(
+                    (c as f64 - want_m * a.cos()).abs() < 1e-5,
+                    "{name} pair {i}"
+                );
+                assert!(
+                    (s as f64 - want_m * a.sin()).abs() < 1e-5,
+                    "{name} pair {i}"
+                );
+            }
+        }
+    }
+
+    /// A YaRN config without a factor takes the ratio of its positions to the original context; without an
+    /// original context, its positions; bad values are errors; a GGUF-convertible YaRN is the defaults'.
+    #[test]
+    fn yarn_config_defaults_and_errors() {
+        let p = serde_json::json!({"rope_type": "yarn", "original_max_position_embeddings": 4096});
+        match hf_rope_scaling(Some("yarn"), Some(&p), Some(16384)).unwrap() {
+            RopeScaling::Yarn {
+                factor,
+                original_context,
+                attention_factor,
+                ..
+            } => {
+                assert_eq!((factor, original_context), (4.0, 4096.0));
+                assert!((attention_factor - (0.1 * 4f32.ln() + 1.0)).abs() < 1e-6);
+            }
+            other => panic!("{other:?}"),
+        }
+        let p = serde_json::json!({"rope_type": "yarn", "factor": 2.0});
+        assert_eq!(
+            hf_rope_scaling(Some("yarn"), Some(&p), Some(8192)).unwrap(),
+            RopeScaling::yarn(2.0, 8192.0)
+        );
+        assert!(hf_rope_scaling(Some("yarn"), Some(&p), None).is_err());
+        for bad in [
+            serde_json::json!({"rope_type": "yarn", "factor": "4", "original_max_position_embeddings": 8}),
+            serde_json::json!({"rope_type": "yarn", "factor": -1.0, "original_max_position_embeddings": 8}),
+            serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "truncate": 1}),
+        ] {
+            assert!(
+                hf_rope_scaling(Some("yarn"), Some(&bad), Some(64)).is_err(),
+                "{bad}"
+            );
+        }
     }
 }

@@ -3,8 +3,9 @@
 //! metadata keys, the tokenizer as `tokenizer.ggml.*` (byte-level BPE), each tensor in its stored type (F32,
 //! F16 or BF16), and Llama's Q and K rows reordered from the half-split rotary layout Hugging Face stores to
 //! the interleaved pairs GGUF's `llama` architecture rotates. RoPE scaling is written as llama.cpp writes it:
-//! linear as `rope.scaling.type` and its factor, Llama 3's per-frequency rule as `rope_freqs.weight` (one divisor
-//! per rotated pair) with the original context. [`super::quantize`] then reads it as any float GGUF.
+//! linear and YaRN as `rope.scaling.type` with the factor (YaRN: and the original context), Llama 3's
+//! per-frequency rule as `rope_freqs.weight` (one divisor per rotated pair) with the original context.
+//! [`super::quantize`] then reads it as any float GGUF.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -75,6 +76,18 @@ fn model_keys(w: &mut GgufWriter, hp: &HParams, name: &str) {
             &format!("{a}.rope.scaling.original_context_length"),
             original_context as u32,
         ),
+        RopeScaling::Yarn {
+            factor,
+            original_context,
+            ..
+        } => {
+            w.set_str(&format!("{a}.rope.scaling.type"), "yarn");
+            w.set_f32(&format!("{a}.rope.scaling.factor"), factor);
+            w.set_u32(
+                &format!("{a}.rope.scaling.original_context_length"),
+                original_context as u32,
+            );
+        }
     }
 }
 
@@ -84,8 +97,7 @@ fn rope_freqs(hp: &HParams) -> Option<Vec<u8>> {
     matches!(hp.rope_scaling, RopeScaling::Llama3 { .. }).then(|| {
         (0..hp.head_dim / 2)
             .flat_map(|i| {
-                let inv_freq = (hp.rope_theta as f64).powf(-2.0 * i as f64 / hp.head_dim as f64);
-                (hp.rope_scaling.divisor(inv_freq) as f32).to_le_bytes()
+                (hp.rope_scaling.divisor(hp.rope_theta, i, hp.head_dim) as f32).to_le_bytes()
             })
             .collect()
     })
@@ -93,10 +105,16 @@ fn rope_freqs(hp: &HParams) -> Option<Vec<u8>> {
 
 /// Whether a GGUF reader recognises this scaling from what [`model_keys`] and [`rope_freqs`] write: llama.cpp's
 /// files carry no Llama 3 frequency factors, so readers (verity's among them) take those of every Llama 3.1–3.3
-/// release, 1 and 4.
+/// release, 1 and 4; nor YaRN's betas or attention factor, so readers take the defaults.
 fn rope_scaling_converts(s: RopeScaling) -> bool {
     match s {
         RopeScaling::None | RopeScaling::Linear { .. } => true,
+        // llama.cpp's keys carry the factor and the original context; the rest are its defaults.
+        RopeScaling::Yarn {
+            factor,
+            original_context,
+            ..
+        } => s == RopeScaling::yarn(factor, original_context) && original_context.fract() == 0.0,
         RopeScaling::Llama3 {
             low_freq_factor,
             high_freq_factor,
@@ -191,7 +209,7 @@ pub fn write_gguf(dir: &Path, out: &Path) -> Result<()> {
     if let Some(what) = unconverted(hp) {
         return Err(Error::Unsupported(format!(
             "{}: converting {what} to GGUF (verity converts dense Llama, Qwen2 and Qwen3 bundles with full \
-             attention, unscaled or with linear or Llama 3 RoPE scaling)",
+             attention, unscaled or with linear, Llama 3 or YaRN RoPE scaling)",
             dir.display(),
         )));
     }
