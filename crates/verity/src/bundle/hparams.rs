@@ -1315,4 +1315,31 @@ mod tests {
             );
         }
     }
+
+    /// A GGUF's YaRN as llama.cpp writes it: `rope.scaling.type` yarn with its factor and the original context
+    /// (else the training context) takes llama.cpp's defaults; a file that tunes YaRN's betas or attention factor
+    /// is refused by name.
+    #[test]
+    fn gguf_yarn_takes_llama_cpp_defaults_and_refuses_tuned_files() {
+        use crate::bundle::gguf_writer::GgufWriter;
+        let path = std::env::temp_dir().join(format!("verity-yarn-{}.gguf", std::process::id()));
+        let read = |extra: &dyn Fn(&mut GgufWriter)| {
+            let mut w = GgufWriter::new();
+            w.set_str("general.architecture", "llama");
+            w.set_u32("llama.context_length", 131_072);
+            w.set_str("llama.rope.scaling.type", "yarn");
+            w.set_f32("llama.rope.scaling.factor", 4.0);
+            extra(&mut w);
+            std::fs::write(&path, w.header()).unwrap();
+            let g = GgufFile::open(&path).unwrap();
+            gguf_rope_scaling(&g, &|k: &str| format!("llama.{k}"), 128, 1e6)
+        };
+        assert_eq!(read(&|_| {}).unwrap(), RopeScaling::yarn(4.0, 131_072.0));
+        let with_original =
+            read(&|w| w.set_u32("llama.rope.scaling.original_context_length", 32_768));
+        assert_eq!(with_original.unwrap(), RopeScaling::yarn(4.0, 32_768.0));
+        let tuned = read(&|w| w.set_f32("llama.rope.scaling.yarn_beta_fast", 16.0)).unwrap_err();
+        assert!(tuned.to_string().contains("yarn_beta_fast"), "{tuned}");
+        std::fs::remove_file(&path).unwrap();
+    }
 }
