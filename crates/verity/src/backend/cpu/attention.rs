@@ -18,7 +18,7 @@
 
 use super::math;
 use super::pool::{share, Pool, SharedOut};
-use super::simd::{self, Isa};
+use super::simd;
 use crate::backend::{AttnMask, AttnShape};
 
 #[allow(clippy::too_many_arguments)]
@@ -90,6 +90,8 @@ pub fn attention(
                     .min()
                     .unwrap_or(0);
                 let start = seen.min(base) / 8 * 8;
+                // (`sums` serves the AVX2 path alone.)
+                #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
                 let Scratch {
                     items,
                     extra,
@@ -101,7 +103,7 @@ pub fn attention(
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: Avx2 (with FMA) is reported only after runtime detection; every item's output is
                     // a disjoint `hd`-slice of `out` that this task alone writes.
-                    Isa::Avx2 if hd.is_multiple_of(8) => unsafe {
+                    simd::Isa::Avx2 if hd.is_multiple_of(8) => unsafe {
                         heads_avx2(&head, q, start..base, items, extra, scores, sums)
                     },
                     _ => {
@@ -243,6 +245,7 @@ fn head_portable(
 }
 
 /// Slots per chunk of the blocked path: their keys (or values) stay in L1 while every query of the task reads them.
+#[cfg(target_arch = "x86_64")]
 const CHUNK: usize = 32;
 
 /// [`head_portable`] for every query of a task on AVX2 (head sizes a multiple of 8), bitwise the same per query:
@@ -530,14 +533,13 @@ unsafe fn values_avx2(
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
 
-    #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_head_is_bitwise_the_portable_head() {
-        if simd::isa() != Isa::Avx2 {
+        if simd::isa() != simd::Isa::Avx2 {
             return;
         }
         let mut seed = 7u64;

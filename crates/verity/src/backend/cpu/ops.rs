@@ -1,7 +1,9 @@
 //! Row-wise and elementwise CPU operations: RMS norm, RoPE, gated activations, residual adds. Each row is processed alone.
 
 use super::math;
-use super::simd::{self, dot};
+#[cfg(target_arch = "x86_64")]
+use super::simd;
+use super::simd::dot;
 use crate::backend::{Glu, RopeStyle};
 
 pub fn rms_norm(x: &[f32], w: &[f32], rows: usize, dim: usize, eps: f32, out: &mut [f32]) {
@@ -64,6 +66,7 @@ pub fn rope(
 /// same).
 pub fn glu(act: Glu, gate: &[f32], up: &[f32], out: &mut [f32]) {
     let n = out.len().min(gate.len()).min(up.len());
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     if simd::isa() == simd::Isa::Avx2 {

@@ -9,8 +9,9 @@
 //! steps. Here [`GROUP`] = 16 output columns are interleaved four bytes at a time, so one 512-bit register holds
 //! the same four inputs of 16 columns: one `vpdpbusd` (AVX2: `vpmaddubsw` + `vpmaddwd` per 8 columns) against
 //! four broadcast activation bytes advances all 16 columns, each lane is one column, and no horizontal
-//! reduction remains. A group's weight block is decoded once and applied to every activation row. llama.cpp
-//! repacks Q4_0 similarly for some CPUs; no crate offers such kernels for these formats, hence by hand.
+//! reduction remains (aarch64: one `sdot` per 4 columns). A group's weight block is decoded once and applied to
+//! every activation row. llama.cpp repacks Q4_0 similarly for some CPUs; no crate offers such kernels for these
+//! formats, hence by hand.
 //!
 //! Every format is read through its integer view ([`IntBlock`]): 32-value sub-blocks of unsigned values with an
 //! integer offset, one or two exact f32 scales and an additive term. The K-quants' super-block scales stay
@@ -142,6 +143,7 @@ const fn grid(f: u8) -> bool {
 }
 
 /// Whether the kernels see the weights as signed bytes (the byte formats, and the IQ4 grid's values).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const fn signed(f: u8) -> bool {
     bytes(f) || grid(f)
 }
@@ -362,6 +364,8 @@ impl Packed {
             Int8Isa::Avx512Vnni => by_format!(self.fmt, x86::vnni(grp, self.lay, xs, out)),
             #[cfg(target_arch = "x86_64")]
             Int8Isa::Avx2 => by_format!(self.fmt, x86::avx2(grp, self.lay, xs, out)),
+            #[cfg(target_arch = "aarch64")]
+            Int8Isa::NeonDot => by_format!(self.fmt, neon::dot(grp, self.lay, xs, out)),
             _ => portable(self.fmt, grp, self.lay, xs, out),
         }
     }
@@ -637,6 +641,21 @@ fn portable(fmt: u8, grp: &[u8], lay: Lay, xs: &[&[Q8Block]], out: &mut [[f32; G
     }
 }
 
+/// `$body` once per row `r` in `0..rows`, `r` a literal in each copy: the rows' accumulators then stay in
+/// registers (LLVM does not fully unroll a loop over a body this long, and an array indexed by a loop
+/// variable lives on the stack, which made every row's chain wait on store forwarding).
+macro_rules! each_row {
+    ($rows:expr, |$r:ident| $body:block) => {
+        each_row!(@ $rows, $r, $body, 0 1 2 3 4 5 6 7)
+    };
+    (@ $rows:expr, $r:ident, $body:block, $($i:literal)*) => {
+        $(if $i < $rows {
+            let $r: usize = $i;
+            $body
+        })*
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -718,21 +737,6 @@ mod x86 {
     #[inline(always)]
     unsafe fn neg256(v: __m256) -> __m256 {
         _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(i32::MIN)))
-    }
-
-    /// `$body` once per row `r` in `0..rows`, `r` a literal in each copy: the rows' accumulators then stay in
-    /// registers (LLVM does not fully unroll a loop over a body this long, and an array indexed by a loop
-    /// variable lives on the stack, which made every row's chain wait on store forwarding).
-    macro_rules! each_row {
-        ($rows:expr, |$r:ident| $body:block) => {
-            each_row!(@ $rows, $r, $body, 0 1 2 3 4 5 6 7)
-        };
-        (@ $rows:expr, $r:ident, $body:block, $($i:literal)*) => {
-            $(if $i < $rows {
-                let $r: usize = $i;
-                $body
-            })*
-        };
     }
 
     /// A block's exact integer sums for one row, VNNI: the whole block's (`.0`), or Q6_K's two halves.
@@ -1053,6 +1057,176 @@ mod x86 {
     }
 }
 
+/// The contract on aarch64 with the dot-product extension (`sdot`: four signed bytes times four signed bytes
+/// summed into each 32-bit lane): a group's 16 columns in four passes of 4, each 16-byte quarter of a
+/// 64-byte chunk holding 4 columns' four values. The values are decoded to signed bytes as the portable kernel
+/// decodes them (nibbles, high-bit planes, grid lookups, Q8_0's stored signed bytes), so `sdot` gives its exact
+/// integer sums; the scales and the `fma` chains are the portable kernel's operations, lane by lane.
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use std::arch::aarch64::*;
+
+    use super::{
+        bytes, f16_at, grid, half_at, has_min, offset, planes, quant_bytes, scale_at, Lay, Q8Block,
+        Runs, GROUP, IQ4XS, IQ4_GRID, MLX4, MLX8, Q4K, Q5K, Q6K, ROWS, SUPER,
+    };
+
+    /// `acc + Σ a·b` over each lane's four byte pairs (`sdot`; `vdotq_s32` is not yet stable in Rust).
+    #[inline(always)]
+    unsafe fn sdot(mut acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+        std::arch::asm!(
+            "sdot {acc:v}.4s, {a:v}.16b, {b:v}.16b",
+            acc = inout(vreg) acc,
+            a = in(vreg) a,
+            b = in(vreg) b,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+        acc
+    }
+
+    /// Four activation bytes `4c..4c+4` of a block in every lane.
+    #[inline(always)]
+    unsafe fn x4(x: &Q8Block, c: usize) -> int8x16_t {
+        let v = (x.qs.as_ptr().add(4 * c) as *const i32).read_unaligned();
+        vreinterpretq_s8_s32(vdupq_n_s32(v))
+    }
+
+    /// Four f32 values from `f`, one per column of the quarter.
+    #[inline(always)]
+    unsafe fn lanes(f: impl Fn(usize) -> f32) -> float32x4_t {
+        let v = [f(0), f(1), f(2), f(3)];
+        vld1q_f32(v.as_ptr())
+    }
+
+    #[target_feature(enable = "neon,dotprod")]
+    pub unsafe fn dot<const F: u8, const R: usize>(
+        grp: &[u8],
+        lay: Lay,
+        xs: [&[Q8Block]; R],
+        out: &mut [[f32; GROUP]; ROWS],
+    ) {
+        let (qb, nb) = (quant_bytes(F), lay.nb);
+        let p = grp.as_ptr();
+        let low = vdupq_n_u8(0x0f);
+        let (bit4, bits45) = (vdupq_n_u8(0x10), vdupq_n_u8(0x30));
+        let grid16 = vld1q_s8(IQ4_GRID.as_ptr());
+        for h in 0..4 {
+            // Column `4h + l`'s value of a per-column f16/byte array at `at`.
+            let col = |l: usize| 4 * h + l;
+            let mut acc = [vdupq_n_f32(0.0); R];
+            let mut total = [vdupq_n_f32(0.0); R];
+            let mut runs = Runs::new(nb);
+            let mut d_super = vdupq_n_f32(0.0);
+            let mut m_super = vdupq_n_f32(0.0);
+            for b in 0..nb {
+                let q = p.add(b * qb + 16 * h);
+                let chunk = |c: usize| vld1q_u8(q.add(64 * c));
+                let mut w = [vdupq_n_s8(0); 8];
+                if bytes(F) {
+                    for (c, wc) in w.iter_mut().enumerate() {
+                        *wc = vreinterpretq_s8_u8(chunk(c));
+                    }
+                } else {
+                    let mut u = [vdupq_n_u8(0); 8];
+                    for j in 0..4 {
+                        let raw = chunk(j);
+                        u[j] = vandq_u8(raw, low);
+                        u[j + 4] = vshrq_n_u8::<4>(raw);
+                    }
+                    if planes(F) == 1 {
+                        let hp = chunk(4);
+                        for (c, uc) in u.iter_mut().enumerate() {
+                            let hb = vandq_u8(vshlq_u8(hp, vdupq_n_s8(4 - c as i8)), bit4);
+                            *uc = vorrq_u8(*uc, hb);
+                        }
+                    } else if planes(F) == 2 {
+                        for (c, uc) in u.iter_mut().enumerate() {
+                            let hp = chunk(4 + c / 4);
+                            let hb =
+                                vandq_u8(vshlq_u8(hp, vdupq_n_s8(4 - 2 * (c % 4) as i8)), bits45);
+                            *uc = vorrq_u8(*uc, hb);
+                        }
+                    }
+                    for (wc, uc) in w.iter_mut().zip(u) {
+                        *wc = if grid(F) {
+                            vqtbl1q_s8(grid16, uc)
+                        } else {
+                            vreinterpretq_s8_u8(uc)
+                        };
+                    }
+                }
+                let at = scale_at(F, lay, b);
+                if (F == Q4K || F == Q5K || F == Q6K || F == IQ4XS) && b % SUPER == 0 {
+                    d_super = lanes(|l| f16_at(grp, at.d + 2 * col(l)));
+                    if F == Q4K || F == Q5K {
+                        m_super = lanes(|l| f16_at(grp, at.m + 2 * col(l)));
+                    }
+                }
+                let u8s = |at: usize| lanes(|l| grp[at + col(l)] as f32);
+                let i8s = |at: usize| lanes(|l| grp[at + col(l)] as i8 as f32);
+                let (d, m) = match F {
+                    Q4K | Q5K => (
+                        vmulq_f32(d_super, u8s(at.sc)),
+                        vnegq_f32(vmulq_f32(m_super, u8s(at.mins))),
+                    ),
+                    Q6K => (
+                        vmulq_f32(d_super, i8s(at.sc)),
+                        vmulq_f32(d_super, i8s(at.sc + GROUP)),
+                    ),
+                    IQ4XS => (vmulq_f32(d_super, i8s(at.sc)), vdupq_n_f32(0.0)),
+                    MLX4 | MLX8 => (
+                        lanes(|l| half_at(grp, at.d + 2 * col(l), lay.bf16)),
+                        lanes(|l| half_at(grp, at.m + 2 * col(l), lay.bf16)),
+                    ),
+                    _ if has_min(F) => (
+                        lanes(|l| f16_at(grp, at.d + 2 * col(l))),
+                        lanes(|l| f16_at(grp, at.m + 2 * col(l))),
+                    ),
+                    _ => (lanes(|l| f16_at(grp, at.d + 2 * col(l))), vdupq_n_f32(0.0)),
+                };
+                each_row!(R, |r| {
+                    let x = xs[r].get_unchecked(b);
+                    // The integer sums (Q6_K: its two halves apart), started at −offset·Σx as the contract's.
+                    let (i0, i1) = if F == Q6K {
+                        let (mut i0, mut i1) = (
+                            vdupq_n_s32(-32 * x.sum_lo),
+                            vdupq_n_s32(-32 * (x.sum - x.sum_lo)),
+                        );
+                        for c in 0..4 {
+                            i0 = sdot(i0, w[c], x4(x, c));
+                            i1 = sdot(i1, w[c + 4], x4(x, c + 4));
+                        }
+                        (i0, i1)
+                    } else {
+                        let (mut i0, mut i1) = (vdupq_n_s32(-offset(F) * x.sum), vdupq_n_s32(0));
+                        for c in (0..8).step_by(2) {
+                            i0 = sdot(i0, w[c], x4(x, c));
+                            i1 = sdot(i1, w[c + 1], x4(x, c + 1));
+                        }
+                        (vaddq_s32(i0, i1), vdupq_n_s32(0))
+                    };
+                    let xd = vdupq_n_f32(x.d);
+                    acc[r] = vfmaq_f32(acc[r], vmulq_f32(d, xd), vcvtq_f32_s32(i0));
+                    if F == Q6K {
+                        acc[r] = vfmaq_f32(acc[r], vmulq_f32(m, xd), vcvtq_f32_s32(i1));
+                    } else if has_min(F) {
+                        acc[r] = vfmaq_f32(acc[r], m, vdupq_n_f32(x.s));
+                    }
+                });
+                if runs.ends(b) {
+                    each_row!(R, |r| {
+                        total[r] = vaddq_f32(total[r], acc[r]);
+                        acc[r] = vdupq_n_f32(0.0);
+                    });
+                }
+            }
+            for r in 0..R {
+                vst1q_f32(out[r].as_mut_ptr().add(4 * h), total[r]);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::q8::{quantize_row, ZERO_BLOCK};
@@ -1152,6 +1326,12 @@ mod tests {
                 && is_x86_feature_detected!("avx512vnni")
             {
                 v.push(Int8Isa::Avx512Vnni);
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            if std::arch::is_aarch64_feature_detected!("dotprod") {
+                v.push(Int8Isa::NeonDot);
             }
         }
         v

@@ -2,6 +2,7 @@
 //! the form llama.cpp feeds its integer dot products. The portable and AVX2 quantizers are bitwise equal, so a
 //! row's blocks never depend on the machine's vector width.
 
+#[cfg(target_arch = "x86_64")]
 use super::simd;
 
 /// One quantized block of an activation row.

@@ -44,13 +44,21 @@ pub enum Int8Isa {
     Avx2,
     /// AVX-512 VNNI: one `vpdpbusd` over 16 columns per register.
     Avx512Vnni,
+    /// aarch64 with the dot-product extension: one `sdot` over 4 columns per register.
+    NeonDot,
 }
 
-/// The best 8-bit kernel this CPU runs; `VERITY_ISA=scalar` forces the portable one, `VERITY_ISA=avx2` the
-/// AVX2 one (for A/B runs and tests).
+/// The best 8-bit kernel this CPU runs (aarch64: NEON's `sdot` where the dot-product extension is there);
+/// `VERITY_ISA=scalar` forces the portable one, `VERITY_ISA=avx2` the AVX2 one (for A/B runs and tests).
 pub fn int8_isa() -> Int8Isa {
     static ISA: OnceLock<Int8Isa> = OnceLock::new();
     *ISA.get_or_init(|| {
+        #[cfg(target_arch = "aarch64")]
+        {
+            if isa() == Isa::Neon && std::arch::is_aarch64_feature_detected!("dotprod") {
+                return Int8Isa::NeonDot;
+            }
+        }
         if isa() != Isa::Avx2 {
             return Int8Isa::Portable;
         }
