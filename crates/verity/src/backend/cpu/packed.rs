@@ -1098,6 +1098,8 @@ mod neon {
         vld1q_f32(v.as_ptr())
     }
 
+    /// The group's columns for the rows `xs`, as [`super::portable`] computes them. The CPU must have the
+    /// dot-product extension (`simd::int8_isa` checks).
     #[target_feature(enable = "neon,dotprod")]
     pub unsafe fn dot<const F: u8, const R: usize>(
         grp: &[u8],
