@@ -877,10 +877,15 @@ fn hf_rope_scaling(
                             .into(),
                     )
                 })?;
-            let factor = match opt("factor")? {
-                Some(f) => f,
-                None => max_positions.map_or(1.0, |p| p as f64) / original,
-            };
+            let factor =
+                match (opt("factor")?, max_positions) {
+                    (Some(f), _) => f,
+                    (None, Some(p)) => p as f64 / original,
+                    (None, None) => return Err(Error::Invalid(
+                        "config.json yarn rope scaling without a factor or max_position_embeddings"
+                            .into(),
+                    )),
+                };
             if factor <= 0.0 {
                 return Err(Error::Invalid(format!(
                     "config.json yarn rope scaling with factor {factor}"
@@ -1304,6 +1309,9 @@ mod tests {
             RopeScaling::yarn(2.0, 8192.0)
         );
         assert!(hf_rope_scaling(Some("yarn"), Some(&p), None).is_err());
+        let no_factor =
+            serde_json::json!({"rope_type": "yarn", "original_max_position_embeddings": 4096});
+        assert!(hf_rope_scaling(Some("yarn"), Some(&no_factor), None).is_err());
         for bad in [
             serde_json::json!({"rope_type": "yarn", "factor": "4", "original_max_position_embeddings": 8}),
             serde_json::json!({"rope_type": "yarn", "factor": -1.0, "original_max_position_embeddings": 8}),
