@@ -25,6 +25,9 @@ pub fn main(a: Args) -> Result<()> {
         "rope          theta {}, {:?}; rms eps {}; tied embeddings {}; qkv bias {}; qk norm {}",
         hp.rope_theta, hp.rope_style, hp.rms_eps, hp.tied_embeddings, hp.qkv_bias, hp.qk_norm
     );
+    if hp.rope_scaling != Default::default() {
+        println!("rope scaling  {:?}", hp.rope_scaling);
+    }
     let block = &hp.block;
     if block != &Default::default() {
         let mut parts = vec![format!("{:?} MLP", block.glu)];

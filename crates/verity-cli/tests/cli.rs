@@ -115,6 +115,23 @@ fn fetch_is_idempotent_and_inspect_describes_the_default_model() {
     ] {
         assert!(s.contains(needle), "inspect output lacks {needle:?}:\n{s}");
     }
+    assert!(!s.contains("rope scaling"), "{s}");
+}
+
+/// `inspect` names a bundle's RoPE scaling (here Llama 3's rule from a safetensors config).
+#[test]
+fn inspect_names_the_rope_scaling() {
+    let dir =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../verity/tests/fixtures/hf/llama-rope-llama3");
+    let out = verity(&["inspect", dir.to_str().unwrap()]);
+    let s = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        s.contains(
+            "rope scaling  Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0"
+        ),
+        "{s}"
+    );
 }
 
 /// A base model (Gemma 3 270M, no chat template): `inspect` describes its local and global layers, and `run`
