@@ -182,7 +182,7 @@ def tokenizer_json(tok: dict) -> dict:
     def split(pattern):
         return {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False}
 
-    if pre in ("default", "gpt2"):
+    if pre in ("default", "gpt-2", "gpt2"):
         pre_tok = byte_level(True)
     elif pre == "smollm":
         pre_tok = {"type": "Sequence",

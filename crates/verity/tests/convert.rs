@@ -10,6 +10,7 @@ use verity::bundle::gguf::GgufFile;
 use verity::bundle::Bundle;
 use verity::chat::Tokenizer;
 use verity::model::{Batch, LogitRows};
+use verity::quant::GgmlType;
 use verity::quantize::hf::write_gguf;
 use verity::quantize::{quantize, Preset};
 
@@ -26,7 +27,8 @@ fn logits(path: &Path, tokens: &[u32]) -> Vec<f32> {
 }
 
 /// Dense Llama (F32, BF16, F16 with tied embeddings, Llama 3 and linear RoPE scaling), Qwen2 (Q/K/V biases) and
-/// Qwen3 (Q/K norms) bundles: the
+/// Qwen3 (Q/K norms) bundles (llama.cpp loads the same files and gives transformers' logits:
+/// `scripts/check_gguf_with_llama_cpp.py`): the
 /// GGUF's tokenizer gives the same ids, BOS/EOS and template; its logits over the reference prompt are the
 /// bundle's — bitwise for Qwen, whose GGUF keeps the half-split rotary layout, and within 1e-5 of the largest
 /// for Llama, whose Q and K rows are reordered into interleaved pairs (the same products, each head's dot
@@ -45,6 +47,11 @@ fn a_safetensors_bundle_written_as_gguf_runs_as_the_bundle_does() {
         let dir = hf_bundle(name);
         let out = scratch(&format!("{name}.gguf"));
         write_gguf(&dir, &out).unwrap_or_else(|e| panic!("{name}: {e}"));
+        // Norms and biases in F32, as llama.cpp's converter writes them (its CPU kernels refuse F16/BF16 ones).
+        let g = GgufFile::open(&out).unwrap();
+        for t in g.tensors.iter().filter(|t| t.dims.len() == 1) {
+            assert_eq!(t.ty, GgmlType::F32, "{name}: {}", t.name);
+        }
         let (hf, gguf) = (
             Tokenizer::from_bundle(&Bundle::open(&dir).unwrap()).unwrap(),
             Tokenizer::from_bundle(&Bundle::open(&out).unwrap()).unwrap(),

@@ -1,7 +1,7 @@
 //! A `tokenizer.json` equivalent built from GGUF tokenizer metadata (`tokenizer.ggml.*`), so that GGUF bundles
 //! run through the same `tokenizers` implementation as Hugging Face bundles.
 //!
-//! Supported: `gpt2`-model (byte-level BPE) vocabularies with the pre-tokenizers llama.cpp names `default`/`gpt2`,
+//! Supported: `gpt2`-model (byte-level BPE) vocabularies with the pre-tokenizers llama.cpp names `default`/`gpt-2`,
 //! `smollm`, `llama-bpe`/`llama3`, `qwen2`, whose regexes are those of the models' own tokenizer.json; and
 //! `llama`-model (SentencePiece BPE) vocabularies — pieces with scores, spaces as `▁`, `<0xNN>` byte fallback
 //! (Llama 2, Gemma) — as Hugging Face's converter represents them: a BPE whose merges are every split of a piece
@@ -161,7 +161,7 @@ fn sentencepiece_bpe(g: &GgufFile) -> Result<Value> {
 /// the models' own tokenizer.json writes them.
 fn pre_tokenizers() -> [(&'static str, Value); 4] {
     [
-        ("gpt2", byte_level(true)),
+        ("gpt-2", byte_level(true)),
         (
             "smollm",
             json!({"type": "Sequence", "pretokenizers": [
@@ -208,7 +208,7 @@ impl GgufVocab {
             .find(|(_, v)| *v == tok["pre_tokenizer"])
             .map(|(name, _)| name)
             .ok_or_else(|| {
-                bad("its pre-tokenizer is none of those verity knows (gpt2, smollm, llama-bpe, qwen2)")
+                bad("its pre-tokenizer is none of those verity knows (gpt-2, smollm, llama-bpe, qwen2)")
             })?;
         let vocab = model["vocab"]
             .as_object()
@@ -288,14 +288,15 @@ fn byte_level_bpe(g: &GgufFile) -> Result<Value> {
         .get("tokenizer.ggml.pre")
         .and_then(|v| v.as_str())
         .unwrap_or("default");
+    // `gpt2`: what verity's converter wrote before it took llama.cpp's name.
     let name = match pre {
-        "default" => "gpt2",
+        "default" | "gpt2" => "gpt-2",
         "llama3" => "llama-bpe",
         other => other,
     };
     let Some((_, pre_tokenizer)) = pre_tokenizers().into_iter().find(|(n, _)| *n == name) else {
         return Err(Error::Unsupported(format!(
-            "{}: GGUF pre-tokenizer {pre:?} (verity knows default, gpt2, smollm, llama-bpe, qwen2)",
+            "{}: GGUF pre-tokenizer {pre:?} (verity knows default, gpt-2, smollm, llama-bpe, qwen2)",
             g.path.display()
         )));
     };
@@ -386,7 +387,7 @@ mod tests {
         assert_eq!(
             back.pre,
             match pre {
-                None | Some("default") => "gpt2",
+                None | Some("default") => "gpt-2",
                 Some("llama3") => "llama-bpe",
                 Some(p) => p,
             }

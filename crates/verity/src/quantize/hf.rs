@@ -256,16 +256,31 @@ pub fn write_gguf(dir: &Path, out: &Path) -> Result<()> {
                 ))
             }
         };
+        // Norms and biases in F32, as llama.cpp's converter writes every 1-D tensor (its kernels multiply and
+        // add only f32 vectors).
+        let (ty, payload) = if t.shape.len() == 1 {
+            let floats = bundle.values(*key, &t.shape)?;
+            let bytes = floats.iter().flat_map(|v| v.to_le_bytes()).collect();
+            (GgmlType::F32, Payload::Floats(bytes))
+        } else {
+            (ty, Payload::Stored(t.clone()))
+        };
         w.add_tensor(TensorEntry {
             name: key.gguf_in(hp.arch),
             dims: t.shape.iter().rev().copied().collect(),
             ty,
         })?;
-        sources.push((*key, t.clone()));
+        sources.push((*key, payload));
     }
     super::write_then_rename(out, |partial| {
         write_tensors(&w, tensors, hp, freqs.as_deref(), &sources, partial)
     })
+}
+
+/// A tensor's data as the file takes it: the stored bytes, or values converted to f32 bytes.
+enum Payload {
+    Stored(StTensor),
+    Floats(Vec<u8>),
 }
 
 /// The file: `w`'s header, then the tensors in its order (`rope_freqs` first where there is one).
@@ -274,7 +289,7 @@ fn write_tensors(
     tensors: &SafetensorsSet,
     hp: &HParams,
     rope_freqs: Option<&[u8]>,
-    sources: &[(TensorKey, StTensor)],
+    sources: &[(TensorKey, Payload)],
     out: &Path,
 ) -> Result<()> {
     let io = |e| Error::io(out, e);
@@ -283,7 +298,14 @@ fn write_tensors(
     if let Some(f) = rope_freqs {
         w.write_data(&mut file, f).map_err(io)?;
     }
-    for (key, t) in sources {
+    for (key, payload) in sources {
+        let t = match payload {
+            Payload::Stored(t) => t,
+            Payload::Floats(bytes) => {
+                w.write_data(&mut file, bytes).map_err(io)?;
+                continue;
+            }
+        };
         let bytes = tensors.bytes(t);
         let bytes = bytes.as_slice();
         let heads = rotated_heads(hp, *key);
