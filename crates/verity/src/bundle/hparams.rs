@@ -877,15 +877,16 @@ fn hf_rope_scaling(
                             .into(),
                     )
                 })?;
-            let factor =
-                match (opt("factor")?, max_positions) {
-                    (Some(f), _) => f,
-                    (None, Some(p)) => p as f64 / original,
-                    (None, None) => return Err(Error::Invalid(
-                        "config.json yarn rope scaling without a factor or max_position_embeddings"
-                            .into(),
-                    )),
-                };
+            let no_factor = || {
+                Error::Invalid(
+                    "config.json yarn rope scaling without a factor or max_position_embeddings"
+                        .into(),
+                )
+            };
+            let factor = match opt("factor")? {
+                Some(f) => f,
+                None => max_positions.ok_or_else(no_factor)? as f64 / original,
+            };
             if factor <= 0.0 {
                 return Err(Error::Invalid(format!(
                     "config.json yarn rope scaling with factor {factor}"
@@ -902,8 +903,14 @@ fn hf_rope_scaling(
                 }
                 _ => yarn_mscale(factor, 1.0),
             };
+            // A beta counts turns over the original context: a negative one has no meaning (its logarithm none).
             let beta = |k: &str, default: f64| -> Result<f64> {
-                Ok(opt(k)?.filter(|b| *b != 0.0).unwrap_or(default))
+                match opt(k)?.filter(|b| *b != 0.0).unwrap_or(default) {
+                    b if b > 0.0 => Ok(b),
+                    b => Err(Error::Invalid(format!(
+                        "config.json yarn rope scaling with {k} {b}"
+                    ))),
+                }
             };
             let truncate = match params.and_then(|p| p.get("truncate")) {
                 None | Some(serde_json::Value::Null) => true,
@@ -1315,6 +1322,7 @@ mod tests {
         for bad in [
             serde_json::json!({"rope_type": "yarn", "factor": "4", "original_max_position_embeddings": 8}),
             serde_json::json!({"rope_type": "yarn", "factor": -1.0, "original_max_position_embeddings": 8}),
+            serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_slow": -1.0}),
             serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "truncate": 1}),
         ] {
             assert!(

@@ -14,9 +14,9 @@
 //!   (`quantize_x`, with the fused RMS norm) into a buffer every CTA reads, so no CTA repeats that work and any
 //!   row length runs. Prefill forwards (256 rows: `CudaOptions::prefill_rows`) take the tall schedule
 //!   (`qmatmuls_tall`: a CTA per tile and row group of up to 64 rows, its warps each streaming a run of the
-//!   tile's blocks over all its rows) or, where the grid has CTAs
-//!   enough, the GEMM schedule (`qmatmuls_gemm`: a CTA of 8 tiles staging x once for all of them through a
-//!   pipeline of shared-memory stages) — every schedule the same arithmetic per (column, row).
+//!   tile's blocks over all its rows) or, where the grid has CTAs enough, the GEMM schedule (`qmatmuls_gemm`:
+//!   a CTA of 8 tiles staging x once for all of them through a pipeline of shared-memory stages) — every
+//!   schedule the same arithmetic per (column, row).
 //! - every other format (F32, F16, BF16, Q2_K, the IQ4 grids, MLX affine; and launches mixing tiled and untiled
 //!   matrices) (`matmuls`): f32 activations staged in shared memory, a warp per output column whose lanes
 //!   decode each weight block once and apply it to every staged row, each row's sums in a fixed order.
