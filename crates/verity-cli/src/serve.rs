@@ -25,7 +25,8 @@ pub struct Args {
     /// Requests that decode together in batched steps (1: one at a time, each on its speculative route).
     #[arg(long, default_value_t = 8)]
     batch: usize,
-    /// Requests in batched steps draft by copying from their own context (on a speculative route). Off by
+    /// Requests in batched steps draft too, each with a proposer of its own on the route's drafter (an MTP head
+    /// or block drafter, shared; copying from its own context where the route has a draft model). Off by
     /// default: on a small CPU a batch's rows cost about the same each, and the drafts cost more than they gave.
     #[arg(long)]
     batch_drafts: bool,

@@ -1,5 +1,5 @@
-//! Several sequences in one forward (what continuous batching runs): every sequence's logits, argmaxes and
-//! cache are bitwise what its own forward gives — a prefill, a verify, a draft tree, a chunk whose last row
+//! Several sequences in one forward (what continuous batching runs): every sequence's logits, argmaxes, target
+//! states (its proposer's features) and cache are bitwise what its own forward gives — a prefill, a verify, a draft tree, a chunk whose last row
 //! alone has logits and a step without any side by side, on the 8-bit and f32 paths, a mixture of experts,
 //! local attention layers and a hybrid with recurrent layers.
 
@@ -13,14 +13,16 @@ use verity::backend::AttnMask;
 use verity::cache::KvCache;
 use verity::chat::Message;
 use verity::engine::{Decoding, Engine, GenerateRequest, StopReason};
-use verity::model::{Batch, ForwardOutput, LogitRows, Model, SeqForward};
+use verity::model::{Batch, ForwardOutput, LogitRows, Model, SeqForward, TargetFeatures};
 use verity::speculative::SpecMode;
 
-/// One sequence's case: the prefix already in its cache, then the rows of the step under test.
+/// One sequence's case: the prefix already in its cache, then the rows of the step under test and the target
+/// states its proposer would ask for.
 struct Case {
     prefix: Vec<u32>,
     batch: Batch,
     logits: LogitRows,
+    features: TargetFeatures,
 }
 
 /// A draft tree after `base` committed tokens: row 0 the pending token, rows 1 and 2 its children, 3 a child of
@@ -58,30 +60,41 @@ fn cases(tokens: &[u32]) -> Vec<Case> {
             prefix: Vec::new(),
             batch: Batch::causal(&tokens[..20], 0),
             logits: LogitRows::All,
+            features: TargetFeatures::none(),
         },
         // A greedy verify of 4 rows after 12 tokens.
         Case {
             prefix: tokens[3..15].to_vec(),
             batch: Batch::causal(&tokens[15..19], 12),
             logits: LogitRows::Greedy,
+            // An MTP head's.
+            features: TargetFeatures::final_state(),
         },
         // A draft tree after 30 tokens.
         Case {
             prefix: (0..30).map(|i| t(i + 5)).collect(),
             batch: tree([t(1), t(2), t(3), t(4), t(6)], 30),
             logits: LogitRows::All,
+            // A block drafter's and an MTP head's (a chooser over both).
+            features: TargetFeatures {
+                layers: vec![1, 0],
+                final_state: true,
+            },
         },
         // A prefill chunk of 3 rows after 7 tokens, the last row's logits only.
         Case {
             prefix: tokens[..7].to_vec(),
             batch: Batch::causal(&tokens[7..10], 7),
             logits: LogitRows::Last,
+            // A block drafter's.
+            features: TargetFeatures::layers(vec![0]),
         },
         // A one-row step, no logits (a prefix's last chunk).
         Case {
             prefix: tokens[20..24].to_vec(),
             batch: Batch::causal(&tokens[24..25], 4),
             logits: LogitRows::None,
+            features: TargetFeatures::final_state(),
         },
     ]
 }
@@ -102,7 +115,9 @@ fn bits(v: &[f32]) -> Vec<u32> {
 }
 
 fn same(a: &ForwardOutput, b: &ForwardOutput) -> bool {
-    bits(&a.logits) == bits(&b.logits) && a.greedy == b.greedy
+    bits(&a.logits) == bits(&b.logits)
+        && a.greedy == b.greedy
+        && bits(&a.features) == bits(&b.features)
 }
 
 fn cache_bits(model: &Model<CpuBackend>, cache: &KvCache<CpuBackend>) -> Vec<Vec<u32>> {
@@ -120,7 +135,9 @@ fn assert_batched_equals_alone(model: &mut Model<CpuBackend>, tokens: &[u32], la
     let mut alone = Vec::new();
     for c in &cases {
         let mut cache = primed(model, &c.prefix);
-        let out = model.forward(&mut cache, &c.batch, c.logits, &[]).unwrap();
+        let out = model
+            .forward_features(&mut cache, &c.batch, c.logits, &c.features)
+            .unwrap();
         alone.push((out, cache_bits(model, &cache)));
     }
     for order in [vec![0, 1, 2, 3, 4], vec![3, 2, 4, 0]] {
@@ -135,6 +152,7 @@ fn assert_batched_equals_alone(model: &mut Model<CpuBackend>, tokens: &[u32], la
                 cache,
                 batch: &cases[i].batch,
                 logits: cases[i].logits,
+                features: cases[i].features.clone(),
             })
             .collect();
         let outs = model.forward_batched(&mut seqs).unwrap();
@@ -173,7 +191,7 @@ fn a_batched_forward_gives_every_sequence_its_own_forwards_bits() {
 /// Requests decoded together in batched steps — greedy and sampled, one reporting log-probabilities, one
 /// joining after five steps, one cancelled after three tokens, one copying its prompt — each get bitwise the
 /// tokens, log-probabilities and final cache that `generate` gives them alone on the engine's own
-/// (speculative) route, whether the batched steps run AR or draft by copying.
+/// (speculative) route, whether the batched steps run AR, draft by copying or with an MTP head per request.
 #[test]
 fn requests_decoded_together_get_their_solo_answers() {
     let path = smollm2();
@@ -237,17 +255,31 @@ fn requests_decoded_together_get_their_solo_answers() {
         alone.push((got, stats.stop, cache));
     }
 
-    // Batched steps on AR, and on the copy route with batched drafts: each request drafting from its own context.
-    for mode in [SpecMode::Off, SpecMode::Auto] {
-        let mut together = Engine::load(&path, backend(), &mode).unwrap();
+    // Batched steps on AR, on the copy route with batched drafts (each request drafting from its own context),
+    // and on the MTP route and `auto` over the same weights with the head, each request drafting with a head
+    // cache of its own (the head's weights shared) conditioned on its own rows' states from the batched forward.
+    let mtp = smollm2_mtp();
+    for (bundle, mode) in [
+        (&path, SpecMode::Off),
+        (&path, SpecMode::Auto),
+        (&mtp, SpecMode::Mtp),
+        (&mtp, SpecMode::Auto),
+    ] {
+        let mut together = Engine::load(bundle, backend(), &mode).unwrap();
         together.set_batch_drafts(true);
         let mut got: Vec<Vec<(u32, Option<String>)>> = vec![Vec::new(); requests.len()];
         let mut batch: Vec<Decoding<CpuBackend>> = Vec::new();
         let mut order = Vec::new();
+        // With the head, every cycle drafts 3 tokens (a width the controller would pick from timings).
+        let head = bundle == &mtp;
         let start = |e: &mut Engine<CpuBackend>, i: usize| {
             let sess = e.new_session();
-            e.start_decoding(sess, &prompts[i], requests[i].clone())
-                .unwrap()
+            let draft_width = head.then_some(3);
+            let r = GenerateRequest {
+                draft_width,
+                ..requests[i].clone()
+            };
+            e.start_decoding(sess, &prompts[i], r).unwrap()
         };
         for i in [0, 1, 2, 4, 5] {
             batch.push(start(&mut together, i));
@@ -268,12 +300,22 @@ fn requests_decoded_together_get_their_solo_answers() {
                 .unwrap();
             steps += 1;
         }
-        let (mut drafted, mut accepted) = (0, 0);
+        let (mut drafted, mut accepted, mut emitted) = (0, 0, 0);
         for (j, d) in batch.into_iter().enumerate() {
             let i = order[j];
             let (sess, stats) = d.into_parts();
             drafted += stats.drafted;
             accepted += stats.accepted;
+            emitted += stats.completion_tokens;
+            // The requests that draft do so with the route's own proposer (the head, where the route has one).
+            let route = match (&mode, head) {
+                (SpecMode::Off, _) => "ar",
+                (_, true) => "mtp",
+                (_, false) => "copy",
+            };
+            if requests[i].constraint.is_none() {
+                assert_eq!(stats.route, route, "request {i}");
+            }
             assert_eq!(
                 got[i], alone[i].0,
                 "request {i}: tokens differ from its solo run"
@@ -289,10 +331,17 @@ fn requests_decoded_together_get_their_solo_answers() {
                 "request {i}: cache differs from its solo run's"
             );
         }
-        if mode == SpecMode::Auto {
+        if mode != SpecMode::Off {
             assert!(
                 drafted > 0 && accepted > 0,
-                "drafted {drafted}, accepted {accepted}"
+                "{mode:?}: drafted {drafted}, accepted {accepted}"
+            );
+        }
+        if head {
+            // Each head drafts from its own request's states, cycle after cycle.
+            assert!(
+                3 * accepted >= emitted,
+                "{mode:?}: {accepted} of {emitted} tokens were accepted drafts"
             );
         }
     }
@@ -301,8 +350,8 @@ fn requests_decoded_together_get_their_solo_answers() {
 
 /// A request that moves between decoding alone and batched steps (stopped alone at its seventh token, resumed in
 /// batched steps beside another request, then continued alone again; what the server does as requests come and
-/// go) emits bitwise its uninterrupted answer, greedy and sampled, on the MTP route, whose head drafts again
-/// alone although it never saw the batched positions' hidden states.
+/// go) emits bitwise its uninterrupted answer, greedy and sampled, on the MTP route, whose head drafts alone
+/// and, with batched drafts on, in the batched steps too (a head cache of the request's own).
 #[test]
 fn a_request_moving_between_alone_and_batched_steps_keeps_its_tokens() {
     let mut e = Engine::load(&smollm2_mtp(), backend(), &SpecMode::Mtp).unwrap();
@@ -315,13 +364,19 @@ fn a_request_moving_between_alone_and_batched_steps_keeps_its_tokens() {
     let other = e
         .chat_prompt(&[Message::new("user", "Count from one to ten.")])
         .unwrap();
-    for req in [
+    let requests = [
         no_eos(40),
         GenerateRequest {
             ignore_eos: true,
             ..sampled(40, 0.8, 9)
         },
-    ] {
+    ];
+    for (batch_drafts, req) in [false, true]
+        .into_iter()
+        .flat_map(|b| requests.iter().map(move |r| (b, r)))
+    {
+        e.set_batch_drafts(batch_drafts);
+        let req = req.clone();
         let mut sess = e.new_session();
         let mut want = Vec::new();
         e.generate(&mut sess, &prompt, &req, |_, t| {
@@ -365,7 +420,11 @@ fn a_request_moving_between_alone_and_batched_steps_keeps_its_tokens() {
                 true
             })
             .unwrap();
-        assert_eq!(got, want, "T {}", req.sampling.temperature);
+        assert_eq!(
+            got, want,
+            "T {}, batched drafts {batch_drafts}",
+            req.sampling.temperature
+        );
         assert_eq!(stats.completion_tokens, want.len());
         assert_eq!(stats.stop, StopReason::MaxTokens);
         assert!(stats.drafted > 0, "the head drafted");

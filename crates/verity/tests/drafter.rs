@@ -1,7 +1,7 @@
 //! Block drafters: the route a bundle with `drafter/` resolves to (complete drafters, malformed ones), the
 //! drafter's context alignment with the target's committed positions under any accept pattern, and drafter
 //! output equal to AR — greedy byte for byte, sampled token for token with the same seed — on the tiny model and
-//! on SmolLM2.
+//! on SmolLM2, alone and in batched steps.
 
 mod common;
 
@@ -12,7 +12,7 @@ use common::*;
 use verity::backend::cpu::CpuBackend;
 use verity::bundle::{Bundle, DrafterStatus};
 use verity::chat::Message;
-use verity::engine::{Engine, GenerateRequest};
+use verity::engine::{Decoding, Engine, GenerateRequest};
 use verity::model::{Batch, BlockDrafter, LogitRows, Model, TargetFeatures};
 use verity::sample::SamplerConfig;
 use verity::speculative::drafter::DrafterProposer;
@@ -449,12 +449,15 @@ fn auto_with_a_drafter_and_an_mtp_head_equals_ar_on_smollm2() {
     );
 }
 
-/// `auto` on bundle `d` takes `route` and answers each of `texts` as AR does, greedy and sampled, drafting.
+/// `auto` on bundle `d` takes `route` and answers each of `texts` as AR does, greedy and sampled, drafting —
+/// alone, and all together in batched steps, each request drafting with proposers of its own over the shared
+/// drafter (and head).
 fn auto_equals_ar_on_smollm2(d: &Path, route: &str, texts: &[&str]) {
     let b = backend();
     let mut ar = Engine::load(d, b.clone(), &SpecMode::Off).unwrap();
     let mut spec = Engine::load(d, b, &SpecMode::Auto).unwrap();
     assert_eq!(spec.plan.route.name(), route, "{}", spec.plan.reason);
+    let mut cases = Vec::new();
     for (i, text) in texts.iter().enumerate() {
         let prompt = ar.chat_prompt(&[Message::new("user", text)]).unwrap();
         for sampling in [
@@ -476,7 +479,30 @@ fn auto_equals_ar_on_smollm2(d: &Path, route: &str, texts: &[&str]) {
             assert_eq!(stats.route, route);
             assert_eq!(want, got, "{text}: {sampling:?}");
             assert!(stats.drafted > 0, "{text}: nothing drafted");
+            cases.push((prompt.clone(), req, want));
         }
+    }
+    spec.set_batch_drafts(true);
+    let mut batch: Vec<Decoding<CpuBackend>> = cases
+        .iter()
+        .map(|(prompt, req, _)| {
+            let sess = spec.new_session();
+            spec.start_decoding(sess, prompt, req.clone()).unwrap()
+        })
+        .collect();
+    let mut got = vec![Vec::new(); cases.len()];
+    while batch.iter().any(|d| !d.is_finished()) {
+        spec.decode_step(&mut batch, |i, _, t| {
+            got[i].push(t.id);
+            true
+        })
+        .unwrap();
+    }
+    for (i, (d, (_, req, want))) in batch.into_iter().zip(&cases).enumerate() {
+        let (_, stats) = d.into_parts();
+        assert_eq!(&got[i], want, "batched request {i}: {:?}", req.sampling);
+        assert_eq!(stats.route, route);
+        assert!(stats.drafted > 0, "batched request {i}: nothing drafted");
     }
 }
 

@@ -14,7 +14,7 @@ use crate::device::{with_backend, Device, WithBackend};
 use verity::backend::Backend;
 use verity::bundle::Bundle;
 use verity::cache::KvCache;
-use verity::model::{Batch, LogitRows, Model, SeqForward};
+use verity::model::{Batch, LogitRows, Model, SeqForward, TargetFeatures};
 
 use super::summary::median;
 
@@ -115,6 +115,7 @@ fn decode<B: Backend>(
                     cache,
                     batch,
                     logits: LogitRows::Greedy,
+                    features: TargetFeatures::none(),
                 })
                 .collect();
             model.forward_batched(&mut seqs)?

@@ -6,17 +6,18 @@
 //! Each request's step is the cycle of `decode.rs` — its pending token and its drafts through the target, the
 //! verifier's verdict on those rows, the kept path committed — run as its rows of a [`Model::forward_batched`]
 //! beside the others' rows. With batched drafts on ([`Engine::set_batch_drafts`]), on a speculative route every
-//! request drafts by copying from its own context (a [`SuffixCopy`] of its own: it needs no model, so no
-//! per-request device state; model drafters — MTP heads, block drafters, draft models — keep one state per
-//! engine and draft only for a request decoding alone), each request's widths chosen against what a drafted
-//! row costs the whole batch. The
-//! forward gives each row bitwise its own forward's logits and the draws are keyed by the request's seed and
-//! position, so every request gets bitwise the tokens it would get alone, on any route (every route's output is
-//! AR's), whichever requests share its steps, whatever they drafted and whenever it joined.
+//! request drafts with a proposer of its own ([`Proposer::for_request`]): the route's MTP head or block drafter
+//! (their weights and work buffers shared, a cache each, the target states each conditions on returned by the
+//! batched forward for its own rows), or copying from its own context where the route's proposer cannot be
+//! shared (a draft model). Each request's widths are chosen against what a drafted row costs the whole batch
+//! and what drafting costs it. The forward gives each row bitwise its own forward's logits and the draws are
+//! keyed by the request's seed and position, so every request gets bitwise the tokens it would get alone, on
+//! any route (every route's output is AR's), whichever requests share its steps, whatever they drafted and
+//! whenever it joined.
 
 use std::time::{Duration, Instant};
 
-use super::decode::{logits_wanted, Cycle};
+use super::decode::{kept_features, logits_wanted, Cycle};
 use super::prefill::PrefillPlan;
 use super::{Emitted, Engine, GenerateRequest, GenerationStats, Session, StopReason};
 use crate::backend::Backend;
@@ -41,9 +42,14 @@ pub struct Decoding<B: Backend> {
     earlier: Option<GenerationStats>,
     /// The prompt's prefill while it goes on (`None` once the prompt is in the cache).
     prefill: Option<PrefillPlan>,
-    /// Its drafts, on a speculative route without a constraint, and their widths.
-    proposer: Option<SuffixCopy>,
-    controller: Controller,
+    /// Its drafts, on a speculative route without a constraint, and their widths (a controller per proposer
+    /// source, as alone), the source of this step's draft and what drafting it took.
+    proposer: Option<Box<dyn Proposer>>,
+    controllers: Vec<Controller>,
+    source: usize,
+    draft_s: f64,
+    /// The target states its proposer conditions on (none without a proposer).
+    features: TargetFeatures,
 }
 
 /// Batched steps' row counts measured apart (the engine's [`crate::speculative::RowCost`]).
@@ -65,25 +71,51 @@ impl<B: Backend> Decoding<B> {
         &self.request
     }
 
-    /// This step's drafts, each drafted row costing `row_cost` tokens' worth of the batch's time: none while
-    /// its prompt is prefilled or without a proposer, none past its token limit or the context (wasted there).
-    fn draft(&mut self, row_cost: f64) -> Result<Draft> {
+    /// This step's drafts, each drafted row costing the step `row_s` seconds at the batch's `rate` tokens per
+    /// second: none while its prompt is prefilled or without a proposer, none past its token limit or the
+    /// context (wasted there).
+    fn draft(&mut self, row_s: f64, rate: f64) -> Result<Draft> {
+        self.draft_s = 0.0;
         let (Some(p), None) = (&mut self.proposer, &self.prefill) else {
             return Ok(Draft::default());
         };
+        let t = Instant::now();
+        self.source = p.source(&self.context);
+        if self.controllers.len() <= self.source {
+            self.controllers
+                .resize_with(self.source + 1, Controller::default);
+        }
         let room = self.session.cache.max_capacity() - (self.session.cache.len() + 1);
         let limit = (self.request.max_tokens - self.stats.completion_tokens - 1).min(room);
         let offered = p.width(limit);
         let k = match self.request.draft_width {
             Some(w) => w.min(offered),
-            None => self.controller.choose_in_batch(offered, row_cost),
+            None => self.controllers[self.source].choose_in_batch(offered, row_s, rate),
         };
-        if k == 0 {
-            return Ok(Draft::default());
+        let mut draft = Draft::default();
+        if k > 0 {
+            draft = p.propose(&self.context, k)?;
+            draft.truncate(k);
         }
-        let mut draft = p.propose(&self.context, k)?;
-        draft.truncate(k);
+        self.draft_s = t.elapsed().as_secs_f64();
         Ok(draft)
+    }
+
+    /// After the prompt is in the cache: the target states of every position before its pending token, where
+    /// the session holds them all (restored, kept from earlier turns, or from the prefill's chunks), go to the
+    /// proposer, as alone.
+    fn prompt_states_to_proposer(&mut self) {
+        if let Some(p) = self.proposer.as_mut() {
+            let body = self.context.len() - 1;
+            let hidden = &self.session.hidden;
+            if !self.features.is_none()
+                && hidden.kind == self.features
+                && hidden.end() == body
+                && !hidden.rows.is_empty()
+            {
+                p.observe_hidden(hidden.start, &hidden.rows);
+            }
+        }
     }
 }
 
@@ -109,23 +141,25 @@ impl<B: Backend> Engine<B> {
         }
         let start = Instant::now();
         let verifier = Verifier::new(request.sampling)?;
-        let plan = self.prefill_plan(
-            &mut session,
-            prompt,
-            request.store_prefix,
-            &TargetFeatures::none(),
-        )?;
-        let proposer = (self.batch_drafts
+        let mut proposer = (self.batch_drafts
             && self.plan.route != Route::Ar
             && request.speculate
             && request.constraint.is_none())
-        .then(SuffixCopy::new);
+        .then(|| {
+            let own = self.proposer.as_ref().and_then(|p| p.for_request());
+            own.unwrap_or_else(|| Box::new(SuffixCopy::new()))
+        });
+        if let Some(p) = proposer.as_mut() {
+            p.reset(&request.sampling);
+        }
+        let features = proposer.as_ref().map(|p| p.features()).unwrap_or_default();
+        let plan = self.prefill_plan(&mut session, prompt, request.store_prefix, &features)?;
         let mut stats = GenerationStats::new(proposer.as_ref().map_or("ar", |p| p.name()));
         stats.prompt_tokens = prompt.len();
         stats.restored_tokens = plan.done.restored;
         let prefill = plan.next_end(prompt.len() - 1).map(|_| plan);
         let done = request.max_tokens == 0;
-        Ok(Decoding {
+        let mut d = Decoding {
             session,
             request,
             verifier,
@@ -137,8 +171,15 @@ impl<B: Backend> Engine<B> {
             earlier: None,
             prefill,
             proposer,
-            controller: Controller::default(),
-        })
+            controllers: Vec::new(),
+            source: 0,
+            draft_s: 0.0,
+            features,
+        };
+        if d.prefill.is_none() {
+            d.prompt_states_to_proposer();
+        }
+        Ok(d)
     }
 
     /// Continue in batched steps a request that decoded alone until its caller stopped it to make room for
@@ -210,7 +251,6 @@ impl<B: Backend> Engine<B> {
         if live.is_empty() {
             return Ok(());
         }
-        let t0 = Instant::now();
         // A prefilling request's rows: its prompt's next chunk, no logits (the last prompt token is the pending
         // row of its first decode step).
         let chunk_end = |d: &Decoding<B>| {
@@ -219,22 +259,25 @@ impl<B: Backend> Engine<B> {
                 (p.pos, end.expect("a prefill under way has rows left"))
             })
         };
-        // Each decoding request's drafts. A drafted row is worth its expected acceptance against what it costs
-        // the whole batch: the step's seconds per extra row, in tokens at the batch's rate without drafts.
+        // Each decoding request's drafts. A drafted row is worth its expected acceptance against what it costs:
+        // the step's seconds per extra row and the request's own drafting, in tokens at the batch's rate
+        // without drafts.
         let decoding = live.iter().filter(|&&i| batch[i].prefill.is_none()).count();
         let base_rows: usize = live
             .iter()
             .map(|&i| chunk_end(&batch[i]).map_or(1, |(pos, end)| end - pos))
             .sum();
-        let row_cost = if live.iter().any(|&i| batch[i].proposer.is_some()) {
-            self.step_cost.per_row_near(base_rows) * decoding as f64
-                / self.step_cost.cost(base_rows)
+        let (row_s, rate) = if live.iter().any(|&i| batch[i].proposer.is_some()) {
+            (
+                self.step_cost.per_row_near(base_rows),
+                decoding as f64 / self.step_cost.cost(base_rows),
+            )
         } else {
-            0.0 // nobody drafts: not read
+            (0.0, 0.0) // nobody drafts: not read
         };
         let drafts = live
             .iter()
-            .map(|&i| batch[i].draft(row_cost))
+            .map(|&i| batch[i].draft(row_s, rate))
             .collect::<Result<Vec<Draft>>>()?;
         let t1 = Instant::now();
         let rows: Vec<Batch> = live
@@ -273,6 +316,7 @@ impl<B: Backend> Engine<B> {
                     cache: &mut d.session.cache,
                     batch: rows,
                     logits,
+                    features: d.features.clone(),
                 })
                 .collect();
             self.model.forward_batched(&mut seqs)?
@@ -286,13 +330,20 @@ impl<B: Backend> Engine<B> {
         for (((&i, out), want), draft) in live.iter().zip(outs.iter_mut()).zip(&wants).zip(&drafts)
         {
             let d = &mut batch[i];
-            if let Some((_, end)) = chunk_end(d) {
+            let width = d.features.width(self.model.hp.hidden);
+            if let Some((pos, end)) = chunk_end(d) {
+                if !d.features.is_none() {
+                    d.session
+                        .hidden
+                        .push(pos, &out.features, &d.features, width);
+                }
                 let plan = d.prefill.as_mut().expect("prefilling");
                 let body = &d.context[..d.context.len() - 1];
                 self.prefilled_chunk(&mut d.session, body, plan, end)?;
                 if plan.next_end(body.len()).is_none() {
                     d.stats.store_s += plan.done.store_s;
                     d.prefill = None;
+                    d.prompt_states_to_proposer();
                 }
                 continue;
             }
@@ -311,30 +362,37 @@ impl<B: Backend> Engine<B> {
                 _ => d.verifier.verify(&out.logits, vocab, &d.context, draft),
             };
             let pending = *d.context.last().expect("non-empty context");
-            self.commit(&mut d.session, n, pending, draft, &verdict);
-            // The step's draft and forward times are the batch's, shared by its requests.
+            let kept_rows = self.commit(&mut d.session, n, pending, draft, &verdict);
+            // Its own drafting time; the forward's time is the batch's, shared by its requests.
             if let Some(p) = d.proposer.as_mut() {
                 p.observe(&Outcome {
                     draft,
                     kept: &verdict.kept,
-                    draft_s: (t1 - t0).as_secs_f64(),
+                    draft_s: d.draft_s,
                     verify_s: (t2 - t1).as_secs_f64(),
                 });
+                if !d.features.is_none() {
+                    let kept = kept_features(&out.features, &kept_rows, width);
+                    p.observe_hidden(n, &kept);
+                    d.session.hidden.push(n, &kept, &d.features, width);
+                }
             }
             d.stats.record_cycle(
                 draft.len(),
                 verdict.accepted(),
-                t1 - t0,
+                Duration::from_secs_f64(d.draft_s),
                 t2 - t1,
                 Duration::ZERO,
             );
-            d.controller.record(
-                draft.len(),
-                verdict.accepted(),
-                draft.len() + 1,
-                (t2 - t1).as_secs_f64(),
-                (t1 - t0).as_secs_f64(),
-            );
+            if let Some(c) = d.controllers.get_mut(d.source) {
+                c.record(
+                    draft.len(),
+                    verdict.accepted(),
+                    draft.len() + 1,
+                    (t2 - t1).as_secs_f64(),
+                    d.draft_s,
+                );
+            }
             let cycle = Cycle {
                 n,
                 draft,

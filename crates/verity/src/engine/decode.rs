@@ -165,18 +165,7 @@ impl<B: Backend> Engine<B> {
                     verify_s: (t2 - t1).as_secs_f64(),
                 });
                 if !features.is_none() {
-                    // The kept rows' states: a prefix of the rows unless the path left the first-child line.
-                    let last = kept_rows.len() - 1;
-                    let kept: Cow<[f32]> = if kept_rows[last] == last {
-                        Cow::Borrowed(&out.features[..kept_rows.len() * width])
-                    } else {
-                        let rows = kept_rows.iter();
-                        Cow::Owned(
-                            rows.flat_map(|&r| &out.features[r * width..(r + 1) * width])
-                                .copied()
-                                .collect(),
-                        )
-                    };
+                    let kept = kept_features(&out.features, &kept_rows, width);
                     p.observe_hidden(n, &kept);
                     sess.hidden.push(n, &kept, &features, width);
                 }
@@ -216,6 +205,26 @@ impl<B: Backend> Engine<B> {
             stats.decode_s = t.elapsed().as_secs_f64();
         }
         Ok(stats)
+    }
+}
+
+/// The states of a cycle's kept rows (`width` values a row) out of its forward's `features`: a prefix of the
+/// rows unless the path left the first-child line.
+pub(super) fn kept_features<'a>(
+    features: &'a [f32],
+    kept_rows: &[usize],
+    width: usize,
+) -> Cow<'a, [f32]> {
+    let last = kept_rows.len() - 1;
+    if kept_rows[last] == last {
+        Cow::Borrowed(&features[..kept_rows.len() * width])
+    } else {
+        let rows = kept_rows.iter();
+        Cow::Owned(
+            rows.flat_map(|&r| &features[r * width..(r + 1) * width])
+                .copied()
+                .collect(),
+        )
     }
 }
 

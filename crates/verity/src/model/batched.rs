@@ -9,8 +9,8 @@
 //! Models with Gated DeltaNet layers run their sequences one after another (their recurrence runs per sequence
 //! on the host either way).
 
-use super::decoder::{layer_rope, layer_shape, Scratch};
-use super::{Batch, ForwardOutput, LogitRows, Model};
+use super::decoder::{layer_rope, layer_shape, Scratch, MAX_STATE_LAYERS};
+use super::{Batch, ForwardOutput, LogitRows, Model, TargetFeatures};
 use crate::backend::{AttnMask, Backend, StepInputs};
 use crate::cache::KvCache;
 use crate::error::Result;
@@ -20,20 +20,30 @@ pub struct SeqForward<'a, B: Backend> {
     pub cache: &'a mut KvCache<B>,
     pub batch: &'a Batch,
     pub logits: LogitRows,
+    /// The target states its proposer conditions on, returned in [`ForwardOutput::features`] as
+    /// [`Model::forward_features`] returns them.
+    pub features: TargetFeatures,
 }
 
 impl<B: Backend> Model<B> {
-    /// Run each sequence's rows as [`Model::forward`] would (no hidden states asked for), in one forward: each
-    /// output, and each cache afterwards, is bitwise what that sequence's own forward gives.
+    /// Run each sequence's rows as [`Model::forward_features`] would, in one forward: each output, and each
+    /// cache afterwards, is bitwise what that sequence's own forward gives.
     pub fn forward_batched(&mut self, seqs: &mut [SeqForward<B>]) -> Result<Vec<ForwardOutput>> {
-        if seqs.len() == 1 || self.layers.iter().any(|l| l.is_linear()) {
+        // The states any sequence asks for are kept for every row (each takes its own out of them).
+        let union = seqs
+            .iter()
+            .fold(TargetFeatures::none(), |all, q| all.union(&q.features));
+        if seqs.len() == 1
+            || self.layers.iter().any(|l| l.is_linear())
+            || union.layers.len() > MAX_STATE_LAYERS
+        {
             return seqs
                 .iter_mut()
-                .map(|q| self.forward(q.cache, q.batch, q.logits, &[]))
+                .map(|q| self.forward_features(q.cache, q.batch, q.logits, &q.features))
                 .collect();
         }
         for q in seqs.iter_mut() {
-            self.check_batch(q.batch, &[])?;
+            self.check_batch(q.batch, &q.features.layers)?;
             q.cache.reserve(self.backend.as_ref(), q.batch.rows())?;
         }
         let be = self.backend.clone();
@@ -79,8 +89,11 @@ impl<B: Backend> Model<B> {
                 },
             );
         }
-        self.encode_batched(seqs, &mut own, &mut s, total);
-        let out = self.logits_batched(seqs, &mut s);
+        self.encode_batched(seqs, &mut own, &mut s, total, &union);
+        let mut out = self.logits_batched(seqs, &mut s);
+        if !union.is_none() {
+            self.features_batched(seqs, &s, total, &union, &mut out);
+        }
         self.scratch = Some(s);
         self.seq_scratch = own;
         for q in seqs.iter_mut() {
@@ -98,13 +111,15 @@ impl<B: Backend> Model<B> {
     }
 
     /// The layers over all `total` rows of `s`: projections and MLPs once, each sequence's attention in its own
-    /// buffers `own[i]` over its own cache.
+    /// buffers `own[i]` over its own cache; the residual streams after `states`' layers copied to `s.states` (in
+    /// that order) and, where it asks for the final state, every row's output norm into `s.xn`.
     fn encode_batched(
         &self,
         seqs: &mut [SeqForward<B>],
         own: &mut [Scratch<B>],
         s: &mut Scratch<B>,
         total: usize,
+        states: &TargetFeatures,
     ) {
         let be = self.backend.as_ref();
         let hp = &self.hp;
@@ -148,6 +163,55 @@ impl<B: Backend> Model<B> {
                 at += rows;
             }
             layer.finish(be, hp, s, total);
+            if let Some(j) = states.layers.iter().position(|&m| m == l) {
+                be.copy(&s.x, 0, &mut s.states, j * total * h, total * h);
+            }
+        }
+        if states.final_state {
+            be.rms_norm(&s.x, &self.output_norm, total, h, hp.rms_eps, &mut s.xn);
+        }
+    }
+
+    /// Each sequence's [`ForwardOutput::features`], row by row as [`Model::forward_features`] lays them out, from
+    /// the states of `union` that [`Model::encode_batched`] kept for all `total` rows.
+    fn features_batched(
+        &self,
+        seqs: &[SeqForward<B>],
+        s: &Scratch<B>,
+        total: usize,
+        union: &TargetFeatures,
+        out: &mut [ForwardOutput],
+    ) {
+        let be = self.backend.as_ref();
+        let h = self.hp.hidden;
+        let layers = be.download(&s.states, union.layers.len() * total * h);
+        let last = if union.final_state {
+            be.download(&s.xn, total * h)
+        } else {
+            Vec::new()
+        };
+        let mut at = 0;
+        for (q, o) in seqs.iter().zip(out.iter_mut()) {
+            let rows = q.batch.rows();
+            if !q.features.is_none() {
+                let mut v = Vec::with_capacity(rows * q.features.width(h));
+                for r in at..at + rows {
+                    for &l in &q.features.layers {
+                        let j = union
+                            .layers
+                            .iter()
+                            .position(|&m| m == l)
+                            .expect("in the union");
+                        let plane = &layers[j * total * h..(j + 1) * total * h];
+                        v.extend_from_slice(&plane[r * h..(r + 1) * h]);
+                    }
+                    if q.features.final_state {
+                        v.extend_from_slice(&last[r * h..(r + 1) * h]);
+                    }
+                }
+                o.features = v;
+            }
+            at += rows;
         }
     }
 

@@ -310,6 +310,15 @@ impl Proposer for Chooser {
             }
         }
     }
+
+    /// A chooser over the models' per-request proposers (all of them, or none), knowing what this one has
+    /// measured of their speeds relative to each other (the hardware's more than a text's).
+    fn for_request(&self) -> Option<Box<dyn Proposer>> {
+        let models = self.models.iter().map(|m| m.for_request());
+        let mut c = Chooser::new(models.collect::<Option<_>>()?, self.hidden).named(self.name);
+        c.model_rank.clone_from(&self.model_rank);
+        Some(Box::new(c))
+    }
 }
 
 #[cfg(test)]

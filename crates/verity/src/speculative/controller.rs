@@ -187,18 +187,20 @@ impl Controller {
     }
 
     /// The width for a request drafting inside a batched step, whose rows share one forward with other
-    /// requests': each drafted row costs `row_cost` tokens' worth of the batch's time (the step's seconds per
-    /// extra row times the batch's tokens per second), so the width with the most expected tokens net of that
-    /// cost, 0 where no draft gains. Probes come the rarer the dearer a row: every request of the batch probes,
-    /// and on a machine where each row costs most of a token the probes alone would cost more than they find.
-    pub fn choose_in_batch(&mut self, offered: usize, row_cost: f64) -> usize {
-        let every = (PROBE_EVERY as f64 * (row_cost / PROBE_ROW_COST).max(1.0)) as usize;
+    /// requests': each drafted row costs the step `row_s` seconds, and drafting it this request's own measured
+    /// seconds per draft; at the batch's `rate` tokens per second that is tokens the batch forgoes. The width
+    /// with the most expected tokens net of that cost, 0 where no draft gains. Probes come the rarer the dearer
+    /// a drafted row: every request of the batch probes, and on a machine where each row costs most of a token
+    /// the probes alone would cost more than they find.
+    pub fn choose_in_batch(&mut self, offered: usize, row_s: f64, rate: f64) -> usize {
+        let cost = (row_s + self.draft_s_per_token) * rate;
+        let every = (PROBE_EVERY as f64 * (cost / PROBE_ROW_COST).max(1.0)) as usize;
         best_width(
             &self.accept,
             &mut self.ar_streak,
             offered,
             every,
-            |k, expected| expected - k as f64 * row_cost,
+            |k, expected| expected - k as f64 * cost,
         )
     }
 
@@ -310,18 +312,31 @@ mod tests {
 
     #[test]
     fn in_a_batch_a_row_must_earn_its_share_of_the_batchs_time() {
-        // Rows nearly free (a GPU): an always-right proposer drafts as wide as offered.
+        // Rows nearly free (a GPU) at 100 tokens/s: an always-right proposer drafts as wide as offered.
         let mut c = Controller::default();
         for _ in 0..20 {
-            let k = c.choose_in_batch(8, 0.05);
+            let k = c.choose_in_batch(8, 0.0005, 100.0);
             c.record(k, k, k + 1, 0.01, 0.0);
         }
-        assert_eq!(c.choose_in_batch(8, 0.05), 8);
+        assert_eq!(c.choose_in_batch(8, 0.0005, 100.0), 8);
+        // The same rows, but each drafted token takes the request 10 ms of its own (a model drafting on a slow
+        // machine): a token's worth of the batch's time, more than 60 % acceptance earns.
+        let mut c = Controller::default();
+        let ks: Vec<usize> = (0..100)
+            .map(|i| {
+                let k = c.choose_in_batch(8, 0.0005, 100.0);
+                let acc = (0..k).take_while(|j| (i + j) % 5 < 3).count();
+                c.record(k, acc, k + 1, 0.01, 0.01 * k as f64);
+                k
+            })
+            .collect();
+        let late = ks[50..].iter().filter(|&&k| k > 0).count();
+        assert!(late <= 1, "{ks:?}");
         // A row costing about a token (a small CPU) and 40 % acceptance: no drafts but rare probes.
         let mut c = Controller::default();
         let ks: Vec<usize> = (0..200)
             .map(|i| {
-                let k = c.choose_in_batch(8, 1.0);
+                let k = c.choose_in_batch(8, 0.01, 100.0);
                 let acc = usize::from(k > 0 && i % 5 < 2);
                 c.record(k, acc.min(k), k + 1, 0.01, 0.0);
                 k

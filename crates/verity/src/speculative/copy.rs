@@ -123,6 +123,10 @@ impl Proposer for SuffixCopy {
         *self = SuffixCopy::new();
     }
 
+    fn for_request(&self) -> Option<Box<dyn Proposer>> {
+        Some(Box::new(SuffixCopy::new()))
+    }
+
     fn reset(&mut self, _sampling: &crate::sample::SamplerConfig) {
         self.width = MIN_WIDTH;
         self.first_misses = 0;

@@ -21,7 +21,7 @@
 //!   request's seed: the keyed race the target's sample at `p` runs (see [`super::verify`]), so the output is
 //!   sampled AR's whatever the drafter proposes.
 
-use super::proposer::{Draft, Outcome, Proposer};
+use super::proposer::{Draft, Outcome, Proposer, Shared};
 use crate::backend::Backend;
 use crate::cache::KvCache;
 use crate::error::Result;
@@ -29,7 +29,13 @@ use crate::model::{BlockDrafter, TargetFeatures};
 use crate::sample::{Sampler, SamplerConfig};
 
 pub struct DrafterProposer<B: Backend> {
-    drafter: BlockDrafter<B>,
+    /// The drafter, shared with the per-request proposers of batched steps ([`Proposer::for_request`]).
+    drafter: Shared<BlockDrafter<B>>,
+    /// Its block length, the target layers it reads and their values per position.
+    block: usize,
+    layers: Vec<usize>,
+    state_width: usize,
+    context_len: usize,
     cache: KvCache<B>,
     /// Position of cache slot 0.
     first: usize,
@@ -44,10 +50,29 @@ pub struct DrafterProposer<B: Backend> {
 
 impl<B: Backend> DrafterProposer<B> {
     pub fn new(drafter: BlockDrafter<B>, vocab: usize, context_len: usize) -> Result<Self> {
-        let cache = drafter.new_cache(context_len);
+        Self::sharing(Shared::new(drafter), vocab, context_len)
+    }
+
+    /// A proposer of its own over a shared drafter.
+    fn sharing(drafter: Shared<BlockDrafter<B>>, vocab: usize, context_len: usize) -> Result<Self> {
+        let (cache, block, layers, state_width) = {
+            let d = drafter.lock();
+            let spec = d.spec();
+            let layers = spec.target_layers.clone();
+            (
+                d.new_cache(context_len),
+                spec.block,
+                layers,
+                d.state_width(),
+            )
+        };
         Ok(DrafterProposer {
             vocab,
             drafter,
+            block,
+            layers,
+            state_width,
+            context_len,
             cache,
             first: 0,
             cached: Vec::new(),
@@ -58,7 +83,7 @@ impl<B: Backend> DrafterProposer<B> {
     }
 
     fn state_rows(&self) -> usize {
-        self.states.len() / self.drafter.state_width()
+        self.states.len() / self.state_width
     }
 
     /// Bring the drafter's context to every position before `pending` (the last of `context`); false when the
@@ -91,7 +116,7 @@ impl<B: Backend> DrafterProposer<B> {
             self.cache.truncate(0);
             next = self.first;
         }
-        let w = self.drafter.state_width();
+        let w = self.state_width;
         let rows = &self.states[(next - self.states_start) * w..(n - self.states_start) * w];
         if rows.is_empty() {
             return Ok(true);
@@ -99,7 +124,9 @@ impl<B: Backend> DrafterProposer<B> {
         if self.cache.len() + n - next + 1 > self.cache.max_capacity() {
             return Ok(false);
         }
-        self.drafter.extend_context(&mut self.cache, next, rows)?;
+        self.drafter
+            .lock()
+            .extend_context(&mut self.cache, next, rows)?;
         self.cached.extend_from_slice(&context[next..n]);
         // Consumed: the next cycle needs the states from `n` on, which its verify reports.
         self.states.clear();
@@ -178,11 +205,11 @@ impl<B: Backend> Proposer for DrafterProposer<B> {
     }
 
     fn width(&self, k: usize) -> usize {
-        k.min(self.drafter.spec().block - 1)
+        k.min(self.block - 1)
     }
 
     fn features(&self) -> TargetFeatures {
-        TargetFeatures::layers(self.drafter.spec().target_layers.clone())
+        TargetFeatures::layers(self.layers.clone())
     }
 
     fn observe_hidden(&mut self, start: usize, hidden: &[f32]) {
@@ -204,14 +231,15 @@ impl<B: Backend> Proposer for DrafterProposer<B> {
         if k == 0 {
             return Ok(Draft::default());
         }
-        let logits = self.drafter.draft(&mut self.cache, context[n], n, k)?;
-        let width = self.drafter.draft_vocab_len();
+        let mut drafter = self.drafter.lock();
+        let logits = drafter.draft(&mut self.cache, context[n], n, k)?;
+        let width = drafter.draft_vocab_len();
         if self.sampler.config().is_greedy() {
             let rows: Vec<[(u32, f32); 2]> = logits
                 .chunks_exact(width)
                 .map(|row| {
                     let [(a, pa), (b, pb)] = top2(row);
-                    [(self.drafter.token(a), pa), (self.drafter.token(b), pb)]
+                    [(drafter.token(a), pa), (drafter.token(b), pb)]
                 })
                 .collect();
             return Ok(best_tree(&rows, k));
@@ -221,7 +249,7 @@ impl<B: Backend> Proposer for DrafterProposer<B> {
         let mut history = context.to_vec();
         for row in logits.chunks_exact(width) {
             for (i, &l) in row.iter().enumerate() {
-                full[self.drafter.token(i) as usize] = l;
+                full[drafter.token(i) as usize] = l;
             }
             let t = self.sampler.sample(&full, &history);
             history.push(t);
@@ -233,6 +261,11 @@ impl<B: Backend> Proposer for DrafterProposer<B> {
         // The cache holds committed context only; the kept positions' context comes from their target states
         // in the next cycle.
         self.cache.truncate(self.cached.len());
+    }
+
+    fn for_request(&self) -> Option<Box<dyn Proposer>> {
+        let p = Self::sharing(self.drafter.clone(), self.vocab, self.context_len).ok()?;
+        Some(Box::new(p))
     }
 }
 

@@ -25,7 +25,7 @@
 //!   the step before's argmax, picked where it lies, so the host queues the catch-up and every step at once and
 //!   waits once — the same tokens as stepping through the host.
 
-use super::proposer::{Draft, Outcome, Proposer};
+use super::proposer::{Draft, Outcome, Proposer, Shared};
 use crate::backend::Backend;
 use crate::cache::KvCache;
 use crate::error::Result;
@@ -36,9 +36,12 @@ use crate::sample::{Sampler, SamplerConfig};
 pub const MAX_DEPTH: usize = 8;
 
 pub struct MtpProposer<B: Backend> {
-    head: MtpHead<B>,
+    /// The head, shared with the per-request proposers of batched steps ([`Proposer::for_request`]).
+    head: Shared<MtpHead<B>>,
     cache: KvCache<B>,
     vocab: usize,
+    hidden: usize,
+    context_len: usize,
     /// Position of head cache slot 0.
     first: usize,
     /// The tokens at the positions the head cache holds (up to the committed mark).
@@ -56,11 +59,21 @@ pub struct MtpProposer<B: Backend> {
 
 impl<B: Backend> MtpProposer<B> {
     pub fn new(head: MtpHead<B>, vocab: usize, context_len: usize) -> Result<Self> {
-        let cache = head.new_cache(context_len);
+        Self::sharing(Shared::new(head), vocab, context_len)
+    }
+
+    /// A proposer of its own over a shared head.
+    fn sharing(head: Shared<MtpHead<B>>, vocab: usize, context_len: usize) -> Result<Self> {
+        let (cache, hidden) = {
+            let h = head.lock();
+            (h.new_cache(context_len), h.hidden_size())
+        };
         Ok(MtpProposer {
             head,
             cache,
             vocab,
+            hidden,
+            context_len,
             first: 0,
             cached: Vec::new(),
             committed: 0,
@@ -72,7 +85,7 @@ impl<B: Backend> MtpProposer<B> {
     }
 
     fn hidden_rows(&self) -> usize {
-        self.hid.len() / self.head.hidden_size()
+        self.hid.len() / self.hidden
     }
 
     /// Whether drafts are the head's argmax (greedy sampling).
@@ -98,12 +111,13 @@ impl<B: Backend> MtpProposer<B> {
     /// step returns alone ([`MtpProposer::greedy`]); sampled ones are the head's sample with the request's
     /// seed at that position, tokens outside the draft vocabulary at probability 0.
     fn choose(&self, out: &HeadOutput, history: &[u32]) -> u32 {
+        let head = self.head.lock();
         if let Some(t) = out.greedy {
-            return self.head.token(t as usize);
+            return head.token(t as usize);
         }
         let mut full = vec![f32::NEG_INFINITY; self.vocab];
         for (i, &l) in out.logits.iter().enumerate() {
-            full[self.head.token(i) as usize] = l;
+            full[head.token(i) as usize] = l;
         }
         self.sampler.sample(&full, history)
     }
@@ -140,10 +154,10 @@ impl<B: Backend> MtpProposer<B> {
     /// The head over positions `next..=n`, each row conditioned on the target's hidden state of the one before;
     /// the last row's output predicts draft 1.
     fn run_catch_up(&mut self, context: &[u32], next: usize, n: usize) -> Result<HeadOutput> {
-        let h = self.head.hidden_size();
+        let h = self.hidden;
         let greedy = self.greedy();
         let rows = &self.hid[(next - 1 - self.hid_start) * h..(n - self.hid_start) * h];
-        let out = self.head.draft(
+        let out = self.head.lock().draft(
             &mut self.cache,
             &context[next..=n],
             next,
@@ -209,15 +223,19 @@ impl<B: Backend> Proposer for MtpProposer<B> {
         if greedy && self.chain {
             // Every draft step's inputs but its token are known ahead: the catch-up and the recursive steps run
             // as one chain on the backend, with one download (as many steps as the head cache holds).
-            let h = self.head.hidden_size();
+            let h = self.hidden;
             let rows = &self.hid[(next - 1 - self.hid_start) * h..(n - self.hid_start) * h];
             let caught = n + 1 - next;
             let before = self.cache.len();
             let room = self.cache.max_capacity().saturating_sub(before + caught);
             let depth = k.min(MAX_DEPTH).min(room + 1);
-            let tokens =
-                self.head
-                    .draft_greedy(&mut self.cache, &context[next..=n], next, rows, depth)?;
+            let tokens = self.head.lock().draft_greedy(
+                &mut self.cache,
+                &context[next..=n],
+                next,
+                rows,
+                depth,
+            )?;
             self.cached.extend_from_slice(&context[next..=n]);
             self.committed = before + caught;
             self.hid.clear();
@@ -235,9 +253,13 @@ impl<B: Backend> Proposer for MtpProposer<B> {
                     break;
                 }
                 // The head's own output state, left on the device by the step before.
-                out =
-                    self.head
-                        .draft(&mut self.cache, &[tok], n + 1 + i, HeadInput::Last, greedy)?;
+                out = self.head.lock().draft(
+                    &mut self.cache,
+                    &[tok],
+                    n + 1 + i,
+                    HeadInput::Last,
+                    greedy,
+                )?;
             }
         }
         Ok(Draft::chain(tokens))
@@ -245,5 +267,11 @@ impl<B: Backend> Proposer for MtpProposer<B> {
 
     fn observe(&mut self, _outcome: &Outcome) {
         self.cache.truncate(self.committed);
+    }
+
+    fn for_request(&self) -> Option<Box<dyn Proposer>> {
+        let mut p = Self::sharing(self.head.clone(), self.vocab, self.context_len).ok()?;
+        p.chain = self.chain;
+        Some(Box::new(p))
     }
 }

@@ -1,6 +1,8 @@
 //! What a proposer is: something that guesses the next tokens cheaply. The decode loop knows nothing of how a
 //! proposer works; it asks for up to `k` tokens and reports which of them the verifier kept.
 
+use std::sync::{Arc, Mutex, MutexGuard};
+
 use crate::backend::AttnMask;
 use crate::error::{Error, Result};
 use crate::model::TargetFeatures;
@@ -238,6 +240,38 @@ pub trait Proposer: Send {
     /// The target's [`Proposer::features`] of committed rows at positions `start..`, `rows × width`, row-major.
     /// Called after prefill chunks and after each cycle's commit.
     fn observe_hidden(&mut self, _start: usize, _hidden: &[f32]) {}
+
+    /// A proposer of the same kind for one request of batched steps: the same weights (shared, not copied),
+    /// its own caches and adaptation, nothing learned from earlier requests. `None` where this proposer cannot
+    /// be shared (the request drafts by copying instead).
+    fn for_request(&self) -> Option<Box<dyn Proposer>> {
+        None
+    }
+}
+
+/// A drafting model (an MTP head, a block drafter) shared by the engine's proposer and the per-request ones
+/// forked from it ([`Proposer::for_request`]). Requests draft one after another, so one set of weights and work
+/// buffers serves them all; each proposer keeps its own cache.
+pub(crate) struct Shared<T>(Arc<Mutex<T>>);
+
+impl<T> Shared<T> {
+    pub(crate) fn new(model: T) -> Self {
+        Shared(Arc::new(Mutex::new(model)))
+    }
+
+    /// The model, for one drafting step. A lock poisoned by a panic mid-draft is taken over: a draft can only
+    /// change how many tokens a cycle keeps, never which.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl<T> Clone for Shared<T> {
+    fn clone(&self) -> Self {
+        Shared(self.0.clone())
+    }
 }
 
 #[cfg(test)]
