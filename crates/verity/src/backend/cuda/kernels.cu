@@ -699,14 +699,24 @@ extern "C" __global__ void matmuls(const float* x, int k, int rows, int accumula
 #ifndef NQ_WARPS
 #define NQ_WARPS 16
 #endif
+// Blocks a wide-schedule warp loads ahead. Two: at six its chains spilled (128 registers, ~4 KB of spill
+// loads); with the narrow schedule's PIPE, the 8B Q4_K_M one-row step on an H100 took 4.74-4.85 vs 4.90 ms.
 #ifndef QM_AHEAD
-#define QM_AHEAD 6  // blocks a wide-schedule warp loads ahead
+#define QM_AHEAD 2
 #endif
-// Blocks a narrow-schedule warp loads ahead. One is fastest at every size measured (8B Q4_K_M one-row step on an
-// H100: 5.18 / 5.68 / 6.21 / 6.82 / 8.85 ms at 1 / 2 / 3 / 4 / 8): fewer registers, more warps resident.
+// Blocks a narrow-schedule warp loads ahead without the pipeline (`-DNQ_PIPE=0`). One was fastest at every size
+// measured (8B Q4_K_M one-row step on an H100: 5.18 / 5.68 / 6.21 / 6.82 / 8.85 ms at 1 / 2 / 3 / 4 / 8): fewer
+// registers, more warps resident.
 #ifndef NQ_AHEAD
 #define NQ_AHEAD 1
 #endif
+// Whether a narrow-schedule warp loads its next block (in the run, the next matrix's, or its next run's) while
+// the current block's chains run. On (1): the 8B Q4_K_M one-row step on an H100 4.90 vs 4.95 ms without, 1B
+// 1.12 vs 1.16 ms; SmolLM2's shape 0.92 vs 0.90 ms (BENCHMARKS.md section 8).
+#ifndef NQ_PIPE
+#define NQ_PIPE 1
+#endif
+static_assert(!NQ_PIPE || NQ_AHEAD == 1, "the pipelined narrow schedule loads one block ahead");
 
 __device__ __forceinline__ void mma_s8(int (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
 #if __CUDA_ARCH__ >= 800
@@ -1238,6 +1248,29 @@ __device__ void split_tile(const TileOf& t, const u8* up, const Staged& st, int 
                 slot = slot + 1 == NQ_STREAM ? 0 : slot + 1;
                 tile_block<TY>(raw, sw, st, b, lane, ntiles, rows > 1, acc);
             }
+#elif NQ_PIPE
+            // The warp's next block (in this run, the next matrix's, or its next run's) loaded while this block's
+            // chains run.
+            for (int b = lo; b < hi; b++) {
+                u32 nraw[1][4];
+                ScaleRaw nsw[1][2];
+                int nm = m, nbk = b + 1, nhi = hi;
+                if (nbk == hi) {
+                    nbk = lo;
+                    if (++nm == MATS) {
+                        nm = 0;
+                        nbk = run_start(s + WARPS, nb);
+                        nhi = s + WARPS < runs ? run_start(s + WARPS + 1, nb) : 0;
+                    }
+                }
+                load_blocks<TY, 1>(wq[nm] + (size_t)t.lt * nb * QB, tile_scales(TY, wq[nm], t.tiles, nb, t.lt), nbk,
+                                   nhi, lane, nraw, nsw);
+                tile_block<TY>(raw[0], sw[0], st, b, lane, ntiles, rows > 1, acc);
+#pragma unroll
+                for (int i = 0; i < 4; i++) raw[0][i] = nraw[0][i];
+                sw[0][0] = nsw[0][0];
+                sw[0][1] = nsw[0][1];
+            }
 #else
             for (int b0 = lo; b0 < hi; b0 += NQ_AHEAD) {
                 if (s != warp || m > 0 || b0 > lo) load_group(m, b0, hi);
@@ -1416,6 +1449,13 @@ __device__ __forceinline__ void qmatmuls_body(const signed char* xq, const float
 extern "C" __global__ void __launch_bounds__(NQ_WARPS * 32, NQ_WARPS <= 16 ? 2 : 1) qmatmuls_narrow(QM_PARAMS) {
     FLOOR_EXIT
     qmatmuls_body<false, NQ_WARPS>(QM_ARGS, RopeFusion{rope_table, rope_hd, kc, vc, step, cap, r0});
+}
+
+// The narrow schedule for launches (row groups) of at most 8 rows: one MMA n-tile, so its chains take half the
+// registers and nothing spills at two CTAs per SM (decode, narrow verifies).
+extern "C" __global__ void __launch_bounds__(NQ_WARPS * 32, NQ_WARPS <= 16 ? 2 : 1) qmatmuls_narrow8(QM_PARAMS) {
+    FLOOR_EXIT
+    qmatmuls_body<false, NQ_WARPS, 1>(QM_ARGS, RopeFusion{rope_table, rope_hd, kc, vc, step, cap, r0});
 }
 
 extern "C" __global__ void __launch_bounds__(QM_WARPS * 32, QM_WARPS <= 8 ? 2 : 1) qmatmuls_wide(QM_PARAMS) {

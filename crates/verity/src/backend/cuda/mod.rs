@@ -252,6 +252,8 @@ pub struct CudaBackend {
     /// Narrow launches of 8 rows or fewer split their rows in two groups where [`CudaBackend::row_groups`]'s
     /// rule says so (`VERITY_CUDA_SPLIT_ROWS=0`: never, for side-by-side measurements).
     split_rows: bool,
+    /// Narrow launches of 8 rows or fewer take `qmatmuls_narrow8` (`CudaOptions::narrow8`).
+    narrow8: bool,
     /// Launches of more than `MAX_ROWS` rows take the tall schedule where admitted (`VERITY_CUDA_TALL=0`: never,
     /// for side-by-side measurements).
     tall: bool,
@@ -450,6 +452,7 @@ impl CudaBackend {
         for f in [
             &k.matmuls,
             &k.qmatmuls_narrow,
+            &k.qmatmuls_narrow8,
             &k.qmatmuls_wide,
             &k.qmatmuls_tall,
             &k.qmatmuls_gemm,
@@ -501,6 +504,7 @@ impl CudaBackend {
             att_warp_rows: opts.att_warp_rows,
             row_groups: opts.row_groups,
             split_rows: opts.split_rows,
+            narrow8: opts.narrow8,
             tall: opts.tall,
             gemm: opts.gemm,
             gemm_ctas: opts.gemm_ctas,

@@ -25,6 +25,7 @@ pub(super) fn source() -> String {
 pub(super) struct Kernels {
     pub(super) matmuls: CudaFunction,
     pub(super) qmatmuls_narrow: CudaFunction,
+    pub(super) qmatmuls_narrow8: CudaFunction,
     pub(super) qmatmuls_wide: CudaFunction,
     pub(super) qmatmuls_tall: CudaFunction,
     pub(super) qmatmuls_gemm: CudaFunction,
@@ -58,6 +59,7 @@ impl Kernels {
         Ok(Kernels {
             matmuls: f("matmuls")?,
             qmatmuls_narrow: f("qmatmuls_narrow")?,
+            qmatmuls_narrow8: f("qmatmuls_narrow8")?,
             qmatmuls_wide: f("qmatmuls_wide")?,
             qmatmuls_tall: f("qmatmuls_tall")?,
             qmatmuls_gemm: f("qmatmuls_gemm")?,

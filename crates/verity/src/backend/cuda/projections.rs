@@ -366,6 +366,8 @@ impl CudaBackend {
                 (&self.k.qmatmuls_tall, self.narrow_warps)
             } else if wide {
                 (&self.k.qmatmuls_wide, self.wide_warps)
+            } else if self.narrow8 && cta_rows <= 8 {
+                (&self.k.qmatmuls_narrow8, self.narrow_warps)
             } else {
                 (&self.k.qmatmuls_narrow, self.narrow_warps)
             };
