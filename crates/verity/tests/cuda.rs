@@ -378,6 +378,21 @@ fn cuda_logits_match_the_cpu_backend_on_the_fixture_bundles() {
     }
 }
 
+/// Sequences in one batched forward on the GPU (a prefill, a verify, a draft tree, a chunk with the last row's
+/// logits, a step without any; with the target states an MTP head or a block drafter asks for) each get bitwise
+/// their own forward's logits, argmaxes, states and cache: what keeps every request of a batching server on the
+/// GPU its solo answer.
+#[test]
+fn cuda_batched_forwards_give_every_sequence_its_own_forwards_bits() {
+    let be = gpu();
+    for name in CUDA_BUNDLES {
+        let dir = hf_bundle(name);
+        let tokens = ids(&json(&dir.join("reference.json"))["token_ids"]);
+        let mut model = Model::load(&Bundle::open(&dir).unwrap(), be.clone()).unwrap();
+        common::batched::assert_batched_equals_alone(&mut model, &tokens, name);
+    }
+}
+
 /// SmolLM2 (Q4_1, the integer kernels with RoPE fused into the Q/K/V launch) on the GPU against the CPU backend
 /// (8-bit activations too): the projections agree bitwise given equal inputs, so what differs is the float
 /// arithmetic of norms, attention and activations, moved through 8-bit rounding — close logits and the same

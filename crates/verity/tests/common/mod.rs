@@ -1,6 +1,8 @@
 //! Shared test helpers: fixture paths, the real model (fetched the way the CLI fetches it), loading.
 #![allow(dead_code)]
 
+pub mod batched;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 

@@ -1,0 +1,161 @@
+//! The batched-forward check shared by the CPU and GPU tests: sequences in one forward (a prefill, a verify, a
+//! draft tree, a chunk whose last row alone has logits, a step without any, each with the target states its
+//! proposer would ask for) against each one's own forward.
+
+use verity::backend::{AttnMask, Backend};
+use verity::cache::KvCache;
+use verity::model::{Batch, ForwardOutput, LogitRows, Model, SeqForward, TargetFeatures};
+
+/// One sequence's case: the prefix already in its cache, then the rows of the step under test and the target
+/// states its proposer would ask for.
+struct Case {
+    prefix: Vec<u32>,
+    batch: Batch,
+    logits: LogitRows,
+    features: TargetFeatures,
+}
+
+/// A draft tree after `base` committed tokens: row 0 the pending token, rows 1 and 2 its children, 3 a child of
+/// 1, 4 a child of 2.
+fn tree(tokens: [u32; 5], base: usize) -> Batch {
+    let parents = [None, Some(0), Some(0), Some(1), Some(2)];
+    let depth = |mut r: usize| {
+        let mut d = 0;
+        while let Some(p) = parents[r] {
+            r = p;
+            d += 1;
+        }
+        d
+    };
+    let mut visible = vec![false; 25];
+    for i in 0..5 {
+        let mut r = Some(i);
+        while let Some(j) = r {
+            visible[i * 5 + j] = true;
+            r = parents[j];
+        }
+    }
+    Batch {
+        tokens: tokens.to_vec(),
+        positions: (0..5).map(|r| base + depth(r)).collect(),
+        mask: AttnMask::Tree(visible),
+    }
+}
+
+fn cases(tokens: &[u32]) -> Vec<Case> {
+    let t = |i: usize| tokens[i % tokens.len()];
+    vec![
+        // A prefill from empty, every row's logits.
+        Case {
+            prefix: Vec::new(),
+            batch: Batch::causal(&tokens[..20], 0),
+            logits: LogitRows::All,
+            features: TargetFeatures::none(),
+        },
+        // A greedy verify of 4 rows after 12 tokens.
+        Case {
+            prefix: tokens[3..15].to_vec(),
+            batch: Batch::causal(&tokens[15..19], 12),
+            logits: LogitRows::Greedy,
+            // An MTP head's.
+            features: TargetFeatures::final_state(),
+        },
+        // A draft tree after 30 tokens.
+        Case {
+            prefix: (0..30).map(|i| t(i + 5)).collect(),
+            batch: tree([t(1), t(2), t(3), t(4), t(6)], 30),
+            logits: LogitRows::All,
+            // A block drafter's and an MTP head's (a chooser over both).
+            features: TargetFeatures {
+                layers: vec![1, 0],
+                final_state: true,
+            },
+        },
+        // A prefill chunk of 3 rows after 7 tokens, the last row's logits only.
+        Case {
+            prefix: tokens[..7].to_vec(),
+            batch: Batch::causal(&tokens[7..10], 7),
+            logits: LogitRows::Last,
+            // A block drafter's.
+            features: TargetFeatures::layers(vec![0]),
+        },
+        // A one-row step, no logits (a prefix's last chunk).
+        Case {
+            prefix: tokens[20..24].to_vec(),
+            batch: Batch::causal(&tokens[24..25], 4),
+            logits: LogitRows::None,
+            features: TargetFeatures::final_state(),
+        },
+    ]
+}
+
+/// A cache holding `prefix`.
+fn primed<B: Backend>(model: &mut Model<B>, prefix: &[u32]) -> KvCache<B> {
+    let mut cache = model.new_cache(256);
+    if !prefix.is_empty() {
+        model
+            .forward(&mut cache, &Batch::causal(prefix, 0), LogitRows::None, &[])
+            .unwrap();
+    }
+    cache
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn same(a: &ForwardOutput, b: &ForwardOutput) -> bool {
+    bits(&a.logits) == bits(&b.logits)
+        && a.greedy == b.greedy
+        && bits(&a.features) == bits(&b.features)
+}
+
+fn cache_bits<B: Backend>(model: &Model<B>, cache: &KvCache<B>) -> Vec<Vec<u32>> {
+    let ckpt = cache.checkpoint(model.backend());
+    ckpt.layers()
+        .iter()
+        .flat_map(|(k, v)| [bits(k), bits(v)])
+        .collect()
+}
+
+/// Each case alone, then all in one batched forward (twice, the second time with the batch reordered and a
+/// case left out): outputs and caches bitwise equal.
+pub fn assert_batched_equals_alone<B: Backend>(model: &mut Model<B>, tokens: &[u32], label: &str) {
+    let cases = cases(tokens);
+    let mut alone = Vec::new();
+    for c in &cases {
+        let mut cache = primed(model, &c.prefix);
+        let out = model
+            .forward_features(&mut cache, &c.batch, c.logits, &c.features)
+            .unwrap();
+        alone.push((out, cache_bits(model, &cache)));
+    }
+    for order in [vec![0, 1, 2, 3, 4], vec![3, 2, 4, 0]] {
+        let mut caches: Vec<KvCache<B>> = order
+            .iter()
+            .map(|&i| primed(model, &cases[i].prefix))
+            .collect();
+        let mut seqs: Vec<SeqForward<B>> = caches
+            .iter_mut()
+            .zip(&order)
+            .map(|(cache, &i)| SeqForward {
+                cache,
+                batch: &cases[i].batch,
+                logits: cases[i].logits,
+                features: cases[i].features.clone(),
+            })
+            .collect();
+        let outs = model.forward_batched(&mut seqs).unwrap();
+        drop(seqs);
+        for ((out, cache), &i) in outs.iter().zip(&caches).zip(&order) {
+            assert!(
+                same(out, &alone[i].0),
+                "{label}: case {i} output differs from its own forward"
+            );
+            assert!(
+                cache_bits(model, cache) == alone[i].1,
+                "{label}: case {i} cache differs from its own forward's"
+            );
+        }
+    }
+}
