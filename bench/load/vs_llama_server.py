@@ -52,11 +52,13 @@ def wait_healthy(root: str, proc: subprocess.Popen, timeout: float = 180.0) -> N
 def start(arm: str, args, clients: int) -> tuple[subprocess.Popen, str, list[str]]:
     port = free_port()
     if arm == "verity":
-        cmd = [args.verity, "--threads", str(args.threads), "serve", "--model", args.model,
-               "--port", str(port), "--batch", str(clients), "--queue", "64"]
+        device = ["--device", "cuda"] if args.gpu else []
+        cmd = [args.verity, *device, "--threads", str(args.threads), "serve", "--model", args.model,
+               "--port", str(port), "--batch", str(clients), "--queue", "64", *args.verity_flag]
     else:
+        layers = ["-ngl", "999"] if args.gpu else []
         cmd = [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port),
-               "-t", str(args.threads), "-np", str(clients), "-c", str(clients * args.slot_context)]
+               "-t", str(args.threads), "-np", str(clients), "-c", str(clients * args.slot_context), *layers]
     log = tempfile.NamedTemporaryFile(prefix=f"{arm}-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     root = f"http://127.0.0.1:{port}"
@@ -75,6 +77,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--slot-context", type=int, default=2048, help="llama-server context per slot")
+    ap.add_argument("--gpu", action="store_true", help="both servers on the GPU (verity --device cuda, llama-server -ngl 999)")
+    ap.add_argument("--verity-flag", action="append", default=[], help="an extra `verity serve` flag (repeatable)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     runs = []

@@ -10,7 +10,8 @@
 //! (their weights and work buffers shared, a cache each, the target states each conditions on returned by the
 //! batched forward for its own rows), or copying from its own context where the route's proposer cannot be
 //! shared (a draft model). Each request's widths are chosen against what a drafted row costs the whole batch
-//! and what drafting costs it. The forward gives each row bitwise its own forward's logits and the draws are
+//! and what drafting costs it, and the steps stop drafting where drafting measurably lost
+//! ([`crate::speculative::BatchGate`]). The forward gives each row bitwise its own forward's logits and the draws are
 //! keyed by the request's seed and position, so every request gets bitwise the tokens it would get alone, on
 //! any route (every route's output is AR's), whichever requests share its steps, whatever they drafted and
 //! whenever it joined.
@@ -73,12 +74,16 @@ impl<B: Backend> Decoding<B> {
 
     /// This step's drafts, each drafted row costing the step `row_s` seconds at the batch's `rate` tokens per
     /// second: none while its prompt is prefilled or without a proposer, none past its token limit or the
-    /// context (wasted there).
-    fn draft(&mut self, row_s: f64, rate: f64) -> Result<Draft> {
+    /// context (wasted there), none while the batch does not draft (`open` false) unless the request fixed its
+    /// width.
+    fn draft(&mut self, row_s: f64, rate: f64, open: bool) -> Result<Draft> {
         self.draft_s = 0.0;
         let (Some(p), None) = (&mut self.proposer, &self.prefill) else {
             return Ok(Draft::default());
         };
+        if !open && self.request.draft_width.is_none() {
+            return Ok(Draft::default());
+        }
         let t = Instant::now();
         self.source = p.source(&self.context);
         if self.controllers.len() <= self.source {
@@ -267,17 +272,20 @@ impl<B: Backend> Engine<B> {
             .iter()
             .map(|&i| chunk_end(&batch[i]).map_or(1, |(pos, end)| end - pos))
             .sum();
-        let (row_s, rate) = if live.iter().any(|&i| batch[i].proposer.is_some()) {
+        let drafters = live.iter().any(|&i| batch[i].proposer.is_some());
+        let open = self.batch_gate.drafting();
+        let t0 = Instant::now();
+        let (row_s, rate) = if drafters {
             (
                 self.step_cost.per_row_near(base_rows),
                 decoding as f64 / self.step_cost.cost(base_rows),
             )
         } else {
-            (0.0, 0.0) // nobody drafts: not read
+            (0.0, 0.0) // nobody drafts
         };
         let drafts = live
             .iter()
-            .map(|&i| batch[i].draft(row_s, rate))
+            .map(|&i| batch[i].draft(row_s, rate, open))
             .collect::<Result<Vec<Draft>>>()?;
         let t1 = Instant::now();
         let rows: Vec<Batch> = live
@@ -324,9 +332,11 @@ impl<B: Backend> Engine<B> {
         let t2 = Instant::now();
         let rows_total: usize = rows.iter().map(Batch::rows).sum();
         // Only steps of decoding requests price a row: a prompt's chunk brings cache growth and copies with it.
-        if decoding == live.len() {
+        let priced = decoding == live.len();
+        if priced {
             self.step_cost.record(rows_total, (t2 - t1).as_secs_f64());
         }
+        let mut emitted = 0;
         for (((&i, out), want), draft) in live.iter().zip(outs.iter_mut()).zip(&wants).zip(&drafts)
         {
             let d = &mut batch[i];
@@ -363,6 +373,7 @@ impl<B: Backend> Engine<B> {
             };
             let pending = *d.context.last().expect("non-empty context");
             let kept_rows = self.commit(&mut d.session, n, pending, draft, &verdict);
+            emitted += kept_rows.len();
             // Its own drafting time; the forward's time is the batch's, shared by its requests.
             if let Some(p) = d.proposer.as_mut() {
                 p.observe(&Outcome {
@@ -412,6 +423,11 @@ impl<B: Backend> Engine<B> {
             if let Some(reason) = stop {
                 self.finish_step(d, reason)?;
             }
+        }
+        // What drafting gave this step, against the same step without drafts (where that was measured).
+        if let (true, true, Some(ar_s)) = (drafters, priced, self.step_cost.measured(base_rows)) {
+            let secs = (t2 - t0).as_secs_f64();
+            self.batch_gate.record(decoding, emitted, secs, ar_s);
         }
         Ok(())
     }

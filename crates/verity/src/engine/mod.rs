@@ -28,7 +28,7 @@ use crate::cache::{CheckpointShape, DiskTier, KvCache, PrefixTiers};
 use crate::chat::{ChatTemplate, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::Model;
-use crate::speculative::{self, Plan, Proposer, RowCost, SpecMode};
+use crate::speculative::{self, BatchGate, Plan, Proposer, RowCost, SpecMode};
 use prefill::Prefilled;
 
 pub struct Engine<B: Backend> {
@@ -43,10 +43,11 @@ pub struct Engine<B: Backend> {
     fingerprint: u64,
     /// Caches of ended sessions, handed to new ones ([`Engine::end_session`]).
     spare: Vec<KvCache<B>>,
-    /// Whether requests in batched steps draft (by copying; [`Engine::set_batch_drafts`]), and the steps'
-    /// forward time by row count, which prices their drafted rows.
+    /// Whether requests in batched steps draft ([`Engine::set_batch_drafts`]), the steps' forward time by row
+    /// count, which prices their drafted rows, and whether drafting measurably paid.
     batch_drafts: bool,
     step_cost: RowCost,
+    batch_gate: BatchGate,
 }
 
 /// Ended sessions' caches kept for new ones. A cache keeps its buffers (and the capacity they grew to), so a
@@ -92,6 +93,7 @@ impl<B: Backend> Engine<B> {
             spare: Vec::new(),
             batch_drafts: false,
             step_cost: RowCost::new(batch::STEP_ROWS),
+            batch_gate: BatchGate::default(),
         })
     }
 

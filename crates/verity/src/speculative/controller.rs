@@ -7,7 +7,8 @@
 //! best; `k = 0` is plain AR. When speculation stops paying it falls back to AR, probing again now and then so a
 //! change of text (e.g. the answer starts quoting the prompt) is noticed. Inside a batched step a request's
 //! rows share the forward with other requests', so there it weighs each drafted row's share of the batch's time
-//! instead ([`Controller::choose_in_batch`]).
+//! instead ([`Controller::choose_in_batch`]), and [`BatchGate`] checks the outcome: batched steps stop drafting
+//! where drafting measurably lost.
 
 /// The widest draft any proposer is offered.
 pub const MAX_K: usize = 16;
@@ -94,6 +95,11 @@ impl RowCost {
         }
     }
 
+    /// The measured seconds of a forward of exactly `w` rows, if one was measured.
+    pub fn measured(&self, w: usize) -> Option<f64> {
+        self.secs.get(w).copied().flatten()
+    }
+
     /// Seconds each extra row adds.
     pub fn per_row(&self) -> f64 {
         match self.line() {
@@ -127,6 +133,67 @@ impl RowCost {
                     slope: (sxy / sxx).max(0.0),
                 }
             }
+        }
+    }
+}
+
+/// Whether the requests of batched steps draft at all, from what drafting measurably gave. The widths each
+/// request chooses weigh modelled costs (a row's share of the step, its own drafting); this checks the outcome:
+/// over a stretch of steps with drafts, the tokens each decoding request emitted, valued at what the same step
+/// costs without drafts (measured), against the seconds the steps took, drafting included. Where that is below
+/// one, drafting lost and the steps stop drafting, trying again after [`BATCH_RETRY_STEPS`] steps.
+#[derive(Debug, Clone)]
+pub struct BatchGate {
+    drafting: bool,
+    /// The current stretch's steps, the worth of what they emitted and the seconds they took.
+    steps: usize,
+    worth: f64,
+    took: f64,
+    /// Steps without drafts since drafting last lost.
+    idle: usize,
+}
+
+/// Steps whose outcome decides whether batched steps keep drafting.
+const BATCH_STRETCH: usize = 16;
+/// Steps without drafts before batched steps try drafting again (a stretch of drafting that loses costs a few
+/// percent of one stretch: a fraction of a percent of the steps).
+pub const BATCH_RETRY_STEPS: usize = 256;
+
+impl Default for BatchGate {
+    fn default() -> Self {
+        BatchGate {
+            drafting: true,
+            steps: 0,
+            worth: 0.0,
+            took: 0.0,
+            idle: 0,
+        }
+    }
+}
+
+impl BatchGate {
+    /// Whether this step's requests may draft.
+    pub fn drafting(&self) -> bool {
+        self.drafting
+    }
+
+    /// A step of `decoding` requests (none prefilling) that emitted `tokens` in `secs`, drafting included, where
+    /// the same step without drafts takes `ar_secs` and emits `decoding` tokens.
+    pub fn record(&mut self, decoding: usize, tokens: usize, secs: f64, ar_secs: f64) {
+        if !self.drafting {
+            self.idle += 1;
+            if self.idle >= BATCH_RETRY_STEPS {
+                self.idle = 0;
+                self.drafting = true;
+            }
+            return;
+        }
+        self.worth += tokens as f64 / decoding.max(1) as f64 * ar_secs;
+        self.took += secs;
+        self.steps += 1;
+        if self.steps == BATCH_STRETCH {
+            self.drafting = self.worth >= self.took;
+            (self.steps, self.worth, self.took) = (0, 0.0, 0.0);
         }
     }
 }
@@ -348,6 +415,30 @@ mod tests {
             "{probes} probes: {ks:?}"
         );
         assert!(ks.iter().all(|&k| k <= 2), "{ks:?}");
+    }
+
+    #[test]
+    fn batched_steps_stop_drafting_where_it_loses_and_try_again_later() {
+        // 8 requests, a step of 8 ms without drafts: drafting that emits 1.2 tokens a request per step in 11 ms
+        // loses; the gate closes after one stretch and opens again after the retry interval.
+        let mut g = BatchGate::default();
+        let mut drafted = 0;
+        for _ in 0..BATCH_STRETCH + BATCH_RETRY_STEPS {
+            if g.drafting() {
+                drafted += 1;
+                g.record(8, 10, 0.011, 0.008);
+            } else {
+                g.record(8, 8, 0.008, 0.008);
+            }
+        }
+        assert_eq!(drafted, BATCH_STRETCH);
+        assert!(g.drafting(), "tried again");
+        // Drafting that emits 1.5 tokens a request in 10 ms wins: it stays on.
+        let mut g = BatchGate::default();
+        for _ in 0..10 * BATCH_STRETCH {
+            assert!(g.drafting());
+            g.record(8, 12, 0.010, 0.008);
+        }
     }
 
     #[test]

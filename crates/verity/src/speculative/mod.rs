@@ -25,7 +25,7 @@ pub mod proposer;
 mod route;
 pub mod verify;
 
-pub use controller::{Controller, RowCost};
+pub use controller::{BatchGate, Controller, RowCost};
 pub use proposer::{Draft, Outcome, Proposer};
 pub use route::{build, plan, Plan, Route, SpecMode};
 pub use verify::{Verdict, Verifier};
