@@ -69,6 +69,9 @@ fn run<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
         LogitRows::None,
         &[],
     )?;
+    // Each width starts again from the prefix: restored from a checkpoint, since a recurrent layer's state
+    // cannot be rolled back past the latest forward (a truncation there would empty the cache).
+    let start = cache.checkpoint(model.backend());
     let mut single = Vec::with_capacity(span.len() * vocab);
     for (i, &t) in span.iter().enumerate() {
         single.extend(
@@ -84,7 +87,7 @@ fn run<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
     }
     let mut results = Vec::new();
     for w in 2..=16 {
-        cache.truncate(prefix);
+        cache.restore(model.backend(), &start)?;
         let mut r = WidthResult {
             w,
             rows: 0,

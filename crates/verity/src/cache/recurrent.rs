@@ -6,7 +6,9 @@
 //! suffix), or the path of a draft tree (each row stepped from its parent's state), picks the state after the
 //! last row kept. A rollback before the latest forward cannot be served: the cache is emptied and the caller
 //! prefills again (as for a local layer's overwritten window). Forwards that no verifier judges row by row
-//! (prefill chunks) keep the state after their last row only, which bounds the memory at real sizes.
+//! (prefill chunks) keep the state after their last row only, which bounds the memory at real sizes. A row is
+//! stepped out of place, from its parent's state into a buffer of its own ([`Recurrent::step`]), so keeping
+//! every row's state costs no copy.
 //!
 //! The states live in host memory: the layers that read them compute on the host (`model::delta_net`).
 
@@ -22,12 +24,14 @@ pub struct Recurrent {
     rows: Vec<Option<Vec<Vec<f32>>>>,
     /// Whether the latest forward keeps every row's state.
     keep_all: bool,
-    /// The state a layer is stepping a row in, and which (layer, row) it holds the state after.
+    /// The state after the row a layer stepped last where that row's states are not kept, and which (layer,
+    /// row) that is.
     work: Vec<f32>,
     work_holds: Option<(usize, usize)>,
     /// Dropped rows' state buffers, reused (a state is megabytes at real sizes: fresh ones would cost page
-    /// faults on every verify).
+    /// faults on every verify), and single layers' buffers.
     spare: Vec<Vec<Vec<f32>>>,
+    spare_layers: Vec<Vec<f32>>,
 }
 
 impl Recurrent {
@@ -43,6 +47,7 @@ impl Recurrent {
             work: Vec::new(),
             work_holds: None,
             spare: Vec::new(),
+            spare_layers: Vec::new(),
         }
     }
 
@@ -93,27 +98,35 @@ impl Recurrent {
         self.keep_all || row + 1 == self.rows.len()
     }
 
-    /// Layer `l`'s working state for stepping row `row`, which starts from its parent row's state (`None`: the
-    /// state before the forward): already there when the parent is the row stepped last in this layer.
-    pub(crate) fn step(&mut self, l: usize, row: usize, parent: Option<usize>) -> &mut [f32] {
-        let holds = parent.map(|p| (l, p));
-        if holds.is_none() || self.work_holds != holds {
-            let from = match parent {
-                Some(p) => &self.rows[p].as_ref().expect("a parent's state is kept")[l],
-                None => &self.base_states[l],
-            };
-            self.work.clear();
-            self.work.extend_from_slice(from);
-        }
-        self.work_holds = Some((l, row));
-        &mut self.work
+    /// Layer `l`'s state before row `row` — its parent row's (`None`: the state before the forward) — and a
+    /// buffer of the layer's state length for the state after it (its contents unspecified: the step writes it
+    /// whole), to hand back with [`Recurrent::stepped`]. Stepping from one buffer into another keeps every kept
+    /// row's state without a copy.
+    pub(crate) fn step(
+        &mut self,
+        l: usize,
+        row: usize,
+        parent: Option<usize>,
+    ) -> (&[f32], Vec<f32>) {
+        debug_assert!(parent.is_none_or(|p| p < row));
+        let mut to = self.spare_layers.pop().unwrap_or_default();
+        to.resize(self.lens[l], 0.0);
+        let from = match parent {
+            None => &self.base_states[l],
+            Some(p) if self.work_holds == Some((l, p)) => &self.work,
+            Some(p) => &self.rows[p].as_ref().expect("a parent's state is kept")[l],
+        };
+        (from, to)
     }
 
-    /// Keep the working state as layer `l`'s state after row `row`, where that row's states are kept (call it
-    /// after [`Recurrent::step`] has stepped the row, layer by layer in order).
-    pub(crate) fn keep(&mut self, row: usize, l: usize) {
-        debug_assert_eq!(self.work_holds, Some((l, row)));
+    /// The state of layer `l` after row `row`, stepped into the buffer [`Recurrent::step`] gave: kept where that
+    /// row's states are, else held until the next row of the layer has stepped from it (call it layer by layer
+    /// in order, each layer's rows in order).
+    pub(crate) fn stepped(&mut self, l: usize, row: usize, state: Vec<f32>) {
         if !self.keeps(row) {
+            let old = std::mem::replace(&mut self.work, state);
+            self.spare_layers.push(old);
+            self.work_holds = Some((l, row));
             return;
         }
         if self.rows[row].is_none() {
@@ -121,9 +134,9 @@ impl Recurrent {
             bufs.resize_with(self.lens.len(), Vec::new);
             self.rows[row] = Some(bufs);
         }
-        let state = &mut self.rows[row].as_mut().expect("just made")[l];
-        state.clear();
-        state.extend_from_slice(&self.work);
+        let slot = &mut self.rows[row].as_mut().expect("just made")[l];
+        let old = std::mem::replace(slot, state);
+        self.spare_layers.push(old);
     }
 
     /// Roll back to fill `len`; `false` where the state there is not kept (the caller empties the cache).
@@ -180,13 +193,18 @@ mod tests {
     fn stepped(r: &mut Recurrent, len: usize, parents: &[Option<usize>]) {
         r.begin(len, parents.len(), true);
         for (row, &p) in parents.iter().enumerate() {
-            r.step(0, row, p);
-            r.keep(row, 0);
-            let state = r.step(1, row, p);
-            state[0] += 1.0;
-            state[1] = row as f32;
-            r.keep(row, 1);
+            let (_, none) = r.step(0, row, p);
+            r.stepped(0, row, none);
+            step_one(r, row, p);
         }
+    }
+
+    /// Layer 1's step of `row` from `parent`: `[the parent's first value + 1, the row]`.
+    fn step_one(r: &mut Recurrent, row: usize, parent: Option<usize>) {
+        let (from, mut to) = r.step(1, row, parent);
+        to[0] = from[0] + 1.0;
+        to[1] = row as f32;
+        r.stepped(1, row, to);
     }
 
     #[test]
@@ -220,10 +238,7 @@ mod tests {
         let mut r = Recurrent::new(vec![0, 2]);
         r.begin(0, 40, false);
         for row in 0..40 {
-            let state = r.step(1, row, row.checked_sub(1));
-            state[0] += 1.0;
-            state[1] = row as f32;
-            r.keep(row, 1);
+            step_one(&mut r, row, row.checked_sub(1));
         }
         assert_eq!(r.current()[1], vec![40.0, 39.0]);
         assert!(!r.truncate(39));

@@ -150,25 +150,27 @@ impl<B: Backend> DeltaNet<B> {
         let ba = be.download(&s.router, rows * width_ba);
         let mut out = vec![0f32; rows * vd];
         for r in 0..rows {
-            let state = states.step(l, r, parents[r]);
+            let (from, mut to) = states.step(l, r, parents[r]);
             self.step(
                 la,
                 hp.rms_eps,
                 &x[r * channels..(r + 1) * channels],
                 &z[r * vd..(r + 1) * vd],
                 &ba[r * width_ba..(r + 1) * width_ba],
-                state,
+                from,
+                &mut to,
                 &mut out[r * vd..(r + 1) * vd],
             );
-            states.keep(r, l);
+            states.stepped(l, r, to);
         }
         be.write(&mut s.attn, &out);
     }
 
-    /// One token (its convolution input `x`, output gates `z`, and β/α grouped by key head): fold it into
-    /// `state` (the convolution's last inputs, then each value head's matrix) and write the gated, normed
-    /// output of every value head to `out`.
-    #[allow(clippy::too_many_arguments)] // one token's inputs, its state and its output
+    /// One token (its convolution input `x`, output gates `z`, and β/α grouped by key head): fold it into the
+    /// state `from` (the convolution's last inputs, then each value head's matrix), writing the state after it
+    /// whole to `to`, and write the gated, normed output of every value head to `out`. Out of place: the state
+    /// before stays as it was (a rollback's), and each state value is read twice and written once.
+    #[allow(clippy::too_many_arguments)] // one token's inputs, its states and its output
     fn step(
         &self,
         la: &LinearAttention,
@@ -176,7 +178,8 @@ impl<B: Backend> DeltaNet<B> {
         x: &[f32],
         z: &[f32],
         ba: &[f32],
-        state: &mut [f32],
+        from: &[f32],
+        to: &mut [f32],
         out: &mut [f32],
     ) {
         let (nk, nv, dk, dv, taps) = (
@@ -197,19 +200,22 @@ impl<B: Backend> DeltaNet<B> {
                 alpha[g * per_key + j] = ba[g * 2 * per_key + per_key + j];
             }
         }
-        let (conv_state, heads) = state.split_at_mut(channels * (taps - 1));
+        let conv_len = channels * (taps - 1);
+        let (conv_before, heads_before) = from.split_at(conv_len);
+        let (conv_after, heads_after) = to.split_at_mut(conv_len);
         // Causal convolution with SiLU; the state keeps each channel's last `taps - 1` inputs, oldest first.
         for (c, xc) in x.iter_mut().enumerate() {
             let w = &self.conv[c * taps..(c + 1) * taps];
-            let past = &mut conv_state[c * (taps - 1)..(c + 1) * (taps - 1)];
+            let past = &conv_before[c * (taps - 1)..(c + 1) * (taps - 1)];
             let mut acc = 0f32;
             for (j, &p) in past.iter().enumerate() {
                 acc += w[j] * p;
             }
             acc += w[taps - 1] * *xc;
             if taps > 1 {
-                past.rotate_left(1);
-                past[taps - 2] = *xc;
+                let kept = &mut conv_after[c * (taps - 1)..(c + 1) * (taps - 1)];
+                kept[..taps - 2].copy_from_slice(&past[1..]);
+                kept[taps - 2] = *xc;
             }
             *xc = silu(acc);
         }
@@ -226,15 +232,16 @@ impl<B: Backend> DeltaNet<B> {
             let g = h / per_key;
             let (qh, kh) = (&q[g * dk..(g + 1) * dk], &k[g * dk..(g + 1) * dk]);
             let vh = &v[h * dv..(h + 1) * dv];
-            let s = &mut heads[h * dk * dv..(h + 1) * dk * dv];
+            let s = &heads_before[h * dk * dv..(h + 1) * dk * dv];
+            let s_after = &mut heads_after[h * dk * dv..(h + 1) * dk * dv];
             let decay = (self.decay[h] * softplus(alpha[h] + self.dt_bias[h])).exp();
             let b = sigmoid(beta[h]);
-            s.iter_mut().for_each(|e| *e *= decay);
-            // kv_mem[j] = Σ_i S[i][j] k[i]; S[i][j] += k[i] (v[j] - kv_mem[j]) β; o[j] = Σ_i S[i][j] q[i].
+            // With S the decayed state (S[i][j] = decay · S_before[i][j], formed alike in both passes):
+            // kv_mem[j] = Σ_i S[i][j] k[i]; S'[i][j] = S[i][j] + k[i] (v[j] - kv_mem[j]) β; o[j] = Σ_i S'[i][j] q[i].
             kv_mem.iter_mut().for_each(|e| *e = 0.0);
             for (i, &ki) in kh.iter().enumerate() {
                 for (m, &sij) in kv_mem.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
-                    *m += sij * ki;
+                    *m += (sij * decay) * ki;
                 }
             }
             for ((d, &vj), &m) in delta.iter_mut().zip(vh).zip(&kv_mem) {
@@ -243,10 +250,13 @@ impl<B: Backend> DeltaNet<B> {
             let o = &mut out[h * dv..(h + 1) * dv];
             o.iter_mut().for_each(|e| *e = 0.0);
             for (i, (&ki, &qi)) in kh.iter().zip(qh).enumerate() {
-                let row = &mut s[i * dv..(i + 1) * dv];
-                for ((sij, &dj), oj) in row.iter_mut().zip(&delta).zip(o.iter_mut()) {
-                    *sij += ki * dj;
-                    *oj += *sij * qi;
+                let before = &s[i * dv..(i + 1) * dv];
+                let after = &mut s_after[i * dv..(i + 1) * dv];
+                for (((sa, &sij), &dj), oj) in
+                    after.iter_mut().zip(before).zip(&delta).zip(o.iter_mut())
+                {
+                    *sa = sij * decay + ki * dj;
+                    *oj += *sa * qi;
                 }
             }
             // The gated RMS norm: norm(o) · w · silu(z).
