@@ -19,7 +19,7 @@ use verity::engine::{Engine, GenerateRequest};
 use verity::model::{Batch, HeadInput, LogitRows, Model, MtpHead};
 use verity::quant::{GgmlType, MlxScaleType, QMatrix};
 use verity::sample::argmax;
-use verity::speculative::SpecMode;
+use verity::speculative::{Draft, Outcome, Proposer, SpecMode};
 use verity::storage::Bytes;
 
 fn gpu() -> Arc<CudaBackend> {
@@ -620,6 +620,84 @@ fn cuda_verify_rows_are_bitwise_the_one_row_step() {
             greedy, want,
             "W={w}: the device's argmax of the verify rows"
         );
+    }
+}
+
+/// Drafts the AR answer's next `right` tokens and then a wrong one, so that every cycle keeps some drafts and
+/// rolls the rest back.
+struct RightThenWrong {
+    answer: Vec<u32>,
+    prompt_len: usize,
+    right: usize,
+    vocab: u32,
+}
+
+impl Proposer for RightThenWrong {
+    fn name(&self) -> &'static str {
+        "right-then-wrong"
+    }
+
+    fn propose(&mut self, context: &[u32], k: usize) -> verity::Result<Draft> {
+        let next = self
+            .answer
+            .get(context.len() - self.prompt_len..)
+            .unwrap_or(&[]);
+        let mut tokens: Vec<u32> = next.iter().take(self.right.min(k)).copied().collect();
+        if tokens.len() < k {
+            let true_next = next.get(tokens.len()).copied().unwrap_or(0);
+            tokens.push((true_next + 1) % self.vocab);
+        }
+        Ok(Draft::chain(tokens))
+    }
+
+    fn observe(&mut self, _outcome: &Outcome) {}
+}
+
+/// On the GPU, a mixture of experts and a hybrid of Gated DeltaNet and attention layers under drafts that are
+/// partly right (each cycle keeps some rows and rolls the rest back: the recurrent state returns to the last
+/// kept row): the tokens, the K/V and the recurrent states equal AR's.
+#[test]
+fn cuda_rollbacks_of_mixture_and_recurrent_state_keep_ar_output() {
+    for name in ["qwen3-moe-f16", "qwen3-next-f16"] {
+        let mut e = Engine::load(&hf_bundle(name), gpu(), &SpecMode::Off).unwrap();
+        let prompt: Vec<u32> = (3..40).collect();
+        let ar = GenerateRequest {
+            ignore_eos: true,
+            ..GenerateRequest::greedy(40)
+        };
+        let run = |e: &mut Engine<CudaBackend>, req: &GenerateRequest| {
+            let mut sess = e.new_session();
+            let mut got = Vec::new();
+            let stats = e
+                .generate(&mut sess, &prompt, req, |_, t| {
+                    got.push(t.id);
+                    true
+                })
+                .unwrap();
+            let ckpt = sess.cache.checkpoint(e.model.backend());
+            (got, ckpt, stats)
+        };
+        let (want, want_cache, _) = run(&mut e, &ar);
+        for right in [0, 1, 2] {
+            e.set_proposer(Some(Box::new(RightThenWrong {
+                answer: want.clone(),
+                prompt_len: prompt.len(),
+                right,
+                vocab: e.model.hp.vocab as u32,
+            })));
+            let req = GenerateRequest {
+                draft_width: Some(3),
+                ..ar.clone()
+            };
+            let (got, cache, stats) = run(&mut e, &req);
+            assert_eq!(got, want, "{name}, {right} right per cycle");
+            assert!(stats.drafted > stats.accepted, "{name}: rollbacks happened");
+            assert!(
+                cache.layers() == want_cache.layers()
+                    && cache.recurrent() == want_cache.recurrent(),
+                "{name}, {right} right per cycle: the cache differs from AR's"
+            );
+        }
     }
 }
 
