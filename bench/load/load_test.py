@@ -13,13 +13,16 @@ to finish (the "drain"), so every request sent is accounted for.
 Exit status: 0 when every request either succeeded or was rejected with 503 and the
 server's /health answers at the end; 1 otherwise; 2 on a setup failure.
 
-Python 3.11, stdlib + `openai`.
+Python 3.11, stdlib + `openai` (where `openai` cannot be imported — a machine without network to fetch it — the
+requests go through `http.client`, one worker thread per client, with the same checks).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import http.client
 import json
 import os
 import signal
@@ -29,11 +32,15 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import openai
+try:
+    import openai
+except ImportError:
+    openai = None
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PROMPTS = REPO / "bench" / "prompts.jsonl"
@@ -219,7 +226,94 @@ class Shared:
     records: list[Record] = field(default_factory=list)
 
 
-async def one_request(client: openai.AsyncOpenAI, model: str, prompt: dict, args, cid: int, t0: float) -> Record:
+def judge(rec: Record, usage_tokens: int | None, content_chunks: int, max_tokens: int) -> None:
+    """A finished stream's status: ok only with a finish_reason and a usage chunk within the token limit."""
+    if rec.finish_reason is None:
+        rec.error = "stream ended without a finish_reason"
+    elif usage_tokens is None:
+        rec.error = "no usage chunk despite stream_options.include_usage"
+    elif usage_tokens > max_tokens:
+        rec.error = f"usage.completion_tokens {usage_tokens} > max_tokens {max_tokens}"
+    else:
+        rec.status = "ok"
+    rec.completion_tokens = usage_tokens if usage_tokens is not None else content_chunks
+
+
+class StdlibClient:
+    """Streaming chat requests over `http.client`, each blocking request on a worker thread of its own."""
+
+    def __init__(self, base_url: str, timeout: float, workers: int):
+        u = urllib.parse.urlsplit(base_url)
+        self.host, self.port, self.timeout = u.hostname, u.port, timeout
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers))
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        self.pool.shutdown(wait=True)
+
+    async def request(self, model: str, prompt: dict, args, cid: int, t0: float) -> Record:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, self.blocking, model, prompt, args, cid, t0)
+
+    def blocking(self, model: str, prompt: dict, args, cid: int, t0: float) -> Record:
+        start = time.monotonic()
+        rec = Record(client=cid, prompt_id=prompt["id"], start_s=round(start - t0, 3), status="error", latency_s=0.0)
+        content_chunks, usage_tokens = 0, None
+        body = json.dumps({"model": model, "messages": prompt["messages"], "max_tokens": args.max_tokens,
+                           "temperature": args.temperature, "stream": True,
+                           "stream_options": {"include_usage": True}})
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        try:
+            conn.request("POST", "/v1/chat/completions", body,
+                         {"Content-Type": "application/json", "Authorization": "Bearer verity-load-test"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                rec.status = "rejected" if resp.status == 503 else "error"
+                rec.error = f"HTTP {resp.status}: {resp.read()[:300].decode(errors='replace')}"
+            else:
+                for line in resp:
+                    line = line.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if chunk.get("usage"):
+                        usage_tokens = chunk["usage"]["completion_tokens"]
+                    for ch in chunk.get("choices") or []:
+                        if (ch.get("delta") or {}).get("content"):
+                            if rec.ttft_s is None:
+                                rec.ttft_s = time.monotonic() - start
+                            content_chunks += 1
+                        if ch.get("finish_reason") is not None:
+                            rec.finish_reason = ch["finish_reason"]
+                judge(rec, usage_tokens, content_chunks, args.max_tokens)
+        except Exception as e:  # noqa: BLE001 - any exception is a failed request
+            rec.error = f"{type(e).__name__}: {str(e)[:300]}"
+        finally:
+            conn.close()
+        rec.latency_s = time.monotonic() - start
+        return rec
+
+
+def make_client(base_url: str, timeout: float, workers: int):
+    """The `openai` client, or the stdlib one where the package is missing."""
+    if openai is None:
+        return StdlibClient(base_url, timeout, workers)
+    return openai.AsyncOpenAI(
+        base_url=base_url.rstrip("/") + "/v1",
+        api_key="verity-load-test",
+        max_retries=0,  # a 503 must be seen, not silently retried
+        timeout=timeout,
+    )
+
+
+async def one_request(client, model: str, prompt: dict, args, cid: int, t0: float) -> Record:
+    if isinstance(client, StdlibClient):
+        return await client.request(model, prompt, args, cid, t0)
     start = time.monotonic()
     rec = Record(client=cid, prompt_id=prompt["id"], start_s=round(start - t0, 3), status="error", latency_s=0.0)
     content_chunks = 0
@@ -244,15 +338,7 @@ async def one_request(client: openai.AsyncOpenAI, model: str, prompt: dict, args
                 if ch.finish_reason is not None:
                     rec.finish_reason = ch.finish_reason
         rec.latency_s = time.monotonic() - start
-        if rec.finish_reason is None:
-            rec.error = "stream ended without a finish_reason"
-        elif usage_tokens is None:
-            rec.error = "no usage chunk despite stream_options.include_usage"
-        elif usage_tokens > args.max_tokens:
-            rec.error = f"usage.completion_tokens {usage_tokens} > max_tokens {args.max_tokens}"
-        else:
-            rec.status = "ok"
-        rec.completion_tokens = usage_tokens if usage_tokens is not None else content_chunks
+        judge(rec, usage_tokens, content_chunks, args.max_tokens)
     except openai.APIStatusError as e:
         rec.latency_s = time.monotonic() - start
         rec.status = "rejected" if e.status_code == 503 else "error"
@@ -276,20 +362,14 @@ async def client_loop(cid: int, client, model, prompts, args, t0, deadline, shar
 
 async def warmup(args, base_url: str, model: str, prompts: list[dict]) -> list[Record]:
     """Requests sent one by one before the test so the model's pages are resident when RSS 'start' is read."""
-    client = openai.AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="verity-load-test",
-                                max_retries=0, timeout=args.request_timeout)
+    client = make_client(base_url, args.request_timeout, 1)
     t0 = time.monotonic()
     async with client:
         return [await one_request(client, model, prompts[i % len(prompts)], args, -1, t0) for i in range(args.warmup)]
 
 
 async def run_clients(args, base_url: str, model: str, prompts: list[dict], t0: float) -> tuple[Shared, float]:
-    client = openai.AsyncOpenAI(
-        base_url=base_url.rstrip("/") + "/v1",
-        api_key="verity-load-test",
-        max_retries=0,  # a 503 must be seen, not silently retried
-        timeout=args.request_timeout,
-    )
+    client = make_client(base_url, args.request_timeout, args.clients)
     shared = Shared()
     deadline = time.monotonic() + args.duration
     async with client:
