@@ -73,10 +73,14 @@ impl GenerationStats {
     }
 
     /// These statistics followed by those of the same answer's continuation (`later`: the rest of its tokens,
-    /// decoded on another route or in batched steps): counts and times add up; the prompt's figures and the
-    /// route stay this part's (the time to first token too, unless this part emitted nothing); the stop reason
-    /// is the continuation's.
+    /// decoded on another route or in batched steps): counts and times add up; the prompt's figures stay this
+    /// part's (the time to first token too, unless this part emitted nothing); the route is this part's unless
+    /// this part ran AR (the drafts counted are then the continuation's route's); the stop reason is the
+    /// continuation's.
     pub fn then(mut self, later: &GenerationStats) -> Self {
+        if self.route == "ar" {
+            self.route = later.route;
+        }
         if self.completion_tokens == 0 {
             self.ttft_s = later.ttft_s;
         }
@@ -131,5 +135,34 @@ impl GenerationStats {
             self.other_s,
             self.stop
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn part(route: &'static str, drafted: usize, accepted: usize) -> GenerationStats {
+        GenerationStats {
+            completion_tokens: 10,
+            drafted,
+            accepted,
+            ..GenerationStats::new(route)
+        }
+    }
+
+    /// An answer decoded in AR batched steps and then alone on the MTP route is reported as the MTP route's,
+    /// whose drafts it counts; one decoded on MTP first keeps that route whatever follows.
+    #[test]
+    fn a_continued_answer_reports_the_route_that_drafted() {
+        let s = part("ar", 0, 0).then(&part("mtp", 8, 5));
+        assert_eq!(
+            (s.route, s.drafted, s.accepted, s.completion_tokens),
+            ("mtp", 8, 5, 20)
+        );
+        let s = part("mtp", 8, 5).then(&part("ar", 0, 0));
+        assert_eq!((s.route, s.drafted), ("mtp", 8));
+        let s = part("copy", 4, 2).then(&part("mtp", 8, 5));
+        assert_eq!((s.route, s.drafted), ("copy", 12));
     }
 }
