@@ -8,6 +8,7 @@ mod common;
 
 use std::sync::Arc;
 
+use common::adversary::{scripted, Adversary};
 use common::*;
 use verity::backend::cpu::CpuBackend;
 use verity::backend::cuda::{CudaBackend, CudaOptions};
@@ -19,7 +20,7 @@ use verity::engine::{Engine, GenerateRequest};
 use verity::model::{Batch, HeadInput, LogitRows, Model, MtpHead};
 use verity::quant::{GgmlType, MlxScaleType, QMatrix};
 use verity::sample::argmax;
-use verity::speculative::{Draft, Outcome, Proposer, SpecMode};
+use verity::speculative::SpecMode;
 use verity::storage::Bytes;
 
 fn gpu() -> Arc<CudaBackend> {
@@ -623,36 +624,6 @@ fn cuda_verify_rows_are_bitwise_the_one_row_step() {
     }
 }
 
-/// Drafts the AR answer's next `right` tokens and then a wrong one, so that every cycle keeps some drafts and
-/// rolls the rest back.
-struct RightThenWrong {
-    answer: Vec<u32>,
-    prompt_len: usize,
-    right: usize,
-    vocab: u32,
-}
-
-impl Proposer for RightThenWrong {
-    fn name(&self) -> &'static str {
-        "right-then-wrong"
-    }
-
-    fn propose(&mut self, context: &[u32], k: usize) -> verity::Result<Draft> {
-        let next = self
-            .answer
-            .get(context.len() - self.prompt_len..)
-            .unwrap_or(&[]);
-        let mut tokens: Vec<u32> = next.iter().take(self.right.min(k)).copied().collect();
-        if tokens.len() < k {
-            let true_next = next.get(tokens.len()).copied().unwrap_or(0);
-            tokens.push((true_next + 1) % self.vocab);
-        }
-        Ok(Draft::chain(tokens))
-    }
-
-    fn observe(&mut self, _outcome: &Outcome) {}
-}
-
 /// On the GPU, a mixture of experts and a hybrid of Gated DeltaNet and attention layers under drafts that are
 /// partly right (each cycle keeps some rows and rolls the rest back: the recurrent state returns to the last
 /// kept row): the tokens, the K/V and the recurrent states equal AR's.
@@ -678,13 +649,14 @@ fn cuda_rollbacks_of_mixture_and_recurrent_state_keep_ar_output() {
             (got, ckpt, stats)
         };
         let (want, want_cache, _) = run(&mut e, &ar);
+        let oracle: Vec<u32> = prompt.iter().chain(&want).copied().collect();
         for right in [0, 1, 2] {
-            e.set_proposer(Some(Box::new(RightThenWrong {
-                answer: want.clone(),
-                prompt_len: prompt.len(),
-                right,
-                vocab: e.model.hp.vocab as u32,
-            })));
+            let vocab = e.model.hp.vocab;
+            e.set_proposer(Some(scripted(
+                Adversary::RightThenWrong(right),
+                &oracle,
+                vocab,
+            )));
             let req = GenerateRequest {
                 draft_width: Some(3),
                 ..ar.clone()

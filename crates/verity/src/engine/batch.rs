@@ -110,16 +110,9 @@ impl<B: Backend> Decoding<B> {
     /// the session holds them all (restored, kept from earlier turns, or from the prefill's chunks), go to the
     /// proposer, as alone.
     fn prompt_states_to_proposer(&mut self) {
-        if let Some(p) = self.proposer.as_mut() {
+        if let Some(p) = self.proposer.as_deref_mut() {
             let body = self.context.len() - 1;
-            let hidden = &self.session.hidden;
-            if !self.features.is_none()
-                && hidden.kind == self.features
-                && hidden.end() == body
-                && !hidden.rows.is_empty()
-            {
-                p.observe_hidden(hidden.start, &hidden.rows);
-            }
+            self.session.hidden.hand_to(p, &self.features, body);
         }
     }
 }

@@ -87,13 +87,8 @@ impl<B: Backend> Engine<B> {
             }
             self.prefilled_chunk(sess, body, &mut plan, end)?;
         }
-        if let Some(p) = proposer.filter(|_| !features.is_none()) {
-            if sess.hidden.kind == features
-                && sess.hidden.end() == body.len()
-                && !sess.hidden.rows.is_empty()
-            {
-                p.observe_hidden(sess.hidden.start, &sess.hidden.rows);
-            }
+        if let Some(p) = proposer {
+            sess.hidden.hand_to(p, &features, body.len());
         }
         Ok(plan.done)
     }

@@ -3,6 +3,7 @@
 use crate::backend::Backend;
 use crate::cache::KvCache;
 use crate::model::TargetFeatures;
+use crate::speculative::Proposer;
 
 /// A conversation's model state: the cache and the tokens whose K/V it holds.
 pub struct Session<B: Backend> {
@@ -50,6 +51,14 @@ impl HiddenTrail {
     /// The rows of positions `0..len`, where the run starts at 0 and reaches `len`.
     pub(super) fn leading_rows(&self, len: usize) -> Option<&[f32]> {
         (self.start == 0 && self.end() >= len && len > 0).then(|| &self.rows[..len * self.width])
+    }
+
+    /// Hand a proposer conditioning on `kind` the states of every position up to `end` (a prompt's body, once
+    /// it is in the cache), where the run holds them and reaches exactly there.
+    pub(super) fn hand_to(&self, p: &mut dyn Proposer, kind: &TargetFeatures, end: usize) {
+        if !kind.is_none() && self.kind == *kind && self.end() == end && !self.rows.is_empty() {
+            p.observe_hidden(self.start, &self.rows);
+        }
     }
 
     /// Forget positions `pos..`.

@@ -194,15 +194,23 @@ impl<B: Backend> Model<B> {
         for (q, o) in seqs.iter().zip(out.iter_mut()) {
             let rows = q.batch.rows();
             if !q.features.is_none() {
-                let mut v = Vec::with_capacity(rows * q.features.width(h));
-                for r in at..at + rows {
-                    for &l in &q.features.layers {
+                // Each of its layers' plane among the union's.
+                let planes: Vec<&[f32]> = q
+                    .features
+                    .layers
+                    .iter()
+                    .map(|l| {
                         let j = union
                             .layers
                             .iter()
-                            .position(|&m| m == l)
+                            .position(|m| m == l)
                             .expect("in the union");
-                        let plane = &layers[j * total * h..(j + 1) * total * h];
+                        &layers[j * total * h..(j + 1) * total * h]
+                    })
+                    .collect();
+                let mut v = Vec::with_capacity(rows * q.features.width(h));
+                for r in at..at + rows {
+                    for plane in &planes {
                         v.extend_from_slice(&plane[r * h..(r + 1) * h]);
                     }
                     if q.features.final_state {

@@ -1,6 +1,7 @@
 //! Shared test helpers: fixture paths, the real model (fetched the way the CLI fetches it), loading.
 #![allow(dead_code)]
 
+pub mod adversary;
 pub mod batched;
 
 use std::path::{Path, PathBuf};
