@@ -7,6 +7,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use common::batched::assert_batched_head_drafts_equal_alone;
 use common::*;
 use verity::backend::cpu::CpuBackend;
 use verity::bundle::{Bundle, MtpStatus, Source};
@@ -298,6 +299,27 @@ fn a_chained_greedy_draft_equals_its_steps_run_one_by_one() {
             .draft_greedy(&mut hc, &[99_999], 1, &hidden[..H], 2)
             .is_err());
     }
+}
+
+/// Several requests' greedy drafts in one batched call (the catch-ups together, then each recursive step of
+/// the requests still drafting) give each request bitwise the tokens and head cache of its own chained draft:
+/// the tiny head with and without a draft vocabulary, and the trained SmolLM2 head on its 8-bit target.
+#[test]
+fn batched_head_drafts_give_every_request_its_own_drafts_bits() {
+    let ids: Vec<u32> = (0..320).step_by(3).collect();
+    let tokens = [5u32, 17, 42, 99, 7, 250, 31, 8, 64, 3, 128, 77, 19, 200];
+    for (tag, vocab) in [("mtp-batched", None), ("mtp-batched-vocab", Some(&ids[..]))] {
+        let d = tiny_with(tag, &tiny_head(9, vocab));
+        let bundle = Bundle::open(&d).unwrap();
+        let mut model = Model::load(&bundle, be()).unwrap();
+        let mut head = MtpHead::load(&bundle, &model).unwrap();
+        assert_batched_head_drafts_equal_alone(&mut model, &mut head, &tokens, tag);
+    }
+    let bundle = Bundle::open(&smollm2_mtp()).unwrap();
+    let mut model = Model::load(&bundle, be()).unwrap();
+    let mut head = MtpHead::load(&bundle, &model).unwrap();
+    let tokens: Vec<u32> = (0..14).map(|i| 100 + 37 * i).collect();
+    assert_batched_head_drafts_equal_alone(&mut model, &mut head, &tokens, "smollm2 head");
 }
 
 /// A recursive draft step from the state the step before left on the backend ([`HeadInput::Last`]) computes

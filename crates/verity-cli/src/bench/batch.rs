@@ -2,6 +2,11 @@
 //! continuous batching runs) against the same N sequences stepped one forward each, greedy, one token per
 //! sequence per step; arms interleaved per repeat, medians. Each arm decodes from the same prompts, so their
 //! tokens must agree exactly (a batched row is bitwise its own forward's): the record says whether they did.
+//!
+//! With `--draft-depth D` (a bundle with an MTP head) it also times the head's drafting for the N sequences:
+//! each step every sequence catches its head up on one position and drafts `D` tokens, in one batched call
+//! ([`MtpHead::draft_greedy_batched`]) against one chained draft per sequence ([`MtpHead::draft_greedy`]) —
+//! what a batched step's per-request drafting costs either way; the drafts must agree exactly too.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -14,7 +19,7 @@ use crate::device::{with_backend, Device, WithBackend};
 use verity::backend::Backend;
 use verity::bundle::Bundle;
 use verity::cache::KvCache;
-use verity::model::{Batch, LogitRows, Model, SeqForward, TargetFeatures};
+use verity::model::{Batch, HeadDraft, LogitRows, Model, MtpHead, SeqForward, TargetFeatures};
 
 use super::summary::median;
 
@@ -33,6 +38,9 @@ pub struct Args {
     steps: usize,
     #[arg(long, default_value_t = 3)]
     repeat: usize,
+    /// Also time the MTP head's drafts of this depth for the sequences, batched and one per sequence (0: off).
+    #[arg(long, default_value_t = 0)]
+    draft_depth: usize,
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -46,6 +54,19 @@ struct Record {
     /// batched / sequential.
     ratio: f64,
     /// Whether both arms decoded the same tokens in every run.
+    identical: bool,
+    /// With `--draft-depth`: milliseconds per step of the sequences' drafting, batched and one per sequence.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    drafting: Option<Drafting>,
+}
+
+#[derive(Serialize)]
+struct Drafting {
+    depth: usize,
+    batched_ms: f64,
+    sequential_ms: f64,
+    /// sequential / batched.
+    speedup: f64,
     identical: bool,
 }
 
@@ -134,9 +155,148 @@ fn decode<B: Backend>(
     Ok((tokens, t.elapsed().as_secs_f64()))
 }
 
+/// `n` sequences' target states at positions `0..context + steps` (each its own tokens) and their tokens.
+fn states<B: Backend>(
+    model: &mut Model<B>,
+    n: usize,
+    len: usize,
+) -> Result<Vec<(Vec<u32>, Vec<f32>)>> {
+    let vocab = model.hp.vocab as u32;
+    (0..n)
+        .map(|s| {
+            let tokens: Vec<u32> = (0..len)
+                .map(|i| ((i * 7919 + s * 104_729 + 13) as u32) % vocab)
+                .collect();
+            let mut cache = model.new_cache(len);
+            let mut hidden = Vec::new();
+            for (c, chunk) in tokens.chunks(64).enumerate() {
+                let out = model.forward_with_hidden(
+                    &mut cache,
+                    &Batch::causal(chunk, c * 64),
+                    LogitRows::None,
+                )?;
+                hidden.extend(out.final_hidden);
+            }
+            Ok((tokens, hidden))
+        })
+        .collect()
+}
+
+/// `steps` drafting steps of every sequence from position `context` on: each catches its head cache up on one
+/// position and drafts `depth` tokens, then keeps the caught-up row (as after a cycle that kept no draft). In
+/// one batched call per step or one chained draft per sequence: the drafts and the seconds taken.
+fn draft_steps<B: Backend>(
+    head: &mut MtpHead<B>,
+    seqs: &[(Vec<u32>, Vec<f32>)],
+    context: usize,
+    steps: usize,
+    depth: usize,
+    batched: bool,
+) -> Result<(Vec<Vec<u32>>, f64)> {
+    let h = head.hidden_size();
+    // Head caches caught up on positions 1..context (slot i holds position i + 1).
+    let mut caches = Vec::new();
+    for (tokens, hidden) in seqs {
+        let mut hc = head.new_cache(context + steps + depth);
+        head.draft_greedy(
+            &mut hc,
+            &tokens[1..context],
+            1,
+            &hidden[..(context - 1) * h],
+            1,
+        )?;
+        caches.push(hc);
+    }
+    let mut drafts = Vec::new();
+    let t = Instant::now();
+    for p in context..context + steps {
+        let one = |i: usize| (&seqs[i].0[p..=p], &seqs[i].1[(p - 1) * h..p * h]);
+        if batched {
+            let mut jobs: Vec<HeadDraft<B>> = caches
+                .iter_mut()
+                .enumerate()
+                .map(|(i, hc)| {
+                    let (tok, hid) = one(i);
+                    HeadDraft::new(hc, tok, p, hid, depth)
+                })
+                .collect();
+            drafts.extend(head.draft_greedy_batched(&mut jobs)?);
+        } else {
+            for (i, hc) in caches.iter_mut().enumerate() {
+                let (tok, hid) = one(i);
+                drafts.push(head.draft_greedy(hc, tok, p, hid, depth)?);
+            }
+        }
+        for hc in caches.iter_mut() {
+            hc.truncate(p);
+        }
+    }
+    Ok((drafts, t.elapsed().as_secs_f64()))
+}
+
+/// The batched arm and the one-per-sequence arm of `run(batched)` (what it decoded or drafted, and its seconds):
+/// a warm-up run of each, then `repeat` of each, alternating which goes first. The median seconds of each, and
+/// whether both always gave the same output.
+fn interleaved<T: PartialEq>(
+    repeat: usize,
+    mut run: impl FnMut(bool) -> Result<(T, f64)>,
+) -> Result<(f64, f64, bool)> {
+    let (mut batched, mut sequential) = (Vec::new(), Vec::new());
+    let mut identical = true;
+    for rep in 0..repeat + 1 {
+        let ((ob, sb), (os, ss)) = if rep % 2 == 0 {
+            let b = run(true)?;
+            (b, run(false)?)
+        } else {
+            let s = run(false)?;
+            (run(true)?, s)
+        };
+        identical &= ob == os;
+        if rep > 0 {
+            batched.push(sb);
+            sequential.push(ss);
+        }
+    }
+    Ok((median(batched), median(sequential), identical))
+}
+
+/// The drafting arms for `n` sequences, interleaved as the decode arms are.
+fn drafting<B: Backend>(
+    model: &mut Model<B>,
+    head: &mut MtpHead<B>,
+    a: &Args,
+    n: usize,
+) -> Result<Drafting> {
+    let seqs = states(model, n, a.context + a.steps + 1)?;
+    let (b, s, identical) = interleaved(a.repeat, |batched| {
+        draft_steps(head, &seqs, a.context, a.steps, a.draft_depth, batched)
+    })?;
+    let (b, s) = (1e3 * b / a.steps as f64, 1e3 * s / a.steps as f64);
+    Ok(Drafting {
+        depth: a.draft_depth,
+        batched_ms: b,
+        sequential_ms: s,
+        speedup: s / b,
+        identical,
+    })
+}
+
 fn run<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
     let path = crate::load::resolve(&a.model)?;
-    let mut model = Model::load(&Bundle::open(&path)?, backend)?;
+    let bundle = Bundle::open(&path)?;
+    let mut model = Model::load(&bundle, backend)?;
+    let mut head = match a.draft_depth {
+        0 => None,
+        d => {
+            ensure!(
+                d <= verity::model::MAX_CHAIN,
+                "--draft-depth is at most {}",
+                verity::model::MAX_CHAIN
+            );
+            ensure!(a.context >= 2, "--draft-depth needs --context of 2 or more");
+            Some(MtpHead::load(&bundle, &model)?)
+        }
+    };
     let counts: Vec<usize> = a
         .streams
         .split(',')
@@ -152,36 +312,32 @@ fn run<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
         "streams", "batched t/s", "sequential t/s", "ratio", "identical"
     );
     for &n in &counts {
-        let (mut batched, mut sequential) = (Vec::new(), Vec::new());
-        let mut identical = true;
-        // A warm-up run of each arm, then `repeat` of each, alternating which goes first; each from freshly
-        // prefilled caches.
-        for rep in 0..a.repeat + 1 {
-            let mut run_arm = |batched: bool| -> Result<(Vec<Vec<u32>>, f64)> {
-                let (mut caches, next) = prompts(&mut model, n, a.context)?;
-                decode(&mut model, &mut caches, next, a.steps, batched)
-            };
-            let ((tb, sb), (ts, ss)) = if rep % 2 == 0 {
-                let b = run_arm(true)?;
-                (b, run_arm(false)?)
-            } else {
-                let s = run_arm(false)?;
-                (run_arm(true)?, s)
-            };
-            identical &= tb == ts;
-            if rep > 0 {
-                batched.push((n * a.steps) as f64 / sb);
-                sequential.push((n * a.steps) as f64 / ss);
-            }
-        }
-        let (b, s) = (median(batched), median(sequential));
+        // Each run from freshly prefilled caches.
+        let (b, s, identical) = interleaved(a.repeat, |batched| {
+            let (mut caches, next) = prompts(&mut model, n, a.context)?;
+            decode(&mut model, &mut caches, next, a.steps, batched)
+        })?;
+        let (b, s) = ((n * a.steps) as f64 / b, (n * a.steps) as f64 / s);
         println!("{n:>7} {b:>12.1} {s:>14.1} {:>7.2} {identical:>9}", b / s);
+        let drafting = match head.as_mut() {
+            Some(head) => {
+                let d = drafting(&mut model, head, &a, n)?;
+                println!(
+                    "        drafting (depth {}): batched {:.3} ms/step, one per sequence {:.3} ms/step, {:.2}×, \
+                     identical {}",
+                    d.depth, d.batched_ms, d.sequential_ms, d.speedup, d.identical
+                );
+                Some(d)
+            }
+            None => None,
+        };
         records.push(Record {
             streams: n,
             batched_tok_s: b,
             sequential_tok_s: s,
             ratio: b / s,
             identical,
+            drafting,
         });
     }
     if let Some(p) = &a.json {

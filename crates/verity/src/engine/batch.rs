@@ -9,12 +9,14 @@
 //! request drafts with a proposer of its own ([`Proposer::for_request`]): the route's MTP head or block drafter
 //! (their weights and work buffers shared, a cache each, the target states each conditions on returned by the
 //! batched forward for its own rows), or copying from its own context where the route's proposer cannot be
-//! shared (a draft model). Each request's widths are chosen against what a drafted row costs the whole batch
-//! and what drafting costs it, and the steps stop drafting where drafting measurably lost
-//! ([`crate::speculative::BatchGate`]). The forward gives each row bitwise its own forward's logits and the draws are
-//! keyed by the request's seed and position, so every request gets bitwise the tokens it would get alone, on
-//! any route (every route's output is AR's), whichever requests share its steps, whatever they drafted and
-//! whenever it joined.
+//! shared (a draft model). The requests whose proposers share a model draft together: each queues its draft
+//! ([`Proposer::begin`]) and one batched call runs them all ([`Proposer::run_queued`]; an MTP head's forwards
+//! then read its weights once per step for every request). Each request's widths are chosen against what a
+//! drafted row costs the whole batch and what drafting costs it, and the steps stop drafting where drafting
+//! measurably lost ([`crate::speculative::BatchGate`]). The forward gives each row bitwise its own forward's
+//! logits and the draws are keyed by the request's seed and position, so every request gets bitwise the tokens
+//! it would get alone, on any route (every route's output is AR's), whichever requests share its steps,
+//! whatever they drafted and whenever it joined.
 
 use std::time::{Duration, Instant};
 
@@ -26,7 +28,7 @@ use crate::chat::Tokenizer;
 use crate::error::{Error, Result};
 use crate::model::{Batch, LogitRows, SeqForward, TargetFeatures};
 use crate::speculative::copy::SuffixCopy;
-use crate::speculative::{Controller, Draft, Outcome, Proposer, Route, Verifier};
+use crate::speculative::{Begun, Controller, Draft, Outcome, Proposer, Route, Verifier};
 
 /// One request being decoded in batched steps.
 pub struct Decoding<B: Backend> {
@@ -48,6 +50,8 @@ pub struct Decoding<B: Backend> {
     proposer: Option<Box<dyn Proposer>>,
     controllers: Vec<Controller>,
     source: usize,
+    /// This step's width.
+    width: usize,
     draft_s: f64,
     /// The target states its proposer conditions on (none without a proposer).
     features: TargetFeatures,
@@ -75,14 +79,16 @@ impl<B: Backend> Decoding<B> {
     /// This step's drafts, each drafted row costing the step `row_s` seconds at the batch's `rate` tokens per
     /// second: none while its prompt is prefilled or without a proposer, none past its token limit or the
     /// context (wasted there), none while the batch does not draft (`open` false) unless the request fixed its
-    /// width.
-    fn draft(&mut self, row_s: f64, rate: f64, open: bool) -> Result<Draft> {
+    /// width. A draft its proposer queued to run with other requests' is completed by [`Decoding::finish_draft`].
+    fn begin_draft(&mut self, row_s: f64, rate: f64, open: bool) -> Result<Begun> {
         self.draft_s = 0.0;
+        self.width = 0;
+        let nothing = Ok(Begun::Ready(Draft::default()));
         let (Some(p), None) = (&mut self.proposer, &self.prefill) else {
-            return Ok(Draft::default());
+            return nothing;
         };
         if !open && self.request.draft_width.is_none() {
-            return Ok(Draft::default());
+            return nothing;
         }
         let t = Instant::now();
         self.source = p.source(&self.context);
@@ -97,12 +103,29 @@ impl<B: Backend> Decoding<B> {
             Some(w) => w.min(offered),
             None => self.controllers[self.source].choose_in_batch(offered, row_s, rate),
         };
-        let mut draft = Draft::default();
-        if k > 0 {
-            draft = p.propose(&self.context, k)?;
-            draft.truncate(k);
-        }
+        let begun = match k {
+            0 => Begun::Ready(Draft::default()),
+            _ => p.begin(&self.context, k)?,
+        };
+        self.width = k;
         self.draft_s = t.elapsed().as_secs_f64();
+        Ok(begun)
+    }
+
+    /// The step's draft: `begun` itself, or the queued one (its share of the queue's run, `shared_s` seconds,
+    /// counted in its drafting time).
+    fn finish_draft(&mut self, begun: Begun, shared_s: f64) -> Result<Draft> {
+        let mut draft = match begun {
+            Begun::Ready(draft) => draft,
+            Begun::Queued => {
+                self.draft_s += shared_s;
+                self.proposer
+                    .as_mut()
+                    .expect("a queued draft has a proposer")
+                    .finish()?
+            }
+        };
+        draft.truncate(self.width);
         Ok(draft)
     }
 
@@ -171,6 +194,7 @@ impl<B: Backend> Engine<B> {
             proposer,
             controllers: Vec::new(),
             source: 0,
+            width: 0,
             draft_s: 0.0,
             features,
         };
@@ -276,9 +300,31 @@ impl<B: Backend> Engine<B> {
         } else {
             (0.0, 0.0) // nobody drafts
         };
+        let begun = live
+            .iter()
+            .map(|&i| batch[i].begin_draft(row_s, rate, open))
+            .collect::<Result<Vec<Begun>>>()?;
+        // The drafts queued on a shared model run together (the first of its requests runs them all), their
+        // time shared among them.
+        let queued: Vec<usize> = live
+            .iter()
+            .zip(&begun)
+            .filter(|(_, b)| matches!(b, Begun::Queued))
+            .map(|(&i, _)| i)
+            .collect();
+        let tq = Instant::now();
+        for &i in &queued {
+            let p = batch[i]
+                .proposer
+                .as_mut()
+                .expect("a queued draft has a proposer");
+            p.run_queued()?;
+        }
+        let shared_s = tq.elapsed().as_secs_f64() / queued.len().max(1) as f64;
         let drafts = live
             .iter()
-            .map(|&i| batch[i].draft(row_s, rate, open))
+            .zip(begun)
+            .map(|(&i, b)| batch[i].finish_draft(b, shared_s))
             .collect::<Result<Vec<Draft>>>()?;
         let t1 = Instant::now();
         let rows: Vec<Batch> = live

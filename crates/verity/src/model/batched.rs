@@ -9,11 +9,66 @@
 //! Models with Gated DeltaNet layers run their sequences one after another (their recurrence runs per sequence
 //! on the host either way).
 
-use super::decoder::{layer_rope, layer_shape, Scratch, MAX_STATE_LAYERS};
+use super::decoder::{layer_rope, layer_shape, Layer, Scratch, MAX_STATE_LAYERS};
 use super::{Batch, ForwardOutput, LogitRows, Model, TargetFeatures};
-use crate::backend::{AttnMask, Backend, StepInputs};
+use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
+use crate::bundle::hparams::HParams;
 use crate::cache::KvCache;
 use crate::error::Result;
+
+/// One sequence's rows in a batched layer ([`Layer::run_batched`]).
+pub(super) struct SeqRows<'a, B: Backend> {
+    pub(super) rows: usize,
+    pub(super) cache: &'a mut KvCache<B>,
+    /// Its own buffers: its step (positions, cache base, mask) and its attention's inputs and output.
+    pub(super) own: &'a mut Scratch<B>,
+}
+
+impl<B: Backend> Layer<B> {
+    /// The block over the rows of several sequences held together in `s` (`total` rows, sequence after
+    /// sequence): the projections and the MLP once over all rows (each weight read once for the batch), each
+    /// sequence's RoPE, cache write (its cache layer `cache_layer`) and attention (of `shape(rows)`) in its own
+    /// buffers over its own cache. Row-exact projections make every row bitwise what its sequence's own
+    /// [`Layer::run`] gives.
+    #[allow(clippy::too_many_arguments)] // `run`'s inputs, per sequence
+    pub(super) fn run_batched(
+        &self,
+        be: &B,
+        hp: &HParams,
+        rope: Rope,
+        cache_layer: usize,
+        shape: impl Fn(usize) -> AttnShape,
+        s: &mut Scratch<B>,
+        total: usize,
+        seqs: &mut [SeqRows<B>],
+    ) {
+        let (qd, kvd) = (hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim);
+        self.qkv_projections(be, hp, s, total);
+        let mut at = 0;
+        for q in seqs.iter_mut() {
+            let (rows, o) = (q.rows, &mut *q.own);
+            be.copy(&s.q, at * qd, &mut o.q, 0, rows * qd);
+            be.copy(&s.k, at * kvd, &mut o.k, 0, rows * kvd);
+            be.copy(&s.v, at * kvd, &mut o.v, 0, rows * kvd);
+            let shape = shape(rows);
+            let cache = &mut *q.cache;
+            let (kc, vc) = (&mut cache.k[cache_layer], &mut cache.v[cache_layer]);
+            be.rope_and_cache(&mut o.q, &mut o.k, &o.v, kc, vc, shape, rope, &o.step);
+            be.attention(
+                &o.q,
+                kc,
+                vc,
+                &mut cache.attn_work,
+                shape,
+                &o.step,
+                &mut o.attn,
+            );
+            be.copy(&o.attn, 0, &mut s.attn, at * qd, rows * qd);
+            at += rows;
+        }
+        self.finish(be, hp, s, total);
+    }
+}
 
 /// One sequence's part of a batched forward.
 pub struct SeqForward<'a, B: Backend> {
@@ -123,46 +178,23 @@ impl<B: Backend> Model<B> {
     ) {
         let be = self.backend.as_ref();
         let hp = &self.hp;
-        let (h, qd) = (hp.hidden, hp.n_heads * hp.head_dim);
-        let kvd = hp.n_kv_heads * hp.head_dim;
+        let h = hp.hidden;
         be.embed(&self.embed, &s.step, total, &mut s.x);
         if let Some(scale) = hp.block.embedding_scale {
             be.scale(&mut s.x, total * h, scale);
         }
+        let mut parts: Vec<SeqRows<B>> = seqs
+            .iter_mut()
+            .zip(own.iter_mut())
+            .map(|(q, own)| SeqRows {
+                rows: q.batch.rows(),
+                cache: &mut *q.cache,
+                own,
+            })
+            .collect();
         for (l, layer) in self.layers.iter().enumerate() {
-            layer.qkv_projections(be, hp, s, total);
-            let mut at = 0;
-            for (q, o) in seqs.iter_mut().zip(own.iter_mut()) {
-                let rows = q.batch.rows();
-                be.copy(&s.q, at * qd, &mut o.q, 0, rows * qd);
-                be.copy(&s.k, at * kvd, &mut o.k, 0, rows * kvd);
-                be.copy(&s.v, at * kvd, &mut o.v, 0, rows * kvd);
-                let shape = layer_shape(hp, l, rows);
-                let cache = &mut *q.cache;
-                let (kc, vc) = (&mut cache.k[l], &mut cache.v[l]);
-                be.rope_and_cache(
-                    &mut o.q,
-                    &mut o.k,
-                    &o.v,
-                    kc,
-                    vc,
-                    shape,
-                    layer_rope(hp, l),
-                    &o.step,
-                );
-                be.attention(
-                    &o.q,
-                    kc,
-                    vc,
-                    &mut cache.attn_work,
-                    shape,
-                    &o.step,
-                    &mut o.attn,
-                );
-                be.copy(&o.attn, 0, &mut s.attn, at * qd, rows * qd);
-                at += rows;
-            }
-            layer.finish(be, hp, s, total);
+            let shape = |rows| layer_shape(hp, l, rows);
+            layer.run_batched(be, hp, layer_rope(hp, l), l, shape, s, total, &mut parts);
             if let Some(j) = states.layers.iter().position(|&m| m == l) {
                 be.copy(&s.x, 0, &mut s.states, j * total * h, total * h);
             }

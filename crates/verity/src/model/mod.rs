@@ -14,7 +14,7 @@ mod mtp;
 pub use batched::SeqForward;
 pub use decoder::{Model, MAX_STATE_LAYERS};
 pub use drafter::BlockDrafter;
-pub use mtp::{HeadInput, HeadOutput, MtpHead, MAX_CHAIN};
+pub use mtp::{HeadDraft, HeadInput, HeadOutput, MtpHead, MAX_CHAIN};
 
 use std::hash::{Hash, Hasher};
 

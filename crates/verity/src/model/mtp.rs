@@ -17,6 +17,7 @@
 
 use std::sync::Arc;
 
+use super::batched::SeqRows;
 use super::decoder::{Layer, Scratch};
 use super::{drafting_cache, drafting_matrix, drafting_qmatrix, run_recorded, DraftVocab, Model};
 use crate::backend::RopeStyle;
@@ -108,6 +109,8 @@ pub struct MtpHead<B: Backend> {
     /// `draft_vocab` on the backend, as f32s ([`Backend::draft_token`]).
     token_table: Option<B::Buffer>,
     scratch: Option<HeadScratch<B>>,
+    /// Each request's attention buffers in a batched draft ([`MtpHead::draft_greedy_batched`]).
+    seq_scratch: Vec<Scratch<B>>,
     /// Rows of the last forward, whose outputs the scratch holds (0: none yet).
     last_rows: usize,
     /// Whether a forward does host work mid-way (an attention gate, a mixture's routing), which a recording
@@ -216,6 +219,7 @@ impl<B: Backend> MtpHead<B> {
             draft_vocab,
             token_table,
             scratch: None,
+            seq_scratch: Vec::new(),
             last_rows: 0,
             host_work,
             backend,
@@ -470,7 +474,50 @@ impl<B: Backend> MtpHead<B> {
     fn encode(&self, cache: &mut KvCache<B>, rows: usize, greedy: bool, s: &mut HeadScratch<B>) {
         let be = self.backend.as_ref();
         let hp = &self.hp;
-        let (h, eps) = (hp.hidden, hp.rms_eps);
+        self.fuse(rows, s);
+        let rope = rotation(hp, self.rope);
+        for (i, block) in self.blocks.iter().enumerate() {
+            let (kc, vc) = (&mut cache.k[i], &mut cache.v[i]);
+            block.run(
+                be,
+                hp,
+                rope,
+                &mut s.block,
+                [kc, vc, &mut cache.attn_work],
+                self.shape(rows),
+            );
+        }
+        be.rms_norm(
+            &s.block.x,
+            &self.final_norm,
+            rows,
+            hp.hidden,
+            hp.rms_eps,
+            &mut s.block.xn,
+        );
+        be.copy(
+            &s.block.xn,
+            (rows - 1) * hp.hidden,
+            &mut s.block.tmp,
+            0,
+            hp.hidden,
+        );
+        be.matmul(&self.lm_head, &s.block.tmp, 1, &mut s.block.logits);
+        if greedy {
+            be.argmax(
+                &s.block.logits,
+                1,
+                self.draft_vocab_len(),
+                &mut s.block.greedy,
+            );
+        }
+    }
+
+    /// The head's input for `rows` rows whose step and incoming states (`s.h`) are written: the fused embedding
+    /// and hidden state, into `s.block.x`.
+    fn fuse(&self, rows: usize, s: &mut HeadScratch<B>) {
+        let be = self.backend.as_ref();
+        let (h, eps) = (self.hp.hidden, self.hp.rms_eps);
         be.embed(&self.embed, &s.block.step, rows, &mut s.block.tmp);
         be.rms_norm(&s.block.tmp, &self.embedding_norm, rows, h, eps, &mut s.e);
         be.rms_norm(&s.h, &self.hidden_norm, rows, h, eps, &mut s.hn);
@@ -487,36 +534,195 @@ impl<B: Backend> MtpHead<B> {
                 be.matmul_add(hidden, &s.hn, rows, &mut s.block.x);
             }
         }
-        let shape = AttnShape {
+    }
+
+    /// The shape of a head block's attention over `rows` rows (full attention: a head has no window).
+    fn shape(&self, rows: usize) -> AttnShape {
+        let hp = &self.hp;
+        AttnShape {
             rows,
             n_heads: hp.n_heads,
             n_kv_heads: hp.n_kv_heads,
             head_dim: hp.head_dim,
             scale: 1.0 / (hp.head_dim as f32).sqrt(),
             window: None,
-        };
-        let rope = rotation(hp, self.rope);
-        for (i, block) in self.blocks.iter().enumerate() {
-            let (kc, vc) = (&mut cache.k[i], &mut cache.v[i]);
-            block.run(
-                be,
-                hp,
-                rope,
-                &mut s.block,
-                [kc, vc, &mut cache.attn_work],
-                shape,
-            );
         }
-        be.rms_norm(&s.block.x, &self.final_norm, rows, h, eps, &mut s.block.xn);
-        be.copy(&s.block.xn, (rows - 1) * h, &mut s.block.tmp, 0, h);
-        be.matmul(&self.lm_head, &s.block.tmp, 1, &mut s.block.logits);
-        if greedy {
+    }
+
+    /// Greedy drafts for several requests, each as [`MtpHead::draft_greedy`] gives it alone (bitwise the same
+    /// tokens and cache): the catch-ups of all of them in one forward, then each recursive step of the requests
+    /// still drafting in one forward. A forward runs the fusion, the blocks' projections and the output layer
+    /// once over every request's rows (each weight read once for all of them, where per-request drafting reads
+    /// them once per request and step), each request's attention over its own cache. The host picks each
+    /// step's tokens (one wait per step, not per draft).
+    pub fn draft_greedy_batched(&mut self, jobs: &mut [HeadDraft<B>]) -> Result<Vec<Vec<u32>>> {
+        let hd = self.hp.hidden;
+        for j in jobs.iter() {
+            let rows = j.tokens.len();
+            if rows == 0 || j.hidden.len() != rows * hd || !(1..=MAX_CHAIN).contains(&j.depth) {
+                return Err(Error::Invalid(format!(
+                    "MTP head: a batched draft of depth {} (at most {MAX_CHAIN}) after {rows} tokens with {} \
+                     hidden values",
+                    j.depth,
+                    j.hidden.len()
+                )));
+            }
+            self.check_tokens(j.tokens)?;
+        }
+        let be = self.backend.clone();
+        let be = be.as_ref();
+        for j in jobs.iter_mut() {
+            j.cache.reserve(be, j.tokens.len() + j.depth - 1)?;
+        }
+        let n = jobs.len();
+        let total: usize = jobs.iter().map(|j| j.tokens.len()).sum();
+        let mut s = self.scratch(total.max(n));
+        let mut own = std::mem::take(&mut self.seq_scratch);
+        own.resize_with(own.len().max(n), || Scratch::new(be, &self.hp, 1, 1));
+        let mut drafted: Vec<Vec<u32>> = vec![Vec::new(); n];
+        let depth = jobs.iter().map(|j| j.depth).max().unwrap_or(0);
+        for i in 0..depth {
+            // Step 0: every catch-up, its rows' states from the host; step i: one row for each request still
+            // drafting, its state the last output row its request had in the step before.
+            let mut tokens = Vec::new();
+            let mut positions = Vec::new();
+            let mut states = Vec::new();
+            let mut row = 0;
+            for (j, (job, o)) in jobs.iter_mut().zip(own.iter_mut()).enumerate() {
+                if job.depth <= i {
+                    continue;
+                }
+                let (t, first) = if i == 0 {
+                    (job.tokens.to_vec(), job.start)
+                } else {
+                    (
+                        vec![drafted[j][i - 1]],
+                        job.start + job.tokens.len() + i - 1,
+                    )
+                };
+                let p: Vec<usize> = (first..first + t.len()).collect();
+                if o.rows < t.len() {
+                    *o = Scratch::new(be, &self.hp, t.len(), 1);
+                }
+                write_step(be, &mut o.step, &t, first, job.cache.len());
+                if i == 0 {
+                    states.extend_from_slice(job.hidden);
+                } else {
+                    let last = job.last_row;
+                    be.copy(&s.block.xn, last * hd, &mut s.h, row * hd, hd);
+                }
+                job.last_row = row + t.len() - 1;
+                row += t.len();
+                tokens.extend(t);
+                positions.extend(p);
+            }
+            if i == 0 {
+                be.write(&mut s.h, &states);
+            }
+            be.set_step(
+                &mut s.block.step,
+                StepInputs {
+                    tokens: &tokens,
+                    positions: &positions,
+                    base: 0,
+                    mask: &AttnMask::Causal,
+                },
+            );
+            let rows = tokens.len();
+            let mut parts: Vec<SeqRows<B>> = jobs
+                .iter_mut()
+                .zip(own.iter_mut())
+                .filter(|(job, _)| job.depth > i)
+                .map(|(job, own)| SeqRows {
+                    rows: if i == 0 { job.tokens.len() } else { 1 },
+                    cache: &mut *job.cache,
+                    own,
+                })
+                .collect();
+            self.encode_batched(&mut parts, rows, &mut s);
+            for part in parts.iter_mut() {
+                part.cache.advance(part.rows);
+            }
+            // Each request's last row through the output layer, together.
+            let drafting: Vec<usize> = (0..n).filter(|&j| jobs[j].depth > i).collect();
+            for (r, &j) in drafting.iter().enumerate() {
+                be.copy(
+                    &s.block.xn,
+                    jobs[j].last_row * hd,
+                    &mut s.block.tmp,
+                    r * hd,
+                    hd,
+                );
+            }
+            let m = drafting.len();
+            be.matmul(&self.lm_head, &s.block.tmp, m, &mut s.block.logits);
             be.argmax(
                 &s.block.logits,
-                1,
+                m,
                 self.draft_vocab_len(),
                 &mut s.block.greedy,
             );
+            for (&j, t) in drafting.iter().zip(be.download(&s.block.greedy, m)) {
+                drafted[j].push(self.token(t as usize));
+            }
+        }
+        self.scratch = Some(s);
+        self.seq_scratch = own;
+        // The scratch's outputs are no single forward's last rows: a step from the last output needs a forward
+        // of its own first.
+        self.last_rows = 0;
+        Ok(drafted)
+    }
+
+    /// The blocks over the rows of several requests held together in `s` (their fused inputs written): each
+    /// request's attention over its own cache, every row's final state into `s.block.xn`.
+    fn encode_batched(&self, seqs: &mut [SeqRows<B>], total: usize, s: &mut HeadScratch<B>) {
+        let be = self.backend.as_ref();
+        let hp = &self.hp;
+        self.fuse(total, s);
+        let rope = rotation(hp, self.rope);
+        for (i, block) in self.blocks.iter().enumerate() {
+            let shape = |rows| self.shape(rows);
+            block.run_batched(be, hp, rope, i, shape, &mut s.block, total, seqs);
+        }
+        be.rms_norm(
+            &s.block.x,
+            &self.final_norm,
+            total,
+            hp.hidden,
+            hp.rms_eps,
+            &mut s.block.xn,
+        );
+    }
+}
+
+/// One request's part of [`MtpHead::draft_greedy_batched`]: what [`MtpHead::draft_greedy`] takes.
+pub struct HeadDraft<'a, B: Backend> {
+    pub cache: &'a mut KvCache<B>,
+    /// The catch-up's tokens, at positions `start..`, row `i` conditioned on `hidden` row `i`.
+    pub tokens: &'a [u32],
+    pub start: usize,
+    pub hidden: &'a [f32],
+    pub depth: usize,
+    /// Where its last output row lies in the forward before (the next step's incoming state).
+    last_row: usize,
+}
+
+impl<'a, B: Backend> HeadDraft<'a, B> {
+    pub fn new(
+        cache: &'a mut KvCache<B>,
+        tokens: &'a [u32],
+        start: usize,
+        hidden: &'a [f32],
+        depth: usize,
+    ) -> Self {
+        HeadDraft {
+            cache,
+            tokens,
+            start,
+            hidden,
+            depth,
+            last_row: 0,
         }
     }
 }

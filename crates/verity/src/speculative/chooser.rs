@@ -24,8 +24,8 @@
 //! part. Each proposer learns (widths, silence) only from the cycles it drafted.
 
 use super::copy::{SuffixCopy, MAX_MATCH, MIN_MATCH};
-use super::proposer::{Draft, Outcome, Proposer};
-use crate::error::Result;
+use super::proposer::{Begun, Draft, Outcome, Proposer};
+use crate::error::{Error, Result};
 use crate::model::TargetFeatures;
 use crate::sample::SamplerConfig;
 
@@ -106,6 +106,17 @@ pub struct Chooser {
     model_rank: Vec<Yield>,
     /// The current cycle's decision ([`Proposer::source`]), until it is observed.
     decision: Option<Decision>,
+    /// A model's draft queued in a batched step ([`Proposer::begin`]): the model, and the copy match's draft
+    /// that joins it as branches, within the width.
+    queued: Option<(usize, Option<Draft>, usize)>,
+}
+
+/// Who drafts this cycle, at its width.
+enum Turn {
+    /// Copying, with this draft.
+    Copied(Draft),
+    /// The model of this index, with the copy match's draft (cut to the width) to merge in, if any.
+    Model(usize, Option<Draft>),
 }
 
 /// Whether side `a` drafts rather than side `b`: `prior` until both have a record (a side without one is tried
@@ -146,6 +157,7 @@ impl Chooser {
             hidden,
             copy_yield: Default::default(),
             decision: None,
+            queued: None,
         }
     }
 
@@ -212,6 +224,36 @@ impl Chooser {
     }
 }
 
+impl Chooser {
+    /// Who drafts after `context` at width `k`: copying (its match's draft, cut to this width: the nodes it would
+    /// have had were it looked up at `k`), or a model.
+    fn turn(&mut self, context: &[u32], k: usize) -> Turn {
+        let source = self.decide(context);
+        let copied = self
+            .decision
+            .as_ref()
+            .and_then(|d| d.matched.as_ref())
+            .map(|(_, draft)| {
+                let mut draft = draft.clone();
+                draft.truncate(k);
+                draft
+            });
+        match (source, copied) {
+            (Source::Copy(_), Some(draft)) => Turn::Copied(draft),
+            (Source::Model(m), copied) => Turn::Model(m, copied),
+            (Source::Copy(_), None) => unreachable!("copying decided on a match"),
+        }
+    }
+}
+
+/// A model's draft with the copy match's continuations joined as branches, in the rows it left of width `k`.
+fn with_branches(mut draft: Draft, copied: Option<Draft>, k: usize) -> Draft {
+    if let Some(copied) = copied {
+        draft.merge(&copied, k);
+    }
+    draft
+}
+
 impl Proposer for Chooser {
     fn name(&self) -> &'static str {
         self.name
@@ -228,6 +270,7 @@ impl Proposer for Chooser {
         self.models.iter_mut().for_each(|m| m.reset(sampling));
         self.copy_yield = Default::default();
         self.model_yield = vec![Yield::default(); self.models.len()];
+        self.queued = None;
     }
 
     fn source(&mut self, context: &[u32]) -> usize {
@@ -245,31 +288,48 @@ impl Proposer for Chooser {
     }
 
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft> {
-        let source = self.decide(context);
-        // The match's draft, cut to this width: the nodes it would have had were it looked up at `k`.
-        let copied = self
-            .decision
-            .as_ref()
-            .and_then(|d| d.matched.as_ref())
-            .map(|(_, draft)| {
-                let mut draft = draft.clone();
-                draft.truncate(k);
-                draft
-            });
-        let m = match (source, &copied) {
-            (Source::Copy(_), Some(draft)) => return Ok(draft.clone()),
-            (Source::Model(m), _) => m,
-            (Source::Copy(_), None) => unreachable!("copying decided on a match"),
-        };
-        let mut draft = self.models[m].propose(context, k)?;
-        // The match's continuations join the model's drafts as branches, in the rows it left of the width.
-        if let Some(copied) = copied {
-            draft.merge(&copied, k);
+        match self.turn(context, k) {
+            Turn::Copied(draft) => Ok(draft),
+            Turn::Model(m, copied) => {
+                let draft = self.models[m].propose(context, k)?;
+                Ok(with_branches(draft, copied, k))
+            }
         }
-        Ok(draft)
+    }
+
+    fn begin(&mut self, context: &[u32], k: usize) -> Result<Begun> {
+        match self.turn(context, k) {
+            Turn::Copied(draft) => Ok(Begun::Ready(draft)),
+            Turn::Model(m, copied) => match self.models[m].begin(context, k)? {
+                Begun::Ready(draft) => Ok(Begun::Ready(with_branches(draft, copied, k))),
+                Begun::Queued => {
+                    self.queued = Some((m, copied, k));
+                    Ok(Begun::Queued)
+                }
+            },
+        }
+    }
+
+    fn run_queued(&mut self) -> Result<()> {
+        match self.queued {
+            Some((m, ..)) => self.models[m].run_queued(),
+            None => Ok(()),
+        }
+    }
+
+    fn finish(&mut self) -> Result<Draft> {
+        let Some((m, copied, k)) = self.queued.take() else {
+            return Err(Error::Invalid(format!(
+                "{}: no queued draft to finish",
+                self.name
+            )));
+        };
+        let draft = self.models[m].finish()?;
+        Ok(with_branches(draft, copied, k))
     }
 
     fn observe(&mut self, outcome: &Outcome) {
+        self.queued = None;
         let tokens = (outcome.kept.len() + 1) as f64;
         let seconds = outcome.draft_s + outcome.verify_s;
         let source = self.decision.take().map_or(Source::Model(0), |d| d.source);

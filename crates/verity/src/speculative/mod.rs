@@ -26,6 +26,6 @@ mod route;
 pub mod verify;
 
 pub use controller::{BatchGate, Controller, RowCost};
-pub use proposer::{Draft, Outcome, Proposer};
+pub use proposer::{Begun, Draft, Outcome, Proposer};
 pub use route::{build, plan, Plan, Route, SpecMode};
 pub use verify::{Verdict, Verifier};

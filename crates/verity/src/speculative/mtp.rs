@@ -24,21 +24,47 @@
 //! - Greedy drafts run as one chain on the backend ([`MtpHead::draft_greedy`]): each recursive step's token is
 //!   the step before's argmax, picked where it lies, so the host queues the catch-up and every step at once and
 //!   waits once — the same tokens as stepping through the host.
+//! - In batched steps the per-request proposers of one head queue their greedy drafts ([`Proposer::begin`]) and
+//!   the first to run the queue drafts for all of them in one batched call ([`MtpHead::draft_greedy_batched`]):
+//!   each of the head's forwards then reads its weights once for every request instead of once per request,
+//!   with each request's tokens and head cache bitwise what its own draft gives.
 
-use super::proposer::{Draft, Outcome, Proposer, Shared};
+use super::proposer::{Begun, Draft, Outcome, Proposer, Shared};
 use crate::backend::Backend;
 use crate::cache::KvCache;
-use crate::error::Result;
-use crate::model::{HeadInput, HeadOutput, MtpHead, TargetFeatures};
+use crate::error::{Error, Result};
+use crate::model::{HeadDraft, HeadInput, HeadOutput, MtpHead, TargetFeatures};
 use crate::sample::{Sampler, SamplerConfig};
 
 /// The deepest recursion offered to the controller.
 pub const MAX_DEPTH: usize = 8;
 
+/// A head and the greedy drafts its per-request proposers queued in a batched step.
+struct SharedHead<B: Backend> {
+    head: MtpHead<B>,
+    queue: Vec<Queued<B>>,
+}
+
+/// A queued greedy draft: [`MtpHead::draft_greedy`]'s inputs, and the request's cache and draft slot.
+struct Queued<B: Backend> {
+    slot: Shared<Slot<B>>,
+    tokens: Vec<u32>,
+    start: usize,
+    hidden: Vec<f32>,
+    depth: usize,
+}
+
+/// A request's head cache, and its queued draft's tokens once the queue has run (shared with the head's queue
+/// while the draft waits there).
+struct Slot<B: Backend> {
+    cache: KvCache<B>,
+    drafted: Option<Vec<u32>>,
+}
+
 pub struct MtpProposer<B: Backend> {
     /// The head, shared with the per-request proposers of batched steps ([`Proposer::for_request`]).
-    head: Shared<MtpHead<B>>,
-    cache: KvCache<B>,
+    head: Shared<SharedHead<B>>,
+    slot: Shared<Slot<B>>,
     vocab: usize,
     hidden: usize,
     context_len: usize,
@@ -59,18 +85,25 @@ pub struct MtpProposer<B: Backend> {
 
 impl<B: Backend> MtpProposer<B> {
     pub fn new(head: MtpHead<B>, vocab: usize, context_len: usize) -> Result<Self> {
+        let head = SharedHead {
+            head,
+            queue: Vec::new(),
+        };
         Self::sharing(Shared::new(head), vocab, context_len)
     }
 
     /// A proposer of its own over a shared head.
-    fn sharing(head: Shared<MtpHead<B>>, vocab: usize, context_len: usize) -> Result<Self> {
+    fn sharing(head: Shared<SharedHead<B>>, vocab: usize, context_len: usize) -> Result<Self> {
         let (cache, hidden) = {
-            let h = head.lock();
+            let h = &head.lock().head;
             (h.new_cache(context_len), h.hidden_size())
         };
         Ok(MtpProposer {
             head,
-            cache,
+            slot: Shared::new(Slot {
+                cache,
+                drafted: None,
+            }),
             vocab,
             hidden,
             context_len,
@@ -102,7 +135,7 @@ impl<B: Backend> MtpProposer<B> {
             .take_while(|(a, b)| a == b)
             .count();
         self.cached.truncate(agree);
-        self.cache.truncate(agree);
+        self.slot.lock().cache.truncate(agree);
         self.committed = agree;
     }
 
@@ -111,7 +144,7 @@ impl<B: Backend> MtpProposer<B> {
     /// step returns alone ([`MtpProposer::greedy`]); sampled ones are the head's sample with the request's
     /// seed at that position, tokens outside the draft vocabulary at probability 0.
     fn choose(&self, out: &HeadOutput, history: &[u32]) -> u32 {
-        let head = self.head.lock();
+        let head = &self.head.lock().head;
         if let Some(t) = out.greedy {
             return head.token(t as usize);
         }
@@ -139,16 +172,43 @@ impl<B: Backend> MtpProposer<B> {
             // Start (or restart) the head's cache where the target's hidden states begin.
             self.first = self.hid_start + 1;
             self.cached.clear();
-            self.cache.truncate(0);
+            self.slot.lock().cache.truncate(0);
             next = self.first;
         } else if next > n {
             // Asked again without a commit in between: redo position `n` only.
             let keep = n - self.first;
             self.cached.truncate(keep);
-            self.cache.truncate(keep);
+            self.slot.lock().cache.truncate(keep);
             next = n;
         }
         Some((next, n))
+    }
+
+    /// A greedy draft of up to `k` tokens over this proposer's cache, the catch-up over positions `next..=n` (as
+    /// deep as the head cache has room for); the proposer counts the catch-up as committed.
+    fn greedy_draft(&mut self, context: &[u32], next: usize, n: usize, k: usize) -> Queued<B> {
+        let h = self.hidden;
+        let caught = n + 1 - next;
+        let (before, room) = {
+            let slot = self.slot.lock();
+            let before = slot.cache.len();
+            (
+                before,
+                slot.cache.max_capacity().saturating_sub(before + caught),
+            )
+        };
+        let job = Queued {
+            slot: self.slot.clone(),
+            tokens: context[next..=n].to_vec(),
+            start: next,
+            hidden: self.hid[(next - 1 - self.hid_start) * h..(n - self.hid_start) * h].to_vec(),
+            depth: k.min(MAX_DEPTH).min(room + 1),
+        };
+        self.cached.extend_from_slice(&context[next..=n]);
+        self.committed = before + caught;
+        // Consumed: the next catch-up starts at n + 1 and needs h_n onwards, which the next verify reports.
+        self.hid.clear();
+        job
     }
 
     /// The head over positions `next..=n`, each row conditioned on the target's hidden state of the one before;
@@ -157,15 +217,17 @@ impl<B: Backend> MtpProposer<B> {
         let h = self.hidden;
         let greedy = self.greedy();
         let rows = &self.hid[(next - 1 - self.hid_start) * h..(n - self.hid_start) * h];
-        let out = self.head.lock().draft(
-            &mut self.cache,
+        let mut head = self.head.lock();
+        let mut slot = self.slot.lock();
+        let out = head.head.draft(
+            &mut slot.cache,
             &context[next..=n],
             next,
             HeadInput::Host(rows),
             greedy,
         )?;
         self.cached.extend_from_slice(&context[next..=n]);
-        self.committed = self.cache.len();
+        self.committed = slot.cache.len();
         // Consumed: the next catch-up starts at n + 1 and needs h_n onwards, which the next verify reports.
         self.hid.clear();
         Ok(out)
@@ -178,7 +240,7 @@ impl<B: Backend> Proposer for MtpProposer<B> {
     }
 
     fn forget(&mut self) {
-        self.cache.truncate(0);
+        self.slot.lock().cache.truncate(0);
         self.cached.clear();
         self.first = 0;
         self.committed = 0;
@@ -223,22 +285,16 @@ impl<B: Backend> Proposer for MtpProposer<B> {
         if greedy && self.chain {
             // Every draft step's inputs but its token are known ahead: the catch-up and the recursive steps run
             // as one chain on the backend, with one download (as many steps as the head cache holds).
-            let h = self.hidden;
-            let rows = &self.hid[(next - 1 - self.hid_start) * h..(n - self.hid_start) * h];
-            let caught = n + 1 - next;
-            let before = self.cache.len();
-            let room = self.cache.max_capacity().saturating_sub(before + caught);
-            let depth = k.min(MAX_DEPTH).min(room + 1);
-            let tokens = self.head.lock().draft_greedy(
-                &mut self.cache,
-                &context[next..=n],
-                next,
-                rows,
-                depth,
+            let job = self.greedy_draft(context, next, n, k);
+            let mut head = self.head.lock();
+            let mut slot = self.slot.lock();
+            let tokens = head.head.draft_greedy(
+                &mut slot.cache,
+                &job.tokens,
+                job.start,
+                &job.hidden,
+                job.depth,
             )?;
-            self.cached.extend_from_slice(&context[next..=n]);
-            self.committed = before + caught;
-            self.hid.clear();
             return Ok(Draft::chain(tokens));
         }
         let mut out = self.run_catch_up(context, next, n)?;
@@ -249,24 +305,65 @@ impl<B: Backend> Proposer for MtpProposer<B> {
             tokens.push(tok);
             history.push(tok);
             if i + 1 < k.min(MAX_DEPTH) {
-                if self.cache.len() + 1 > self.cache.max_capacity() {
+                let mut head = self.head.lock();
+                let mut slot = self.slot.lock();
+                if slot.cache.len() + 1 > slot.cache.max_capacity() {
                     break;
                 }
                 // The head's own output state, left on the device by the step before.
-                out = self.head.lock().draft(
-                    &mut self.cache,
-                    &[tok],
-                    n + 1 + i,
-                    HeadInput::Last,
-                    greedy,
-                )?;
+                out =
+                    head.head
+                        .draft(&mut slot.cache, &[tok], n + 1 + i, HeadInput::Last, greedy)?;
             }
         }
         Ok(Draft::chain(tokens))
     }
 
+    fn begin(&mut self, context: &[u32], k: usize) -> Result<Begun> {
+        if k == 0 || !(self.greedy() && self.chain) {
+            return self.propose(context, k).map(Begun::Ready);
+        }
+        let Some((next, n)) = self.prepare(context) else {
+            return Ok(Begun::Ready(Draft::default()));
+        };
+        let job = self.greedy_draft(context, next, n, k);
+        self.head.lock().queue.push(job);
+        Ok(Begun::Queued)
+    }
+
+    fn run_queued(&mut self) -> Result<()> {
+        let mut head = self.head.lock();
+        let queue = std::mem::take(&mut head.queue);
+        if queue.is_empty() {
+            return Ok(());
+        }
+        let mut slots: Vec<_> = queue.iter().map(|q| q.slot.lock()).collect();
+        let mut jobs: Vec<HeadDraft<B>> = queue
+            .iter()
+            .zip(slots.iter_mut())
+            .map(|(q, slot)| {
+                HeadDraft::new(&mut slot.cache, &q.tokens, q.start, &q.hidden, q.depth)
+            })
+            .collect();
+        let drafted = head.head.draft_greedy_batched(&mut jobs)?;
+        drop(jobs);
+        for (slot, tokens) in slots.iter_mut().zip(drafted) {
+            slot.drafted = Some(tokens);
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self) -> Result<Draft> {
+        match self.slot.lock().drafted.take() {
+            Some(tokens) => Ok(Draft::chain(tokens)),
+            None => Err(Error::Invalid("mtp: the queued draft has not run".into())),
+        }
+    }
+
     fn observe(&mut self, _outcome: &Outcome) {
-        self.cache.truncate(self.committed);
+        let mut slot = self.slot.lock();
+        slot.drafted = None;
+        slot.cache.truncate(self.committed);
     }
 
     fn for_request(&self) -> Option<Box<dyn Proposer>> {

@@ -197,6 +197,16 @@ impl<'a> Outcome<'a> {
     }
 }
 
+/// A draft begun in a batched step ([`Proposer::begin`]).
+#[derive(Debug)]
+pub enum Begun {
+    /// Drafted already (by copying, or by a model that drafts alone).
+    Ready(Draft),
+    /// Its model's forwards wait in a queue shared with other requests' proposers: [`Proposer::run_queued`]
+    /// runs them together, then [`Proposer::finish`] returns the draft.
+    Queued,
+}
+
 pub trait Proposer: Send {
     fn name(&self) -> &'static str;
 
@@ -226,6 +236,27 @@ pub trait Proposer: Send {
     /// far, including the one that starts the next verify batch).
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft>;
 
+    /// [`Proposer::propose`] in a batched step: where the drafting model is shared with other requests'
+    /// proposers ([`Proposer::for_request`]), its forwards are queued to run together with theirs (each weight
+    /// read once for all of them) and the draft is [`Begun::Queued`]; the same tokens as `propose` either way.
+    fn begin(&mut self, context: &[u32], k: usize) -> Result<Begun> {
+        self.propose(context, k).map(Begun::Ready)
+    }
+
+    /// Run every draft queued on this proposer's shared model, its own and other requests' (nothing where
+    /// another request's proposer ran them already).
+    fn run_queued(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    /// The draft [`Proposer::begin`] queued, once [`Proposer::run_queued`] has run.
+    fn finish(&mut self) -> Result<Draft> {
+        Err(Error::Invalid(format!(
+            "{}: no queued draft to finish",
+            self.name()
+        )))
+    }
+
     /// After verification: what the verifier kept of the draft, and what the cycle cost. The proposer must
     /// forget everything else (its caches roll back to the kept path).
     fn observe(&mut self, outcome: &Outcome);
@@ -250,8 +281,9 @@ pub trait Proposer: Send {
 }
 
 /// A drafting model (an MTP head, a block drafter) shared by the engine's proposer and the per-request ones
-/// forked from it ([`Proposer::for_request`]). Requests draft one after another, so one set of weights and work
-/// buffers serves them all; each proposer keeps its own cache.
+/// forked from it ([`Proposer::for_request`]): requests draft one after another or in one batched call, so one
+/// set of weights and work buffers serves them all; each proposer keeps its own cache (itself shared with the
+/// model's queue while a batched draft waits there).
 pub(crate) struct Shared<T>(Arc<Mutex<T>>);
 
 impl<T> Shared<T> {

@@ -1,10 +1,13 @@
-//! The batched-forward check shared by the CPU and GPU tests: sequences in one forward (a prefill, a verify, a
+//! The batched-forward checks shared by the CPU and GPU tests: sequences in one forward (a prefill, a verify, a
 //! draft tree, a chunk whose last row alone has logits, a step without any, each with the target states its
-//! proposer would ask for) against each one's own forward.
+//! proposer would ask for) against each one's own forward; several requests' MTP drafts in one batched call
+//! against each one's own.
 
 use verity::backend::{AttnMask, Backend};
 use verity::cache::KvCache;
-use verity::model::{Batch, ForwardOutput, LogitRows, Model, SeqForward, TargetFeatures};
+use verity::model::{
+    Batch, ForwardOutput, HeadDraft, LogitRows, Model, MtpHead, SeqForward, TargetFeatures,
+};
 
 /// One sequence's case: the prefix already in its cache, then the rows of the step under test and the target
 /// states its proposer would ask for.
@@ -155,6 +158,65 @@ pub fn assert_batched_equals_alone<B: Backend>(model: &mut Model<B>, tokens: &[u
             assert!(
                 cache_bits(model, cache) == alone[i].1,
                 "{label}: case {i} cache differs from its own forward's"
+            );
+        }
+    }
+}
+
+/// Several requests' greedy MTP drafts in one batched call against each one's own chained draft: requests with
+/// catch-ups of different lengths (one after an earlier catch-up already in its head cache, one of a single
+/// row) and different depths (1 to 6) get bitwise their own tokens and head caches; run twice, the second time
+/// with the requests reordered and one left out.
+pub fn assert_batched_head_drafts_equal_alone<B: Backend>(
+    model: &mut Model<B>,
+    head: &mut MtpHead<B>,
+    tokens: &[u32],
+    label: &str,
+) {
+    let h = model.hp.hidden;
+    let mut cache = model.new_cache(256);
+    let hidden = model
+        .forward_with_hidden(&mut cache, &Batch::causal(tokens, 0), LogitRows::None)
+        .unwrap()
+        .final_hidden;
+    // (head cache prefix: positions 1..=p caught up before; catch-up positions p+1..=n; depth)
+    let cases = [(0, 7, 4), (3, 9, 1), (5, 6, 6), (0, 1, 3), (8, 12, 2)];
+    let prime = |head: &mut MtpHead<B>, p: usize| {
+        let mut hc = head.new_cache(64);
+        if p > 0 {
+            head.draft_greedy(&mut hc, &tokens[1..=p], 1, &hidden[..p * h], 1)
+                .unwrap();
+            // The draft's own slot is not kept (a proposer truncates to the committed mark).
+            hc.truncate(p);
+        }
+        hc
+    };
+    let catch_up = |p: usize, n: usize| (&tokens[p + 1..=n], &hidden[p * h..n * h]);
+    let mut alone = Vec::new();
+    for &(p, n, depth) in &cases {
+        let mut hc = prime(head, p);
+        let (t, hid) = catch_up(p, n);
+        let drafted = head.draft_greedy(&mut hc, t, p + 1, hid, depth).unwrap();
+        alone.push((drafted, cache_bits(model, &hc)));
+    }
+    for order in [vec![0, 1, 2, 3, 4], vec![4, 2, 0, 3]] {
+        let mut caches: Vec<KvCache<B>> = order.iter().map(|&i| prime(head, cases[i].0)).collect();
+        let mut jobs: Vec<HeadDraft<B>> = order
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(&i, hc)| {
+                let (p, n, depth) = cases[i];
+                let (t, hid) = catch_up(p, n);
+                HeadDraft::new(hc, t, p + 1, hid, depth)
+            })
+            .collect();
+        let drafted = head.draft_greedy_batched(&mut jobs).unwrap();
+        drop(jobs);
+        for ((&i, d), hc) in order.iter().zip(&drafted).zip(&caches) {
+            assert_eq!(d, &alone[i].0, "{label}: request {i}'s tokens in {order:?}");
+            assert!(
+                cache_bits(model, hc) == alone[i].1,
+                "{label}: request {i}'s head cache in {order:?}"
             );
         }
     }
