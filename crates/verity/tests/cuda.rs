@@ -394,6 +394,32 @@ fn cuda_batched_forwards_give_every_sequence_its_own_forwards_bits() {
     }
 }
 
+/// Several requests' greedy MTP drafts in one batched call on the GPU (the catch-ups in one head forward, then
+/// each recursive step of the requests still drafting in one) give each request bitwise the tokens and head
+/// cache of its own chained draft: a random head (its weights re-encoded as Q8_0, the integer kernels) on the
+/// tiny Llama bundle, with and without a draft vocabulary.
+#[test]
+fn cuda_batched_head_drafts_give_every_request_its_own_drafts_bits() {
+    let ids: Vec<u32> = (0..320).step_by(3).collect();
+    let tokens = [5u32, 17, 42, 99, 7, 250, 31, 8, 64, 3, 128, 77, 19, 200];
+    for (tag, vocab) in [
+        ("cuda-batched-head", None),
+        ("cuda-batched-head-vocab", Some(&ids[..])),
+    ] {
+        let d = bundle_with_head(
+            "llama-f32",
+            tag,
+            &random_mtp_head(64, 4, 2, 16, 128, 9, vocab),
+        );
+        let bundle = Bundle::open(&d).unwrap();
+        let mut model = Model::load(&bundle, gpu()).unwrap();
+        let mut head = MtpHead::load(&bundle, &model).unwrap();
+        common::batched::assert_batched_head_drafts_equal_alone(
+            &mut model, &mut head, &tokens, tag,
+        );
+    }
+}
+
 /// SmolLM2 (Q4_1, the integer kernels with RoPE fused into the Q/K/V launch) on the GPU against the CPU backend
 /// (8-bit activations too): the projections agree bitwise given equal inputs, so what differs is the float
 /// arithmetic of norms, attention and activations, moved through 8-bit rounding — close logits and the same

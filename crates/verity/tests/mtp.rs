@@ -29,13 +29,7 @@ fn be() -> Arc<CpuBackend> {
 
 /// The tiny bundle with `mtp.safetensors` holding `head` (a shard of the folder, as real MTP bundles ship).
 fn tiny_with(tag: &str, head: &[StEntry]) -> PathBuf {
-    let d = copy_bundle("llama-f32", tag);
-    write_safetensors(
-        &d.join("mtp.safetensors"),
-        head,
-        &[("num_nextn_predict_layers", "1")],
-    );
-    d
+    bundle_with_head("llama-f32", tag, head)
 }
 
 fn route(dir: &Path, mode: &SpecMode) -> verity::Result<String> {

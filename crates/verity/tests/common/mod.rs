@@ -264,6 +264,18 @@ pub fn random_mtp_head(
     t
 }
 
+/// A copy of fixture bundle `name` with `mtp.safetensors` holding `head` (a shard of the folder, as real MTP
+/// bundles ship).
+pub fn bundle_with_head(name: &str, tag: &str, head: &[StEntry]) -> PathBuf {
+    let d = copy_bundle(name, tag);
+    write_safetensors(
+        &d.join("mtp.safetensors"),
+        head,
+        &[("num_nextn_predict_layers", "1")],
+    );
+    d
+}
+
 /// A copy of the HF fixture bundle `name` in a fresh scratch folder.
 pub fn copy_bundle(name: &str, tag: &str) -> PathBuf {
     let src = hf_bundle(name);
