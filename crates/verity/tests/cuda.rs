@@ -17,7 +17,7 @@ use verity::bundle::Bundle;
 use verity::cache::{CacheShape, KvCache};
 use verity::chat::Message;
 use verity::engine::{Engine, GenerateRequest};
-use verity::model::{Batch, HeadInput, LogitRows, Model, MtpHead};
+use verity::model::{Batch, BlockDrafter, HeadInput, LogitRows, Model, MtpHead};
 use verity::quant::{GgmlType, MlxScaleType, QMatrix};
 use verity::sample::argmax;
 use verity::speculative::SpecMode;
@@ -416,6 +416,28 @@ fn cuda_batched_head_drafts_give_every_request_its_own_drafts_bits() {
         let mut head = MtpHead::load(&bundle, &model).unwrap();
         common::batched::assert_batched_head_drafts_equal_alone(
             &mut model, &mut head, &tokens, tag,
+        );
+    }
+}
+
+/// Several requests' block drafts in one batched call on the GPU give each request bitwise the logits and
+/// context cache of its own draft: a random drafter on the tiny bundle, with and without a draft vocabulary.
+#[test]
+fn cuda_batched_block_drafts_give_every_request_its_own_drafts_bits() {
+    let tokens = [5u32, 17, 42, 99, 7, 250, 31, 8, 64, 3, 128, 77, 19, 200];
+    for d in [
+        tiny_with_drafter("cuda-drafter-batched", 3),
+        tiny_with_vocab_drafter("cuda-drafter-batched-vocab", 4),
+    ] {
+        let bundle = Bundle::open(&d).unwrap();
+        let mut model = Model::load(&bundle, gpu()).unwrap();
+        let mut drafter = BlockDrafter::load(&bundle, &model).unwrap();
+        let label = d.display().to_string();
+        common::batched::assert_batched_block_drafts_equal_alone(
+            &mut model,
+            &mut drafter,
+            &tokens,
+            &label,
         );
     }
 }

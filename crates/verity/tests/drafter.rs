@@ -5,9 +5,10 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
+use common::batched::assert_batched_block_drafts_equal_alone;
 use common::*;
 use verity::backend::cpu::CpuBackend;
 use verity::bundle::{Bundle, DrafterStatus};
@@ -17,45 +18,6 @@ use verity::model::{Batch, BlockDrafter, LogitRows, Model, TargetFeatures};
 use verity::sample::SamplerConfig;
 use verity::speculative::drafter::DrafterProposer;
 use verity::speculative::{Outcome, Proposer, SpecMode};
-
-/// The tiny llama fixture's drafter: hidden 64, reading both of its layers.
-fn tiny_shape() -> DrafterShape {
-    DrafterShape {
-        hidden: 64,
-        target_layers: vec![0, 1],
-        layers: 1,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 16,
-        ffn: 128,
-        block: 6,
-        mask: 5,
-    }
-}
-
-/// The tiny bundle with a random drafter.
-fn tiny_with_drafter(tag: &str, seed: u64) -> PathBuf {
-    let d = copy_bundle("llama-f32", tag);
-    let s = tiny_shape();
-    write_drafter(&d, &drafter_config(&s), &random_drafter(&s, seed));
-    d
-}
-
-/// A draft vocabulary tensor of `ids`.
-fn draft_vocab(ids: &[i32]) -> StEntry {
-    let bytes = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
-    ("draft_vocab".into(), "I32", vec![ids.len()], bytes)
-}
-
-/// The tiny bundle with a random drafter that drafts from every third token id.
-fn tiny_with_vocab_drafter(tag: &str, seed: u64) -> PathBuf {
-    let d = copy_bundle("llama-f32", tag);
-    let s = tiny_shape();
-    let mut t = random_drafter(&s, seed);
-    t.push(draft_vocab(&(0..320).step_by(3).collect::<Vec<_>>()));
-    write_drafter(&d, &drafter_config(&s), &t);
-    d
-}
 
 fn be() -> Arc<CpuBackend> {
     Arc::new(CpuBackend::new(1).unwrap())
@@ -92,7 +54,7 @@ fn a_complete_drafter_is_the_auto_route() {
 
 #[test]
 fn malformed_drafters_are_incomplete_and_auto_takes_the_next_route() {
-    let s = tiny_shape();
+    let s = tiny_drafter_shape();
     let good = random_drafter(&s, 2);
     let without =
         |name: &str| -> Vec<StEntry> { good.iter().filter(|t| t.0 != name).cloned().collect() };
@@ -510,6 +472,24 @@ fn auto_equals_ar_on_smollm2(d: &Path, route: &str, texts: &[&str]) {
 /// numpy, as published DFlash drafters define it): the tiny fixture's target, a two-layer drafter, context states
 /// given directly. The drafter's weights run re-encoded as Q8_0, so logits agree to quantization error and every
 /// row's argmax agrees (the reference's top-two margins are at least 0.14).
+/// Several requests' block drafts in one batched call (one forward over every request's block, each block's
+/// attention over its own request's context) give each request bitwise the logits and context cache of its
+/// own draft, with and without a draft vocabulary.
+#[test]
+fn batched_block_drafts_give_every_request_its_own_drafts_bits() {
+    let tokens = [5u32, 17, 42, 99, 7, 250, 31, 8, 64, 3, 128, 77, 19, 200];
+    for d in [
+        tiny_with_drafter("drafter-batched", 3),
+        tiny_with_vocab_drafter("drafter-batched-vocab", 4),
+    ] {
+        let bundle = Bundle::open(&d).unwrap();
+        let mut model = Model::load(&bundle, be()).unwrap();
+        let mut drafter = BlockDrafter::load(&bundle, &model).unwrap();
+        let label = d.display().to_string();
+        assert_batched_block_drafts_equal_alone(&mut model, &mut drafter, &tokens, &label);
+    }
+}
+
 #[test]
 fn the_drafters_forward_matches_an_independent_reference() {
     let d = copy_bundle("llama-f32", "drafter-reference");

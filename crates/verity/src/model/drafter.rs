@@ -18,6 +18,7 @@
 
 use std::sync::Arc;
 
+use super::batched::SeqRows;
 use super::decoder::{Layer, Scratch};
 use super::{drafting_cache, drafting_matrix, run_recorded, DraftVocab, Model};
 use crate::backend::{AttnMask, AttnShape, Backend, Rope, RopeStyle, StepInputs};
@@ -54,6 +55,16 @@ pub struct BlockDrafter<B: Backend> {
     /// Row `i` of `lm_head` is token `draft_vocab.token(i)`.
     draft_vocab: DraftVocab,
     scratch: Option<DrafterScratch<B>>,
+    /// Each request's attention buffers in a batched draft ([`BlockDrafter::draft_batched`]).
+    seq_scratch: Vec<Scratch<B>>,
+}
+
+/// One request's part of [`BlockDrafter::draft_batched`]: what [`BlockDrafter::draft`] takes.
+pub struct BlockDraft<'a, B: Backend> {
+    pub cache: &'a mut KvCache<B>,
+    pub pending: u32,
+    pub pos: usize,
+    pub k: usize,
 }
 
 impl<B: Backend> BlockDrafter<B> {
@@ -118,6 +129,7 @@ impl<B: Backend> BlockDrafter<B> {
             spec,
             backend,
             scratch: None,
+            seq_scratch: Vec::new(),
         })
     }
 
@@ -253,6 +265,128 @@ impl<B: Backend> BlockDrafter<B> {
         Ok(())
     }
 
+    /// Refuse a draft of `k` positions after token `pending`.
+    fn check_draft(&self, pending: u32, k: usize) -> Result<()> {
+        if !(1..self.spec.block).contains(&k) || pending as usize >= self.hp.vocab {
+            return Err(Error::Invalid(format!(
+                "block drafter: {k} drafts after token {pending} (1 to {} in a block)",
+                self.spec.block - 1
+            )));
+        }
+        Ok(())
+    }
+
+    /// The block's step inputs: `pending` at `pos`, then mask tokens, after `base` cached slots; inside the block
+    /// every row sees every row.
+    fn write_block(&self, step: &mut B::Step, pending: u32, pos: usize, rows: usize, base: usize) {
+        let mut tokens = vec![self.spec.mask_token; rows];
+        tokens[0] = pending;
+        let positions: Vec<usize> = (pos..pos + rows).collect();
+        self.backend.set_step(
+            step,
+            StepInputs {
+                tokens: &tokens,
+                positions: &positions,
+                base,
+                mask: &AttnMask::Tree(vec![true; rows * rows]),
+            },
+        );
+    }
+
+    /// [`BlockDrafter::draft`] for several requests at once, each request's logits bitwise what its own draft
+    /// gives: one forward over every request's block, the projections and the output layer once over all rows
+    /// (each weight read once for all of them), each block's attention over its own request's cache.
+    pub fn draft_batched(&mut self, jobs: &mut [BlockDraft<B>]) -> Result<Vec<Vec<f32>>> {
+        for j in jobs.iter() {
+            self.check_draft(j.pending, j.k)?;
+        }
+        let be = self.backend.clone();
+        let be = be.as_ref();
+        for j in jobs.iter_mut() {
+            j.cache.reserve(be, j.k + 1)?;
+        }
+        let total: usize = jobs.iter().map(|j| j.k + 1).sum();
+        let mut s = self.scratch(total);
+        let mut own = std::mem::take(&mut self.seq_scratch);
+        own.resize_with(own.len().max(jobs.len()), || {
+            Scratch::new(be, &self.hp, 1, 1)
+        });
+        let (h, eps, vocab) = (self.hp.hidden, self.hp.rms_eps, self.draft_vocab_len());
+        // The batch's step serves the embedding; each request's its block's positions, base and mask.
+        let mut tokens = Vec::with_capacity(total);
+        let mut positions = Vec::with_capacity(total);
+        for (j, o) in jobs.iter().zip(own.iter_mut()) {
+            let rows = j.k + 1;
+            if o.rows < rows {
+                *o = Scratch::new(be, &self.hp, rows, 1);
+            }
+            self.write_block(&mut o.step, j.pending, j.pos, rows, j.cache.len());
+            tokens.push(j.pending);
+            tokens.extend(std::iter::repeat_n(self.spec.mask_token, j.k));
+            positions.extend(j.pos..j.pos + rows);
+        }
+        be.set_step(
+            &mut s.block.step,
+            StepInputs {
+                tokens: &tokens,
+                positions: &positions,
+                base: 0,
+                mask: &AttnMask::Causal,
+            },
+        );
+        let mut parts: Vec<SeqRows<B>> = jobs
+            .iter_mut()
+            .zip(own.iter_mut())
+            .map(|(j, own)| SeqRows {
+                rows: j.k + 1,
+                cache: &mut *j.cache,
+                own,
+            })
+            .collect();
+        be.embed(&self.embed, &s.block.step, total, &mut s.block.x);
+        let rope = rope(&self.hp);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let shape = |rows| self.shape(rows);
+            layer.run_batched(
+                be,
+                &self.hp,
+                rope,
+                i,
+                shape,
+                &mut s.block,
+                total,
+                &mut parts,
+            );
+        }
+        drop(parts);
+        be.rms_norm(&s.block.x, &self.norm, total, h, eps, &mut s.block.xn);
+        // Each block's mask rows (row 0 holds its pending token), together through the output layer.
+        let (mut at, mut drafted) = (0, 0);
+        for j in jobs.iter() {
+            be.copy(
+                &s.block.xn,
+                (at + 1) * h,
+                &mut s.block.tmp,
+                drafted * h,
+                j.k * h,
+            );
+            at += j.k + 1;
+            drafted += j.k;
+        }
+        be.matmul(&self.lm_head, &s.block.tmp, drafted, &mut s.block.logits);
+        let logits = be.download(&s.block.logits, drafted * vocab);
+        self.scratch = Some(s);
+        self.seq_scratch = own;
+        let mut out = Vec::with_capacity(jobs.len());
+        let mut rest = &logits[..];
+        for j in jobs.iter() {
+            let (mine, more) = rest.split_at(j.k * vocab);
+            out.push(mine.to_vec());
+            rest = more;
+        }
+        Ok(out)
+    }
+
     /// The drafter's logits for the `k` positions (at most the block's `block - 1`) after `pending` at position
     /// `pos`, the cache holding the context up to `pos`: `k × draft_vocab_len` values, [`BlockDrafter::token`]
     /// naming logit `i` (greedy drafts build a tree from them, so the whole distribution comes back, not an
@@ -264,31 +398,13 @@ impl<B: Backend> BlockDrafter<B> {
         pos: usize,
         k: usize,
     ) -> Result<Vec<f32>> {
-        if !(1..self.spec.block).contains(&k) || pending as usize >= self.hp.vocab {
-            return Err(Error::Invalid(format!(
-                "block drafter: {k} drafts after token {pending} (1 to {} in a block)",
-                self.spec.block - 1
-            )));
-        }
+        self.check_draft(pending, k)?;
         let rows = k + 1;
         cache.reserve(self.backend.as_ref(), rows)?;
         let mut s = self.scratch(rows);
         let be = self.backend.as_ref();
         let (h, eps, vocab) = (self.hp.hidden, self.hp.rms_eps, self.draft_vocab_len());
-        let mut tokens = vec![self.spec.mask_token; rows];
-        tokens[0] = pending;
-        let positions: Vec<usize> = (pos..pos + rows).collect();
-        // Inside the block every row sees every row.
-        let mask = AttnMask::Tree(vec![true; rows * rows]);
-        be.set_step(
-            &mut s.block.step,
-            StepInputs {
-                tokens: &tokens,
-                positions: &positions,
-                base: cache.len(),
-                mask: &mask,
-            },
-        );
+        self.write_block(&mut s.block.step, pending, pos, rows, cache.len());
         let (shape, rope) = (self.shape(rows), rope(&self.hp));
         let key = (s.block.id, cache.buffers_id(), rows, "draft");
         run_recorded(be, rows, key, &mut || {

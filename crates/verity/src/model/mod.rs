@@ -13,7 +13,7 @@ mod mtp;
 
 pub use batched::SeqForward;
 pub use decoder::{Model, MAX_STATE_LAYERS};
-pub use drafter::BlockDrafter;
+pub use drafter::{BlockDraft, BlockDrafter};
 pub use mtp::{HeadDraft, HeadInput, HeadOutput, MtpHead, MAX_CHAIN};
 
 use std::hash::{Hash, Hasher};

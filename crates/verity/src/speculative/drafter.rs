@@ -11,32 +11,51 @@
 //!   written past its end and never kept), so nothing of a rejected draft survives a cycle.
 //! - A context that no longer agrees with the tokens the drafter's context was computed for rolls it back to the
 //!   agreeing prefix (also across requests: a follow-up turn keeps the drafter's context of the shared
-//!   conversation). A gap in the reported states (a prefix restored from a checkpoint, which keeps final states
-//!   only) restarts the context at the first position with states; without the states of every position before
-//!   `pending` the drafter proposes nothing.
+//!   conversation). A gap in the reported states (a prefix restored from a checkpoint that kept none) restarts
+//!   the context at the first position with states; without the states of every position before `pending` the
+//!   drafter proposes nothing.
 //! - Greedy drafts are a tree ([`best_tree`]): from the block's per-position distributions, the `k` nodes most
 //!   likely to be accepted — each position's best token continues the main line, its second best hangs beside
 //!   it — verified in one forward like any tree.
+//! - In batched steps the per-request proposers of one drafter queue their greedy drafts ([`Proposer::begin`])
+//!   and the first to run the queue drafts every block in one forward ([`BlockDrafter::draft_batched`]), each
+//!   request's logits bitwise its own draft's; each request's context is brought up to date before it queues.
 //! - With sampling, the draft at position `p` is the drafter's sample from its distribution there with the
 //!   request's seed: the keyed race the target's sample at `p` runs (see [`super::verify`]), so the output is
 //!   sampled AR's whatever the drafter proposes.
 
-use super::proposer::{Draft, Outcome, Proposer, Shared};
+use super::proposer::{run_queue, Begun, Draft, Outcome, Proposer, Queued, Shared, Slot};
 use crate::backend::Backend;
 use crate::cache::KvCache;
-use crate::error::Result;
-use crate::model::{BlockDrafter, TargetFeatures};
+use crate::error::{Error, Result};
+use crate::model::{BlockDraft, BlockDrafter, TargetFeatures};
 use crate::sample::{Sampler, SamplerConfig};
+
+/// A drafter and the greedy drafts its per-request proposers queued in a batched step.
+struct SharedDrafter<B: Backend> {
+    drafter: BlockDrafter<B>,
+    queue: Vec<Queued<BlockJob, KvCache<B>, Vec<f32>>>,
+}
+
+/// A block draft's inputs but the cache ([`BlockDrafter::draft`]'s).
+struct BlockJob {
+    pending: u32,
+    pos: usize,
+    k: usize,
+}
 
 pub struct DrafterProposer<B: Backend> {
     /// The drafter, shared with the per-request proposers of batched steps ([`Proposer::for_request`]).
-    drafter: Shared<BlockDrafter<B>>,
+    drafter: Shared<SharedDrafter<B>>,
     /// Its block length, the target layers it reads and their values per position.
     block: usize,
     layers: Vec<usize>,
     state_width: usize,
     context_len: usize,
-    cache: KvCache<B>,
+    /// Its context cache (and a queued draft's logits).
+    slot: Shared<Slot<KvCache<B>, Vec<f32>>>,
+    /// The width of the greedy draft queued, if any.
+    queued: usize,
     /// Position of cache slot 0.
     first: usize,
     /// The tokens of the positions whose context the cache holds.
@@ -50,13 +69,21 @@ pub struct DrafterProposer<B: Backend> {
 
 impl<B: Backend> DrafterProposer<B> {
     pub fn new(drafter: BlockDrafter<B>, vocab: usize, context_len: usize) -> Result<Self> {
+        let drafter = SharedDrafter {
+            drafter,
+            queue: Vec::new(),
+        };
         Self::sharing(Shared::new(drafter), vocab, context_len)
     }
 
     /// A proposer of its own over a shared drafter.
-    fn sharing(drafter: Shared<BlockDrafter<B>>, vocab: usize, context_len: usize) -> Result<Self> {
+    fn sharing(
+        drafter: Shared<SharedDrafter<B>>,
+        vocab: usize,
+        context_len: usize,
+    ) -> Result<Self> {
         let (cache, block, layers, state_width) = {
-            let d = drafter.lock();
+            let d = &drafter.lock().drafter;
             let spec = d.spec();
             let layers = spec.target_layers.clone();
             (
@@ -73,7 +100,8 @@ impl<B: Backend> DrafterProposer<B> {
             layers,
             state_width,
             context_len,
-            cache,
+            slot: Slot::new(cache),
+            queued: 0,
             first: 0,
             cached: Vec::new(),
             states_start: 0,
@@ -92,6 +120,9 @@ impl<B: Backend> DrafterProposer<B> {
         let Some(n) = context.len().checked_sub(1).filter(|&n| n > 0) else {
             return Ok(false);
         };
+        let mut drafter = self.drafter.lock();
+        let mut slot = self.slot.lock();
+        let cache = &mut slot.cache;
         // Roll back to the slots that still agree with the context.
         let agree = self
             .cached
@@ -100,7 +131,7 @@ impl<B: Backend> DrafterProposer<B> {
             .take_while(|(a, b)| a == b)
             .count();
         self.cached.truncate(agree);
-        self.cache.truncate(agree);
+        cache.truncate(agree);
         let mut next = self.first + agree;
         let states_end = self.states_start + self.state_rows();
         if next == n {
@@ -113,7 +144,7 @@ impl<B: Backend> DrafterProposer<B> {
             // Restart the context where the target's states begin.
             self.first = self.states_start;
             self.cached.clear();
-            self.cache.truncate(0);
+            cache.truncate(0);
             next = self.first;
         }
         let w = self.state_width;
@@ -121,17 +152,39 @@ impl<B: Backend> DrafterProposer<B> {
         if rows.is_empty() {
             return Ok(true);
         }
-        if self.cache.len() + n - next + 1 > self.cache.max_capacity() {
+        if cache.len() + n - next + 1 > cache.max_capacity() {
             return Ok(false);
         }
-        self.drafter
-            .lock()
-            .extend_context(&mut self.cache, next, rows)?;
+        drafter.drafter.extend_context(cache, next, rows)?;
         self.cached.extend_from_slice(&context[next..n]);
         // Consumed: the next cycle needs the states from `n` on, which its verify reports.
         self.states.clear();
         self.states_start = n;
         Ok(true)
+    }
+
+    /// The width of this cycle's draft after `context` (at most `k`, as the cache has room for; 0: none), the
+    /// drafter's context brought up to the pending token.
+    fn draft_width(&mut self, context: &[u32], k: usize) -> Result<usize> {
+        let k = self.width(k);
+        if k == 0 || !self.prepare(context)? {
+            return Ok(0);
+        }
+        let slot = self.slot.lock();
+        let room = slot.cache.max_capacity() - slot.cache.len();
+        Ok(k.min(room.saturating_sub(1)))
+    }
+
+    /// The greedy draft from the drafter's logits for `k` positions: the tree of the `k` nodes likeliest accepted.
+    fn greedy_tree(drafter: &BlockDrafter<B>, logits: &[f32], k: usize) -> Draft {
+        let rows: Vec<[(u32, f32); 2]> = logits
+            .chunks_exact(drafter.draft_vocab_len())
+            .map(|row| {
+                let [(a, pa), (b, pb)] = top2(row);
+                [(drafter.token(a), pa), (drafter.token(b), pb)]
+            })
+            .collect();
+        best_tree(&rows, k)
     }
 }
 
@@ -190,7 +243,7 @@ impl<B: Backend> Proposer for DrafterProposer<B> {
     }
 
     fn forget(&mut self) {
-        self.cache.truncate(0);
+        self.slot.lock().cache.truncate(0);
         self.cached.clear();
         self.first = 0;
         self.states.clear();
@@ -221,33 +274,21 @@ impl<B: Backend> Proposer for DrafterProposer<B> {
     }
 
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft> {
-        let k = self.width(k);
-        if k == 0 || !self.prepare(context)? {
-            return Ok(Draft::default());
-        }
-        let n = context.len() - 1;
-        let room = self.cache.max_capacity() - self.cache.len();
-        let k = k.min(room.saturating_sub(1));
+        let k = self.draft_width(context, k)?;
         if k == 0 {
             return Ok(Draft::default());
         }
-        let mut drafter = self.drafter.lock();
-        let logits = drafter.draft(&mut self.cache, context[n], n, k)?;
-        let width = drafter.draft_vocab_len();
+        let n = context.len() - 1;
+        let mut shared = self.drafter.lock();
+        let drafter = &mut shared.drafter;
+        let logits = drafter.draft(&mut self.slot.lock().cache, context[n], n, k)?;
         if self.sampler.config().is_greedy() {
-            let rows: Vec<[(u32, f32); 2]> = logits
-                .chunks_exact(width)
-                .map(|row| {
-                    let [(a, pa), (b, pb)] = top2(row);
-                    [(drafter.token(a), pa), (drafter.token(b), pb)]
-                })
-                .collect();
-            return Ok(best_tree(&rows, k));
+            return Ok(Self::greedy_tree(drafter, &logits, k));
         }
         // Sampled over the full vocabulary, tokens outside the draft vocabulary at probability 0.
         let mut full = vec![f32::NEG_INFINITY; self.vocab];
         let mut history = context.to_vec();
-        for row in logits.chunks_exact(width) {
+        for row in logits.chunks_exact(drafter.draft_vocab_len()) {
             for (i, &l) in row.iter().enumerate() {
                 full[drafter.token(i) as usize] = l;
             }
@@ -257,10 +298,63 @@ impl<B: Backend> Proposer for DrafterProposer<B> {
         Ok(Draft::chain(history[context.len()..].to_vec()))
     }
 
+    fn begin(&mut self, context: &[u32], k: usize) -> Result<Begun> {
+        if !self.sampler.config().is_greedy() {
+            return self.propose(context, k).map(Begun::Ready);
+        }
+        let k = self.draft_width(context, k)?;
+        if k == 0 {
+            return Ok(Begun::Ready(Draft::default()));
+        }
+        let n = context.len() - 1;
+        let job = BlockJob {
+            pending: context[n],
+            pos: n,
+            k,
+        };
+        let slot = self.slot.clone();
+        self.drafter.lock().queue.push(Queued { job, slot });
+        self.queued = k;
+        Ok(Begun::Queued)
+    }
+
+    fn run_queued(&mut self) -> Result<()> {
+        let mut shared = self.drafter.lock();
+        let queue = std::mem::take(&mut shared.queue);
+        let drafter = &mut shared.drafter;
+        run_queue(queue, |jobs| {
+            let mut drafts: Vec<BlockDraft<B>> = jobs
+                .iter_mut()
+                .map(|(j, cache)| BlockDraft {
+                    cache,
+                    pending: j.pending,
+                    pos: j.pos,
+                    k: j.k,
+                })
+                .collect();
+            drafter.draft_batched(&mut drafts)
+        })
+    }
+
+    fn finish(&mut self) -> Result<Draft> {
+        let logits = self.slot.lock().drafted.take();
+        match logits {
+            Some(logits) => {
+                let shared = self.drafter.lock();
+                Ok(Self::greedy_tree(&shared.drafter, &logits, self.queued))
+            }
+            None => Err(Error::Invalid(
+                "drafter: the queued draft has not run".into(),
+            )),
+        }
+    }
+
     fn observe(&mut self, _outcome: &Outcome) {
         // The cache holds committed context only; the kept positions' context comes from their target states
         // in the next cycle.
-        self.cache.truncate(self.cached.len());
+        let mut slot = self.slot.lock();
+        slot.drafted = None;
+        slot.cache.truncate(self.cached.len());
     }
 
     fn for_request(&self) -> Option<Box<dyn Proposer>> {

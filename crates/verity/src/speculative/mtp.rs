@@ -29,7 +29,7 @@
 //!   each of the head's forwards then reads its weights once for every request instead of once per request,
 //!   with each request's tokens and head cache bitwise what its own draft gives.
 
-use super::proposer::{Begun, Draft, Outcome, Proposer, Shared};
+use super::proposer::{run_queue, Begun, Draft, Outcome, Proposer, Queued, Shared, Slot};
 use crate::backend::Backend;
 use crate::cache::KvCache;
 use crate::error::{Error, Result};
@@ -42,29 +42,22 @@ pub const MAX_DEPTH: usize = 8;
 /// A head and the greedy drafts its per-request proposers queued in a batched step.
 struct SharedHead<B: Backend> {
     head: MtpHead<B>,
-    queue: Vec<Queued<B>>,
+    queue: Vec<Queued<GreedyDraft, KvCache<B>, Vec<u32>>>,
 }
 
-/// A queued greedy draft: [`MtpHead::draft_greedy`]'s inputs, and the request's cache and draft slot.
-struct Queued<B: Backend> {
-    slot: Shared<Slot<B>>,
+/// A greedy draft's inputs but the cache ([`MtpHead::draft_greedy`]'s).
+struct GreedyDraft {
     tokens: Vec<u32>,
     start: usize,
     hidden: Vec<f32>,
     depth: usize,
 }
 
-/// A request's head cache, and its queued draft's tokens once the queue has run (shared with the head's queue
-/// while the draft waits there).
-struct Slot<B: Backend> {
-    cache: KvCache<B>,
-    drafted: Option<Vec<u32>>,
-}
-
 pub struct MtpProposer<B: Backend> {
     /// The head, shared with the per-request proposers of batched steps ([`Proposer::for_request`]).
     head: Shared<SharedHead<B>>,
-    slot: Shared<Slot<B>>,
+    /// Its head cache (and a queued draft's tokens).
+    slot: Shared<Slot<KvCache<B>, Vec<u32>>>,
     vocab: usize,
     hidden: usize,
     context_len: usize,
@@ -100,10 +93,7 @@ impl<B: Backend> MtpProposer<B> {
         };
         Ok(MtpProposer {
             head,
-            slot: Shared::new(Slot {
-                cache,
-                drafted: None,
-            }),
+            slot: Slot::new(cache),
             vocab,
             hidden,
             context_len,
@@ -186,7 +176,7 @@ impl<B: Backend> MtpProposer<B> {
 
     /// A greedy draft of up to `k` tokens over this proposer's cache, the catch-up over positions `next..=n` (as
     /// deep as the head cache has room for); the proposer counts the catch-up as committed.
-    fn greedy_draft(&mut self, context: &[u32], next: usize, n: usize, k: usize) -> Queued<B> {
+    fn greedy_draft(&mut self, context: &[u32], next: usize, n: usize, k: usize) -> GreedyDraft {
         let h = self.hidden;
         let caught = n + 1 - next;
         let (before, room) = {
@@ -197,8 +187,7 @@ impl<B: Backend> MtpProposer<B> {
                 slot.cache.max_capacity().saturating_sub(before + caught),
             )
         };
-        let job = Queued {
-            slot: self.slot.clone(),
+        let job = GreedyDraft {
             tokens: context[next..=n].to_vec(),
             start: next,
             hidden: self.hid[(next - 1 - self.hid_start) * h..(n - self.hid_start) * h].to_vec(),
@@ -327,30 +316,22 @@ impl<B: Backend> Proposer for MtpProposer<B> {
             return Ok(Begun::Ready(Draft::default()));
         };
         let job = self.greedy_draft(context, next, n, k);
-        self.head.lock().queue.push(job);
+        let slot = self.slot.clone();
+        self.head.lock().queue.push(Queued { job, slot });
         Ok(Begun::Queued)
     }
 
     fn run_queued(&mut self) -> Result<()> {
-        let mut head = self.head.lock();
-        let queue = std::mem::take(&mut head.queue);
-        if queue.is_empty() {
-            return Ok(());
-        }
-        let mut slots: Vec<_> = queue.iter().map(|q| q.slot.lock()).collect();
-        let mut jobs: Vec<HeadDraft<B>> = queue
-            .iter()
-            .zip(slots.iter_mut())
-            .map(|(q, slot)| {
-                HeadDraft::new(&mut slot.cache, &q.tokens, q.start, &q.hidden, q.depth)
-            })
-            .collect();
-        let drafted = head.head.draft_greedy_batched(&mut jobs)?;
-        drop(jobs);
-        for (slot, tokens) in slots.iter_mut().zip(drafted) {
-            slot.drafted = Some(tokens);
-        }
-        Ok(())
+        let mut shared = self.head.lock();
+        let queue = std::mem::take(&mut shared.queue);
+        let head = &mut shared.head;
+        run_queue(queue, |jobs| {
+            let mut drafts: Vec<HeadDraft<B>> = jobs
+                .iter_mut()
+                .map(|(j, cache)| HeadDraft::new(cache, &j.tokens, j.start, &j.hidden, j.depth))
+                .collect();
+            head.draft_greedy_batched(&mut drafts)
+        })
     }
 
     fn finish(&mut self) -> Result<Draft> {

@@ -306,6 +306,51 @@ impl<T> Clone for Shared<T> {
     }
 }
 
+/// A per-request proposer's cache of a shared drafting model, and what its draft queued for a batched call
+/// returned once the queue has run (shared with the model's queue while the draft waits there).
+pub(crate) struct Slot<C, R> {
+    pub(crate) cache: C,
+    pub(crate) drafted: Option<R>,
+}
+
+impl<C, R> Slot<C, R> {
+    pub(crate) fn new(cache: C) -> Shared<Self> {
+        Shared::new(Slot {
+            cache,
+            drafted: None,
+        })
+    }
+}
+
+/// A draft queued on a shared drafting model ([`Proposer::begin`]): its inputs and its request's slot.
+pub(crate) struct Queued<J, C, R> {
+    pub(crate) job: J,
+    pub(crate) slot: Shared<Slot<C, R>>,
+}
+
+/// Run `queue` as one batched call: `run` takes every job with its request's cache and returns each one's
+/// result in order, which goes to the request's slot ([`Proposer::finish`] takes it from there).
+pub(crate) fn run_queue<J, C, R>(
+    queue: Vec<Queued<J, C, R>>,
+    run: impl FnOnce(&mut [(&J, &mut C)]) -> Result<Vec<R>>,
+) -> Result<()> {
+    if queue.is_empty() {
+        return Ok(());
+    }
+    let mut slots: Vec<MutexGuard<Slot<C, R>>> = queue.iter().map(|q| q.slot.lock()).collect();
+    let mut jobs: Vec<(&J, &mut C)> = queue
+        .iter()
+        .zip(slots.iter_mut())
+        .map(|(q, slot)| (&q.job, &mut slot.cache))
+        .collect();
+    let drafted = run(&mut jobs)?;
+    drop(jobs);
+    for (slot, d) in slots.iter_mut().zip(drafted) {
+        slot.drafted = Some(d);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,7 +6,8 @@
 use verity::backend::{AttnMask, Backend};
 use verity::cache::KvCache;
 use verity::model::{
-    Batch, ForwardOutput, HeadDraft, LogitRows, Model, MtpHead, SeqForward, TargetFeatures,
+    Batch, BlockDraft, BlockDrafter, ForwardOutput, HeadDraft, LogitRows, Model, MtpHead,
+    SeqForward, TargetFeatures,
 };
 
 /// One sequence's case: the prefix already in its cache, then the rows of the step under test and the target
@@ -217,6 +218,82 @@ pub fn assert_batched_head_drafts_equal_alone<B: Backend>(
             assert!(
                 cache_bits(model, hc) == alone[i].1,
                 "{label}: request {i}'s head cache in {order:?}"
+            );
+        }
+    }
+}
+
+/// Several requests' block drafts in one batched call against each one's own draft: contexts of different
+/// lengths (extended in pieces, as cycles add them) and widths from 1 to the block's last row get bitwise their
+/// own logits and context caches; run twice, the second time with the requests reordered and one left out.
+pub fn assert_batched_block_drafts_equal_alone<B: Backend>(
+    model: &mut Model<B>,
+    drafter: &mut BlockDrafter<B>,
+    tokens: &[u32],
+    label: &str,
+) {
+    let layers = drafter.spec().target_layers.clone();
+    let mut cache = model.new_cache(256);
+    let states = model
+        .forward_features(
+            &mut cache,
+            &Batch::causal(tokens, 0),
+            LogitRows::None,
+            &TargetFeatures::layers(layers),
+        )
+        .unwrap()
+        .features;
+    let w = drafter.state_width();
+    let most = drafter.spec().block - 1;
+    // (context length, width)
+    let cases = [(7, most), (3, 1), (12, 2), (1, most.min(3)), (9, most)];
+    let context = |drafter: &mut BlockDrafter<B>, n: usize| {
+        let mut c = drafter.new_cache(64);
+        let half = n / 2;
+        if half > 0 {
+            drafter
+                .extend_context(&mut c, 0, &states[..half * w])
+                .unwrap();
+        }
+        drafter
+            .extend_context(&mut c, half, &states[half * w..n * w])
+            .unwrap();
+        c
+    };
+    let mut alone = Vec::new();
+    for &(n, k) in &cases {
+        let mut c = context(drafter, n);
+        let logits = drafter.draft(&mut c, tokens[n], n, k).unwrap();
+        alone.push((bits(&logits), cache_bits(model, &c)));
+    }
+    for order in [vec![0, 1, 2, 3, 4], vec![4, 2, 0, 3]] {
+        let mut caches: Vec<KvCache<B>> = order
+            .iter()
+            .map(|&i| context(drafter, cases[i].0))
+            .collect();
+        let mut jobs: Vec<BlockDraft<B>> = order
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(&i, cache)| {
+                let (n, k) = cases[i];
+                BlockDraft {
+                    cache,
+                    pending: tokens[n],
+                    pos: n,
+                    k,
+                }
+            })
+            .collect();
+        let drafted = drafter.draft_batched(&mut jobs).unwrap();
+        drop(jobs);
+        for ((&i, d), c) in order.iter().zip(&drafted).zip(&caches) {
+            assert!(
+                bits(d) == alone[i].0,
+                "{label}: request {i}'s logits in {order:?}"
+            );
+            assert!(
+                cache_bits(model, c) == alone[i].1,
+                "{label}: request {i}'s context cache in {order:?}"
             );
         }
     }

@@ -289,6 +289,45 @@ pub fn copy_bundle(name: &str, tag: &str) -> PathBuf {
     dst
 }
 
+/// The tiny llama fixture's drafter: hidden 64, reading both of its layers.
+pub fn tiny_drafter_shape() -> DrafterShape {
+    DrafterShape {
+        hidden: 64,
+        target_layers: vec![0, 1],
+        layers: 1,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        ffn: 128,
+        block: 6,
+        mask: 5,
+    }
+}
+
+/// The tiny bundle with a random drafter.
+pub fn tiny_with_drafter(tag: &str, seed: u64) -> PathBuf {
+    let d = copy_bundle("llama-f32", tag);
+    let s = tiny_drafter_shape();
+    write_drafter(&d, &drafter_config(&s), &random_drafter(&s, seed));
+    d
+}
+
+/// A draft vocabulary tensor of `ids`.
+pub fn draft_vocab(ids: &[i32]) -> StEntry {
+    let bytes = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+    ("draft_vocab".into(), "I32", vec![ids.len()], bytes)
+}
+
+/// The tiny bundle with a random drafter that drafts from every third token id.
+pub fn tiny_with_vocab_drafter(tag: &str, seed: u64) -> PathBuf {
+    let d = copy_bundle("llama-f32", tag);
+    let s = tiny_drafter_shape();
+    let mut t = random_drafter(&s, seed);
+    t.push(draft_vocab(&(0..320).step_by(3).collect::<Vec<_>>()));
+    write_drafter(&d, &drafter_config(&s), &t);
+    d
+}
+
 /// A drafter's shape: target layers read, its own layers, heads / KV heads × head dim, MLP width, block size,
 /// mask token.
 pub struct DrafterShape {
