@@ -10,10 +10,10 @@
 //! (their weights and work buffers shared, a cache each, the target states each conditions on returned by the
 //! batched forward for its own rows), or copying from its own context where the route's proposer cannot be
 //! shared (a draft model). The requests whose proposers share a model draft together: each queues its draft
-//! ([`Proposer::begin`]) and one batched call runs them all ([`Proposer::run_queued`]; an MTP head's forwards
-//! then read its weights once per step for every request). Each request's widths are chosen against what a
-//! drafted row costs the whole batch and what drafting costs it, and the steps stop drafting where drafting
-//! measurably lost ([`crate::speculative::BatchGate`]). The forward gives each row bitwise its own forward's
+//! ([`Proposer::begin`]) and one batched call runs them all ([`Proposer::run_queued`]: an MTP head's or a block
+//! drafter's forwards then read its weights once for every request). Each request's widths are chosen against
+//! what a drafted row costs the whole batch and what drafting costs it, and the steps stop drafting where
+//! drafting measurably lost ([`crate::speculative::BatchGate`]). The forward gives each row bitwise its own forward's
 //! logits and the draws are keyed by the request's seed and position, so every request gets bitwise the tokens
 //! it would get alone, on any route (every route's output is AR's), whichever requests share its steps,
 //! whatever they drafted and whenever it joined.
