@@ -13,9 +13,9 @@
 //! ([`Proposer::begin`]) and one batched call runs them all ([`Proposer::run_queued`]: an MTP head's or a block
 //! drafter's forwards then read its weights once for every request). Each request's widths are chosen against
 //! what a drafted row costs the whole batch and what drafting costs it, and the steps stop drafting where
-//! drafting measurably lost ([`crate::speculative::BatchGate`]). The forward gives each row bitwise its own forward's
-//! logits and the draws are keyed by the request's seed and position, so every request gets bitwise the tokens
-//! it would get alone, on any route (every route's output is AR's), whichever requests share its steps,
+//! drafting measurably lost ([`crate::speculative::BatchGate`]). The forward gives each row bitwise its own
+//! forward's logits and the draws are keyed by the request's seed and position, so every request gets bitwise the
+//! tokens it would get alone, on any route (every route's output is AR's), whichever requests share its steps,
 //! whatever they drafted and whenever it joined.
 
 use std::time::{Duration, Instant};
