@@ -3,10 +3,11 @@
 //! sequence per step; arms interleaved per repeat, medians. Each arm decodes from the same prompts, so their
 //! tokens must agree exactly (a batched row is bitwise its own forward's): the record says whether they did.
 //!
-//! With `--draft-depth D` (a bundle with an MTP head) it also times the head's drafting for the N sequences:
-//! each step every sequence catches its head up on one position and drafts `D` tokens, in one batched call
-//! ([`MtpHead::draft_greedy_batched`]) against one chained draft per sequence ([`MtpHead::draft_greedy`]) —
-//! what a batched step's per-request drafting costs either way; the drafts must agree exactly too.
+//! With `--draft-depth D` (a bundle with an MTP head or a block drafter) it also times the drafting for the N
+//! sequences: each step every sequence brings its drafting model up to one more committed position and drafts
+//! `D` tokens, in one batched call ([`MtpHead::draft_greedy_batched`], [`BlockDrafter::draft_batched`]) against
+//! one draft per sequence — what a batched step's per-request drafting costs either way; the drafts must agree
+//! exactly too. A bundle with both times its MTP head.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -18,8 +19,12 @@ use serde::Serialize;
 use crate::device::{with_backend, Device, WithBackend};
 use verity::backend::Backend;
 use verity::bundle::Bundle;
+use verity::bundle::{DrafterStatus, MtpStatus};
 use verity::cache::KvCache;
-use verity::model::{Batch, HeadDraft, LogitRows, Model, MtpHead, SeqForward, TargetFeatures};
+use verity::model::{
+    Batch, BlockDraft, BlockDrafter, HeadDraft, LogitRows, Model, MtpHead, SeqForward,
+    TargetFeatures,
+};
 
 use super::summary::median;
 
@@ -38,7 +43,8 @@ pub struct Args {
     steps: usize,
     #[arg(long, default_value_t = 3)]
     repeat: usize,
-    /// Also time the MTP head's drafts of this depth for the sequences, batched and one per sequence (0: off).
+    /// Also time the drafts of this depth (an MTP head's, else a block drafter's) for the sequences, batched and
+    /// one per sequence (0: off).
     #[arg(long, default_value_t = 0)]
     draft_depth: usize,
     #[arg(long)]
@@ -62,6 +68,8 @@ struct Record {
 
 #[derive(Serialize)]
 struct Drafting {
+    /// "mtp" or "drafter".
+    model: &'static str,
     depth: usize,
     batched_ms: f64,
     sequential_ms: f64,
@@ -155,11 +163,46 @@ fn decode<B: Backend>(
     Ok((tokens, t.elapsed().as_secs_f64()))
 }
 
-/// `n` sequences' target states at positions `0..context + steps` (each its own tokens) and their tokens.
+/// The drafting model `--draft-depth` times.
+enum Drafter<B: Backend> {
+    Head(MtpHead<B>),
+    Block(BlockDrafter<B>),
+}
+
+impl<B: Backend> Drafter<B> {
+    /// The bundle's MTP head, else its block drafter.
+    fn load(bundle: &Bundle, model: &Model<B>) -> Result<Self> {
+        if let MtpStatus::Complete(_) = bundle.mtp {
+            return Ok(Drafter::Head(MtpHead::load(bundle, model)?));
+        }
+        if let DrafterStatus::Complete(_) = bundle.drafter {
+            return Ok(Drafter::Block(BlockDrafter::load(bundle, model)?));
+        }
+        anyhow::bail!("--draft-depth needs a bundle with an MTP head or a block drafter")
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Drafter::Head(_) => "mtp",
+            Drafter::Block(_) => "drafter",
+        }
+    }
+
+    /// The target states it conditions on.
+    fn features(&self) -> TargetFeatures {
+        match self {
+            Drafter::Head(_) => TargetFeatures::final_state(),
+            Drafter::Block(d) => TargetFeatures::layers(d.spec().target_layers.clone()),
+        }
+    }
+}
+
+/// `n` sequences' target `features` at positions `0..len` (each its own tokens), and their tokens.
 fn states<B: Backend>(
     model: &mut Model<B>,
     n: usize,
     len: usize,
+    features: &TargetFeatures,
 ) -> Result<Vec<(Vec<u32>, Vec<f32>)>> {
     let vocab = model.hp.vocab as u32;
     (0..n)
@@ -168,48 +211,97 @@ fn states<B: Backend>(
                 .map(|i| ((i * 7919 + s * 104_729 + 13) as u32) % vocab)
                 .collect();
             let mut cache = model.new_cache(len);
-            let mut hidden = Vec::new();
+            let mut states = Vec::new();
             for (c, chunk) in tokens.chunks(64).enumerate() {
-                let out = model.forward_with_hidden(
-                    &mut cache,
-                    &Batch::causal(chunk, c * 64),
-                    LogitRows::None,
-                )?;
-                hidden.extend(out.final_hidden);
+                let batch = Batch::causal(chunk, c * 64);
+                let out = model.forward_features(&mut cache, &batch, LogitRows::None, features)?;
+                states.extend(out.features);
             }
-            Ok((tokens, hidden))
+            Ok((tokens, states))
         })
         .collect()
+}
+
+/// What the drafting arms walk: `steps` steps from position `context`, each drafting `depth` tokens.
+#[derive(Clone, Copy)]
+struct Walk {
+    context: usize,
+    steps: usize,
+    depth: usize,
+}
+
+/// [`head_steps`] for a block drafter: each step every sequence adds the context of one more committed
+/// position (one after another, as each request's proposer does) and drafts a block of `depth` positions, the
+/// blocks in one batched call or one per sequence. The drafts' logits (as bits) and the seconds taken.
+fn block_steps<B: Backend>(
+    drafter: &mut BlockDrafter<B>,
+    seqs: &[(Vec<u32>, Vec<f32>)],
+    walk: Walk,
+    batched: bool,
+) -> Result<(Vec<Vec<u32>>, f64)> {
+    let w = drafter.state_width();
+    // Contexts of positions 0..context (slot i holds position i).
+    let mut caches = Vec::new();
+    for (_, states) in seqs {
+        let mut c = drafter.new_cache(walk.context + walk.steps + walk.depth + 1);
+        drafter.extend_context(&mut c, 0, &states[..walk.context * w])?;
+        caches.push(c);
+    }
+    let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let mut drafts = Vec::new();
+    let t = Instant::now();
+    for p in walk.context..walk.context + walk.steps {
+        if batched {
+            let mut jobs: Vec<BlockDraft<B>> = caches
+                .iter_mut()
+                .zip(seqs)
+                .map(|(cache, (tokens, _))| BlockDraft {
+                    cache,
+                    pending: tokens[p],
+                    pos: p,
+                    k: walk.depth,
+                })
+                .collect();
+            drafts.extend(drafter.draft_batched(&mut jobs)?.into_iter().map(bits));
+        } else {
+            for (c, (tokens, _)) in caches.iter_mut().zip(seqs) {
+                drafts.push(bits(drafter.draft(c, tokens[p], p, walk.depth)?));
+            }
+        }
+        // Position p is committed: its walk.context joins each sequence's cache.
+        for (c, (_, states)) in caches.iter_mut().zip(seqs) {
+            drafter.extend_context(c, p, &states[p * w..(p + 1) * w])?;
+        }
+    }
+    Ok((drafts, t.elapsed().as_secs_f64()))
 }
 
 /// `steps` drafting steps of every sequence from position `context` on: each catches its head cache up on one
 /// position and drafts `depth` tokens, then keeps the caught-up row (as after a cycle that kept no draft). In
 /// one batched call per step or one chained draft per sequence: the drafts and the seconds taken.
-fn draft_steps<B: Backend>(
+fn head_steps<B: Backend>(
     head: &mut MtpHead<B>,
     seqs: &[(Vec<u32>, Vec<f32>)],
-    context: usize,
-    steps: usize,
-    depth: usize,
+    walk: Walk,
     batched: bool,
 ) -> Result<(Vec<Vec<u32>>, f64)> {
     let h = head.hidden_size();
     // Head caches caught up on positions 1..context (slot i holds position i + 1).
     let mut caches = Vec::new();
     for (tokens, hidden) in seqs {
-        let mut hc = head.new_cache(context + steps + depth);
+        let mut hc = head.new_cache(walk.context + walk.steps + walk.depth);
         head.draft_greedy(
             &mut hc,
-            &tokens[1..context],
+            &tokens[1..walk.context],
             1,
-            &hidden[..(context - 1) * h],
+            &hidden[..(walk.context - 1) * h],
             1,
         )?;
         caches.push(hc);
     }
     let mut drafts = Vec::new();
     let t = Instant::now();
-    for p in context..context + steps {
+    for p in walk.context..walk.context + walk.steps {
         let one = |i: usize| (&seqs[i].0[p..=p], &seqs[i].1[(p - 1) * h..p * h]);
         if batched {
             let mut jobs: Vec<HeadDraft<B>> = caches
@@ -217,14 +309,14 @@ fn draft_steps<B: Backend>(
                 .enumerate()
                 .map(|(i, hc)| {
                     let (tok, hid) = one(i);
-                    HeadDraft::new(hc, tok, p, hid, depth)
+                    HeadDraft::new(hc, tok, p, hid, walk.depth)
                 })
                 .collect();
             drafts.extend(head.draft_greedy_batched(&mut jobs)?);
         } else {
             for (i, hc) in caches.iter_mut().enumerate() {
                 let (tok, hid) = one(i);
-                drafts.push(head.draft_greedy(hc, tok, p, hid, depth)?);
+                drafts.push(head.draft_greedy(hc, tok, p, hid, walk.depth)?);
             }
         }
         for hc in caches.iter_mut() {
@@ -263,16 +355,24 @@ fn interleaved<T: PartialEq>(
 /// The drafting arms for `n` sequences, interleaved as the decode arms are.
 fn drafting<B: Backend>(
     model: &mut Model<B>,
-    head: &mut MtpHead<B>,
+    drafter: &mut Drafter<B>,
     a: &Args,
     n: usize,
 ) -> Result<Drafting> {
-    let seqs = states(model, n, a.context + a.steps + 1)?;
-    let (b, s, identical) = interleaved(a.repeat, |batched| {
-        draft_steps(head, &seqs, a.context, a.steps, a.draft_depth, batched)
+    let seqs = states(model, n, a.context + a.steps + 1, &drafter.features())?;
+    let walk = Walk {
+        context: a.context,
+        steps: a.steps,
+        depth: a.draft_depth,
+    };
+    let name = drafter.name();
+    let (b, s, identical) = interleaved(a.repeat, |batched| match drafter {
+        Drafter::Head(h) => head_steps(h, &seqs, walk, batched),
+        Drafter::Block(d) => block_steps(d, &seqs, walk, batched),
     })?;
     let (b, s) = (1e3 * b / a.steps as f64, 1e3 * s / a.steps as f64);
     Ok(Drafting {
+        model: name,
         depth: a.draft_depth,
         batched_ms: b,
         sequential_ms: s,
@@ -285,7 +385,7 @@ fn run<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
     let path = crate::load::resolve(&a.model)?;
     let bundle = Bundle::open(&path)?;
     let mut model = Model::load(&bundle, backend)?;
-    let mut head = match a.draft_depth {
+    let mut drafter = match a.draft_depth {
         0 => None,
         d => {
             ensure!(
@@ -294,7 +394,7 @@ fn run<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
                 verity::model::MAX_CHAIN
             );
             ensure!(a.context >= 2, "--draft-depth needs --context of 2 or more");
-            Some(MtpHead::load(&bundle, &model)?)
+            Some(Drafter::load(&bundle, &model)?)
         }
     };
     let counts: Vec<usize> = a
@@ -319,13 +419,13 @@ fn run<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
         })?;
         let (b, s) = ((n * a.steps) as f64 / b, (n * a.steps) as f64 / s);
         println!("{n:>7} {b:>12.1} {s:>14.1} {:>7.2} {identical:>9}", b / s);
-        let drafting = match head.as_mut() {
-            Some(head) => {
-                let d = drafting(&mut model, head, &a, n)?;
+        let drafting = match drafter.as_mut() {
+            Some(drafter) => {
+                let d = drafting(&mut model, drafter, &a, n)?;
                 println!(
-                    "        drafting (depth {}): batched {:.3} ms/step, one per sequence {:.3} ms/step, {:.2}×, \
-                     identical {}",
-                    d.depth, d.batched_ms, d.sequential_ms, d.speedup, d.identical
+                    "        {} drafting (depth {}): batched {:.3} ms/step, one per sequence {:.3} ms/step, \
+                     {:.2}×, identical {}",
+                    d.model, d.depth, d.batched_ms, d.sequential_ms, d.speedup, d.identical
                 );
                 Some(d)
             }
