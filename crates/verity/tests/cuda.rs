@@ -424,7 +424,7 @@ fn cuda_batched_head_drafts_give_every_request_its_own_drafts_bits() {
 /// context cache of its own draft: a random drafter on the tiny bundle, with and without a draft vocabulary.
 #[test]
 fn cuda_batched_block_drafts_give_every_request_its_own_drafts_bits() {
-    let tokens = [5u32, 17, 42, 99, 7, 250, 31, 8, 64, 3, 128, 77, 19, 200];
+    let tokens: Vec<u32> = (0..80u32).map(|i| (i * 37 + 5) % 320).collect();
     for d in [
         tiny_with_drafter("cuda-drafter-batched", 3),
         tiny_with_vocab_drafter("cuda-drafter-batched-vocab", 4),

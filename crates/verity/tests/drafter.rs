@@ -477,7 +477,7 @@ fn auto_equals_ar_on_smollm2(d: &Path, route: &str, texts: &[&str]) {
 /// own draft, with and without a draft vocabulary.
 #[test]
 fn batched_block_drafts_give_every_request_its_own_drafts_bits() {
-    let tokens = [5u32, 17, 42, 99, 7, 250, 31, 8, 64, 3, 128, 77, 19, 200];
+    let tokens: Vec<u32> = (0..80u32).map(|i| (i * 37 + 5) % 320).collect();
     for d in [
         tiny_with_drafter("drafter-batched", 3),
         tiny_with_vocab_drafter("drafter-batched-vocab", 4),

@@ -231,8 +231,9 @@ struct Walk {
 }
 
 /// [`head_steps`] for a block drafter: each step every sequence adds the context of one more committed
-/// position (one after another, as each request's proposer does) and drafts a block of `depth` positions, the
-/// blocks in one batched call or one per sequence. The drafts' logits (as bits) and the seconds taken.
+/// position and drafts a block of `depth` positions, in one batched call for all sequences (the new context
+/// rows together, then the blocks) or one pair of calls per sequence. The drafts' logits (as bits) and the
+/// seconds taken.
 fn block_steps<B: Backend>(
     drafter: &mut BlockDrafter<B>,
     seqs: &[(Vec<u32>, Vec<f32>)],
@@ -240,23 +241,27 @@ fn block_steps<B: Backend>(
     batched: bool,
 ) -> Result<(Vec<Vec<u32>>, f64)> {
     let w = drafter.state_width();
-    // Contexts of positions 0..context (slot i holds position i).
+    // Contexts of positions 0..context - 1 (slot i holds position i): each step adds the one before its pending
+    // token.
     let mut caches = Vec::new();
     for (_, states) in seqs {
         let mut c = drafter.new_cache(walk.context + walk.steps + walk.depth + 1);
-        drafter.extend_context(&mut c, 0, &states[..walk.context * w])?;
+        drafter.extend_context(&mut c, 0, &states[..(walk.context - 1) * w])?;
         caches.push(c);
     }
     let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
     let mut drafts = Vec::new();
     let t = Instant::now();
     for p in walk.context..walk.context + walk.steps {
+        let last = |states: &[f32]| states[(p - 1) * w..p * w].to_vec();
         if batched {
+            let rows: Vec<Vec<f32>> = seqs.iter().map(|(_, states)| last(states)).collect();
             let mut jobs: Vec<BlockDraft<B>> = caches
                 .iter_mut()
-                .zip(seqs)
-                .map(|(cache, (tokens, _))| BlockDraft {
+                .zip(seqs.iter().zip(&rows))
+                .map(|(cache, ((tokens, _), row))| BlockDraft {
                     cache,
+                    context: row,
                     pending: tokens[p],
                     pos: p,
                     k: walk.depth,
@@ -264,13 +269,10 @@ fn block_steps<B: Backend>(
                 .collect();
             drafts.extend(drafter.draft_batched(&mut jobs)?.into_iter().map(bits));
         } else {
-            for (c, (tokens, _)) in caches.iter_mut().zip(seqs) {
+            for (c, (tokens, states)) in caches.iter_mut().zip(seqs) {
+                drafter.extend_context(c, p - 1, &last(states))?;
                 drafts.push(bits(drafter.draft(c, tokens[p], p, walk.depth)?));
             }
-        }
-        // Position p is committed: its walk.context joins each sequence's cache.
-        for (c, (_, states)) in caches.iter_mut().zip(seqs) {
-            drafter.extend_context(c, p, &states[p * w..(p + 1) * w])?;
         }
     }
     Ok((drafts, t.elapsed().as_secs_f64()))

@@ -68,6 +68,36 @@ impl<B: Backend> Layer<B> {
         }
         self.finish(be, hp, s, total);
     }
+
+    /// [`Layer::context_kv`] over the rows of several sequences held together in `x` (`total` rows, sequence
+    /// after sequence): the projections once over all rows, each sequence's RoPE and cache write (its cache
+    /// layer `cache_layer`, `shape(rows)`) in its own buffers. Bitwise each sequence's own `context_kv`.
+    #[allow(clippy::too_many_arguments)] // `context_kv`'s inputs, per sequence
+    pub(super) fn context_kv_batched(
+        &self,
+        be: &B,
+        hp: &HParams,
+        x: &B::Buffer,
+        rope: Rope,
+        cache_layer: usize,
+        shape: impl Fn(usize) -> AttnShape,
+        s: &mut Scratch<B>,
+        total: usize,
+        seqs: &mut [SeqRows<B>],
+    ) {
+        let kvd = hp.n_kv_heads * hp.head_dim;
+        self.context_kv_projections(be, hp, x, s, total);
+        let mut at = 0;
+        for q in seqs.iter_mut() {
+            let (rows, o) = (q.rows, &mut *q.own);
+            be.copy(&s.k, at * kvd, &mut o.k, 0, rows * kvd);
+            be.copy(&s.v, at * kvd, &mut o.v, 0, rows * kvd);
+            let cache = &mut *q.cache;
+            let (kc, vc) = (&mut cache.k[cache_layer], &mut cache.v[cache_layer]);
+            be.rope_and_cache(&mut o.q, &mut o.k, &o.v, kc, vc, shape(rows), rope, &o.step);
+            at += rows;
+        }
+    }
 }
 
 /// One sequence's part of a batched forward.

@@ -829,9 +829,8 @@ impl<B: Backend> Layer<B> {
     }
 
     /// The K/V of `shape.rows` rows of `x` that enter this layer's attention without its input norm (a block
-    /// drafter's fused target states): projected (with biases and the per-head K norm where the layer has
-    /// them), K rotated at the step's positions, both written to the cache slots from the step's base. `s.q`
-    /// and `s.tmp` are scratch.
+    /// drafter's fused target states): projected ([`Layer::context_kv_projections`]), K rotated at the step's
+    /// positions, both written to the cache slots from the step's base. `s.q` and `s.tmp` are scratch.
     #[allow(clippy::too_many_arguments)] // `run`'s inputs and the rows
     pub(super) fn context_kv(
         &self,
@@ -843,7 +842,22 @@ impl<B: Backend> Layer<B> {
         [k_cache, v_cache]: [&mut B::Buffer; 2],
         shape: AttnShape,
     ) {
-        let rows = shape.rows;
+        self.context_kv_projections(be, hp, x, s, shape.rows);
+        be.rope_and_cache(
+            &mut s.q, &mut s.k, &s.v, k_cache, v_cache, shape, rope, &s.step,
+        );
+    }
+
+    /// The K/V projections of `rows` rows of `x` into `s.k` and `s.v`, with the biases and the per-head K norm
+    /// where the layer has them (`s.tmp` is scratch).
+    pub(super) fn context_kv_projections(
+        &self,
+        be: &B,
+        hp: &HParams,
+        x: &B::Buffer,
+        s: &mut Scratch<B>,
+        rows: usize,
+    ) {
         let kvd = hp.n_kv_heads * hp.head_dim;
         let a = self.attention();
         be.matmuls(x, None, rows, &mut [(&a.k, &mut s.k), (&a.v, &mut s.v)]);
@@ -862,9 +876,6 @@ impl<B: Backend> Layer<B> {
             );
             be.copy(&s.tmp, 0, &mut s.k, 0, rows * kvd);
         }
-        be.rope_and_cache(
-            &mut s.q, &mut s.k, &s.v, k_cache, v_cache, shape, rope, &s.step,
-        );
     }
 
     /// Q/K/V with what comes between them and RoPE (biases, per-head norms), then RoPE and the cache write.

@@ -59,9 +59,13 @@ pub struct BlockDrafter<B: Backend> {
     seq_scratch: Vec<Scratch<B>>,
 }
 
-/// One request's part of [`BlockDrafter::draft_batched`]: what [`BlockDrafter::draft`] takes.
+/// One request's part of [`BlockDrafter::draft_batched`]: the context it adds first (what
+/// [`BlockDrafter::extend_context`] takes), then what [`BlockDrafter::draft`] takes.
 pub struct BlockDraft<'a, B: Backend> {
     pub cache: &'a mut KvCache<B>,
+    /// The target states (`rows × state_width`) of the positions just before `pos` that the cache does not hold
+    /// yet (empty: none).
+    pub context: &'a [f32],
     pub pending: u32,
     pub pos: usize,
     pub k: usize,
@@ -293,12 +297,32 @@ impl<B: Backend> BlockDrafter<B> {
         );
     }
 
-    /// [`BlockDrafter::draft`] for several requests at once, each request's logits bitwise what its own draft
-    /// gives: one forward over every request's block, the projections and the output layer once over all rows
-    /// (each weight read once for all of them), each block's attention over its own request's cache.
+    /// [`BlockDrafter::extend_context`] then [`BlockDrafter::draft`] for several requests at once, each
+    /// request's context cache and logits bitwise what its own calls give: the new context rows of every request
+    /// in one pass (a context longer than a chunk on its own, in chunks), then one forward over every request's
+    /// block; the fusion, the projections and the output layer run once over all rows (each weight read once for
+    /// all of them), each request's RoPE, cache writes and attention over its own cache.
     pub fn draft_batched(&mut self, jobs: &mut [BlockDraft<B>]) -> Result<Vec<Vec<f32>>> {
+        let w = self.state_width();
         for j in jobs.iter() {
             self.check_draft(j.pending, j.k)?;
+            if !j.context.len().is_multiple_of(w) || j.context.len() / w > j.pos {
+                return Err(Error::Invalid(format!(
+                    "block drafter: {} context values before position {} are not rows of {w}",
+                    j.context.len(),
+                    j.pos
+                )));
+            }
+        }
+        for j in jobs.iter_mut() {
+            let rows = j.context.len() / w;
+            if rows > CONTEXT_CHUNK {
+                self.extend_context(j.cache, j.pos - rows, j.context)?;
+                j.context = &[];
+            }
+        }
+        if jobs.iter().any(|j| !j.context.is_empty()) {
+            self.extend_batched(jobs)?;
         }
         let be = self.backend.clone();
         let be = be.as_ref();
@@ -344,19 +368,10 @@ impl<B: Backend> BlockDrafter<B> {
             })
             .collect();
         be.embed(&self.embed, &s.block.step, total, &mut s.block.x);
-        let rope = rope(&self.hp);
+        let (hp, rope) = (&self.hp, rope(&self.hp));
         for (i, layer) in self.layers.iter().enumerate() {
             let shape = |rows| self.shape(rows);
-            layer.run_batched(
-                be,
-                &self.hp,
-                rope,
-                i,
-                shape,
-                &mut s.block,
-                total,
-                &mut parts,
-            );
+            layer.run_batched(be, hp, rope, i, shape, &mut s.block, total, &mut parts);
         }
         drop(parts);
         be.rms_norm(&s.block.x, &self.norm, total, h, eps, &mut s.block.xn);
@@ -385,6 +400,82 @@ impl<B: Backend> BlockDrafter<B> {
             rest = more;
         }
         Ok(out)
+    }
+
+    /// The new context rows of every job (each at most a chunk) added to its cache in one pass.
+    fn extend_batched(&mut self, jobs: &mut [BlockDraft<B>]) -> Result<()> {
+        let (w, h, eps) = (self.state_width(), self.hp.hidden, self.hp.rms_eps);
+        let be = self.backend.clone();
+        let be = be.as_ref();
+        let total: usize = jobs.iter().map(|j| j.context.len() / w).sum();
+        for j in jobs.iter_mut() {
+            let rows = j.context.len() / w;
+            if j.cache.len() + rows > j.cache.max_capacity() {
+                return Err(Error::Invalid(format!(
+                    "block drafter: {rows} context rows do not fit a cache of {}",
+                    j.cache.max_capacity()
+                )));
+            }
+            j.cache.reserve(be, rows)?;
+        }
+        let mut s = self.scratch(total);
+        let mut own = std::mem::take(&mut self.seq_scratch);
+        own.resize_with(own.len().max(jobs.len()), || {
+            Scratch::new(be, &self.hp, 1, 1)
+        });
+        let mut states = Vec::with_capacity(total * w);
+        let mut parts: Vec<SeqRows<B>> = Vec::new();
+        for (j, o) in jobs.iter_mut().zip(own.iter_mut()) {
+            let rows = j.context.len() / w;
+            if rows == 0 {
+                continue;
+            }
+            if o.rows < rows {
+                *o = Scratch::new(be, &self.hp, rows, 1);
+            }
+            let start = j.pos - rows;
+            let positions: Vec<usize> = (start..j.pos).collect();
+            be.set_step(
+                &mut o.step,
+                StepInputs {
+                    tokens: &vec![0; rows],
+                    positions: &positions,
+                    base: j.cache.len(),
+                    mask: &AttnMask::Causal,
+                },
+            );
+            states.extend_from_slice(j.context);
+            parts.push(SeqRows {
+                rows,
+                cache: &mut *j.cache,
+                own: o,
+            });
+        }
+        be.write(&mut s.states, &states);
+        be.matmul(&self.fc, &s.states, total, &mut s.fused);
+        be.rms_norm(
+            &s.fused,
+            &self.hidden_norm,
+            total,
+            h,
+            eps,
+            &mut s.fused_normed,
+        );
+        let (hp, rope) = (&self.hp, rope(&self.hp));
+        for (i, layer) in self.layers.iter().enumerate() {
+            let (shape, x) = (|rows| self.shape(rows), &s.fused_normed);
+            layer.context_kv_batched(be, hp, x, rope, i, shape, &mut s.block, total, &mut parts);
+        }
+        for part in parts.iter_mut() {
+            part.cache.advance(part.rows);
+        }
+        drop(parts);
+        for j in jobs.iter_mut() {
+            j.context = &[];
+        }
+        self.scratch = Some(s);
+        self.seq_scratch = own;
+        Ok(())
     }
 
     /// The drafter's logits for the `k` positions (at most the block's `block - 1`) after `pending` at position

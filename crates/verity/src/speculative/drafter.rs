@@ -17,9 +17,10 @@
 //! - Greedy drafts are a tree ([`best_tree`]): from the block's per-position distributions, the `k` nodes most
 //!   likely to be accepted — each position's best token continues the main line, its second best hangs beside
 //!   it — verified in one forward like any tree.
-//! - In batched steps the per-request proposers of one drafter queue their greedy drafts ([`Proposer::begin`])
-//!   and the first to run the queue drafts every block in one forward ([`BlockDrafter::draft_batched`]), each
-//!   request's logits bitwise its own draft's; each request's context is brought up to date before it queues.
+//! - In batched steps the per-request proposers of one drafter queue their greedy drafts ([`Proposer::begin`]),
+//!   each with the context rows it has still to add, and the first to run the queue adds every request's rows in
+//!   one pass and drafts every block in one forward ([`BlockDrafter::draft_batched`]), each request's context
+//!   cache and logits bitwise its own calls'.
 //! - With sampling, the draft at position `p` is the drafter's sample from its distribution there with the
 //!   request's seed: the keyed race the target's sample at `p` runs (see [`super::verify`]), so the output is
 //!   sampled AR's whatever the drafter proposes.
@@ -37,8 +38,9 @@ struct SharedDrafter<B: Backend> {
     queue: Vec<Queued<BlockJob, KvCache<B>, Vec<f32>>>,
 }
 
-/// A block draft's inputs but the cache ([`BlockDrafter::draft`]'s).
+/// A block draft's inputs but the cache ([`BlockDraft`]'s).
 struct BlockJob {
+    context: Vec<f32>,
     pending: u32,
     pos: usize,
     k: usize,
@@ -114,13 +116,11 @@ impl<B: Backend> DrafterProposer<B> {
         self.states.len() / self.state_width
     }
 
-    /// Bring the drafter's context to every position before `pending` (the last of `context`); false when the
-    /// target states it needs are not known.
-    fn prepare(&mut self, context: &[u32]) -> Result<bool> {
-        let Some(n) = context.len().checked_sub(1).filter(|&n| n > 0) else {
-            return Ok(false);
-        };
-        let mut drafter = self.drafter.lock();
+    /// What bringing the drafter's context to every position before `pending` (the last of `context`) takes:
+    /// the target states of the positions to add (empty: none), counted as cached; `None` when the states it
+    /// needs are not known (or the cache has no room for them and a draft).
+    fn catch_up(&mut self, context: &[u32]) -> Option<Vec<f32>> {
+        let n = context.len().checked_sub(1).filter(|&n| n > 0)?;
         let mut slot = self.slot.lock();
         let cache = &mut slot.cache;
         // Roll back to the slots that still agree with the context.
@@ -135,10 +135,10 @@ impl<B: Backend> DrafterProposer<B> {
         let mut next = self.first + agree;
         let states_end = self.states_start + self.state_rows();
         if next == n {
-            return Ok(true);
+            return Some(Vec::new());
         }
         if self.states.is_empty() || states_end < n || self.states_start >= n {
-            return Ok(false);
+            return None;
         }
         if next < self.states_start || self.cached.is_empty() {
             // Restart the context where the target's states begin.
@@ -148,31 +148,45 @@ impl<B: Backend> DrafterProposer<B> {
             next = self.first;
         }
         let w = self.state_width;
-        let rows = &self.states[(next - self.states_start) * w..(n - self.states_start) * w];
-        if rows.is_empty() {
-            return Ok(true);
-        }
+        let rows =
+            self.states[(next - self.states_start) * w..(n - self.states_start) * w].to_vec();
         if cache.len() + n - next + 1 > cache.max_capacity() {
-            return Ok(false);
+            return None;
         }
-        drafter.drafter.extend_context(cache, next, rows)?;
         self.cached.extend_from_slice(&context[next..n]);
         // Consumed: the next cycle needs the states from `n` on, which its verify reports.
         self.states.clear();
         self.states_start = n;
-        Ok(true)
+        Some(rows)
     }
 
-    /// The width of this cycle's draft after `context` (at most `k`, as the cache has room for; 0: none), the
-    /// drafter's context brought up to the pending token.
-    fn draft_width(&mut self, context: &[u32], k: usize) -> Result<usize> {
+    /// This cycle's width after `context` (at most `k`, as the cache has room for beside the context rows still
+    /// to add; 0: no draft) and those rows.
+    fn draft_width(&mut self, context: &[u32], k: usize) -> (usize, Vec<f32>) {
         let k = self.width(k);
-        if k == 0 || !self.prepare(context)? {
-            return Ok(0);
-        }
+        let rows = match k {
+            0 => None,
+            _ => self.catch_up(context),
+        };
+        let Some(rows) = rows else {
+            return (0, Vec::new());
+        };
         let slot = self.slot.lock();
-        let room = slot.cache.max_capacity() - slot.cache.len();
-        Ok(k.min(room.saturating_sub(1)))
+        let after = slot.cache.len() + rows.len() / self.state_width;
+        let room = slot.cache.max_capacity() - after;
+        (k.min(room.saturating_sub(1)), rows)
+    }
+
+    /// Add the context of the positions before `n` whose target states are `rows` (none: nothing).
+    fn extend(&mut self, n: usize, rows: &[f32]) -> Result<()> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let start = n - rows.len() / self.state_width;
+        let mut shared = self.drafter.lock();
+        shared
+            .drafter
+            .extend_context(&mut self.slot.lock().cache, start, rows)
     }
 
     /// The greedy draft from the drafter's logits for `k` positions: the tree of the `k` nodes likeliest accepted.
@@ -274,11 +288,12 @@ impl<B: Backend> Proposer for DrafterProposer<B> {
     }
 
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft> {
-        let k = self.draft_width(context, k)?;
+        let (k, rows) = self.draft_width(context, k);
+        let n = context.len() - 1;
+        self.extend(n, &rows)?;
         if k == 0 {
             return Ok(Draft::default());
         }
-        let n = context.len() - 1;
         let mut shared = self.drafter.lock();
         let drafter = &mut shared.drafter;
         let logits = drafter.draft(&mut self.slot.lock().cache, context[n], n, k)?;
@@ -302,12 +317,15 @@ impl<B: Backend> Proposer for DrafterProposer<B> {
         if !self.sampler.config().is_greedy() {
             return self.propose(context, k).map(Begun::Ready);
         }
-        let k = self.draft_width(context, k)?;
+        let (k, rows) = self.draft_width(context, k);
+        let n = context.len() - 1;
         if k == 0 {
+            // Nothing to draft: the context still catches up, as in `propose`.
+            self.extend(n, &rows)?;
             return Ok(Begun::Ready(Draft::default()));
         }
-        let n = context.len() - 1;
         let job = BlockJob {
+            context: rows,
             pending: context[n],
             pos: n,
             k,
@@ -327,6 +345,7 @@ impl<B: Backend> Proposer for DrafterProposer<B> {
                 .iter_mut()
                 .map(|(j, cache)| BlockDraft {
                     cache,
+                    context: &j.context,
                     pending: j.pending,
                     pos: j.pos,
                     k: j.k,

@@ -223,9 +223,10 @@ pub fn assert_batched_head_drafts_equal_alone<B: Backend>(
     }
 }
 
-/// Several requests' block drafts in one batched call against each one's own draft: contexts of different
-/// lengths (extended in pieces, as cycles add them) and widths from 1 to the block's last row get bitwise their
-/// own logits and context caches; run twice, the second time with the requests reordered and one left out.
+/// Several requests' block drafts in one batched call against each one's own calls: contexts of different
+/// lengths, each request with new context rows to add first (none, one, a few, more than a chunk) and widths from
+/// 1 to the block's last row, get bitwise their own logits and context caches (`extend_context` then `draft`);
+/// run twice, the second time with the requests reordered and one left out. `tokens`: 80 or more.
 pub fn assert_batched_block_drafts_equal_alone<B: Backend>(
     model: &mut Model<B>,
     drafter: &mut BlockDrafter<B>,
@@ -245,39 +246,50 @@ pub fn assert_batched_block_drafts_equal_alone<B: Backend>(
         .features;
     let w = drafter.state_width();
     let most = drafter.spec().block - 1;
-    // (context length, width)
-    let cases = [(7, most), (3, 1), (12, 2), (1, most.min(3)), (9, most)];
-    let context = |drafter: &mut BlockDrafter<B>, n: usize| {
-        let mut c = drafter.new_cache(64);
-        let half = n / 2;
-        if half > 0 {
+    // (position of the pending token, rows of context to add first, width)
+    let cases = [
+        (7, 1, most),
+        (3, 0, 1),
+        (12, 5, 2),
+        (1, 1, most.min(3)),
+        (9, 0, most),
+        (78, 70, 2),
+    ];
+    // The context the cache holds before: positions 0..n - add.
+    let held = |drafter: &mut BlockDrafter<B>, n: usize, add: usize| {
+        let mut c = drafter.new_cache(128);
+        if n > add {
             drafter
-                .extend_context(&mut c, 0, &states[..half * w])
+                .extend_context(&mut c, 0, &states[..(n - add) * w])
                 .unwrap();
         }
-        drafter
-            .extend_context(&mut c, half, &states[half * w..n * w])
-            .unwrap();
         c
     };
+    let fresh = |n: usize, add: usize| &states[(n - add) * w..n * w];
     let mut alone = Vec::new();
-    for &(n, k) in &cases {
-        let mut c = context(drafter, n);
+    for &(n, add, k) in &cases {
+        let mut c = held(drafter, n, add);
+        if add > 0 {
+            drafter
+                .extend_context(&mut c, n - add, fresh(n, add))
+                .unwrap();
+        }
         let logits = drafter.draft(&mut c, tokens[n], n, k).unwrap();
         alone.push((bits(&logits), cache_bits(model, &c)));
     }
-    for order in [vec![0, 1, 2, 3, 4], vec![4, 2, 0, 3]] {
+    for order in [vec![0, 1, 2, 3, 4, 5], vec![5, 4, 2, 0, 3]] {
         let mut caches: Vec<KvCache<B>> = order
             .iter()
-            .map(|&i| context(drafter, cases[i].0))
+            .map(|&i| held(drafter, cases[i].0, cases[i].1))
             .collect();
         let mut jobs: Vec<BlockDraft<B>> = order
             .iter()
             .zip(caches.iter_mut())
             .map(|(&i, cache)| {
-                let (n, k) = cases[i];
+                let (n, add, k) = cases[i];
                 BlockDraft {
                     cache,
+                    context: fresh(n, add),
                     pending: tokens[n],
                     pos: n,
                     k,
