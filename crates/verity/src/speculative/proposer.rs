@@ -291,6 +291,11 @@ impl<T> Shared<T> {
         Shared(Arc::new(Mutex::new(model)))
     }
 
+    /// Whether another holder than this one is left.
+    pub(crate) fn is_shared(&self) -> bool {
+        Arc::strong_count(&self.0) > 1
+    }
+
     /// The model, for one drafting step. A lock poisoned by a panic mid-draft is taken over: a draft can only
     /// change how many tokens a cycle keeps, never which.
     pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
@@ -329,11 +334,13 @@ pub(crate) struct Queued<J, C, R> {
 }
 
 /// Run `queue` as one batched call: `run` takes every job with its request's cache and returns each one's
-/// result in order, which goes to the request's slot ([`Proposer::finish`] takes it from there).
+/// result in order, which goes to the request's slot ([`Proposer::finish`] takes it from there). A job whose
+/// request is gone (its step failed before the queue ran, and its proposer with it) is dropped unrun.
 pub(crate) fn run_queue<J, C, R>(
     queue: Vec<Queued<J, C, R>>,
     run: impl FnOnce(&mut [(&J, &mut C)]) -> Result<Vec<R>>,
 ) -> Result<()> {
+    let queue: Vec<_> = queue.into_iter().filter(|q| q.slot.is_shared()).collect();
     if queue.is_empty() {
         return Ok(());
     }
@@ -405,6 +412,31 @@ mod tests {
         d.insert_path(&[9], 7);
         assert_eq!(d.tokens(), &[1, 2, 3, 4, 5, 6, 7]);
         assert_eq!(d.parents(), &[0, 1, 2, 2, 4, 0, 1]);
+    }
+
+    #[test]
+    fn a_queued_draft_whose_proposer_is_gone_is_not_run() {
+        let live: Shared<Slot<Vec<u32>, u32>> = Slot::new(vec![1]);
+        let gone: Shared<Slot<Vec<u32>, u32>> = Slot::new(vec![2]);
+        let queue = vec![
+            Queued {
+                job: 10,
+                slot: live.clone(),
+            },
+            Queued {
+                job: 20,
+                slot: gone.clone(),
+            },
+        ];
+        drop(gone);
+        let mut ran = Vec::new();
+        run_queue(queue, |jobs| {
+            ran = jobs.iter().map(|(j, c)| (**j, c[0])).collect();
+            Ok(jobs.iter().map(|(j, _)| **j + 1).collect())
+        })
+        .unwrap();
+        assert_eq!(ran, vec![(10, 1)]);
+        assert_eq!(live.lock().drafted, Some(11));
     }
 
     #[test]
