@@ -13,7 +13,7 @@ writes OUT/ with a hard link to the target GGUF (a copy where linking fails), an
   `mtp.fc.weight` (d × 2d), the two input norms, one decoder layer and the final norm;
 - `drafter/` (with --drafter): a DFlash-style block drafter (`config.json`, `model.safetensors`) of one layer
   of the target's shape with per-head Q/K norms, reading five of the target's layers spread over its depth,
-  blocks of --block rows, as `tools/train/train_dflash.py` exports one.
+  blocks of --block rows, in the layout `tools/train/dflash_drafter.py` exports.
 Both draft from --draft-vocab token ids (0: the whole vocabulary; the output layer is the target's). BF16 weights
 N(0, 0.02), seeded; norms 1.
 

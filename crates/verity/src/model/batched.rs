@@ -100,6 +100,41 @@ impl<B: Backend> Layer<B> {
     }
 }
 
+/// Size `own` (each sequence's buffers in a batched forward: its step, its attention's inputs and output, kept
+/// between forwards) for sequences of `rows` rows each, in order, growing the buffers that are too small.
+pub(super) fn fit_own<B: Backend>(
+    be: &B,
+    hp: &HParams,
+    own: &mut Vec<Scratch<B>>,
+    rows: impl ExactSizeIterator<Item = usize>,
+) {
+    own.resize_with(own.len().max(rows.len()), || Scratch::new(be, hp, 1, 1));
+    for (o, r) in own.iter_mut().zip(rows) {
+        if o.rows < r {
+            *o = Scratch::new(be, hp, r, 1);
+        }
+    }
+}
+
+/// The batch's step: every sequence's tokens (at their positions), which the embedding reads; each sequence's
+/// attention reads its own step.
+pub(super) fn write_batch_step<B: Backend>(
+    be: &B,
+    step: &mut B::Step,
+    tokens: &[u32],
+    positions: &[usize],
+) {
+    be.set_step(
+        step,
+        StepInputs {
+            tokens,
+            positions,
+            base: 0,
+            mask: &AttnMask::Causal,
+        },
+    );
+}
+
 /// One sequence's part of a batched forward.
 pub struct SeqForward<'a, B: Backend> {
     pub cache: &'a mut KvCache<B>,
@@ -135,7 +170,6 @@ impl<B: Backend> Model<B> {
         let be = be.as_ref();
         let total: usize = seqs.iter().map(|q| q.batch.rows()).sum();
         let mut s = self.scratch(total);
-        // The batch's step serves the embedding alone; each sequence's serves its attention.
         let tokens: Vec<u32> = seqs
             .iter()
             .flat_map(|q| q.batch.tokens.iter().copied())
@@ -144,24 +178,11 @@ impl<B: Backend> Model<B> {
             .iter()
             .flat_map(|q| q.batch.positions.iter().copied())
             .collect();
-        be.set_step(
-            &mut s.step,
-            StepInputs {
-                tokens: &tokens,
-                positions: &positions,
-                base: 0,
-                mask: &AttnMask::Causal,
-            },
-        );
+        write_batch_step(be, &mut s.step, &tokens, &positions);
         let mut own = std::mem::take(&mut self.seq_scratch);
-        own.resize_with(own.len().max(seqs.len()), || {
-            Scratch::new(be, &self.hp, 1, 1)
-        });
+        fit_own(be, &self.hp, &mut own, seqs.iter().map(|q| q.batch.rows()));
         for (q, o) in seqs.iter_mut().zip(own.iter_mut()) {
             let rows = q.batch.rows();
-            if o.rows < rows {
-                *o = Scratch::new(be, &self.hp, rows, 1);
-            }
             q.cache
                 .begin_forward(rows, matches!(q.logits, LogitRows::All | LogitRows::Greedy));
             be.set_step(

@@ -18,7 +18,7 @@
 
 use std::sync::Arc;
 
-use super::batched::SeqRows;
+use super::batched::{fit_own, write_batch_step, SeqRows};
 use super::decoder::{Layer, Scratch};
 use super::{drafting_cache, drafting_matrix, run_recorded, DraftVocab, Model};
 use crate::backend::{AttnMask, AttnShape, Backend, Rope, RopeStyle, StepInputs};
@@ -332,32 +332,18 @@ impl<B: Backend> BlockDrafter<B> {
         let total: usize = jobs.iter().map(|j| j.k + 1).sum();
         let mut s = self.scratch(total);
         let mut own = std::mem::take(&mut self.seq_scratch);
-        own.resize_with(own.len().max(jobs.len()), || {
-            Scratch::new(be, &self.hp, 1, 1)
-        });
+        fit_own(be, &self.hp, &mut own, jobs.iter().map(|j| j.k + 1));
         let (h, eps, vocab) = (self.hp.hidden, self.hp.rms_eps, self.draft_vocab_len());
-        // The batch's step serves the embedding; each request's its block's positions, base and mask.
         let mut tokens = Vec::with_capacity(total);
         let mut positions = Vec::with_capacity(total);
         for (j, o) in jobs.iter().zip(own.iter_mut()) {
             let rows = j.k + 1;
-            if o.rows < rows {
-                *o = Scratch::new(be, &self.hp, rows, 1);
-            }
             self.write_block(&mut o.step, j.pending, j.pos, rows, j.cache.len());
             tokens.push(j.pending);
             tokens.extend(std::iter::repeat_n(self.spec.mask_token, j.k));
             positions.extend(j.pos..j.pos + rows);
         }
-        be.set_step(
-            &mut s.block.step,
-            StepInputs {
-                tokens: &tokens,
-                positions: &positions,
-                base: 0,
-                mask: &AttnMask::Causal,
-            },
-        );
+        write_batch_step(be, &mut s.block.step, &tokens, &positions);
         let mut parts: Vec<SeqRows<B>> = jobs
             .iter_mut()
             .zip(own.iter_mut())
@@ -420,18 +406,18 @@ impl<B: Backend> BlockDrafter<B> {
         }
         let mut s = self.scratch(total);
         let mut own = std::mem::take(&mut self.seq_scratch);
-        own.resize_with(own.len().max(jobs.len()), || {
-            Scratch::new(be, &self.hp, 1, 1)
-        });
+        fit_own(
+            be,
+            &self.hp,
+            &mut own,
+            jobs.iter().map(|j| j.context.len() / w),
+        );
         let mut states = Vec::with_capacity(total * w);
         let mut parts: Vec<SeqRows<B>> = Vec::new();
         for (j, o) in jobs.iter_mut().zip(own.iter_mut()) {
             let rows = j.context.len() / w;
             if rows == 0 {
                 continue;
-            }
-            if o.rows < rows {
-                *o = Scratch::new(be, &self.hp, rows, 1);
             }
             let start = j.pos - rows;
             let positions: Vec<usize> = (start..j.pos).collect();

@@ -17,7 +17,7 @@
 
 use std::sync::Arc;
 
-use super::batched::SeqRows;
+use super::batched::{fit_own, write_batch_step, SeqRows};
 use super::decoder::{Layer, Scratch};
 use super::{drafting_cache, drafting_matrix, drafting_qmatrix, run_recorded, DraftVocab, Model};
 use crate::backend::RopeStyle;
@@ -577,8 +577,9 @@ impl<B: Backend> MtpHead<B> {
         let n = jobs.len();
         let total: usize = jobs.iter().map(|j| j.tokens.len()).sum();
         let mut s = self.scratch(total.max(n));
+        // Step 0's rows are each request's most.
         let mut own = std::mem::take(&mut self.seq_scratch);
-        own.resize_with(own.len().max(n), || Scratch::new(be, &self.hp, 1, 1));
+        fit_own(be, &self.hp, &mut own, jobs.iter().map(|j| j.tokens.len()));
         let mut drafted: Vec<Vec<u32>> = vec![Vec::new(); n];
         let depth = jobs.iter().map(|j| j.depth).max().unwrap_or(0);
         for i in 0..depth {
@@ -600,10 +601,6 @@ impl<B: Backend> MtpHead<B> {
                         job.start + job.tokens.len() + i - 1,
                     )
                 };
-                let p: Vec<usize> = (first..first + t.len()).collect();
-                if o.rows < t.len() {
-                    *o = Scratch::new(be, &self.hp, t.len(), 1);
-                }
                 write_step(be, &mut o.step, &t, first, job.cache.len());
                 if i == 0 {
                     states.extend_from_slice(job.hidden);
@@ -613,21 +610,13 @@ impl<B: Backend> MtpHead<B> {
                 }
                 job.last_row = row + t.len() - 1;
                 row += t.len();
+                positions.extend(first..first + t.len());
                 tokens.extend(t);
-                positions.extend(p);
             }
             if i == 0 {
                 be.write(&mut s.h, &states);
             }
-            be.set_step(
-                &mut s.block.step,
-                StepInputs {
-                    tokens: &tokens,
-                    positions: &positions,
-                    base: 0,
-                    mask: &AttnMask::Causal,
-                },
-            );
+            write_batch_step(be, &mut s.block.step, &tokens, &positions);
             let rows = tokens.len();
             let mut parts: Vec<SeqRows<B>> = jobs
                 .iter_mut()

@@ -25,7 +25,7 @@
 //!   request's seed: the keyed race the target's sample at `p` runs (see [`super::verify`]), so the output is
 //!   sampled AR's whatever the drafter proposes.
 
-use super::proposer::{run_queue, Begun, Draft, Outcome, Proposer, Queued, Shared, Slot};
+use super::proposer::{Begun, Draft, Outcome, Proposer, Queue, Shared, Slot};
 use crate::backend::Backend;
 use crate::cache::KvCache;
 use crate::error::{Error, Result};
@@ -33,10 +33,7 @@ use crate::model::{BlockDraft, BlockDrafter, TargetFeatures};
 use crate::sample::{Sampler, SamplerConfig};
 
 /// A drafter and the greedy drafts its per-request proposers queued in a batched step.
-struct SharedDrafter<B: Backend> {
-    drafter: BlockDrafter<B>,
-    queue: Vec<Queued<BlockJob, KvCache<B>, Vec<f32>>>,
-}
+type SharedDrafter<B> = Queue<BlockDrafter<B>, BlockJob, KvCache<B>, Vec<f32>>;
 
 /// A block draft's inputs but the cache ([`BlockDraft`]'s).
 struct BlockJob {
@@ -71,11 +68,7 @@ pub struct DrafterProposer<B: Backend> {
 
 impl<B: Backend> DrafterProposer<B> {
     pub fn new(drafter: BlockDrafter<B>, vocab: usize, context_len: usize) -> Result<Self> {
-        let drafter = SharedDrafter {
-            drafter,
-            queue: Vec::new(),
-        };
-        Self::sharing(Shared::new(drafter), vocab, context_len)
+        Self::sharing(Queue::new(drafter), vocab, context_len)
     }
 
     /// A proposer of its own over a shared drafter.
@@ -85,7 +78,7 @@ impl<B: Backend> DrafterProposer<B> {
         context_len: usize,
     ) -> Result<Self> {
         let (cache, block, layers, state_width) = {
-            let d = &drafter.lock().drafter;
+            let d = &drafter.lock().model;
             let spec = d.spec();
             let layers = spec.target_layers.clone();
             (
@@ -116,14 +109,14 @@ impl<B: Backend> DrafterProposer<B> {
         self.states.len() / self.state_width
     }
 
-    /// What bringing the drafter's context to every position before `pending` (the last of `context`) takes:
-    /// the target states of the positions to add (empty: none), counted as cached; `None` when the states it
-    /// needs are not known (or the cache has no room for them and a draft).
-    fn catch_up(&mut self, context: &[u32]) -> Option<Vec<f32>> {
+    /// Roll the drafter's context back to what agrees with `context` and find what bringing it to every position
+    /// before `pending` (the last of `context`, at `n`) takes: `Some(next)`, the positions `next..n` to add
+    /// (none where `next == n`), counted as cached from here on; `None` when the target states they need are not
+    /// known (or the cache has no room for them and a draft).
+    fn catch_up(&mut self, context: &[u32]) -> Option<usize> {
         let n = context.len().checked_sub(1).filter(|&n| n > 0)?;
         let mut slot = self.slot.lock();
         let cache = &mut slot.cache;
-        // Roll back to the slots that still agree with the context.
         let agree = self
             .cached
             .iter()
@@ -135,7 +128,7 @@ impl<B: Backend> DrafterProposer<B> {
         let mut next = self.first + agree;
         let states_end = self.states_start + self.state_rows();
         if next == n {
-            return Some(Vec::new());
+            return Some(n);
         }
         if self.states.is_empty() || states_end < n || self.states_start >= n {
             return None;
@@ -147,46 +140,50 @@ impl<B: Backend> DrafterProposer<B> {
             cache.truncate(0);
             next = self.first;
         }
-        let w = self.state_width;
-        let rows =
-            self.states[(next - self.states_start) * w..(n - self.states_start) * w].to_vec();
         if cache.len() + n - next + 1 > cache.max_capacity() {
             return None;
         }
         self.cached.extend_from_slice(&context[next..n]);
-        // Consumed: the next cycle needs the states from `n` on, which its verify reports.
-        self.states.clear();
-        self.states_start = n;
-        Some(rows)
+        Some(next)
     }
 
-    /// This cycle's width after `context` (at most `k`, as the cache has room for beside the context rows still
-    /// to add; 0: no draft) and those rows.
-    fn draft_width(&mut self, context: &[u32], k: usize) -> (usize, Vec<f32>) {
-        let k = self.width(k);
-        let rows = match k {
-            0 => None,
-            _ => self.catch_up(context),
-        };
-        let Some(rows) = rows else {
-            return (0, Vec::new());
-        };
-        let slot = self.slot.lock();
-        let after = slot.cache.len() + rows.len() / self.state_width;
-        let room = slot.cache.max_capacity() - after;
-        (k.min(room.saturating_sub(1)), rows)
-    }
-
-    /// Add the context of the positions before `n` whose target states are `rows` (none: nothing).
-    fn extend(&mut self, n: usize, rows: &[f32]) -> Result<()> {
-        if rows.is_empty() {
-            return Ok(());
+    /// The target states of positions `next..n` (after [`DrafterProposer::catch_up`]).
+    fn new_states(&self, next: usize, n: usize) -> &[f32] {
+        let w = self.state_width;
+        match next {
+            _ if next == n => &[],
+            _ => &self.states[(next - self.states_start) * w..(n - self.states_start) * w],
         }
-        let start = n - rows.len() / self.state_width;
-        let mut shared = self.drafter.lock();
-        shared
-            .drafter
-            .extend_context(&mut self.slot.lock().cache, start, rows)
+    }
+
+    /// Positions `next..n` added (or queued to be): the next cycle needs the target states from `n` on, which
+    /// its verify reports.
+    fn consumed(&mut self, next: usize, n: usize) {
+        if next < n {
+            self.states.clear();
+            self.states_start = n;
+        }
+    }
+
+    /// Add the context of positions `next..n` now.
+    fn extend(&mut self, next: usize, n: usize) -> Result<()> {
+        if next < n {
+            let mut shared = self.drafter.lock();
+            let mut slot = self.slot.lock();
+            shared
+                .model
+                .extend_context(&mut slot.cache, next, self.new_states(next, n))?;
+        }
+        self.consumed(next, n);
+        Ok(())
+    }
+
+    /// The width of a draft of up to `k` positions with `adding` context rows still to add: as many as the
+    /// cache has room for.
+    fn fit(&self, k: usize, adding: usize) -> usize {
+        let slot = self.slot.lock();
+        let room = slot.cache.max_capacity() - (slot.cache.len() + adding);
+        k.min(room.saturating_sub(1))
     }
 
     /// The greedy draft from the drafter's logits for `k` positions: the tree of the `k` nodes likeliest accepted.
@@ -288,14 +285,18 @@ impl<B: Backend> Proposer for DrafterProposer<B> {
     }
 
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft> {
-        let (k, rows) = self.draft_width(context, k);
+        let k = self.width(k);
+        let Some(next) = (k > 0).then(|| self.catch_up(context)).flatten() else {
+            return Ok(Draft::default());
+        };
         let n = context.len() - 1;
-        self.extend(n, &rows)?;
+        self.extend(next, n)?;
+        let k = self.fit(k, 0);
         if k == 0 {
             return Ok(Draft::default());
         }
         let mut shared = self.drafter.lock();
-        let drafter = &mut shared.drafter;
+        let drafter = &mut shared.model;
         let logits = drafter.draft(&mut self.slot.lock().cache, context[n], n, k)?;
         if self.sampler.config().is_greedy() {
             return Ok(Self::greedy_tree(drafter, &logits, k));
@@ -317,30 +318,31 @@ impl<B: Backend> Proposer for DrafterProposer<B> {
         if !self.sampler.config().is_greedy() {
             return self.propose(context, k).map(Begun::Ready);
         }
-        let (k, rows) = self.draft_width(context, k);
+        let k = self.width(k);
+        let Some(next) = (k > 0).then(|| self.catch_up(context)).flatten() else {
+            return Ok(Begun::Ready(Draft::default()));
+        };
         let n = context.len() - 1;
+        let k = self.fit(k, n - next);
         if k == 0 {
             // Nothing to draft: the context still catches up, as in `propose`.
-            self.extend(n, &rows)?;
+            self.extend(next, n)?;
             return Ok(Begun::Ready(Draft::default()));
         }
         let job = BlockJob {
-            context: rows,
+            context: self.new_states(next, n).to_vec(),
             pending: context[n],
             pos: n,
             k,
         };
-        let slot = self.slot.clone();
-        self.drafter.lock().queue.push(Queued { job, slot });
+        self.consumed(next, n);
+        self.drafter.lock().push(job, &self.slot);
         self.queued = k;
         Ok(Begun::Queued)
     }
 
     fn run_queued(&mut self) -> Result<()> {
-        let mut shared = self.drafter.lock();
-        let queue = std::mem::take(&mut shared.queue);
-        let drafter = &mut shared.drafter;
-        run_queue(queue, |jobs| {
+        self.drafter.lock().run(|drafter, jobs| {
             let mut drafts: Vec<BlockDraft<B>> = jobs
                 .iter_mut()
                 .map(|(j, cache)| BlockDraft {
@@ -360,7 +362,7 @@ impl<B: Backend> Proposer for DrafterProposer<B> {
         match logits {
             Some(logits) => {
                 let shared = self.drafter.lock();
-                Ok(Self::greedy_tree(&shared.drafter, &logits, self.queued))
+                Ok(Self::greedy_tree(&shared.model, &logits, self.queued))
             }
             None => Err(Error::Invalid(
                 "drafter: the queued draft has not run".into(),

@@ -29,7 +29,7 @@
 //!   each of the head's forwards then reads its weights once for every request instead of once per request,
 //!   with each request's tokens and head cache bitwise what its own draft gives.
 
-use super::proposer::{run_queue, Begun, Draft, Outcome, Proposer, Queued, Shared, Slot};
+use super::proposer::{Begun, Draft, Outcome, Proposer, Queue, Shared, Slot};
 use crate::backend::Backend;
 use crate::cache::KvCache;
 use crate::error::{Error, Result};
@@ -40,10 +40,7 @@ use crate::sample::{Sampler, SamplerConfig};
 pub const MAX_DEPTH: usize = 8;
 
 /// A head and the greedy drafts its per-request proposers queued in a batched step.
-struct SharedHead<B: Backend> {
-    head: MtpHead<B>,
-    queue: Vec<Queued<GreedyDraft, KvCache<B>, Vec<u32>>>,
-}
+type SharedHead<B> = Queue<MtpHead<B>, GreedyDraft, KvCache<B>, Vec<u32>>;
 
 /// A greedy draft's inputs but the cache ([`MtpHead::draft_greedy`]'s).
 struct GreedyDraft {
@@ -78,17 +75,13 @@ pub struct MtpProposer<B: Backend> {
 
 impl<B: Backend> MtpProposer<B> {
     pub fn new(head: MtpHead<B>, vocab: usize, context_len: usize) -> Result<Self> {
-        let head = SharedHead {
-            head,
-            queue: Vec::new(),
-        };
-        Self::sharing(Shared::new(head), vocab, context_len)
+        Self::sharing(Queue::new(head), vocab, context_len)
     }
 
     /// A proposer of its own over a shared head.
     fn sharing(head: Shared<SharedHead<B>>, vocab: usize, context_len: usize) -> Result<Self> {
         let (cache, hidden) = {
-            let h = &head.lock().head;
+            let h = &head.lock().model;
             (h.new_cache(context_len), h.hidden_size())
         };
         Ok(MtpProposer {
@@ -134,7 +127,7 @@ impl<B: Backend> MtpProposer<B> {
     /// step returns alone ([`MtpProposer::greedy`]); sampled ones are the head's sample with the request's
     /// seed at that position, tokens outside the draft vocabulary at probability 0.
     fn choose(&self, out: &HeadOutput, history: &[u32]) -> u32 {
-        let head = &self.head.lock().head;
+        let head = &self.head.lock().model;
         if let Some(t) = out.greedy {
             return head.token(t as usize);
         }
@@ -174,41 +167,33 @@ impl<B: Backend> MtpProposer<B> {
         Some((next, n))
     }
 
-    /// A greedy draft of up to `k` tokens over this proposer's cache, the catch-up over positions `next..=n` (as
-    /// deep as the head cache has room for); the proposer counts the catch-up as committed.
-    fn greedy_draft(&mut self, context: &[u32], next: usize, n: usize, k: usize) -> GreedyDraft {
+    /// The target states a catch-up over positions `next..=n` conditions on (row `i`: the state of the position
+    /// before `next + i`).
+    fn catch_up_states(&self, next: usize, n: usize) -> &[f32] {
         let h = self.hidden;
+        &self.hid[(next - 1 - self.hid_start) * h..(n - self.hid_start) * h]
+    }
+
+    /// The depth of a greedy draft of up to `k` tokens after a catch-up over positions `next..=n` (as deep as the
+    /// head cache has room for); the catch-up counts as committed from here on.
+    fn commit_catch_up(&mut self, context: &[u32], next: usize, n: usize, k: usize) -> usize {
         let caught = n + 1 - next;
-        let (before, room) = {
-            let slot = self.slot.lock();
-            let before = slot.cache.len();
-            (
-                before,
-                slot.cache.max_capacity().saturating_sub(before + caught),
-            )
-        };
-        let job = GreedyDraft {
-            tokens: context[next..=n].to_vec(),
-            start: next,
-            hidden: self.hid[(next - 1 - self.hid_start) * h..(n - self.hid_start) * h].to_vec(),
-            depth: k.min(MAX_DEPTH).min(room + 1),
-        };
+        let slot = self.slot.lock();
+        let before = slot.cache.len();
+        let room = slot.cache.max_capacity().saturating_sub(before + caught);
         self.cached.extend_from_slice(&context[next..=n]);
         self.committed = before + caught;
-        // Consumed: the next catch-up starts at n + 1 and needs h_n onwards, which the next verify reports.
-        self.hid.clear();
-        job
+        k.min(MAX_DEPTH).min(room + 1)
     }
 
     /// The head over positions `next..=n`, each row conditioned on the target's hidden state of the one before;
     /// the last row's output predicts draft 1.
     fn run_catch_up(&mut self, context: &[u32], next: usize, n: usize) -> Result<HeadOutput> {
-        let h = self.hidden;
         let greedy = self.greedy();
-        let rows = &self.hid[(next - 1 - self.hid_start) * h..(n - self.hid_start) * h];
+        let rows = self.catch_up_states(next, n);
         let mut head = self.head.lock();
         let mut slot = self.slot.lock();
-        let out = head.head.draft(
+        let out = head.model.draft(
             &mut slot.cache,
             &context[next..=n],
             next,
@@ -274,16 +259,15 @@ impl<B: Backend> Proposer for MtpProposer<B> {
         if greedy && self.chain {
             // Every draft step's inputs but its token are known ahead: the catch-up and the recursive steps run
             // as one chain on the backend, with one download (as many steps as the head cache holds).
-            let job = self.greedy_draft(context, next, n, k);
-            let mut head = self.head.lock();
-            let mut slot = self.slot.lock();
-            let tokens = head.head.draft_greedy(
-                &mut slot.cache,
-                &job.tokens,
-                job.start,
-                &job.hidden,
-                job.depth,
-            )?;
+            let depth = self.commit_catch_up(context, next, n, k);
+            let tokens = {
+                let rows = self.catch_up_states(next, n);
+                let mut slot = self.slot.lock();
+                let head = &mut self.head.lock().model;
+                head.draft_greedy(&mut slot.cache, &context[next..=n], next, rows, depth)?
+            };
+            // Consumed: the next catch-up starts at n + 1 and needs h_n onwards, which the next verify reports.
+            self.hid.clear();
             return Ok(Draft::chain(tokens));
         }
         let mut out = self.run_catch_up(context, next, n)?;
@@ -300,9 +284,13 @@ impl<B: Backend> Proposer for MtpProposer<B> {
                     break;
                 }
                 // The head's own output state, left on the device by the step before.
-                out =
-                    head.head
-                        .draft(&mut slot.cache, &[tok], n + 1 + i, HeadInput::Last, greedy)?;
+                out = head.model.draft(
+                    &mut slot.cache,
+                    &[tok],
+                    n + 1 + i,
+                    HeadInput::Last,
+                    greedy,
+                )?;
             }
         }
         Ok(Draft::chain(tokens))
@@ -315,17 +303,19 @@ impl<B: Backend> Proposer for MtpProposer<B> {
         let Some((next, n)) = self.prepare(context) else {
             return Ok(Begun::Ready(Draft::default()));
         };
-        let job = self.greedy_draft(context, next, n, k);
-        let slot = self.slot.clone();
-        self.head.lock().queue.push(Queued { job, slot });
+        let job = GreedyDraft {
+            depth: self.commit_catch_up(context, next, n, k),
+            tokens: context[next..=n].to_vec(),
+            start: next,
+            hidden: self.catch_up_states(next, n).to_vec(),
+        };
+        self.hid.clear();
+        self.head.lock().push(job, &self.slot);
         Ok(Begun::Queued)
     }
 
     fn run_queued(&mut self) -> Result<()> {
-        let mut shared = self.head.lock();
-        let queue = std::mem::take(&mut shared.queue);
-        let head = &mut shared.head;
-        run_queue(queue, |jobs| {
+        self.head.lock().run(|head, jobs| {
             let mut drafts: Vec<HeadDraft<B>> = jobs
                 .iter_mut()
                 .map(|(j, cache)| HeadDraft::new(cache, &j.tokens, j.start, &j.hidden, j.depth))

@@ -328,34 +328,58 @@ impl<C, R> Slot<C, R> {
 }
 
 /// A draft queued on a shared drafting model ([`Proposer::begin`]): its inputs and its request's slot.
-pub(crate) struct Queued<J, C, R> {
-    pub(crate) job: J,
-    pub(crate) slot: Shared<Slot<C, R>>,
+struct Queued<J, C, R> {
+    job: J,
+    slot: Shared<Slot<C, R>>,
 }
 
-/// Run `queue` as one batched call: `run` takes every job with its request's cache and returns each one's
-/// result in order, which goes to the request's slot ([`Proposer::finish`] takes it from there). A job whose
-/// request is gone (its step failed before the queue ran, and its proposer with it) is dropped unrun.
-pub(crate) fn run_queue<J, C, R>(
-    queue: Vec<Queued<J, C, R>>,
-    run: impl FnOnce(&mut [(&J, &mut C)]) -> Result<Vec<R>>,
-) -> Result<()> {
-    let queue: Vec<_> = queue.into_iter().filter(|q| q.slot.is_shared()).collect();
-    if queue.is_empty() {
-        return Ok(());
+/// A drafting model shared by per-request proposers, with the drafts they queued in a batched step: job `J`
+/// over a request's cache `C`, giving it `R`.
+pub(crate) struct Queue<M, J, C, R> {
+    pub(crate) model: M,
+    queued: Vec<Queued<J, C, R>>,
+}
+
+impl<M, J, C, R> Queue<M, J, C, R> {
+    pub(crate) fn new(model: M) -> Shared<Self> {
+        Shared::new(Queue {
+            model,
+            queued: Vec::new(),
+        })
     }
-    let mut slots: Vec<MutexGuard<Slot<C, R>>> = queue.iter().map(|q| q.slot.lock()).collect();
-    let mut jobs: Vec<(&J, &mut C)> = queue
-        .iter()
-        .zip(slots.iter_mut())
-        .map(|(q, slot)| (&q.job, &mut slot.cache))
-        .collect();
-    let drafted = run(&mut jobs)?;
-    drop(jobs);
-    for (slot, d) in slots.iter_mut().zip(drafted) {
-        slot.drafted = Some(d);
+
+    /// Queue `job` over the cache in `slot`.
+    pub(crate) fn push(&mut self, job: J, slot: &Shared<Slot<C, R>>) {
+        let slot = slot.clone();
+        self.queued.push(Queued { job, slot });
     }
-    Ok(())
+
+    /// Run the queue as one batched call: `run` takes the model and every job with its request's cache and
+    /// returns each one's result in order, which goes to the request's slot ([`Proposer::finish`] takes it from
+    /// there). A job whose request is gone (its step failed before the queue ran, and its proposer with it) is
+    /// dropped unrun.
+    pub(crate) fn run(
+        &mut self,
+        run: impl FnOnce(&mut M, &mut [(&J, &mut C)]) -> Result<Vec<R>>,
+    ) -> Result<()> {
+        let mut queue = std::mem::take(&mut self.queued);
+        queue.retain(|q| q.slot.is_shared());
+        if queue.is_empty() {
+            return Ok(());
+        }
+        let mut slots: Vec<MutexGuard<Slot<C, R>>> = queue.iter().map(|q| q.slot.lock()).collect();
+        let mut jobs: Vec<(&J, &mut C)> = queue
+            .iter()
+            .zip(slots.iter_mut())
+            .map(|(q, slot)| (&q.job, &mut slot.cache))
+            .collect();
+        let drafted = run(&mut self.model, &mut jobs)?;
+        drop(jobs);
+        for (slot, d) in slots.iter_mut().zip(drafted) {
+            slot.drafted = Some(d);
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -416,27 +440,23 @@ mod tests {
 
     #[test]
     fn a_queued_draft_whose_proposer_is_gone_is_not_run() {
-        let live: Shared<Slot<Vec<u32>, u32>> = Slot::new(vec![1]);
-        let gone: Shared<Slot<Vec<u32>, u32>> = Slot::new(vec![2]);
-        let queue = vec![
-            Queued {
-                job: 10,
-                slot: live.clone(),
-            },
-            Queued {
-                job: 20,
-                slot: gone.clone(),
-            },
-        ];
+        let queue: Shared<Queue<u32, u32, Vec<u32>, u32>> = Queue::new(100);
+        let live = Slot::new(vec![1]);
+        let gone = Slot::new(vec![2]);
+        queue.lock().push(10, &live);
+        queue.lock().push(20, &gone);
         drop(gone);
         let mut ran = Vec::new();
-        run_queue(queue, |jobs| {
-            ran = jobs.iter().map(|(j, c)| (**j, c[0])).collect();
-            Ok(jobs.iter().map(|(j, _)| **j + 1).collect())
-        })
-        .unwrap();
+        queue
+            .lock()
+            .run(|model, jobs| {
+                ran = jobs.iter().map(|(j, c)| (**j, c[0])).collect();
+                Ok(jobs.iter().map(|(j, _)| *model + **j).collect())
+            })
+            .unwrap();
         assert_eq!(ran, vec![(10, 1)]);
-        assert_eq!(live.lock().drafted, Some(11));
+        assert_eq!(live.lock().drafted, Some(110));
+        assert!(queue.lock().queued.is_empty(), "a run empties the queue");
     }
 
     #[test]
