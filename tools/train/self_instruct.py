@@ -13,6 +13,14 @@ Output: the same `.npz` layout as an MTP run's `train_data.npz` (tokens, lens, p
 kind), so `train_dflash.py --data a.npz,b.npz` reads both. Held-out split by a hash of the instruction text (5 %).
 
     python3 tools/train/self_instruct.py --gguf G --out self_instruct.npz --budget-s 280
+
+The same data can be written by a running `verity serve` of the target (`--server`: no GPU, no torch; the answers
+are then the quantized target's own greedy text), as instruction/answer texts appended to a JSONL file (`--texts`,
+resumed where it stopped: instructions already there are not written again), and packed into the `.npz` later
+where torch and transformers are installed (`--texts` without `--server`):
+
+    python3 tools/train/self_instruct.py --server http://127.0.0.1:8090 --gguf G --texts si.jsonl --budget-s 5400
+    python3 tools/train/self_instruct.py --gguf G --texts si.jsonl --out self_instruct.npz
 """
 
 import argparse
@@ -21,11 +29,14 @@ import os
 import sys
 import time
 
+import json
+import random
+import threading
+import urllib.request
+
 import numpy as np
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_mtp import gguf_config, generate_batch, load_target, log, seed_all  # noqa: E402
 
 
 def heldout(text, frac=0.05):
@@ -39,16 +50,19 @@ def user_header(tok):
     return tok(text[: text.index(marker)], add_special_tokens=False).input_ids
 
 
-@torch.no_grad()
-def sample_instructions(model, tok, eos, args, deadline):
+def sample_instructions(model, tok, eos, args, deadline, log):
     """Instructions the target writes, deduplicated, until `args.instructions` or the deadline."""
+    import torch
+
     head = user_header(tok)
     turn_start = tok.convert_tokens_to_ids("<|im_start|>")
     seen, out, batches = set(), [], 0
     while len(out) < args.instructions and time.time() < deadline:
         ids = torch.tensor([head] * args.instruction_batch, device=model.device)
-        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.instruction_tokens,
-                             do_sample=True, temperature=1.0, top_p=0.95, top_k=0, pad_token_id=eos, eos_token_id=eos)
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.instruction_tokens,
+                                 do_sample=True, temperature=1.0, top_p=0.95, top_k=0, pad_token_id=eos,
+                                 eos_token_id=eos)
         batches += 1
         for row in gen[:, len(head):].tolist():
             if eos not in row:
@@ -66,21 +80,118 @@ def sample_instructions(model, tok, eos, args, deadline):
     return out[: args.instructions]
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gguf", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=2026)
-    p.add_argument("--instructions", type=int, default=40000, help="at most this many instructions")
-    p.add_argument("--instruction-tokens", type=int, default=96)
-    p.add_argument("--instruction-batch", type=int, default=2048)
-    p.add_argument("--instruction-share", type=float, default=0.3,
-                   help="of the budget, for writing instructions (on an H100: ~130 kept a second, ~50 answers a second)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--answer-batch", type=int, default=1024)
-    p.add_argument("--budget-s", type=float, default=280)
-    args = p.parse_args()
+def template_header(gguf_path):
+    """The GGUF chat template's text up to where a user's words begin (rendered as the server renders it)."""
+    import gguf
+    import jinja2
+
+    f = gguf.GGUFReader(gguf_path).fields["tokenizer.chat_template"]
+    template = jinja2.Environment().from_string(bytes(f.parts[f.data[0]]).decode())
+    marker = "\x00MARK\x00"
+    text = template.render(messages=[{"role": "user", "content": marker}], add_generation_prompt=False)
+    return text[: text.index(marker)]
+
+
+def post(url, body):
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.load(r)
+
+
+def serve_texts(args):
+    """Instructions and greedy answers from a running `verity serve`, appended to `args.texts` by `args.clients`
+    threads until the budget or `args.instructions` pairs: each thread samples an instruction from the template's
+    user header (kept as the torch path keeps them: ended by the end-of-turn token, 4 tokens or more, no turn
+    marker, new), then asks for its greedy answer."""
+    head = template_header(args.gguf)
+    seen = set()
+    if os.path.exists(args.texts):
+        with open(args.texts) as f:
+            seen = {" ".join(json.loads(line)["instruction"].lower().split()) for line in f if line.strip()}
+    lock, out, t0 = threading.Lock(), open(args.texts, "a"), time.time()
+    rng = random.Random(args.seed + len(seen))
+    counts = {"sampled": 0, "kept": len(seen)}
+
+    def work():
+        while time.time() - t0 < args.budget_s:
+            with lock:
+                if counts["kept"] >= args.instructions:
+                    return
+                seed = rng.getrandbits(31)
+            r = post(args.server + "/v1/completions", {
+                "prompt": head, "max_tokens": args.instruction_tokens, "temperature": 1.0, "top_p": 0.95,
+                "seed": seed})
+            c = r["choices"][0]
+            text, key = c["text"].strip(), " ".join(c["text"].lower().split())
+            with lock:
+                counts["sampled"] += 1
+                if (c["finish_reason"] != "stop" or r["usage"]["completion_tokens"] < 4 or "<|im_start|>" in text
+                        or not key or key in seen):
+                    continue
+                seen.add(key)
+            a = post(args.server + "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": text}], "max_tokens": args.max_new_tokens,
+                "temperature": 0})["choices"][0]
+            with lock:
+                out.write(json.dumps({"instruction": text, "answer": a["message"]["content"],
+                                      "finish_reason": a["finish_reason"]}) + "\n")
+                out.flush()
+                counts["kept"] += 1
+                if counts["kept"] % 100 == 0:
+                    print(f"[{time.time() - t0:7.0f}s] {counts['kept']} pairs ({counts['sampled']} instructions "
+                          "sampled)", flush=True)
+
+    threads = [threading.Thread(target=work) for _ in range(args.clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.close()
+    print(f"{counts['kept']} pairs in {args.texts} after {time.time() - t0:.0f}s", flush=True)
+
+
+def write_npz(path, prompts, answers, instructions):
+    """The MTP run's `.npz` layout: prompt + answer tokens per conversation, in instruction order."""
+    tokens = [np.asarray(p + a, dtype=np.int32) for p, a in zip(prompts, answers)]
+    np.savez_compressed(
+        path,
+        tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
+        lens=np.array([len(t) for t in tokens], np.int32),
+        prompt_lens=np.array([len(p) for p in prompts], np.int32),
+        heldout=np.array([heldout(s) for s in instructions], bool),
+        sampled=np.zeros(len(tokens), bool),
+        conv=np.array(["si" + hashlib.sha256(s.encode()).hexdigest()[:11] for s in instructions]),
+        kind=np.array(["self_instruct"] * len(tokens)))
+    return sum(len(t) for t in tokens)
+
+
+def chat_prompt(tok, instruction):
+    return tok(tok.apply_chat_template([{"role": "user", "content": instruction}], tokenize=False,
+                                       add_generation_prompt=True), add_special_tokens=False).input_ids
+
+
+def pack_texts(args):
+    """`--texts` (from `serve_texts`) tokenized by the target's tokenizer into the `.npz`; an answer the server
+    ended at the end-of-turn token gets that token, as the torch path's answers keep it (transformers reads the
+    GGUF's tokenizer with torch installed: the training machine)."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(os.path.abspath(args.gguf))
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    eos = int(gguf.GGUFReader(args.gguf).fields["tokenizer.ggml.eos_token_id"].contents())
+    with open(args.texts) as f:
+        pairs = [json.loads(line) for line in f if line.strip()]
+    prompts = [chat_prompt(tok, p["instruction"]) for p in pairs]
+    answers = [tok(p["answer"], add_special_tokens=False).input_ids + ([eos] if p["finish_reason"] == "stop" else [])
+               for p in pairs]
+    n = write_npz(args.out, prompts, answers, [p["instruction"] for p in pairs])
+    print(f"wrote {len(pairs)} conversations ({n} tokens) to {args.out}", flush=True)
+
+
+def torch_data(args):
+    import torch
+    from train_mtp import gguf_config, generate_batch, load_target, log, seed_all
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     seed_all(args.seed)
@@ -90,12 +201,10 @@ def main():
     if device == "cuda":
         model.to(torch.bfloat16)
     eos = gcfg["eos"]
-    instructions = sample_instructions(model, tok, eos, args, t0 + args.budget_s * args.instruction_share)
+    instructions = sample_instructions(model, tok, eos, args, t0 + args.budget_s * args.instruction_share, log)
     log(f"{len(instructions)} instructions in {time.time() - t0:.1f}s")
 
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": s}], tokenize=False,
-                                           add_generation_prompt=True), add_special_tokens=False).input_ids
-               for s in instructions]
+    prompts = [chat_prompt(tok, s) for s in instructions]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     rows = []
     for s in range(0, len(order), args.answer_batch):
@@ -109,18 +218,40 @@ def main():
         log(f"answers: batch of {len(chunk)}, mean {np.mean([len(a) for a in answers]):.0f} tokens, "
             f"{time.time() - t:.1f}s")
     rows.sort()
-    tokens = [np.asarray(prompts[i] + a, dtype=np.int32) for i, a in rows]
-    np.savez_compressed(
-        args.out,
-        tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
-        lens=np.array([len(t) for t in tokens], np.int32),
-        prompt_lens=np.array([len(prompts[i]) for i, _ in rows], np.int32),
-        heldout=np.array([heldout(instructions[i]) for i, _ in rows], bool),
-        sampled=np.zeros(len(rows), bool),
-        conv=np.array(["si" + hashlib.sha256(instructions[i].encode()).hexdigest()[:11] for i, _ in rows]),
-        kind=np.array(["self_instruct"] * len(rows)))
-    log(f"wrote {len(rows)} conversations ({sum(len(t) for t in tokens)} tokens) to {args.out} "
-        f"in {time.time() - t0:.1f}s")
+    n = write_npz(args.out, [prompts[i] for i, _ in rows], [a for _, a in rows], [instructions[i] for i, _ in rows])
+    log(f"wrote {len(rows)} conversations ({n} tokens) to {args.out} in {time.time() - t0:.1f}s")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gguf", required=True)
+    p.add_argument("--out", help="the .npz to write (torch generation, or packing --texts)")
+    p.add_argument("--texts", help="instruction/answer JSONL: written with --server, packed into --out without")
+    p.add_argument("--server", help="a running `verity serve` of the target, e.g. http://127.0.0.1:8090")
+    p.add_argument("--clients", type=int, default=16, help="with --server: requests in flight")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=2026)
+    p.add_argument("--instructions", type=int, default=40000, help="at most this many instructions")
+    p.add_argument("--instruction-tokens", type=int, default=96)
+    p.add_argument("--instruction-batch", type=int, default=2048)
+    p.add_argument("--instruction-share", type=float, default=0.3,
+                   help="of the budget, for writing instructions (on an H100: ~130 kept a second, ~50 answers a second)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--answer-batch", type=int, default=1024)
+    p.add_argument("--budget-s", type=float, default=280)
+    args = p.parse_args()
+    if args.server:
+        if not args.texts:
+            p.error("--server writes --texts")
+        serve_texts(args)
+    elif args.texts:
+        if not args.out:
+            p.error("packing --texts needs --out")
+        pack_texts(args)
+    elif args.out:
+        torch_data(args)
+    else:
+        p.error("give --out (torch generation), --server with --texts, or --texts with --out")
 
 
 if __name__ == "__main__":
