@@ -25,18 +25,23 @@ where torch and transformers are installed (`--texts` without `--server`):
 
 import argparse
 import hashlib
-import os
-import sys
-import time
-
 import json
+import os
 import random
+import sys
 import threading
+import time
+import urllib.error
 import urllib.request
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def dedup_key(text):
+    """Instructions that differ only in case or whitespace are one."""
+    return " ".join(text.lower().split())
 
 
 def heldout(text, frac=0.05):
@@ -71,7 +76,7 @@ def sample_instructions(model, tok, eos, args, deadline, log):
             if len(row) < 4 or turn_start in row:
                 continue
             text = tok.decode(row, skip_special_tokens=False, clean_up_tokenization_spaces=False).strip()
-            key = " ".join(text.lower().split())
+            key = dedup_key(text)
             if not key or key in seen:
                 continue
             seen.add(key)
@@ -93,9 +98,16 @@ def template_header(gguf_path):
 
 
 def post(url, body):
+    """The server's JSON answer; a 503 (its queue is full) is retried after a pause, any other failure raised."""
     req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        return json.load(r)
+    while True:
+        try:
+            with urllib.request.urlopen(req, timeout=600) as r:
+                return json.load(r)
+        except urllib.error.HTTPError as e:
+            if e.code != 503:
+                raise
+            time.sleep(0.5)
 
 
 def serve_texts(args):
@@ -107,22 +119,31 @@ def serve_texts(args):
     seen = set()
     if os.path.exists(args.texts):
         with open(args.texts) as f:
-            seen = {" ".join(json.loads(line)["instruction"].lower().split()) for line in f if line.strip()}
+            seen = {dedup_key(json.loads(line)["instruction"]) for line in f if line.strip()}
     lock, out, t0 = threading.Lock(), open(args.texts, "a"), time.time()
     rng = random.Random(args.seed + len(seen))
     counts = {"sampled": 0, "kept": len(seen)}
+    failed = []  # the first error of any thread stops them all
 
     def work():
+        try:
+            draw()
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            with lock:
+                failed.append(e)
+
+    def draw():
         while time.time() - t0 < args.budget_s:
             with lock:
-                if counts["kept"] >= args.instructions:
+                if failed or counts["kept"] >= args.instructions:
                     return
                 seed = rng.getrandbits(31)
             r = post(args.server + "/v1/completions", {
                 "prompt": head, "max_tokens": args.instruction_tokens, "temperature": 1.0, "top_p": 0.95,
                 "seed": seed})
             c = r["choices"][0]
-            text, key = c["text"].strip(), " ".join(c["text"].lower().split())
+            text = c["text"].strip()
+            key = dedup_key(text)
             with lock:
                 counts["sampled"] += 1
                 if (c["finish_reason"] != "stop" or r["usage"]["completion_tokens"] < 4 or "<|im_start|>" in text
@@ -148,6 +169,8 @@ def serve_texts(args):
         t.join()
     out.close()
     print(f"{counts['kept']} pairs in {args.texts} after {time.time() - t0:.0f}s", flush=True)
+    if failed:
+        raise SystemExit(f"stopped by a failed request: {failed[0]!r}")
 
 
 def write_npz(path, prompts, answers, instructions):
