@@ -75,6 +75,23 @@ pub struct AttnShape {
     pub window: Option<usize>,
 }
 
+/// A layer's per-head RMS norms of Q and K (Qwen3, Gemma 3), `head_dim` weights each, applied before the
+/// rotation.
+#[derive(Debug)]
+pub struct HeadNorms<'a, T> {
+    pub q: &'a T,
+    pub k: &'a T,
+    pub eps: f32,
+}
+
+impl<T> Clone for HeadNorms<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for HeadNorms<'_, T> {}
+
 /// A model's rotary position embedding.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Rope {
@@ -389,8 +406,10 @@ pub trait Backend: Send + Sync + 'static {
         out: &mut Self::Buffer,
     );
     /// Rotate each head of `q` (in place) and of `k` by its row's position, and write the rotated `k` and `v`
-    /// into the cache slots `step.base..` (`k` is scratch afterwards). A cache buffer of `s` slots is a ring:
-    /// slot `j` is stored at `j mod s` (a local layer's cache holds its window, not the whole context).
+    /// into the cache slots `step.base..` (`k` is scratch afterwards). With `norms`, each Q and K head is first
+    /// RMS-normed, exactly as [`Backend::rms_norm`] norms a `head_dim`-long row (`q` keeps the normed values
+    /// past the rotated ones). A cache buffer of `s` slots is a ring: slot `j` is stored at `j mod s` (a local
+    /// layer's cache holds its window, not the whole context).
     #[allow(clippy::too_many_arguments)]
     fn rope_and_cache(
         &self,
@@ -401,6 +420,7 @@ pub trait Backend: Send + Sync + 'static {
         v_cache: &mut Self::Buffer,
         shape: AttnShape,
         rope: Rope,
+        norms: Option<HeadNorms<'_, Self::Buffer>>,
         step: &Self::Step,
     );
     /// [`Backend::matmuls`] of the Q, K and V projections of x̂, then [`Backend::rope_and_cache`]: one launch
@@ -424,7 +444,7 @@ pub trait Backend: Send + Sync + 'static {
             shape.rows,
             &mut [(wq, &mut *q), (wk, &mut *k), (wv, &mut *v)],
         );
-        self.rope_and_cache(q, k, v, k_cache, v_cache, shape, rope, step);
+        self.rope_and_cache(q, k, v, k_cache, v_cache, shape, rope, None, step);
     }
     /// Called when a model loads, before its first step is made: an error if this backend's attention cannot
     /// run heads of `head_dim` values (so an unsupported model is refused up front instead of failing inside a

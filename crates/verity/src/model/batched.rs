@@ -44,6 +44,7 @@ impl<B: Backend> Layer<B> {
     ) {
         let (qd, kvd) = (hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim);
         self.qkv_projections(be, hp, s, total);
+        let norms = self.head_norms(hp);
         let mut at = 0;
         for q in seqs.iter_mut() {
             let (rows, o) = (q.rows, &mut *q.own);
@@ -53,7 +54,7 @@ impl<B: Backend> Layer<B> {
             let shape = shape(rows);
             let cache = &mut *q.cache;
             let (kc, vc) = (&mut cache.k[cache_layer], &mut cache.v[cache_layer]);
-            be.rope_and_cache(&mut o.q, &mut o.k, &o.v, kc, vc, shape, rope, &o.step);
+            be.rope_and_cache(&mut o.q, &mut o.k, &o.v, kc, vc, shape, rope, norms, &o.step);
             be.attention(
                 &o.q,
                 kc,
@@ -87,6 +88,7 @@ impl<B: Backend> Layer<B> {
     ) {
         let kvd = hp.n_kv_heads * hp.head_dim;
         self.context_kv_projections(be, hp, x, s, total);
+        let norms = self.head_norms(hp);
         let mut at = 0;
         for q in seqs.iter_mut() {
             let (rows, o) = (q.rows, &mut *q.own);
@@ -94,7 +96,17 @@ impl<B: Backend> Layer<B> {
             be.copy(&s.v, at * kvd, &mut o.v, 0, rows * kvd);
             let cache = &mut *q.cache;
             let (kc, vc) = (&mut cache.k[cache_layer], &mut cache.v[cache_layer]);
-            be.rope_and_cache(&mut o.q, &mut o.k, &o.v, kc, vc, shape(rows), rope, &o.step);
+            be.rope_and_cache(
+                &mut o.q,
+                &mut o.k,
+                &o.v,
+                kc,
+                vc,
+                shape(rows),
+                rope,
+                norms,
+                &o.step,
+            );
             at += rows;
         }
     }

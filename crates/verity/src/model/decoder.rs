@@ -10,7 +10,9 @@ use std::sync::Arc;
 use super::delta_net::DeltaNet;
 use super::moe::{mixture, SharedExpert};
 use super::{run_recorded, Batch, ForwardOutput, LogitRows, TargetFeatures};
-use crate::backend::{buffer_set_id, AttnMask, AttnShape, Backend, Rope, RopeScaling, StepInputs};
+use crate::backend::{
+    buffer_set_id, AttnMask, AttnShape, Backend, HeadNorms, Rope, RopeScaling, StepInputs,
+};
 use crate::bundle::hparams::{Arch, HParams};
 use crate::bundle::{Bundle, TensorKey};
 use crate::cache::{CacheShape, KvCache};
@@ -843,13 +845,14 @@ impl<B: Backend> Layer<B> {
         shape: AttnShape,
     ) {
         self.context_kv_projections(be, hp, x, s, shape.rows);
+        let norms = self.head_norms(hp);
         be.rope_and_cache(
-            &mut s.q, &mut s.k, &s.v, k_cache, v_cache, shape, rope, &s.step,
+            &mut s.q, &mut s.k, &s.v, k_cache, v_cache, shape, rope, norms, &s.step,
         );
     }
 
-    /// The K/V projections of `rows` rows of `x` into `s.k` and `s.v`, with the biases and the per-head K norm
-    /// where the layer has them (`s.tmp` is scratch).
+    /// The K/V projections of `rows` rows of `x` into `s.k` and `s.v`, with the biases where the layer has them
+    /// (the per-head K norm comes with RoPE).
     pub(super) fn context_kv_projections(
         &self,
         be: &B,
@@ -865,20 +868,9 @@ impl<B: Backend> Layer<B> {
             be.add_bias(&mut s.k, bk, rows, kvd);
             be.add_bias(&mut s.v, bv, rows, kvd);
         }
-        if let Some([_, nk]) = &a.qk_norm {
-            be.rms_norm(
-                &s.k,
-                nk,
-                rows * hp.n_kv_heads,
-                hp.head_dim,
-                hp.rms_eps,
-                &mut s.tmp,
-            );
-            be.copy(&s.tmp, 0, &mut s.k, 0, rows * kvd);
-        }
     }
 
-    /// Q/K/V with what comes between them and RoPE (biases, per-head norms), then RoPE and the cache write.
+    /// Q/K/V with their biases, then the per-head norms, RoPE and the cache write.
     fn qkv_unfused(
         &self,
         be: &B,
@@ -889,13 +881,23 @@ impl<B: Backend> Layer<B> {
         shape: AttnShape,
     ) {
         self.qkv_projections(be, hp, s, shape.rows);
+        let norms = self.head_norms(hp);
         be.rope_and_cache(
-            &mut s.q, &mut s.k, &s.v, k_cache, v_cache, shape, rope, &s.step,
+            &mut s.q, &mut s.k, &s.v, k_cache, v_cache, shape, rope, norms, &s.step,
         );
     }
 
-    /// Q, K and V of `rows` rows of `s.x` (and the output gates), with what comes between them and RoPE (biases,
-    /// per-head norms), into `s.q`, `s.k`, `s.v` (`s.gate`).
+    /// The per-head Q/K norms [`Backend::rope_and_cache`] applies, where the layer has them.
+    pub(super) fn head_norms(&self, hp: &HParams) -> Option<HeadNorms<'_, B::Buffer>> {
+        self.attention().qk_norm.as_ref().map(|[q, k]| HeadNorms {
+            q,
+            k,
+            eps: hp.rms_eps,
+        })
+    }
+
+    /// Q, K and V of `rows` rows of `s.x` (and the output gates), with their biases, into `s.q`, `s.k`, `s.v`
+    /// (`s.gate`); the per-head norms come with RoPE ([`Layer::head_norms`]).
     pub(super) fn qkv_projections(&self, be: &B, hp: &HParams, s: &mut Scratch<B>, rows: usize) {
         let hd = hp.head_dim;
         let (qd, kvd) = (hp.n_heads * hd, hp.n_kv_heads * hd);
@@ -924,12 +926,6 @@ impl<B: Backend> Layer<B> {
             be.add_bias(&mut s.q, bq, rows, qd);
             be.add_bias(&mut s.k, bk, rows, kvd);
             be.add_bias(&mut s.v, bv, rows, kvd);
-        }
-        if let Some([nq, nk]) = &a.qk_norm {
-            be.rms_norm(&s.q, nq, rows * hp.n_heads, hd, hp.rms_eps, &mut s.tmp);
-            be.copy(&s.tmp, 0, &mut s.q, 0, rows * qd);
-            be.rms_norm(&s.k, nk, rows * hp.n_kv_heads, hd, hp.rms_eps, &mut s.tmp);
-            be.copy(&s.tmp, 0, &mut s.k, 0, rows * kvd);
         }
     }
 }

@@ -19,7 +19,7 @@ use pool::Pool;
 
 use std::sync::Mutex;
 
-use crate::backend::{AttnMask, AttnShape, Backend, Glu, Rope, StepInputs};
+use crate::backend::{AttnMask, AttnShape, Backend, Glu, HeadNorms, Rope, StepInputs};
 use crate::error::{Error, Result};
 use crate::quant::QMatrix;
 
@@ -310,9 +310,14 @@ impl Backend for CpuBackend {
         v_cache: &mut Vec<f32>,
         shape: AttnShape,
         rope: Rope,
+        norms: Option<HeadNorms<'_, Vec<f32>>>,
         step: &CpuStep,
     ) {
         let (rows, hd) = (shape.rows, shape.head_dim);
+        if let Some(n) = norms {
+            ops::rms_norm_in_place(&mut q[..rows * shape.n_heads * hd], n.q, hd, n.eps);
+            ops::rms_norm_in_place(&mut k[..rows * shape.n_kv_heads * hd], n.k, hd, n.eps);
+        }
         let positions = &step.positions[..rows];
         let mut table = step.rope.lock().unwrap_or_else(|e| e.into_inner());
         let key = (rope.key(), hd, rows);

@@ -16,6 +16,16 @@ pub fn rms_norm(x: &[f32], w: &[f32], rows: usize, dim: usize, eps: f32, out: &m
     }
 }
 
+/// [`rms_norm`] of every `dim`-long row of `x`, in place.
+pub fn rms_norm_in_place(x: &mut [f32], w: &[f32], dim: usize, eps: f32) {
+    for row in x.chunks_exact_mut(dim) {
+        let inv = inverse_rms(row, eps);
+        for (a, &g) in row.iter_mut().zip(w) {
+            *a = *a * inv * g;
+        }
+    }
+}
+
 /// `out += rms_norm(x) · w`, each normed value formed as [`rms_norm`] forms it.
 pub fn rms_norm_add(x: &[f32], w: &[f32], rows: usize, dim: usize, eps: f32, out: &mut [f32]) {
     for r in 0..rows {

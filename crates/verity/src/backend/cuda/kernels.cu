@@ -1659,61 +1659,93 @@ extern "C" __global__ void scale(float* x, float s, int n) {
     if (i < n) x[i] *= s;
 }
 
-// RoPE of the first `rotated` values of every Q head (in place) and K head (into the cache slot step.base + r),
-// the rest of each K head and V copied to their slots; a cache of `slots` slots is a ring (slot j at j mod
-// slots: a local layer's). Threads [0, rows * (n_heads + n_kv_heads) * rotated / 2) rotate one pair each, the
-// next rows * n_kv_heads * (head_dim - rotated) copy a K value past the rotated ones, the next rows * kv_dim
-// copy V. The (cos, sin) pairs are the step's table at f32 offset `table`, head_dim / 2 pairs per row (the
-// host's `rope_angle` values).
+// The scale the rms_norm kernel gives a dim-long row, 1 / sqrt(mean(x^2) + eps), by one warp with the same arithmetic:
+// rows of a multiple of 32 values as norm_scales sums them (each 32-value block's squares by 8 lanes, 4 values
+// each in order, a fixed butterfly; the blocks' sums added in block order), others lane-strided and a butterfly.
+__device__ __forceinline__ float warp_norm_scale(const float* x, int dim, float eps) {
+    int lane = threadIdx.x & 31;
+    float total = 0.f;
+    if (dim % 32 == 0) {
+        int nb = dim / 32;
+        for (int b0 = 0; b0 < nb; b0 += 4) {
+            int b = b0 + (lane >> 3);
+            float t = 0.f;
+            if (b < nb) {
+                float4 v = ((const float4*)(x + b * 32))[lane & 7];
+                t = v.x * v.x;
+                t = fmaf(v.y, v.y, t);
+                t = fmaf(v.z, v.z, t);
+                t = fmaf(v.w, v.w, t);
+            }
+#pragma unroll
+            for (int off = 4; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
+            for (int j = 0; j < 4 && b0 + j < nb; j++) total += __shfl_sync(0xffffffffu, t, j * 8);
+        }
+    } else {
+        for (int i = lane; i < dim; i += 32) total = fmaf(x[i], x[i], total);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
+    }
+    return rsqrtf(total / dim + eps);
+}
+
+// Per (row, head), one warp each, Q heads then K heads then V heads: with norm weights `qn` and `kn` (else null),
+// each Q and K head RMS-normed first, every value exactly as the rms_norm kernel norms a head_dim-long row; RoPE of the
+// first `rotated` values of every Q head (in place; the normed values past them kept) and K head (into the cache
+// slot step.base + r, the rest of the head copied), and each V head copied to its slot; a cache of `slots` slots
+// is a ring (slot j at j mod slots: a local layer's). The (cos, sin) pairs are the step's table at f32 offset
+// `table`, head_dim / 2 pairs per row (the host's `rope_angle` values).
 extern "C" __global__ void rope_and_cache(float* q, const float* k, const float* v, float* kc, float* vc,
                                           int rows, int n_heads, int n_kv_heads, int head_dim, int rotated,
-                                          int table, int interleaved, const int* step, int cap, int slots) {
+                                          int table, int interleaved, const int* step, int cap, int slots,
+                                          const float* qn, const float* kn, float eps) {
     FLOOR_EXIT
     wait_inputs();
     release_dependents();
     Step st = read_step(step, cap);
-    int t = blockIdx.x * blockDim.x + threadIdx.x;
-    int half = rotated / 2;
-    int heads = n_heads + n_kv_heads;
+    int lane = threadIdx.x & 31;
+    int heads = n_heads + 2 * n_kv_heads;
+    int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (w >= rows * heads) return;
+    int r = w / heads, h = w % heads;
     int kv_dim = n_kv_heads * head_dim;
-    int rotations = rows * heads * half;
-    int pass = head_dim - rotated;
-    int passes = rows * n_kv_heads * pass;
-    if (t >= rotations) {
-        t -= rotations;
-        if (t < passes) {
-            int j = rotated + t % pass, h = (t / pass) % n_kv_heads, r = t / (pass * n_kv_heads);
-            kc[(size_t)((st.base + r) % slots) * kv_dim + h * head_dim + j] =
-                k[((size_t)r * n_kv_heads + h) * head_dim + j];
-            return;
-        }
-        t -= passes;
-        if (t < rows * kv_dim) {
-            int r = t / kv_dim;
-            vc[(size_t)((st.base + r) % slots) * kv_dim + t % kv_dim] = v[t];
-        }
+    size_t slot = (size_t)((st.base + r) % slots) * kv_dim;
+    if (h >= n_heads + n_kv_heads) {
+        h -= n_heads + n_kv_heads;
+        const float* src = v + (size_t)r * kv_dim + h * head_dim;
+        float* dst = vc + slot + h * head_dim;
+        for (int i = lane; i < head_dim; i += 32) dst[i] = src[i];
         return;
     }
-    int i = t % half;
-    int h = (t / half) % heads;
-    int r = t / (half * heads);
-    float2 cs = ((const float2*)(step + table))[r * (head_dim / 2) + i];
-    float c = cs.x, s = cs.y;
-    int ia = interleaved ? 2 * i : i;
-    int ib = interleaved ? 2 * i + 1 : i + half;
-    if (h < n_heads) {
-        float* head = q + ((size_t)r * n_heads + h) * head_dim;
-        float x0 = head[ia], x1 = head[ib];
-        head[ia] = x0 * c - x1 * s;
-        head[ib] = x0 * s + x1 * c;
+    bool is_q = h < n_heads;
+    const float* src;
+    float* dst;
+    const float* nw;
+    if (is_q) {
+        src = dst = q + ((size_t)r * n_heads + h) * head_dim;
+        nw = qn;
     } else {
         h -= n_heads;
-        const float* head = k + ((size_t)r * n_kv_heads + h) * head_dim;
-        float* dst = kc + (size_t)((st.base + r) % slots) * kv_dim + h * head_dim;
-        float x0 = head[ia], x1 = head[ib];
+        src = k + ((size_t)r * n_kv_heads + h) * head_dim;
+        dst = kc + slot + h * head_dim;
+        nw = kn;
+    }
+    // Every load of a Q head's values happens before the shuffles that end the sum, so writing it in place
+    // after them is safe; each lane then reads and writes only its own pairs and values.
+    float scale = nw ? warp_norm_scale(src, head_dim, eps) : 1.f;
+    int half = rotated / 2;
+    const float2* cs = (const float2*)(step + table) + (size_t)r * (head_dim / 2);
+    for (int i = lane; i < half; i += 32) {
+        float c = cs[i].x, s = cs[i].y;
+        int ia = interleaved ? 2 * i : i;
+        int ib = interleaved ? 2 * i + 1 : i + half;
+        float x0 = nw ? src[ia] * scale * nw[ia] : src[ia];
+        float x1 = nw ? src[ib] * scale * nw[ib] : src[ib];
         dst[ia] = x0 * c - x1 * s;
         dst[ib] = x0 * s + x1 * c;
     }
+    if (is_q && !nw) return;
+    for (int j = rotated + lane; j < head_dim; j += 32) dst[j] = nw ? src[j] * scale * nw[j] : src[j];
 }
 
 // Attention of each (row, head) over committed slots [0, base) and the batch rows the row sees (causal, or the

@@ -90,7 +90,7 @@ use recorded::Recorded;
 use rope::{RopeKey, RopeTable};
 
 use crate::backend::RopeStyle;
-use crate::backend::{AttnMask, AttnShape, Backend, Glu, Rope, StepInputs};
+use crate::backend::{AttnMask, AttnShape, Backend, Glu, HeadNorms, Rope, StepInputs};
 use crate::error::{Error, Result};
 use crate::quant::QMatrix;
 use module::{nvrtc_options, nvrtc_version, source, Kernels};
@@ -889,7 +889,7 @@ impl Backend for CudaBackend {
                 shape.rows,
                 &mut [(mats[0], &mut *q), (mats[1], &mut *k), (mats[2], &mut *v)],
             );
-            self.rope_and_cache(q, k, v, k_cache, v_cache, shape, rope, step);
+            self.rope_and_cache(q, k, v, k_cache, v_cache, shape, rope, None, step);
             return;
         }
         let fusion = RopeFusion {
@@ -939,46 +939,39 @@ impl Backend for CudaBackend {
         v_cache: &mut CudaSlice<f32>,
         shape: AttnShape,
         rope: Rope,
+        norms: Option<HeadNorms<'_, CudaSlice<f32>>>,
         step: &CudaStep,
     ) {
         let (rows, hd) = (shape.rows, shape.head_dim);
-        let rotated = rope.rotated(hd);
-        let total = rows * (shape.n_heads + shape.n_kv_heads) * (rotated / 2)
-            + rows * shape.n_kv_heads * (hd - rotated)
-            + rows * shape.n_kv_heads * hd;
-        let (r, nh, nkv, hdi, il, cap) = (
-            rows as i32,
-            shape.n_heads as i32,
-            shape.n_kv_heads as i32,
-            hd as i32,
-            i32::from(rope.style == RopeStyle::Interleaved),
-            step.cap as i32,
-        );
+        let warps = rows * (shape.n_heads + 2 * shape.n_kv_heads);
         let args = [
             self.at(q, 0),
             self.at(k, 0),
             self.at(v, 0),
             self.at(k_cache, 0),
             self.at(v_cache, 0),
-            Arg::I32(r),
-            Arg::I32(nh),
-            Arg::I32(nkv),
-            Arg::I32(hdi),
-            Arg::I32(rotated as i32),
+            Arg::I32(rows as i32),
+            Arg::I32(shape.n_heads as i32),
+            Arg::I32(shape.n_kv_heads as i32),
+            Arg::I32(hd as i32),
+            Arg::I32(rope.rotated(hd) as i32),
             Arg::I32(step.rope_table(rope, hd)),
-            Arg::I32(il),
+            Arg::I32(i32::from(rope.style == RopeStyle::Interleaved)),
             self.at(&step.dev, 0),
-            Arg::I32(cap),
+            Arg::I32(step.cap as i32),
             Arg::I32((k_cache.len() / (shape.n_kv_heads * hd)) as i32),
+            norms.map_or(Arg::Ptr(0), |n| self.at(n.q, 0)),
+            norms.map_or(Arg::Ptr(0), |n| self.at(n.k, 0)),
+            Arg::F32(norms.map_or(0.0, |n| n.eps)),
         ];
-        // SAFETY: q holds rows × n_heads × head_dim values, k and v rows × kv_dim, the caches room for the
-        // step's slots (reserved by the model; a ring's slots wrap); one thread per rotated pair, per K value
-        // past the rotated ones and per copied V value.
+        // SAFETY: q holds rows × n_heads × head_dim values, k and v rows × kv_dim, the norms' weights head_dim
+        // each, the caches room for the step's slots (reserved by the model; a ring's slots wrap); one warp per
+        // (row, head) of Q, K and V.
         unsafe {
             self.go(
                 "rope_and_cache",
                 &self.k.rope_and_cache,
-                grid(total, 256),
+                grid(warps * 32, 128),
                 &args,
             )
         };
