@@ -382,7 +382,10 @@ pub trait Backend: Send + Sync + 'static {
     /// `x[..len] *= s`.
     fn scale(&self, x: &mut Self::Buffer, len: usize, s: f32);
     /// `out += rms_norm(x) · w` for `rows` rows of `dim` values: a normed block output added to the residual
-    /// stream (the norm formed exactly as [`Backend::rms_norm`] forms it, then added).
+    /// stream (the norm formed exactly as [`Backend::rms_norm`] forms it, then added). `next`: the input norm
+    /// (weights, eps) through which the next launch projects these rows of `out` ([`Backend::matmuls`] or
+    /// [`Backend::glu_matmul`] with that norm), where known: a device that prepares a projection's input in a
+    /// launch of its own prepares it here, and the projection skips that launch. The same bits either way.
     #[allow(clippy::too_many_arguments)]
     fn rms_norm_add(
         &self,
@@ -392,6 +395,7 @@ pub trait Backend: Send + Sync + 'static {
         dim: usize,
         eps: f32,
         out: &mut Self::Buffer,
+        next: Option<(&Self::Buffer, f32)>,
     );
     /// `x[r, :] += bias` for `rows` rows.
     fn add_bias(&self, x: &mut Self::Buffer, bias: &Self::Buffer, rows: usize, dim: usize);

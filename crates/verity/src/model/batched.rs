@@ -41,6 +41,7 @@ impl<B: Backend> Layer<B> {
         s: &mut Scratch<B>,
         total: usize,
         seqs: &mut [SeqRows<B>],
+        next: Option<&B::Buffer>,
     ) {
         let (qd, kvd) = (hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim);
         self.qkv_projections(be, hp, s, total);
@@ -54,7 +55,9 @@ impl<B: Backend> Layer<B> {
             let shape = shape(rows);
             let cache = &mut *q.cache;
             let (kc, vc) = (&mut cache.k[cache_layer], &mut cache.v[cache_layer]);
-            be.rope_and_cache(&mut o.q, &mut o.k, &o.v, kc, vc, shape, rope, norms, &o.step);
+            be.rope_and_cache(
+                &mut o.q, &mut o.k, &o.v, kc, vc, shape, rope, norms, &o.step,
+            );
             be.attention(
                 &o.q,
                 kc,
@@ -67,7 +70,7 @@ impl<B: Backend> Layer<B> {
             be.copy(&o.attn, 0, &mut s.attn, at * qd, rows * qd);
             at += rows;
         }
-        self.finish(be, hp, s, total);
+        self.finish(be, hp, s, total, next);
     }
 
     /// [`Layer::context_kv`] over the rows of several sequences held together in `x` (`total` rows, sequence
@@ -257,7 +260,18 @@ impl<B: Backend> Model<B> {
             .collect();
         for (l, layer) in self.layers.iter().enumerate() {
             let shape = |rows| layer_shape(hp, l, rows);
-            layer.run_batched(be, hp, layer_rope(hp, l), l, shape, s, total, &mut parts);
+            let next = self.next_norm(l, false);
+            layer.run_batched(
+                be,
+                hp,
+                layer_rope(hp, l),
+                l,
+                shape,
+                s,
+                total,
+                &mut parts,
+                next,
+            );
             if let Some(j) = states.layers.iter().position(|&m| m == l) {
                 be.copy(&s.x, 0, &mut s.states, j * total * h, total * h);
             }

@@ -446,6 +446,15 @@ impl<B: Backend> Model<B> {
         out
     }
 
+    /// The input norm of what projects the residual stream after layer `l`: the next layer's, or after the last
+    /// the output norm where it is fused into the output projection (`output_fused`).
+    pub(super) fn next_norm(&self, l: usize, output_fused: bool) -> Option<&B::Buffer> {
+        match self.layers.get(l + 1) {
+            Some(next) => Some(&next.attn_norm),
+            None => output_fused.then_some(&self.output_norm),
+        }
+    }
+
     /// The device work of a forward whose inputs are in `s.step`: the layers (the residual streams after those
     /// in `hidden_layers` copied to `s.states`, in that order; a recurrent layer's row `r` stepped from the
     /// state after row `parents[r]`), then the final norm of every row into `s.xn` if `final_hidden`, and the
@@ -468,21 +477,32 @@ impl<B: Backend> Model<B> {
         if let Some(scale) = hp.block.embedding_scale {
             be.scale(&mut s.x, rows * h, scale);
         }
+        // The output norm is fused into the output projection where these rows' logits come from `s.x` itself.
+        let output_fused = !final_hidden
+            && match logit_rows {
+                LogitRows::None => false,
+                LogitRows::All | LogitRows::Greedy => true,
+                LogitRows::Last => rows == 1,
+            };
         for (l, layer) in self.layers.iter().enumerate() {
+            let next = self.next_norm(l, output_fused);
             match &layer.mixer {
                 Mixer::Attention(_) => {
                     let (kc, vc) = (&mut cache.k[l], &mut cache.v[l]);
                     let shape = layer_shape(hp, l, rows);
                     let rope = layer_rope(hp, l);
-                    layer.run(be, hp, rope, s, [kc, vc, &mut cache.attn_work], shape);
+                    layer.run(be, hp, rope, s, [kc, vc, &mut cache.attn_work], shape, next);
                 }
                 Mixer::Linear(d) => {
                     let states = cache
                         .recurrent_mut()
                         .expect("a model with recurrent layers has their states");
                     d.run(be, hp, &layer.attn_norm, s, rows, parents, l, states);
-                    layer.add_output(be, hp, &d.out, &s.attn, 0, rows, &mut s.tmp, &mut s.x);
-                    layer.feed_forward(be, hp, s, rows);
+                    let mlp_norm = layer.mlp_input_norm();
+                    layer.add_output(
+                        be, hp, &d.out, &s.attn, 0, rows, &mut s.tmp, &mut s.x, mlp_norm,
+                    );
+                    layer.feed_forward(be, hp, s, rows, next);
                 }
             }
             if let Some(j) = hidden_layers.iter().position(|&m| m == l) {
@@ -716,7 +736,9 @@ impl<B: Backend> Layer<B> {
 
     /// The block over `rows = shape.rows` rows of `s.x`, in place, with its inputs in `s.step`: attention (its
     /// K/V written to the cache layer's slots from the step's base; the cache's attention scratch third) and the
-    /// MLP, each added to the residual stream.
+    /// MLP, each added to the residual stream. `next`: the input norm of what projects `s.x` next (the next
+    /// layer's, or the output norm fused into the output projection), where known ([`Backend::rms_norm_add`]).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn run(
         &self,
         be: &B,
@@ -725,6 +747,7 @@ impl<B: Backend> Layer<B> {
         s: &mut Scratch<B>,
         [k_cache, v_cache, attn_work]: [&mut B::Buffer; 3],
         shape: AttnShape,
+        next: Option<&B::Buffer>,
     ) {
         let rows = shape.rows;
         let a = self.attention();
@@ -752,12 +775,20 @@ impl<B: Backend> Layer<B> {
             &s.step,
             &mut s.attn,
         );
-        self.finish(be, hp, s, rows);
+        self.finish(be, hp, s, rows, next);
     }
 
     /// The rest of an attention block over `rows` rows whose attention output is in `s.attn`: the output gate
-    /// where the layer has one, the output projection added to `s.x`, then the MLP.
-    pub(super) fn finish(&self, be: &B, hp: &HParams, s: &mut Scratch<B>, rows: usize) {
+    /// where the layer has one, the output projection added to `s.x`, then the MLP (`next` as in
+    /// [`Layer::run`]).
+    pub(super) fn finish(
+        &self,
+        be: &B,
+        hp: &HParams,
+        s: &mut Scratch<B>,
+        rows: usize,
+        next: Option<&B::Buffer>,
+    ) {
         let a = self.attention();
         if a.gate.is_some() {
             // attn ⊙ σ(gate), on the host (one of the layers a Gated DeltaNet model keeps out of recordings).
@@ -769,12 +800,27 @@ impl<B: Backend> Layer<B> {
             }
             be.write(&mut s.attn, &out);
         }
-        self.add_output(be, hp, &a.o, &s.attn, 0, rows, &mut s.tmp, &mut s.x);
-        self.feed_forward(be, hp, s, rows);
+        let mlp_norm = self.mlp_input_norm();
+        self.add_output(
+            be, hp, &a.o, &s.attn, 0, rows, &mut s.tmp, &mut s.x, mlp_norm,
+        );
+        self.feed_forward(be, hp, s, rows, next);
     }
 
-    /// The MLP over `rows` rows of `s.x`, added to it.
-    pub(super) fn feed_forward(&self, be: &B, hp: &HParams, s: &mut Scratch<B>, rows: usize) {
+    /// The norm the MLP projects `s.x` through first, where that is a projection of it (a dense MLP's).
+    pub(super) fn mlp_input_norm(&self) -> Option<&B::Buffer> {
+        matches!(self.mlp, Mlp::Dense { .. }).then_some(&self.ffn_norm)
+    }
+
+    /// The MLP over `rows` rows of `s.x`, added to it (`next` as in [`Layer::run`]).
+    pub(super) fn feed_forward(
+        &self,
+        be: &B,
+        hp: &HParams,
+        s: &mut Scratch<B>,
+        rows: usize,
+        next: Option<&B::Buffer>,
+    ) {
         match &self.mlp {
             Mlp::Dense { gate, up, down } => {
                 be.glu_matmul(
@@ -786,7 +832,7 @@ impl<B: Backend> Layer<B> {
                     hp.block.glu,
                     &mut s.act,
                 );
-                self.add_output(be, hp, down, &s.act, 1, rows, &mut s.tmp, &mut s.x);
+                self.add_output(be, hp, down, &s.act, 1, rows, &mut s.tmp, &mut s.x, next);
             }
             Mlp::Experts {
                 router,
@@ -808,9 +854,9 @@ impl<B: Backend> Layer<B> {
     }
 
     /// `x += w · input`, through the layer's post-norm `which` (0 attention, 1 MLP) where it has them; `tmp`
-    /// holds the projection then.
+    /// holds the projection then, and `next` is the input norm of what projects `x` next, where known.
     #[allow(clippy::too_many_arguments)]
-    fn add_output(
+    pub(super) fn add_output(
         &self,
         be: &B,
         hp: &HParams,
@@ -820,12 +866,14 @@ impl<B: Backend> Layer<B> {
         rows: usize,
         tmp: &mut B::Buffer,
         x: &mut B::Buffer,
+        next: Option<&B::Buffer>,
     ) {
         match &self.post_norms {
             None => be.matmul_add(w, input, rows, x),
             Some(norms) => {
                 be.matmul(w, input, rows, tmp);
-                be.rms_norm_add(tmp, &norms[which], rows, hp.hidden, hp.rms_eps, x);
+                let next = next.map(|n| (n, hp.rms_eps));
+                be.rms_norm_add(tmp, &norms[which], rows, hp.hidden, hp.rms_eps, x, next);
             }
         }
     }

@@ -357,7 +357,17 @@ impl<B: Backend> BlockDrafter<B> {
         let (hp, rope) = (&self.hp, rope(&self.hp));
         for (i, layer) in self.layers.iter().enumerate() {
             let shape = |rows| self.shape(rows);
-            layer.run_batched(be, hp, rope, i, shape, &mut s.block, total, &mut parts);
+            layer.run_batched(
+                be,
+                hp,
+                rope,
+                i,
+                shape,
+                &mut s.block,
+                total,
+                &mut parts,
+                None,
+            );
         }
         drop(parts);
         be.rms_norm(&s.block.x, &self.norm, total, h, eps, &mut s.block.xn);
@@ -495,6 +505,7 @@ impl<B: Backend> BlockDrafter<B> {
                     &mut s.block,
                     [kc, vc, &mut cache.attn_work],
                     shape,
+                    None,
                 );
             }
             be.rms_norm(&s.block.x, &self.norm, rows, h, eps, &mut s.block.xn);

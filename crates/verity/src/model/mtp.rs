@@ -485,6 +485,7 @@ impl<B: Backend> MtpHead<B> {
                 &mut s.block,
                 [kc, vc, &mut cache.attn_work],
                 self.shape(rows),
+                None,
             );
         }
         be.rms_norm(
@@ -672,7 +673,7 @@ impl<B: Backend> MtpHead<B> {
         let rope = rotation(hp, self.rope);
         for (i, block) in self.blocks.iter().enumerate() {
             let shape = |rows| self.shape(rows);
-            block.run_batched(be, hp, rope, i, shape, &mut s.block, total, seqs);
+            block.run_batched(be, hp, rope, i, shape, &mut s.block, total, seqs, None);
         }
         be.rms_norm(
             &s.block.x,

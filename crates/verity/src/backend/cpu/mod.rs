@@ -277,6 +277,7 @@ impl Backend for CpuBackend {
         dim: usize,
         eps: f32,
         out: &mut Vec<f32>,
+        _next: Option<(&Vec<f32>, f32)>,
     ) {
         ops::rms_norm_add(x, w, rows, dim, eps, out)
     }

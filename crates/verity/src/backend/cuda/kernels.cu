@@ -933,6 +933,21 @@ __device__ __forceinline__ void quantize_row(const float* x, int k, const float*
 // row, xd and xs (the blocks' scales d and d * sum q) k / 32 floats per row. Four threads per block, or two
 // where four would take more than one pass of the CTA's threads. Dynamic shared memory: k / 32 floats (the
 // norm's scratch).
+// Row r of x quantized as `quantize_x` quantizes it (into the rows' buffers xq, xd, xs), by the whole block.
+__device__ __forceinline__ void quantize_x_row(const float* x, int k, const float* norm_w, float eps, signed char* xq,
+                                               float* xd, float* xs, int r, float* ss, float* rscale) {
+    int nb = k / 32;
+    x += (size_t)r * k;
+    xq += (size_t)r * k;
+    xd += (size_t)r * nb;
+    xs += (size_t)r * nb;
+    bool two = nb * 4 > (int)blockDim.x;
+    bool once = norm_w && nb * (two ? 2 : 4) <= (int)blockDim.x;
+    if (norm_w && !once) norm_scales(x, k, 1, eps, ss, rscale);
+    if (two) quantize_row<2>(x, k, norm_w, once, eps, ss, rscale, xq, xd, xs);
+    else quantize_row<4>(x, k, norm_w, once, eps, ss, rscale, xq, xd, xs);
+}
+
 extern "C" __global__ void quantize_x(const float* x, int k, const float* norm_w, float eps, signed char* xq,
                                       float* xd, float* xs) {
     FLOOR_EXIT
@@ -943,16 +958,7 @@ extern "C" __global__ void quantize_x(const float* x, int k, const float* norm_w
 #ifdef KO_STAGE
     return;
 #endif
-    int r = blockIdx.x, nb = k / 32;
-    x += (size_t)r * k;
-    xq += (size_t)r * k;
-    xd += (size_t)r * nb;
-    xs += (size_t)r * nb;
-    bool two = nb * 4 > (int)blockDim.x;
-    bool once = norm_w && nb * (two ? 2 : 4) <= (int)blockDim.x;
-    if (norm_w && !once) norm_scales(x, k, 1, eps, ss, &rscale);
-    if (two) quantize_row<2>(x, k, norm_w, once, eps, ss, &rscale, xq, xd, xs);
-    else quantize_row<4>(x, k, norm_w, once, eps, ss, &rscale, xq, xd, xs);
+    quantize_x_row(x, k, norm_w, eps, xq, xd, xs, blockIdx.x, ss, &rscale);
 }
 
 // A projection launch's quantized x (`quantize_x`'s output, from the launch's first row): k bytes per row, k / 32
@@ -1618,36 +1624,59 @@ extern "C" __global__ void embed(const u8* w, int ty, int k, int tiles, const in
     }
 }
 
-// RMS norm of each dim-long row (a block per row; dynamic shared memory: dim / 32 floats of scratch), written or,
-// with `accumulate`, added to `out` (a post-norm's residual add). Rows of
-// a multiple of 32 values take `norm_scales`, as the fused norms do; shorter or ragged ones (per-head Q/K norms)
-// a warp's lane-strided sums and butterfly.
-extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, float eps, int accumulate,
-                                    float* out) {
-    FLOOR_EXIT
-    extern __shared__ float ss[];
-    __shared__ float scale;
-    wait_inputs();
-    release_dependents();
-    int r = blockIdx.x;
-    const float* xr = x + (size_t)r * dim;
+// The RMS norm's scale of the dim-long row xr into *scale, by the whole block (`ss`: dim / 32 floats of shared
+// scratch): rows of a multiple of 32 values by `norm_scales`, as the fused norms do; shorter or ragged ones by a
+// warp's lane-strided sums and butterfly.
+__device__ __forceinline__ void row_norm_scale(const float* xr, int dim, float eps, float* ss, float* scale) {
     if (dim % 32 == 0) {
-        norm_scales(xr, dim, 1, eps, ss, &scale);
+        norm_scales(xr, dim, 1, eps, ss, scale);
     } else {
         if (threadIdx.x < 32) {
             float t = 0.f;
             for (int i = threadIdx.x; i < dim; i += 32) t = fmaf(xr[i], xr[i], t);
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
-            if (threadIdx.x == 0) scale = rsqrtf(t / dim + eps);
+            if (threadIdx.x == 0) *scale = rsqrtf(t / dim + eps);
         }
         __syncthreads();
     }
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float v = xr[i] * scale * w[i];
-        float* o = out + (size_t)r * dim + i;
-        *o = accumulate ? *o + v : v;
+}
+
+// RMS norm of each dim-long row (a block per row; dynamic shared memory: dim / 32 floats of scratch).
+extern "C" __global__ void rms_norm(const float* x, const float* w, int dim, float eps, float* out) {
+    FLOOR_EXIT
+    extern __shared__ float ss[];
+    __shared__ float scale;
+    wait_inputs();
+    release_dependents();
+    size_t r = blockIdx.x;
+    const float* xr = x + r * dim;
+    row_norm_scale(xr, dim, eps, ss, &scale);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[r * dim + i] = xr[i] * scale * w[i];
+}
+
+// A post-norm's residual add, x += rms_norm(t) * w (a block per row; dynamic shared memory: k / 32 floats); with
+// `norm_w` (rows of a multiple of 32 values), each updated row is then quantized for the projection that follows,
+// through its input norm, exactly as `quantize_x` quantizes it in the same block shape (that projection skips its
+// own launch). Every row count takes this kernel, so a row's sum never depends on how many come along.
+extern "C" __global__ void rms_norm_add(const float* t, const float* w, float eps, float* x, int k,
+                                        const float* norm_w, float norm_eps, signed char* xq, float* xd, float* xs) {
+    FLOOR_EXIT
+    extern __shared__ float ss[];
+    __shared__ float scale, rscale;
+    wait_inputs();
+    release_dependents();
+    size_t r = blockIdx.x;
+    const float* tr = t + r * k;
+    float* xr = x + r * k;
+    row_norm_scale(tr, k, eps, ss, &scale);
+    for (int i = threadIdx.x; i < k; i += blockDim.x) {
+        float v = tr[i] * scale * w[i];
+        xr[i] = xr[i] + v;
     }
+    if (!norm_w) return;
+    __syncthreads();  // the row's new values, written by the whole block, read back by it below
+    quantize_x_row(x, k, norm_w, norm_eps, xq, xd, xs, (int)r, ss, &rscale);
 }
 
 // x[i] *= s for i < n (Gemma's embedding scale).

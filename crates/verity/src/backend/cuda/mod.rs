@@ -265,6 +265,9 @@ pub struct CudaBackend {
     prefill_rows: usize,
     /// `quantize_x`'s output, read by the integer projections (the last is current; see [`StagedX`]).
     staged: Mutex<Vec<StagedX>>,
+    /// The rows `rms_norm_add` last staged for the projection it was told comes next; cleared by every other
+    /// launch or copy, so a projection only skips its own staging right after (see [`StagedFor`]).
+    staged_for: Mutex<Option<StagedFor>>,
     /// The argmax kernel's per-row records and counters (`Backend::argmax`).
     argmax_work: CudaSlice<f32>,
     /// Streaming multiprocessors of the device.
@@ -312,6 +315,19 @@ struct StagedX {
     xs: CudaSlice<f32>,
 }
 
+/// What a `StagedX` holds after `rms_norm_add` staged the projection input it was told comes next: rows
+/// `0..rows` of the buffer at `x` (rows of `k` values), through the norm at `norm` with `eps`, in the
+/// `StagedX` of index `buffer`. A projection launch of exactly those finds it and skips `quantize_x`.
+#[derive(Clone, Copy, PartialEq, Debug)]
+struct StagedFor {
+    x: u64,
+    rows: usize,
+    k: usize,
+    norm: u64,
+    eps: u32,
+    buffer: usize,
+}
+
 /// Rows of a `StagedX`: a launch's rows, and those its row groups read past them (a group pads its rows to a
 /// multiple of 8 — narrow: to 8 or 16 — and starts fewer rows in than the launch has).
 const STAGED_ROWS: usize = TALL_ROWS + 8;
@@ -350,33 +366,6 @@ fn grid(n: usize, block: u32) -> LaunchConfig {
 impl CudaBackend {
     /// The RMS norm of `rows` rows of `dim` values, written to `out` or (`accumulate`) added to it.
     #[allow(clippy::too_many_arguments)]
-    fn launch_rms_norm(
-        &self,
-        x: &CudaSlice<f32>,
-        w: &CudaSlice<f32>,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-        accumulate: bool,
-        out: &mut CudaSlice<f32>,
-    ) {
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: (dim / 32 * 4) as u32,
-        };
-        let args = [
-            self.at(x, 0),
-            self.at(w, 0),
-            Arg::I32(dim as i32),
-            Arg::F32(eps),
-            Arg::I32(i32::from(accumulate)),
-            self.at(out, 0),
-        ];
-        // SAFETY: x and out hold rows × dim values, w dim.
-        unsafe { self.go("rms_norm", &self.k.rms_norm, cfg, &args) };
-    }
-
     /// Open GPU `ordinal` with the settings the environment asks for ([`CudaOptions::from_env`]).
     pub fn new(ordinal: usize) -> Result<Self> {
         Self::with_options(ordinal, CudaOptions::from_env())
@@ -511,6 +500,7 @@ impl CudaBackend {
             prefill_rows: opts.prefill_rows,
             argmax_work,
             staged: Mutex::new(Vec::new()),
+            staged_for: Mutex::new(None),
             sms,
             admitted: Mutex::new(HashMap::new()),
             knockout,
@@ -529,6 +519,8 @@ impl CudaBackend {
     /// # Safety
     /// As [`launch::launch`]: `args` match the kernel's signature and every address is valid for its accesses.
     unsafe fn go(&self, what: &str, f: &CudaFunction, cfg: LaunchConfig, args: &[Arg]) {
+        // Whatever this launch writes, a projection input staged ahead is no longer known to be current.
+        *lock(&self.staged_for) = None;
         if self.faulted() {
             return;
         }
@@ -628,6 +620,7 @@ impl Backend for CudaBackend {
     }
 
     fn write(&self, buf: &mut CudaSlice<f32>, data: &[f32]) {
+        *lock(&self.staged_for) = None;
         let r = self
             .stream
             .memcpy_htod(data, &mut buf.slice_mut(..data.len()));
@@ -852,8 +845,9 @@ impl Backend for CudaBackend {
         dim: usize,
         eps: f32,
         out: &mut CudaSlice<f32>,
+        next: Option<(&CudaSlice<f32>, f32)>,
     ) {
-        self.launch_rms_norm(x, w, rows, dim, eps, true, out);
+        self.launch_rms_norm_add(x, w, rows, dim, eps, out, next);
     }
 
     fn qkv_rope_and_cache(
@@ -927,7 +921,20 @@ impl Backend for CudaBackend {
         eps: f32,
         out: &mut CudaSlice<f32>,
     ) {
-        self.launch_rms_norm(x, w, rows, dim, eps, false, out);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: (dim / 32 * 4) as u32,
+        };
+        let args = [
+            self.at(x, 0),
+            self.at(w, 0),
+            Arg::I32(dim as i32),
+            Arg::F32(eps),
+            self.at(out, 0),
+        ];
+        // SAFETY: x and out hold rows × dim values, w dim.
+        unsafe { self.go("rms_norm", &self.k.rms_norm, cfg, &args) };
     }
 
     fn rope_and_cache(
@@ -1068,6 +1075,7 @@ impl Backend for CudaBackend {
         if len == 0 {
             return;
         }
+        *lock(&self.staged_for) = None;
         let s = src.slice(src_off..src_off + len);
         let mut d = dst.slice_mut(dst_off..dst_off + len);
         let r = self.stream.memcpy_dtod(&s, &mut d);
@@ -1082,6 +1090,7 @@ impl Backend for CudaBackend {
         if len == 0 {
             return;
         }
+        *lock(&self.staged_for) = None;
         let r = if dst_off < src_off {
             let (mut lo, hi) = buf.split_at_mut(src_off);
             let s = hi.slice(0..len);

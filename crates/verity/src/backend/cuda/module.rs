@@ -32,6 +32,7 @@ pub(super) struct Kernels {
     pub(super) quantize_x: CudaFunction,
     pub(super) embed: CudaFunction,
     pub(super) rms_norm: CudaFunction,
+    pub(super) rms_norm_add: CudaFunction,
     pub(super) scale: CudaFunction,
     pub(super) rope_and_cache: CudaFunction,
     /// Attention for blocks of 1 ..= ATT_HEADS query heads (index: heads - 1), without and with the early load.
@@ -66,6 +67,7 @@ impl Kernels {
             quantize_x: f("quantize_x")?,
             embed: f("embed")?,
             rms_norm: f("rms_norm")?,
+            rms_norm_add: f("rms_norm_add")?,
             scale: f("scale")?,
             rope_and_cache: f("rope_and_cache")?,
             attention: (1..=ATT_HEADS)

@@ -11,7 +11,9 @@ use super::geometry::{
 };
 use super::launch::Arg;
 use super::types::Tag;
-use super::{affine, dev, lock, tiles, CudaBackend, CudaMatrix, CudaStep, StagedX, STAGED_ROWS};
+use super::{
+    affine, dev, lock, tiles, CudaBackend, CudaMatrix, CudaStep, StagedFor, StagedX, STAGED_ROWS,
+};
 use super::{GROUP_ROWS_MIN, MAX_ROWS, MM_WARPS, TALL_CTA_ROWS, TALL_ROWS, WIDE_COLUMNS};
 use crate::backend::{Backend, Glu};
 use crate::error::{Error, Result};
@@ -177,8 +179,38 @@ impl CudaBackend {
         });
     }
 
+    /// Threads of a `quantize_x` launch (or a fused staging) over rows of `k` values: four per 32-value block in
+    /// one pass where the CTA's 1,024 threads allow, else two.
+    fn staging_threads(k: usize) -> usize {
+        (k / 32 * 4).clamp(32, 1024).next_multiple_of(32)
+    }
+
+    /// What rows `0..rows` of `x`, through `norm`, staged in the current quantized-input buffer are known as.
+    fn staged_key(
+        &self,
+        x: &CudaSlice<f32>,
+        r0: usize,
+        rows: usize,
+        k: usize,
+        norm: (&CudaSlice<f32>, f32),
+    ) -> StagedFor {
+        let ptr = |a: Arg| match a {
+            Arg::Ptr(p) => p,
+            _ => unreachable!("an address"),
+        };
+        StagedFor {
+            x: ptr(self.at(x, r0 * k)),
+            rows,
+            k,
+            norm: ptr(self.at(norm.0, 0)),
+            eps: norm.1.to_bits(),
+            buffer: lock(&self.staged).len(),
+        }
+    }
+
     /// `rows` rows of x from row `r0` (RMS-normed first with `norm`) quantized for an integer projection launch
-    /// (`kernels.cu`'s `quantize_x`); returns the addresses of the quantized rows, scales and sums.
+    /// (`kernels.cu`'s `quantize_x`), unless the launch just before staged exactly these (`rms_norm_add` told of
+    /// this projection); returns the addresses of the quantized rows, scales and sums.
     fn quantize_x(
         &self,
         x: &CudaSlice<f32>,
@@ -187,17 +219,23 @@ impl CudaBackend {
         rows: usize,
         k: usize,
     ) -> [Arg; 3] {
+        let ahead = lock(&self.staged_for).take();
+        let found = match (ahead, norm) {
+            (Some(a), Some(n)) => a == self.staged_key(x, r0, rows, k, n),
+            _ => false,
+        };
         let staged = lock(&self.staged);
         let s = staged
             .last()
             .expect("reserved when a tiled matrix was loaded");
         debug_assert!(s.k >= k && rows <= STAGED_ROWS);
         let staged_args = [self.at(&s.xq, 0), self.at(&s.xd, 0), self.at(&s.xs, 0)];
-        // Four threads per 32-value block in one pass where the CTA's 1,024 threads allow, else two.
-        let threads = (k / 32 * 4).clamp(32, 1024).next_multiple_of(32);
+        if found {
+            return staged_args;
+        }
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, 1, 1),
-            block_dim: (threads as u32, 1, 1),
+            block_dim: (Self::staging_threads(k) as u32, 1, 1),
             shared_mem_bytes: (k / 32 * 4) as u32,
         };
         let args = [
@@ -213,6 +251,52 @@ impl CudaBackend {
         // rows of k values; the shared memory holds the norm's k / 32 floats of scratch.
         unsafe { self.go("quantize", &self.k.quantize_x, cfg, &args) };
         staged_args
+    }
+
+    /// `x += rms_norm(t) · w` over `rows` rows of `k` values (`Backend::rms_norm_add`); with `next`, rows of a
+    /// verify's size or fewer are also staged for the projection through that norm which comes next (the
+    /// `quantize_x` launch it then skips, done in the same block shape, so the same bits).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launch_rms_norm_add(
+        &self,
+        t: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        k: usize,
+        eps: f32,
+        x: &mut CudaSlice<f32>,
+        next: Option<(&CudaSlice<f32>, f32)>,
+    ) {
+        let next = next.filter(|_| {
+            k.is_multiple_of(32)
+                && rows <= MAX_ROWS
+                && lock(&self.staged).last().is_some_and(|s| s.k >= k)
+        });
+        let key = next.map(|n| self.staged_key(x, 0, rows, k, n));
+        let staged = lock(&self.staged);
+        let target = next.and_then(|n| staged.last().map(|s| (n, s)));
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (Self::staging_threads(k) as u32, 1, 1),
+            shared_mem_bytes: (k / 32 * 4) as u32,
+        };
+        let args = [
+            self.at(t, 0),
+            self.at(w, 0),
+            Arg::F32(eps),
+            self.at(x, 0),
+            Arg::I32(k as i32),
+            target.map_or(Arg::Ptr(0), |((nw, _), _)| self.at(nw, 0)),
+            Arg::F32(target.map_or(0.0, |((_, e), _)| e)),
+            target.map_or(Arg::Ptr(0), |(_, s)| self.at(&s.xq, 0)),
+            target.map_or(Arg::Ptr(0), |(_, s)| self.at(&s.xd, 0)),
+            target.map_or(Arg::Ptr(0), |(_, s)| self.at(&s.xs, 0)),
+        ];
+        // SAFETY: t and x hold rows × k values, w and the next norm k; a staging target has room for rows ≤
+        // MAX_ROWS < STAGED_ROWS rows of k values; the shared memory holds k / 32 floats of norm scratch.
+        unsafe { self.go("rms_norm_add", &self.k.rms_norm_add, cfg, &args) };
+        drop(staged);
+        *lock(&self.staged_for) = key;
     }
 
     /// Whether a launch of `mats` runs the integer kernels: every matrix tiled, and gate and up of one type.
