@@ -4,10 +4,9 @@
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::launch::Arg;
-use super::ATT_RESIDENT_PER_SM;
 use super::{
-    CudaBackend, CudaStep, ATT_CHUNK, ATT_HEADS, ATT_ROWS, ATT_SPLIT, ATT_SPLIT_MAX, ATT_WARPS,
-    ATT_WARP_ROWS, ATT_WARP_WIDTH, MAX_ROWS,
+    lock, CudaBackend, CudaStep, ATT_CHUNK, ATT_HEADS, ATT_RESIDENT_PER_SM, ATT_ROWS, ATT_SPLIT,
+    ATT_SPLIT_MAX, ATT_WARPS, ATT_WARP_ROWS, ATT_WARP_WIDTH, MAX_ROWS,
 };
 use crate::backend::{AttnShape, Backend};
 
@@ -112,6 +111,15 @@ impl CudaBackend {
             step.cap as i32,
             chunks as i32,
         );
+        // A launch of every row (at most a verify's) also stages the output, in whole 32-value blocks, for the
+        // output projection that follows: its `quantize_x` launch is skipped.
+        let width = shape.n_heads * shape.head_dim;
+        let stage = shape.rows <= MAX_ROWS
+            && shape.head_dim.is_multiple_of(32)
+            && lock(&self.staged).last().is_some_and(|s| s.k >= width);
+        let key = stage.then(|| self.staged_key(out, 0, shape.rows, width, None));
+        let staged = lock(&self.staged);
+        let target = staged.last().filter(|_| stage);
         let mut r0 = 0;
         while r0 < shape.rows {
             let left = shape.rows - r0;
@@ -169,6 +177,9 @@ impl CudaBackend {
                 self.at(work, 0),
                 Arg::I32(nc),
                 self.at(out, 0),
+                target.map_or(Arg::Ptr(0), |s| self.at(&s.xq, 0)),
+                target.map_or(Arg::Ptr(0), |s| self.at(&s.xd, 0)),
+                target.map_or(Arg::Ptr(0), |s| self.at(&s.xs, 0)),
             ];
             // The early-load variant takes more registers, so fewer of its blocks fit an SM: it runs where the
             // grid is small enough (decode steps, verifies of short contexts). Both give the same bits.
@@ -182,10 +193,13 @@ impl CudaBackend {
             };
             // SAFETY: q/out hold rows × n_heads × head_dim values, the caches (base + rows) × kv_dim within
             // their capacity; `work` holds the counters and chunk records of up to ATT_ROWS rows (checked above);
-            // the mask is in the step; both kernels take these arguments.
+            // the mask is in the step; a staging target holds rows ≤ MAX_ROWS < STAGED_ROWS rows of `width`
+            // values; both kernels take these arguments.
             unsafe { self.go("attention", f, cfg, &args) };
             r0 += take;
         }
+        drop(staged);
+        *lock(&self.staged_for) = key;
     }
 }
 

@@ -928,6 +928,30 @@ __device__ __forceinline__ void quantize_row(const float* x, int k, const float*
     }
 }
 
+// 32-value blocks `0..nb` of x quantized as `quantize_x` quantizes them without a norm, a warp per block (the
+// whole CTA): the block's max and the integer sum of its bytes are exact in any order and each value is rounded
+// alone, so the same bits as `quantize_row`'s 4- or 2-thread layout.
+__device__ __forceinline__ void quantize_blocks(const float* x, int nb, signed char* xq, float* xd, float* xs) {
+    int lane = threadIdx.x & 31;
+    for (int b = threadIdx.x >> 5; b < nb; b += blockDim.x >> 5) {
+        float v = x[b * 32 + lane];
+        float amax = fabsf(v);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+        float d = amax / 127.f;
+        float id = d > 0.f ? 1.f / d : 0.f;
+        int q = (signed char)(pack_q8(v * id, 0.f, 0.f, 0.f) & 0xffu);
+        xq[b * 32 + lane] = (signed char)q;
+        int sum = q;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        if (lane == 0) {
+            xd[b] = d;
+            xs[b] = d * (float)sum;
+        }
+    }
+}
+
 // The integer projections' input: row blockIdx.x of x (k values; RMS-normed with norm_w when non-null)
 // quantized to 8 bits per 32-value block, once per launch for all the projection's CTAs — xq holds k bytes per
 // row, xd and xs (the blocks' scales d and d * sum q) k / 32 floats per row. Four threads per block, or two
@@ -1847,11 +1871,12 @@ __device__ __forceinline__ float chunk_weights(float& a, float& b, float& m) {
 // value_c[e], num), out = num / den. Each (head, chunk)'s f_c and sum are computed once into shared memory,
 // COMBINE_CHUNKS chunks at a time, and each thread's value loads run ahead of its chains (one chain per thread
 // and chunk loaded in turn waits on every load): the same arithmetic, the same bits. ITEMS: the most (head, dim)
-// outputs a thread holds (HEADS * MAX_HEAD_DIM / threads). `out`: the row's first head of the block.
+// outputs a thread holds (HEADS * MAX_HEAD_DIM / threads). `out`: the row's first head of the block; with `xq`,
+// the outputs are also quantized there for the output projection (`xd`, `xs` at the same block).
 #define COMBINE_CHUNKS 32
 template <int HEADS, int ITEMS>
 __device__ void combine_chunks(const float* records, int chunks, int rec, int c_lo, int nc, int head_dim,
-                               float* out) {
+                               float* out, signed char* xq, float* xd, float* xs) {
     __shared__ float wmax[32][HEADS], big[HEADS];
     __shared__ float wf[HEADS][COMBINE_CHUNKS], wsum[HEADS][COMBINE_CHUNKS];
     __shared__ int off[COMBINE_CHUNKS];
@@ -1913,13 +1938,17 @@ __device__ void combine_chunks(const float* records, int chunks, int rec, int c_
         int u = t + it * (int)blockDim.x;
         if (u < n) out[u] = num[it] / den[it];
     }
+    if (xq) {  // staged for the output projection (whole 32-value blocks: the host checks)
+        __syncthreads();  // the outputs, written by every thread of the block, read back by its warps
+        quantize_blocks(out, n / 32, xq, xd, xs);
+    }
 }
 
 template <bool AHEAD, int HEADS>
 __device__ __forceinline__ void attention_body(const float* q, const float* kc, const float* vc, int row0,
                                                int n_heads, int n_kv_heads, int head_dim, float scale,
                                                int window, int slots, const int* step, int cap, float* work,
-                                               int chunks, float* out) {
+                                               int chunks, float* out, signed char* xq, float* xd, float* xs) {
     __shared__ __align__(16) float sc[HEADS][ATT_CHUNK];
     __shared__ float red[HEADS][2];  // each head's chunk max and exp-sum
     __shared__ int last;
@@ -2089,8 +2118,9 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
     if (!last) return;
     __threadfence();
     if (t == 0) counters[blockIdx.y] = 0;
-    combine_chunks<HEADS, HEADS * MAX_HEAD_DIM / 256>(records, chunks, rec, c_lo, nc, head_dim,
-                                                      out + ((size_t)i * n_heads + h0) * head_dim);
+    size_t o = ((size_t)i * n_heads + h0) * head_dim, ob = o / 32;  // the block's first value, 32-value block
+    combine_chunks<HEADS, HEADS * MAX_HEAD_DIM / 256>(records, chunks, rec, c_lo, nc, head_dim, out + o, xq ? xq + o : xq,
+        xq ? xd + ob : xd, xq ? xs + ob : xs);
 }
 
 // The attention kernels, one per count of heads a block serves: the same arithmetic (the same bits), with the
@@ -2098,8 +2128,10 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
 // (`attention_*`: fewer registers, so wide verifies keep their blocks per SM).
 #define ATT_PARAMS                                                                                             \
     const float *q, const float *kc, const float *vc, int row0, int n_heads, int n_kv_heads, int head_dim,     \
-        float scale, int window, int slots, const int *step, int cap, float *work, int chunks, float *out
-#define ATT_ARGS q, kc, vc, row0, n_heads, n_kv_heads, head_dim, scale, window, slots, step, cap, work, chunks, out
+        float scale, int window, int slots, const int *step, int cap, float *work, int chunks, float *out,       \
+        signed char *xq, float *xd, float *xs
+#define ATT_ARGS \
+    q, kc, vc, row0, n_heads, n_kv_heads, head_dim, scale, window, slots, step, cap, work, chunks, out, xq, xd, xs
 
 #ifdef KO_ATT
 #define ATT_EXIT WAIT_AND_RETURN
@@ -2130,7 +2162,8 @@ template <int HEADS, int DPL>
 __device__ __forceinline__ void attention_warps_body(const float* q, const float* kc, const float* vc, int row0,
                                                      int n_heads, int n_kv_heads, int head_dim, float scale,
                                                      int window, int slots, const int* step, int cap, float* work,
-                                                     int chunks, float* out) {
+                                                     int chunks, float* out, signed char* xq, float* xd,
+                                                     float* xs) {
     // The heads' q, each quarter of a head's dims padded by four floats (the score pass's four quarters fall in
     // different banks).
     __shared__ __align__(16) float qs[HEADS * (MAX_HEAD_DIM + 16)];
@@ -2284,8 +2317,9 @@ __device__ __forceinline__ void attention_warps_body(const float* q, const float
     if (!last) return;
     __threadfence();
     if (t == 0) counters[blockIdx.y] = 0;
-    combine_chunks<HEADS, HEADS * MAX_HEAD_DIM / (ATT_WARPS * 32)>(records, chunks, rec, c_lo, nc, head_dim,
-                                                                  out + ((size_t)i * n_heads + h0) * head_dim);
+    size_t o = ((size_t)i * n_heads + h0) * head_dim, ob = o / 32;  // the block's first value, 32-value block
+    combine_chunks<HEADS, HEADS * MAX_HEAD_DIM / (ATT_WARPS * 32)>(records, chunks, rec, c_lo, nc, head_dim, out + o, xq ? xq + o : xq,
+        xq ? xd + ob : xd, xq ? xs + ob : xs);
 }
 
 #define ATT_WARP_KERNEL(H, D)                                                                                  \

@@ -315,9 +315,10 @@ struct StagedX {
     xs: CudaSlice<f32>,
 }
 
-/// What a `StagedX` holds after `rms_norm_add` staged the projection input it was told comes next: rows
-/// `0..rows` of the buffer at `x` (rows of `k` values), through the norm at `norm` with `eps`, in the
-/// `StagedX` of index `buffer`. A projection launch of exactly those finds it and skips `quantize_x`.
+/// What a `StagedX` holds after a launch staged the projection input that comes next (`rms_norm_add` told of
+/// it, or the attention's output for the output projection): rows `0..rows` of the buffer at `x` (rows of `k`
+/// values), through the norm at `norm` with `eps` (0 and 0: none), in the `StagedX` of index `buffer`. A
+/// projection launch of exactly those finds it and skips `quantize_x`.
 #[derive(Clone, Copy, PartialEq, Debug)]
 struct StagedFor {
     x: u64,

@@ -186,13 +186,13 @@ impl CudaBackend {
     }
 
     /// What rows `0..rows` of `x`, through `norm`, staged in the current quantized-input buffer are known as.
-    fn staged_key(
+    pub(super) fn staged_key(
         &self,
         x: &CudaSlice<f32>,
         r0: usize,
         rows: usize,
         k: usize,
-        norm: (&CudaSlice<f32>, f32),
+        norm: Option<(&CudaSlice<f32>, f32)>,
     ) -> StagedFor {
         let ptr = |a: Arg| match a {
             Arg::Ptr(p) => p,
@@ -202,8 +202,8 @@ impl CudaBackend {
             x: ptr(self.at(x, r0 * k)),
             rows,
             k,
-            norm: ptr(self.at(norm.0, 0)),
-            eps: norm.1.to_bits(),
+            norm: norm.map_or(0, |(w, _)| ptr(self.at(w, 0))),
+            eps: norm.map_or(0, |(_, eps)| eps.to_bits()),
             buffer: lock(&self.staged).len(),
         }
     }
@@ -220,10 +220,7 @@ impl CudaBackend {
         k: usize,
     ) -> [Arg; 3] {
         let ahead = lock(&self.staged_for).take();
-        let found = match (ahead, norm) {
-            (Some(a), Some(n)) => a == self.staged_key(x, r0, rows, k, n),
-            _ => false,
-        };
+        let found = ahead.is_some_and(|a| a == self.staged_key(x, r0, rows, k, norm));
         let staged = lock(&self.staged);
         let s = staged
             .last()
@@ -272,7 +269,7 @@ impl CudaBackend {
                 && rows <= MAX_ROWS
                 && lock(&self.staged).last().is_some_and(|s| s.k >= k)
         });
-        let key = next.map(|n| self.staged_key(x, 0, rows, k, n));
+        let key = next.map(|n| self.staged_key(x, 0, rows, k, Some(n)));
         let staged = lock(&self.staged);
         let target = next.and_then(|n| staged.last().map(|s| (n, s)));
         let cfg = LaunchConfig {
