@@ -31,8 +31,8 @@ test -d llama_cpp_python-0.3.36 || {
     python3 -m pip download -q --no-deps --no-binary :all: -d sdist llama-cpp-python==0.3.36
     tar xzf sdist/llama_cpp_python-0.3.36.tar.gz
 }
-python3 -m pip install -q cmake ninja
-export PATH=$cuda/bin:$PATH LD_LIBRARY_PATH=$cuda/lib
+test -x venv/bin/cmake || { python3 -m venv venv && venv/bin/pip install -q cmake ninja; }
+export PATH=$work/venv/bin:$cuda/bin:$PATH LD_LIBRARY_PATH=$cuda/lib
 cd llama_cpp_python-0.3.36/vendor/llama.cpp
 cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
     -DGGML_CUDA=ON -DGGML_CUDA_FA=OFF -DCMAKE_CUDA_ARCHITECTURES="$arch" \
