@@ -114,9 +114,7 @@ impl CudaBackend {
         // A launch of every row (at most a verify's) also stages the output, in whole 32-value blocks, for the
         // output projection that follows: its `quantize_x` launch is skipped.
         let width = shape.n_heads * shape.head_dim;
-        let stage = shape.rows <= MAX_ROWS
-            && shape.head_dim.is_multiple_of(32)
-            && lock(&self.staged).last().is_some_and(|s| s.k >= width);
+        let stage = shape.head_dim.is_multiple_of(32) && self.can_stage(shape.rows, width);
         let key = stage.then(|| self.staged_key(out, 0, shape.rows, width, None));
         let staged = lock(&self.staged);
         let target = staged.last().filter(|_| stage);

@@ -265,8 +265,9 @@ pub struct CudaBackend {
     prefill_rows: usize,
     /// `quantize_x`'s output, read by the integer projections (the last is current; see [`StagedX`]).
     staged: Mutex<Vec<StagedX>>,
-    /// The rows `rms_norm_add` last staged for the projection it was told comes next; cleared by every other
-    /// launch or copy, so a projection only skips its own staging right after (see [`StagedFor`]).
+    /// The rows the last launch staged for the projection that comes next (`rms_norm_add` told of it, or the
+    /// attention's output); cleared by every other launch or copy, so a projection only skips its own staging
+    /// right after (see [`StagedFor`]).
     staged_for: Mutex<Option<StagedFor>>,
     /// The argmax kernel's per-row records and counters (`Backend::argmax`).
     argmax_work: CudaSlice<f32>,
@@ -365,8 +366,6 @@ fn grid(n: usize, block: u32) -> LaunchConfig {
 }
 
 impl CudaBackend {
-    /// The RMS norm of `rows` rows of `dim` values, written to `out` or (`accumulate`) added to it.
-    #[allow(clippy::too_many_arguments)]
     /// Open GPU `ordinal` with the settings the environment asks for ([`CudaOptions::from_env`]).
     pub fn new(ordinal: usize) -> Result<Self> {
         Self::with_options(ordinal, CudaOptions::from_env())

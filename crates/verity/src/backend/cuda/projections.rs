@@ -185,6 +185,14 @@ impl CudaBackend {
         (k / 32 * 4).clamp(32, 1024).next_multiple_of(32)
     }
 
+    /// Whether a launch over `rows` rows of `k` values may also stage them for the projection that follows: rows
+    /// of a verify's size or fewer, whole 32-value blocks, and a quantized-input buffer that holds them.
+    pub(super) fn can_stage(&self, rows: usize, k: usize) -> bool {
+        rows <= MAX_ROWS
+            && k.is_multiple_of(32)
+            && lock(&self.staged).last().is_some_and(|s| s.k >= k)
+    }
+
     /// What rows `0..rows` of `x`, through `norm`, staged in the current quantized-input buffer are known as.
     pub(super) fn staged_key(
         &self,
@@ -210,7 +218,7 @@ impl CudaBackend {
 
     /// `rows` rows of x from row `r0` (RMS-normed first with `norm`) quantized for an integer projection launch
     /// (`kernels.cu`'s `quantize_x`), unless the launch just before staged exactly these (`rms_norm_add` told of
-    /// this projection); returns the addresses of the quantized rows, scales and sums.
+    /// this projection, or the attention whose output it is); returns the addresses of the quantized rows, scales and sums.
     fn quantize_x(
         &self,
         x: &CudaSlice<f32>,
@@ -264,11 +272,7 @@ impl CudaBackend {
         x: &mut CudaSlice<f32>,
         next: Option<(&CudaSlice<f32>, f32)>,
     ) {
-        let next = next.filter(|_| {
-            k.is_multiple_of(32)
-                && rows <= MAX_ROWS
-                && lock(&self.staged).last().is_some_and(|s| s.k >= k)
-        });
+        let next = next.filter(|_| self.can_stage(rows, k));
         let key = next.map(|n| self.staged_key(x, 0, rows, k, Some(n)));
         let staged = lock(&self.staged);
         let target = next.and_then(|n| staged.last().map(|s| (n, s)));
