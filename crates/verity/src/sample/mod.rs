@@ -164,6 +164,64 @@ fn ln_floor(u: f64) -> f64 {
 /// skipped token's computed arrival is always strictly later than the best one's.
 const SKIP_MARGIN: f64 = 1e-6;
 
+/// The log-weight below which min-p cuts a token: `ln(min_p)` relative to the top's 0 (−∞ without min-p).
+fn min_p_floor(min_p: f32) -> f64 {
+    if min_p > 0.0 {
+        (min_p as f64).ln()
+    } else {
+        f64::NEG_INFINITY
+    }
+}
+
+/// A draw's settings where the race alone decides it ([`Sampler::race_spec`]): what a device needs to draw a
+/// row of logits itself, bitwise as the host would.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RaceSpec {
+    pub seed: u64,
+    /// At least [`GREEDY_BELOW`].
+    pub temperature: f32,
+    /// 0 = off.
+    pub min_p: f32,
+}
+
+// Validated settings are finite numbers, so equality by value is an equivalence (and agrees with the hash of
+// their bits, 0.0 and -0.0 aside, which no validated setting of these two is).
+impl Eq for RaceSpec {}
+
+impl std::hash::Hash for RaceSpec {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        (self.seed, self.temperature.to_bits(), self.min_p.to_bits()).hash(h)
+    }
+}
+
+impl RaceSpec {
+    /// The ChaCha8 key of the race's streams: the seed expanded as `ChaCha8Rng::seed_from_u64` expands it, as
+    /// eight little-endian words.
+    pub fn key(&self) -> [u32; 8] {
+        let seed = ChaCha8Rng::seed_from_u64(self.seed).get_seed();
+        std::array::from_fn(|i| u32::from_le_bytes(seed[4 * i..4 * i + 4].try_into().unwrap()))
+    }
+
+    /// The log-weight below which min-p cuts a token (−∞ without min-p).
+    pub fn floor(&self) -> f64 {
+        min_p_floor(self.min_p)
+    }
+
+    /// The token drawn from one row of `logits` at absolute position `position`: what [`Sampler::sample`] with
+    /// these settings draws there.
+    pub fn draw(&self, logits: &[f32], position: usize) -> u32 {
+        let sampler = Sampler {
+            cfg: SamplerConfig {
+                temperature: self.temperature,
+                min_p: self.min_p,
+                seed: self.seed,
+                ..SamplerConfig::default()
+            },
+        };
+        sampler.sample_at(logits, &[], position)
+    }
+}
+
 pub struct Sampler {
     cfg: SamplerConfig,
 }
@@ -273,7 +331,7 @@ impl Sampler {
         }
         if cfg.min_p > 0.0 {
             // The top weighs e^0 = 1.
-            let floor = (cfg.min_p as f64).ln();
+            let floor = min_p_floor(cfg.min_p);
             cand.retain(|c| c.1 >= floor);
         }
         cand.sort_unstable_by_key(|c| c.0);
@@ -300,16 +358,35 @@ impl Sampler {
     /// greedy choice, or the winner of the race keyed by the seed and that position over
     /// [`Sampler::distribution`]'s tokens (the lowest id among equal arrival times).
     pub fn sample(&self, logits: &[f32], history: &[u32]) -> u32 {
+        self.sample_at(logits, history, history.len())
+    }
+
+    /// [`Sampler::sample`] keyed by `position` (the history counts only for the repetition penalty).
+    fn sample_at(&self, logits: &[f32], history: &[u32], position: usize) -> u32 {
         let cfg = &self.cfg;
         if cfg.is_greedy() {
             return self.greedy(logits, history);
         }
-        if cfg.top_k == 0 && cfg.top_p >= 1.0 && cfg.min_p == 0.0 {
-            if let Some(token) = self.race_uncut(logits, history) {
+        if cfg.top_k == 0 && cfg.top_p >= 1.0 {
+            if let Some(token) = self.race_uncut(logits, history, position) {
                 return token;
             }
         }
-        self.race(self.support(logits, history), history.len())
+        self.race(self.support(logits, history), position)
+    }
+
+    /// The race's settings where the race alone decides every draw, so that a device holding the logits can
+    /// draw the rows itself ([`crate::backend::Backend::draw`]): sampling with a temperature and at most min-p
+    /// — no top-k or top-p (a sort of the vocabulary) and no repetition penalty (the history).
+    pub fn race_spec(&self) -> Option<RaceSpec> {
+        let cfg = &self.cfg;
+        let race_only =
+            !cfg.is_greedy() && cfg.top_k == 0 && cfg.top_p >= 1.0 && cfg.penalty() == 1.0;
+        race_only.then_some(RaceSpec {
+            seed: cfg.seed,
+            temperature: cfg.temperature,
+            min_p: cfg.min_p,
+        })
     }
 
     /// The race over `support` (token id order) at `position`: the earliest arrival, the lowest id among equal
@@ -328,14 +405,15 @@ impl Sampler {
         first.1
     }
 
-    /// [`Sampler::race`] over every token of finite logit (no top-k, top-p or min-p), the same winner without
+    /// [`Sampler::race`] over every token of finite logit (no top-k or top-p; min-p cuts the tokens of weight
+    /// below `min_p` × the top's, as [`Sampler::support`] does), the same winner without
     /// building the support or computing most tokens' arrivals: the top token runs first, and a later token's
     /// arrival `E_t / w_t` is computed only where it could still come first. Since `E_t = −ln(1 − u_t) ≥ u_t`,
     /// a token with `u_t > best · w_t` arrives after `best`, and `ln u_t` is bounded below by `u_t`'s binary
     /// exponent — so most of a vocabulary costs its uniform, a subtraction and a comparison, no `exp` or `ln`
     /// (sampling SmolLM2's 49,152 logits at temperature 0.7 took 0.9 ms a token before, a GPU's whole step).
     /// `None` where every logit is −∞ or one is +∞ (the general path's cases).
-    fn race_uncut(&self, logits: &[f32], history: &[u32]) -> Option<u32> {
+    fn race_uncut(&self, logits: &[f32], history: &[u32], position: usize) -> Option<u32> {
         if logits.is_empty() {
             return None;
         }
@@ -356,14 +434,15 @@ impl Sampler {
             return None;
         }
         let t = self.cfg.temperature as f64;
-        let mut race = KeyedRace::new(self.cfg.seed, history.len());
+        let floor = min_p_floor(self.cfg.min_p);
+        let mut race = KeyedRace::new(self.cfg.seed, position);
         // The top's log-weight is 0: its arrival is E itself.
         let mut best = (exponential(race.uniform(top as u32)), top as u32);
         let mut ln_best = best.0.ln();
         for i in (0..logits.len()).filter(|&i| i != top) {
             let z = (logit(i) - max) / t;
             // (z is never NaN: max is finite and −∞ logits give −∞.)
-            if z < UNREACHABLE_LOG_WEIGHT {
+            if z < UNREACHABLE_LOG_WEIGHT || z < floor {
                 continue;
             }
             let u = race.uniform(i as u32);
@@ -578,8 +657,8 @@ mod tests {
         }
     }
 
-    /// Without top-k, top-p or min-p, `sample` runs the one-pass race: it must pick the support race's winner
-    /// for any logits, temperature, penalty, seed and position. Vocabularies of thousands of tokens whose logits
+    /// Without top-k or top-p, `sample` runs the one-pass race: it must pick the support race's winner for any
+    /// logits, temperature, penalty, min-p, seed and position. Vocabularies of thousands of tokens whose logits
     /// span tens of units (as a model's do), with ties and masked tokens, at temperatures from near-greedy to
     /// nearly flat; the extreme logits of the property test below as well.
     #[test]
@@ -605,19 +684,21 @@ mod tests {
                 .collect();
             let temperature = [0.01, 0.3, 0.7, 1.0, 2.5, 80.0][case % 6];
             let penalty = [1.0, 1.0, 1.3][case % 3];
+            let min_p = [0.0, 0.0, 0.02, 0.4][case / 7 % 4];
             let s = sampler(|c| {
                 c.temperature = temperature;
                 c.repetition_penalty = penalty;
+                c.min_p = min_p;
                 c.seed = next();
             });
             let history: Vec<u32> = (0..(next() % 300) as u32)
                 .map(|t| t * 7 % n as u32)
                 .collect();
             let reference = s.race(s.support(&logits, &history), history.len());
-            match s.race_uncut(&logits, &history) {
+            match s.race_uncut(&logits, &history, history.len()) {
                 Some(t) => assert_eq!(
                     t, reference,
-                    "case {case}: n {n}, T {temperature}, penalty {penalty}"
+                    "case {case}: n {n}, T {temperature}, penalty {penalty}, min-p {min_p}"
                 ),
                 None => skipped_cases += 1,
             }
@@ -627,6 +708,107 @@ mod tests {
             skipped_cases < 10,
             "the one-pass race ran in most cases ({skipped_cases} fell back)"
         );
+    }
+
+    /// ChaCha8 as a device computes it (`kernels.cu`'s `chacha8_block`): the block at `counter` of stream
+    /// `stream` under `key`, the djb layout (64-bit counter, 64-bit stream), four double rounds, then the input
+    /// added.
+    fn chacha8_block(key: &[u32; 8], counter: u64, stream: u64) -> [u32; 16] {
+        let mut input = [0u32; 16];
+        input[..4].copy_from_slice(&[0x6170_7865, 0x3320_646e, 0x7962_2d32, 0x6b20_6574]);
+        input[4..12].copy_from_slice(key);
+        input[12..].copy_from_slice(&[
+            counter as u32,
+            (counter >> 32) as u32,
+            stream as u32,
+            (stream >> 32) as u32,
+        ]);
+        let mut x = input;
+        let quarter = |x: &mut [u32; 16], a: usize, b: usize, c: usize, d: usize| {
+            x[a] = x[a].wrapping_add(x[b]);
+            x[d] = (x[d] ^ x[a]).rotate_left(16);
+            x[c] = x[c].wrapping_add(x[d]);
+            x[b] = (x[b] ^ x[c]).rotate_left(12);
+            x[a] = x[a].wrapping_add(x[b]);
+            x[d] = (x[d] ^ x[a]).rotate_left(8);
+            x[c] = x[c].wrapping_add(x[d]);
+            x[b] = (x[b] ^ x[c]).rotate_left(7);
+        };
+        for _ in 0..4 {
+            quarter(&mut x, 0, 4, 8, 12);
+            quarter(&mut x, 1, 5, 9, 13);
+            quarter(&mut x, 2, 6, 10, 14);
+            quarter(&mut x, 3, 7, 11, 15);
+            quarter(&mut x, 0, 5, 10, 15);
+            quarter(&mut x, 1, 6, 11, 12);
+            quarter(&mut x, 2, 7, 8, 13);
+            quarter(&mut x, 3, 4, 9, 14);
+        }
+        std::array::from_fn(|i| x[i].wrapping_add(input[i]))
+    }
+
+    /// A device draws a row from the race's variates without the host's generator: token `t`'s 64 bits at
+    /// position `p` are words `2t` (low) and `2t + 1` of stream `p` under [`RaceSpec::key`], i.e. words
+    /// `2(t mod 8)` and `2(t mod 8) + 1` of ChaCha8 block `t / 8`. Checked against the generator the host races
+    /// with, over seeds, positions and tokens in any order.
+    #[test]
+    fn the_race_variates_are_chacha8_blocks_of_the_key_the_seed_expands_to() {
+        for (seed, position) in [
+            (0u64, 0usize),
+            (7, 1),
+            (0xdead_beef, 4095),
+            (u64::MAX, 123_456),
+        ] {
+            let spec = RaceSpec {
+                seed,
+                temperature: 1.0,
+                min_p: 0.0,
+            };
+            let key = spec.key();
+            let mut race = KeyedRace::new(seed, position);
+            for t in [0u32, 1, 7, 8, 9, 63, 64, 1000, 49_151, 262_143, 5] {
+                let block = chacha8_block(&key, t as u64 / 8, position as u64);
+                let j = 2 * (t as usize % 8);
+                let bits = u64::from(block[j]) | (u64::from(block[j + 1]) << 32);
+                let u = ((bits >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+                assert_eq!(
+                    race.uniform(t).to_bits(),
+                    u.to_bits(),
+                    "seed {seed} position {position} token {t}"
+                );
+            }
+        }
+    }
+
+    /// A race's settings draw what the sampler samples, at any position, wherever the race alone decides; and
+    /// only there is a race spec given.
+    #[test]
+    fn a_race_spec_draws_what_the_sampler_samples() {
+        let logits: Vec<f32> = (0..3000)
+            .map(|i| ((i * 7919) % 1000) as f32 / 97.0)
+            .collect();
+        for (temperature, min_p) in [(0.7, 0.0), (1.3, 0.05), (0.2, 0.0)] {
+            let s = sampler(|c| {
+                c.temperature = temperature;
+                c.min_p = min_p;
+                c.seed = 42;
+            });
+            let spec = s
+                .race_spec()
+                .expect("temperature and min-p: the race decides");
+            for len in [0usize, 1, 17, 400] {
+                let history: Vec<u32> = (0..len as u32).collect();
+                assert_eq!(spec.draw(&logits, len), s.sample(&logits, &history));
+            }
+        }
+        for f in [
+            (|c: &mut SamplerConfig| c.top_k = 40) as fn(&mut SamplerConfig),
+            |c| c.top_p = 0.9,
+            |c| c.repetition_penalty = 1.1,
+            |c| c.temperature = 0.0,
+        ] {
+            assert!(sampler(f).race_spec().is_none());
+        }
     }
 
     #[test]
