@@ -121,6 +121,75 @@ fn sampling_is_fixed_by_the_seed() {
     );
 }
 
+/// Temperature-only sampling (with min-p too) is decided by the race alone, so the engine asks the forward for
+/// each row's draw instead of its logits (`LogitRows::Drawn`): the tokens must be those the sampler draws from
+/// the full logits, step by step, at each token's position — on the AR route and on a speculative one.
+#[test]
+fn drawn_rows_are_the_samplers_draws_from_the_logits() {
+    use verity::model::{Batch, LogitRows};
+    use verity::sample::Sampler;
+    let mut e = engine();
+    let mut speculative = Engine::load(&smollm2(), backend(), &SpecMode::Auto).unwrap();
+    for (temperature, min_p, seed) in [(0.7, 0.0, 11u64), (1.2, 0.05, 12)] {
+        let sampling = SamplerConfig {
+            temperature,
+            min_p,
+            seed,
+            ..SamplerConfig::default()
+        };
+        let req = GenerateRequest {
+            max_tokens: 24,
+            sampling,
+            ignore_eos: true,
+            ..GenerateRequest::default()
+        };
+        let prompt = e
+            .chat_prompt(&[Message::new("user", "Write a line about rivers.")])
+            .unwrap();
+        let mut tokens = Vec::new();
+        let mut sess = e.new_session();
+        e.generate(&mut sess, &prompt, &req, |_, t| {
+            tokens.push(t.id);
+            true
+        })
+        .unwrap();
+        // The same draws from the full logits, one forward per token.
+        let sampler = Sampler::new(sampling).unwrap();
+        let mut context = prompt.clone();
+        let mut cache = e.model.new_cache(context.len() + 32);
+        let mut out = e
+            .model
+            .forward(
+                &mut cache,
+                &Batch::causal(&context, 0),
+                LogitRows::Last,
+                &[],
+            )
+            .unwrap();
+        let mut want = Vec::new();
+        while want.len() < tokens.len() {
+            let t = sampler.sample(&out.logits, &context);
+            want.push(t);
+            context.push(t);
+            let batch = Batch::causal(&[t], context.len() - 1);
+            out = e
+                .model
+                .forward(&mut cache, &batch, LogitRows::All, &[])
+                .unwrap();
+        }
+        assert_eq!(tokens, want, "T {temperature}, min-p {min_p}: AR");
+        let mut sess = speculative.new_session();
+        let mut spec = Vec::new();
+        speculative
+            .generate(&mut sess, &prompt, &req, |_, t| {
+                spec.push(t.id);
+                true
+            })
+            .unwrap();
+        assert_eq!(spec, want, "T {temperature}, min-p {min_p}: speculative");
+    }
+}
+
 #[test]
 fn a_follow_up_turn_reuses_the_cached_prefix_and_matches_a_fresh_run() {
     let mut e = engine();

@@ -11,6 +11,7 @@ pub mod cuda;
 
 use crate::error::Result;
 use crate::quant::QMatrix;
+use crate::sample::RaceSpec;
 
 /// The most runs an 8-bit-activation projection sums each output's blocks in (the contract: `cpu/packed.rs`'s
 /// module doc; the CUDA kernels are compiled with it), so that a GPU can spread one output's blocks over warps.
@@ -73,6 +74,15 @@ pub struct AttnShape {
     /// A local attention layer's window: a row at position `p` sees only keys at positions `p - window + 1..=p`
     /// (cache slot `j` holds position `j`). `None`: every key the mask allows.
     pub window: Option<usize>,
+}
+
+/// One row's draw ([`Backend::draw`]): the row, the race's settings and the absolute position of the token it
+/// draws.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowDraw {
+    pub row: usize,
+    pub race: RaceSpec,
+    pub position: usize,
 }
 
 /// A layer's per-head RMS norms of Q and K (Qwen3, Gemma 3), `head_dim` weights each, applied before the
@@ -486,6 +496,25 @@ pub trait Backend: Send + Sync + 'static {
     /// as [`crate::sample::argmax`] chooses it, as an exact f32 (indices stay below 2^24). A greedy verify then
     /// copies `rows` values to the host instead of `rows × vocab` logits.
     fn argmax(&self, x: &Self::Buffer, rows: usize, n: usize, out: &mut Self::Buffer);
+    /// Each draw's token: drawn by its race from its row's logits `x[row * n..(row + 1) * n]`, bitwise what
+    /// [`RaceSpec::draw`] draws from them; `argmax` holds the rows' argmax as [`Backend::argmax`] left it (where
+    /// a device finds each row's largest logit). A sampled verify then copies a value per row to the host
+    /// instead of a vocabulary. By default the logits come to the host and are drawn there.
+    fn draw(
+        &self,
+        x: &Self::Buffer,
+        argmax: &Self::Buffer,
+        n: usize,
+        draws: &[RowDraw],
+    ) -> Vec<u32> {
+        let _ = argmax;
+        let rows = draws.iter().map(|d| d.row + 1).max().unwrap_or(0);
+        let logits = self.download(x, rows * n);
+        draws
+            .iter()
+            .map(|d| d.race.draw(&logits[d.row * n..(d.row + 1) * n], d.position))
+            .collect()
+    }
     /// A greedy draft picked where the argmax lies: the token `table[src[0]]` (`src[0]` an argmax index as an
     /// exact f32; `table` a draft vocabulary's token ids as exact f32s, or `None` where the index is the token)
     /// goes to `log[at]` and, with `step`, becomes the step's first token — the next draft step's input, chosen

@@ -407,7 +407,9 @@ impl<B: Backend> Engine<B> {
                 }
             }
             let verdict = match want {
-                LogitRows::Greedy => d.verifier.verify_greedy(&out.greedy, draft),
+                LogitRows::Greedy | LogitRows::Drawn(_) => {
+                    d.verifier.verify_decided(&out.greedy, draft)
+                }
                 _ => d.verifier.verify(&out.logits, vocab, &d.context, draft),
             };
             let pending = *d.context.last().expect("non-empty context");

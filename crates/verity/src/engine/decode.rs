@@ -152,7 +152,9 @@ impl<B: Backend> Engine<B> {
             }
             let t2 = Instant::now();
             let verdict = match wants {
-                LogitRows::Greedy => verifier.verify_greedy(&out.greedy, &draft),
+                LogitRows::Greedy | LogitRows::Drawn(_) => {
+                    verifier.verify_decided(&out.greedy, &draft)
+                }
                 _ => verifier.verify(&out.logits, vocab, &context, &draft),
             };
             let accepted = verdict.accepted();
@@ -228,17 +230,13 @@ pub(super) fn kept_features<'a>(
     }
 }
 
-/// What a forward returns for a request: each row's argmax alone where that decides the verdict and nothing
-/// else reads the logits (one value per row from the device, not a vocabulary), else every row's logits.
+/// What a forward returns for a request: each row's token alone (its argmax, or its draw) where that decides
+/// the verdict and nothing else reads the logits (one value per row from the device, not a vocabulary), else
+/// every row's logits.
 pub(super) fn logits_wanted(verifier: &Verifier, req: &GenerateRequest) -> LogitRows {
-    if verifier.argmax_decides()
-        && req.constraint.is_none()
-        && req.logprobs == 0
-        && !req.want_logprob
-    {
-        LogitRows::Greedy
-    } else {
-        LogitRows::All
+    match verifier.decided_rows() {
+        Some(rows) if req.constraint.is_none() && req.logprobs == 0 && !req.want_logprob => rows,
+        _ => LogitRows::All,
     }
 }
 

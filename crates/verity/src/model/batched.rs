@@ -11,7 +11,7 @@
 
 use super::decoder::{layer_rope, layer_shape, Layer, Scratch, MAX_STATE_LAYERS};
 use super::{Batch, ForwardOutput, LogitRows, Model, TargetFeatures};
-use crate::backend::{AttnMask, AttnShape, Backend, Rope, StepInputs};
+use crate::backend::{AttnMask, AttnShape, Backend, Rope, RowDraw, StepInputs};
 use crate::bundle::hparams::HParams;
 use crate::cache::KvCache;
 use crate::error::Result;
@@ -198,8 +198,7 @@ impl<B: Backend> Model<B> {
         fit_own(be, &self.hp, &mut own, seqs.iter().map(|q| q.batch.rows()));
         for (q, o) in seqs.iter_mut().zip(own.iter_mut()) {
             let rows = q.batch.rows();
-            q.cache
-                .begin_forward(rows, matches!(q.logits, LogitRows::All | LogitRows::Greedy));
+            q.cache.begin_forward(rows, q.logits.every_row());
             be.set_step(
                 &mut o.step,
                 StepInputs {
@@ -337,58 +336,101 @@ impl<B: Backend> Model<B> {
     fn logits_batched(&self, seqs: &[SeqForward<B>], s: &mut Scratch<B>) -> Vec<ForwardOutput> {
         let be = self.backend.as_ref();
         let (h, vocab) = (self.hp.hidden, self.hp.vocab);
-        // The rows of `s.x` each sequence wants, in order.
-        let mut wanted = Vec::new();
+        // The rows of `s.x` each sequence wants, in order, as runs of consecutive rows.
+        let mut runs: Vec<(usize, usize)> = Vec::new();
         let mut at = 0;
         for q in seqs {
             let rows = q.batch.rows();
-            match q.logits {
-                LogitRows::All | LogitRows::Greedy => wanted.extend(at..at + rows),
-                LogitRows::Last => wanted.push(at + rows - 1),
-                LogitRows::None => {}
+            let (first, count) = match q.logits {
+                LogitRows::Last => (at + rows - 1, 1),
+                LogitRows::None => (at, 0),
+                _ => (at, rows),
+            };
+            if count > 0 {
+                match runs.last_mut() {
+                    Some((start, len)) if *start + *len == first => *len += count,
+                    _ => runs.push((first, count)),
+                }
             }
             at += rows;
         }
-        let n = wanted.len();
+        let n: usize = runs.iter().map(|r| r.1).sum();
         if n > 0 {
-            for (i, &r) in wanted.iter().enumerate() {
-                be.copy(&s.x, r * h, &mut s.tmp, i * h, h);
+            let mut to = 0;
+            for &(first, count) in &runs {
+                be.copy(&s.x, first * h, &mut s.tmp, to * h, count * h);
+                to += count;
             }
             let output = self.output.as_ref().unwrap_or(self.embed.as_ref());
             let norm = Some((&self.output_norm, self.hp.rms_eps));
             be.matmuls(&s.tmp, norm, n, &mut [(output, &mut s.logits)]);
         }
-        let greedy = seqs.iter().any(|q| q.logits == LogitRows::Greedy);
-        if greedy && n > 0 {
+        let tokens_only = seqs.iter().any(|q| q.logits.tokens_only());
+        if tokens_only {
             be.argmax(&s.logits, n, vocab, &mut s.greedy);
         }
-        let logits = if n > 0 {
+        // Logits come to the host only where a sequence wants them; tokens where all want tokens.
+        let wants_logits = seqs
+            .iter()
+            .any(|q| matches!(q.logits, LogitRows::All | LogitRows::Last));
+        let logits = if wants_logits {
             be.download(&s.logits, n * vocab)
         } else {
             Vec::new()
         };
-        let argmax = if greedy {
+        let argmax = if seqs.iter().any(|q| q.logits == LogitRows::Greedy) {
             be.download(&s.greedy, n)
         } else {
             Vec::new()
         };
-        let mut out = Vec::with_capacity(seqs.len());
+        // The drawn rows' races, each at its row's next position.
+        let mut draws = Vec::new();
         let mut row = 0;
         for q in seqs {
-            let mine = match q.logits {
-                LogitRows::All | LogitRows::Greedy => q.batch.rows(),
-                LogitRows::Last => 1,
-                LogitRows::None => 0,
-            };
+            if let LogitRows::Drawn(race) = q.logits {
+                draws.extend(q.batch.positions.iter().enumerate().map(|(i, &p)| RowDraw {
+                    row: row + i,
+                    race,
+                    position: p + 1,
+                }));
+            }
+            row += wanted_rows(q);
+        }
+        let drawn = if draws.is_empty() {
+            Vec::new()
+        } else {
+            be.draw(&s.logits, &s.greedy, vocab, &draws)
+        };
+        let mut out = Vec::with_capacity(seqs.len());
+        let (mut row, mut next_draw) = (0, 0);
+        for q in seqs {
+            let mine = wanted_rows(q);
             let mut o = ForwardOutput::default();
-            if q.logits == LogitRows::Greedy {
-                o.greedy = argmax[row..row + mine].iter().map(|&t| t as u32).collect();
-            } else {
-                o.logits = logits[row * vocab..(row + mine) * vocab].to_vec();
+            match q.logits {
+                LogitRows::Greedy => {
+                    o.greedy = argmax[row..row + mine].iter().map(|&t| t as u32).collect()
+                }
+                LogitRows::Drawn(_) => {
+                    o.greedy = drawn[next_draw..next_draw + mine].to_vec();
+                    next_draw += mine;
+                }
+                LogitRows::All | LogitRows::Last => {
+                    o.logits = logits[row * vocab..(row + mine) * vocab].to_vec()
+                }
+                LogitRows::None => {}
             }
             out.push(o);
             row += mine;
         }
         out
+    }
+}
+
+/// The rows of a sequence's logits a batched forward computes: all, the last, or none.
+fn wanted_rows<B: Backend>(q: &SeqForward<B>) -> usize {
+    match q.logits {
+        LogitRows::Last => 1,
+        LogitRows::None => 0,
+        _ => q.batch.rows(),
     }
 }

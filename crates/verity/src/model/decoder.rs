@@ -11,7 +11,7 @@ use super::delta_net::DeltaNet;
 use super::moe::{mixture, SharedExpert};
 use super::{run_recorded, Batch, ForwardOutput, LogitRows, TargetFeatures};
 use crate::backend::{
-    buffer_set_id, AttnMask, AttnShape, Backend, HeadNorms, Rope, RopeScaling, StepInputs,
+    buffer_set_id, AttnMask, AttnShape, Backend, HeadNorms, Rope, RopeScaling, RowDraw, StepInputs,
 };
 use crate::bundle::hparams::{Arch, HParams};
 use crate::bundle::{Bundle, TensorKey};
@@ -244,10 +244,7 @@ impl<B: Backend> Model<B> {
         self.check_batch(batch, hidden_layers)?;
         cache.reserve(self.backend.as_ref(), rows)?;
         // Rows whose logits are all asked for are a verify's: a rollback may keep any of them.
-        cache.begin_forward(
-            rows,
-            matches!(logit_rows, LogitRows::All | LogitRows::Greedy),
-        );
+        cache.begin_forward(rows, logit_rows.every_row());
         let mut s = self.scratch(rows);
         let out = self.run(
             cache,
@@ -393,7 +390,7 @@ impl<B: Backend> Model<B> {
             cache.buffers_id(),
             rows,
             tree,
-            logit_rows,
+            logit_rows.work(),
             final_hidden,
             hidden_layers,
         );
@@ -403,7 +400,7 @@ impl<B: Backend> Model<B> {
                 cache,
                 rows,
                 &parents,
-                logit_rows,
+                logit_rows.work(),
                 final_hidden,
                 hidden_layers,
                 s,
@@ -431,14 +428,30 @@ impl<B: Backend> Model<B> {
         let n = match logit_rows {
             LogitRows::All => rows,
             LogitRows::Last => 1,
-            LogitRows::None | LogitRows::Greedy => 0,
+            LogitRows::None | LogitRows::Greedy | LogitRows::Drawn(_) => 0,
         };
-        if logit_rows == LogitRows::Greedy {
-            out.greedy = be
-                .download(&s.greedy, rows)
-                .into_iter()
-                .map(|t| t as u32)
-                .collect();
+        match logit_rows {
+            LogitRows::Greedy => {
+                out.greedy = be
+                    .download(&s.greedy, rows)
+                    .into_iter()
+                    .map(|t| t as u32)
+                    .collect();
+            }
+            LogitRows::Drawn(race) => {
+                let draws: Vec<RowDraw> = batch
+                    .positions
+                    .iter()
+                    .enumerate()
+                    .map(|(row, &p)| RowDraw {
+                        row,
+                        race,
+                        position: p + 1,
+                    })
+                    .collect();
+                out.greedy = be.draw(&s.logits, &s.greedy, self.hp.vocab, &draws);
+            }
+            _ => {}
         }
         if n > 0 {
             out.logits = be.download(&s.logits, n * self.hp.vocab);
@@ -481,7 +494,7 @@ impl<B: Backend> Model<B> {
         let output_fused = !final_hidden
             && match logit_rows {
                 LogitRows::None => false,
-                LogitRows::All | LogitRows::Greedy => true,
+                LogitRows::All | LogitRows::Greedy | LogitRows::Drawn(_) => true,
                 LogitRows::Last => rows == 1,
             };
         for (l, layer) in self.layers.iter().enumerate() {
@@ -516,7 +529,7 @@ impl<B: Backend> Model<B> {
         let output = self.output.as_ref().unwrap_or(self.embed.as_ref());
         match logit_rows {
             LogitRows::None => {}
-            LogitRows::All | LogitRows::Greedy => {
+            LogitRows::All | LogitRows::Greedy | LogitRows::Drawn(_) => {
                 if final_hidden {
                     be.matmul(output, &s.xn, rows, &mut s.logits);
                 } else {
@@ -524,7 +537,7 @@ impl<B: Backend> Model<B> {
                     let norm = Some((&self.output_norm, eps));
                     be.matmuls(&s.x, norm, rows, &mut [(output, &mut s.logits)]);
                 }
-                if logit_rows == LogitRows::Greedy {
+                if logit_rows.tokens_only() {
                     be.argmax(&s.logits, rows, hp.vocab, &mut s.greedy);
                 }
             }

@@ -25,6 +25,7 @@ use crate::bundle::st_matrix;
 use crate::cache::{CacheShape, KvCache};
 use crate::error::Result;
 use crate::quant::{GgmlType, QMatrix, WeightFormat};
+use crate::sample::RaceSpec;
 
 /// A drafting network's weight matrix (an MTP head's, a block drafter's) from its safetensors: float weights
 /// are re-encoded as Q8_0, since every draft reads every weight and a drafter's numerics never reach the output.
@@ -189,6 +190,32 @@ pub enum LogitRows {
     /// Every row's greedy token only ([`ForwardOutput::greedy`]): the argmax taken where the logits are, so a
     /// greedy verify (no penalty, constraint or log-probabilities) copies one value per row, not a vocabulary.
     Greedy,
+    /// Every row's token drawn by this race only ([`ForwardOutput::greedy`]), row `r`'s at position
+    /// `positions[r] + 1`: drawn where the logits are ([`crate::backend::Backend::draw`]), so a sampled verify
+    /// whose race alone decides (temperature and at most min-p; no constraint or log-probabilities) copies one
+    /// value per row.
+    Drawn(RaceSpec),
+}
+
+impl LogitRows {
+    /// What these rows ask of a forward's device work: a draw asks for the argmax, then draws in a launch of
+    /// its own (so one recorded forward serves every race's settings).
+    pub(crate) fn work(self) -> LogitRows {
+        match self {
+            LogitRows::Drawn(_) => LogitRows::Greedy,
+            rows => rows,
+        }
+    }
+
+    /// Whether every row is asked for (a verify's rows: a rollback may keep any of them).
+    pub(crate) fn every_row(self) -> bool {
+        !matches!(self, LogitRows::Last | LogitRows::None)
+    }
+
+    /// Whether each row comes back as one token (argmax or draw), not as logits.
+    pub fn tokens_only(self) -> bool {
+        matches!(self, LogitRows::Greedy | LogitRows::Drawn(_))
+    }
 }
 
 /// What a forward returns.
@@ -196,7 +223,7 @@ pub enum LogitRows {
 pub struct ForwardOutput {
     /// `n × vocab`, row-major, for the rows asked for.
     pub logits: Vec<f32>,
-    /// Each row's argmax ([`LogitRows::Greedy`]).
+    /// Each row's argmax ([`LogitRows::Greedy`]) or drawn token ([`LogitRows::Drawn`]).
     pub greedy: Vec<u32>,
     /// For each requested layer `l`: the residual stream after layer `l`, `rows × hidden`.
     pub hidden: Vec<(usize, Vec<f32>)>,

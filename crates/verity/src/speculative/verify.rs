@@ -25,6 +25,7 @@
 //! needed: there is no residual to draw from.)
 
 use super::proposer::Draft;
+use crate::model::LogitRows;
 use crate::sample::{Sampler, SamplerConfig};
 
 /// The verifier's decision for one cycle.
@@ -85,28 +86,32 @@ impl Verifier {
         }
     }
 
-    /// Whether each row's argmax decides a verify: greedy without a repetition penalty, where
-    /// [`Verifier::verify_greedy`] on the rows' argmax ([`crate::model::LogitRows::Greedy`]) gives the verdict
-    /// [`Verifier::verify`] gives on their logits.
-    pub fn argmax_decides(&self) -> bool {
+    /// How a verify's rows can be decided where the logits are, each row then coming back as one token: by
+    /// their argmax ([`LogitRows::Greedy`]: greedy without a repetition penalty) or by their draws
+    /// ([`LogitRows::Drawn`]: sampling that the race alone decides, [`Sampler::race_spec`]). There
+    /// [`Verifier::verify_decided`] on those tokens gives the verdict [`Verifier::verify`] gives on the logits;
+    /// `None` where the verdict needs the logits.
+    pub fn decided_rows(&self) -> Option<LogitRows> {
         let cfg = self.sampler.config();
-        cfg.is_greedy() && cfg.repetition_penalty == 1.0
+        if cfg.is_greedy() && cfg.repetition_penalty == 1.0 {
+            return Some(LogitRows::Greedy);
+        }
+        self.sampler.race_spec().map(LogitRows::Drawn)
     }
 
-    /// The verdict from each row's argmax (`greedy`: `draft.len() + 1` tokens), when
-    /// [`Verifier::argmax_decides`]: the path of drafts equal to the target's tokens, then the target's token
-    /// after it.
-    pub fn verify_greedy(&self, greedy: &[u32], draft: &Draft) -> Verdict {
-        assert!(self.argmax_decides() && greedy.len() == draft.len() + 1);
+    /// The verdict from each row's decided token (`tokens`: `draft.len() + 1`, [`Verifier::decided_rows`]): the
+    /// path of drafts equal to the target's tokens, then the target's token after it.
+    pub fn verify_decided(&self, tokens: &[u32], draft: &Draft) -> Verdict {
+        assert!(self.decided_rows().is_some() && tokens.len() == draft.len() + 1);
         let mut kept = Vec::new();
         let mut row = 0;
-        while let Some(i) = draft.child(row, greedy[row]) {
+        while let Some(i) = draft.child(row, tokens[row]) {
             kept.push(i);
             row = i + 1;
         }
         Verdict {
             kept,
-            next: greedy[row],
+            next: tokens[row],
         }
     }
 }
@@ -129,7 +134,7 @@ mod tests {
             let greedy: Vec<u32> = logits.chunks(vocab).map(argmax).collect();
             let drafts = Draft::chain(drafts);
             let want = v.verify(&logits, vocab, &[1, 2], &drafts);
-            prop_assert_eq!(v.verify_greedy(&greedy, &drafts), want);
+            prop_assert_eq!(v.verify_decided(&greedy, &drafts), want);
         }
     }
 
@@ -182,10 +187,24 @@ mod tests {
             prop_assert_eq!(verdict.next, next);
             prop_assert_eq!(draft.child(row, next), None);
             prop_assert_eq!(*verdict.rows().last().unwrap(), row);
-            if greedy {
-                let argmaxes: Vec<u32> = logits.chunks(vocab).map(argmax).collect();
-                prop_assert_eq!(v.verify_greedy(&argmaxes, &draft), verdict);
-            }
+            // The same verdict from each row's token decided where the logits are: its argmax, or its draw at
+            // the position after its node (the history, then the node's depth).
+            let decided: Vec<u32> = match v.decided_rows() {
+                Some(LogitRows::Greedy) => logits.chunks(vocab).map(argmax).collect(),
+                Some(LogitRows::Drawn(race)) => {
+                    let mut depth = vec![0usize; rows];
+                    for (i, &p) in draft.parents().iter().enumerate() {
+                        depth[i + 1] = depth[p] + 1;
+                    }
+                    logits
+                        .chunks(vocab)
+                        .zip(&depth)
+                        .map(|(l, d)| race.draw(l, history.len() + d))
+                        .collect()
+                }
+                other => panic!("greedy and temperature-only rows are decided: {other:?}"),
+            };
+            prop_assert_eq!(v.verify_decided(&decided, &draft), verdict);
         }
     }
 
@@ -225,14 +244,35 @@ mod tests {
     }
 
     #[test]
-    fn a_repetition_penalty_needs_the_logits() {
-        let cfg = SamplerConfig {
-            repetition_penalty: 1.3,
-            ..SamplerConfig::greedy()
+    fn a_repetition_penalty_top_k_and_top_p_need_the_logits() {
+        let decided = |cfg: SamplerConfig| Verifier::new(cfg).unwrap().decided_rows();
+        let sampled = SamplerConfig {
+            temperature: 0.7,
+            min_p: 0.05,
+            seed: 9,
+            ..SamplerConfig::default()
         };
-        assert!(!Verifier::new(cfg).unwrap().argmax_decides());
-        assert!(Verifier::new(SamplerConfig::greedy())
-            .unwrap()
-            .argmax_decides());
+        assert_eq!(decided(SamplerConfig::greedy()), Some(LogitRows::Greedy));
+        assert!(matches!(decided(sampled), Some(LogitRows::Drawn(r)) if r.seed == 9));
+        for cfg in [
+            SamplerConfig {
+                repetition_penalty: 1.3,
+                ..SamplerConfig::greedy()
+            },
+            SamplerConfig {
+                repetition_penalty: 1.3,
+                ..sampled
+            },
+            SamplerConfig {
+                top_k: 40,
+                ..sampled
+            },
+            SamplerConfig {
+                top_p: 0.9,
+                ..sampled
+            },
+        ] {
+            assert_eq!(decided(cfg), None, "{cfg:?}");
+        }
     }
 }
