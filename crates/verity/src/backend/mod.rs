@@ -497,17 +497,10 @@ pub trait Backend: Send + Sync + 'static {
     /// copies `rows` values to the host instead of `rows × vocab` logits.
     fn argmax(&self, x: &Self::Buffer, rows: usize, n: usize, out: &mut Self::Buffer);
     /// Each draw's token: drawn by its race from its row's logits `x[row * n..(row + 1) * n]`, bitwise what
-    /// [`RaceSpec::draw`] draws from them; `argmax` holds the rows' argmax as [`Backend::argmax`] left it (where
-    /// a device finds each row's largest logit). A sampled verify then copies a value per row to the host
-    /// instead of a vocabulary. By default the logits come to the host and are drawn there.
-    fn draw(
-        &self,
-        x: &Self::Buffer,
-        argmax: &Self::Buffer,
-        n: usize,
-        draws: &[RowDraw],
-    ) -> Vec<u32> {
-        let _ = argmax;
+    /// [`RaceSpec::draw`] draws from them. A device that draws where the logits are lets a sampled verify copy a
+    /// value per row to the host instead of a vocabulary; by default the logits come to the host and are drawn
+    /// there.
+    fn draw(&self, x: &Self::Buffer, n: usize, draws: &[RowDraw]) -> Vec<u32> {
         let rows = draws.iter().map(|d| d.row + 1).max().unwrap_or(0);
         let logits = self.download(x, rows * n);
         draws

@@ -340,12 +340,9 @@ impl<B: Backend> Model<B> {
         let mut runs: Vec<(usize, usize)> = Vec::new();
         let mut at = 0;
         for q in seqs {
-            let rows = q.batch.rows();
-            let (first, count) = match q.logits {
-                LogitRows::Last => (at + rows - 1, 1),
-                LogitRows::None => (at, 0),
-                _ => (at, rows),
-            };
+            // A sequence's wanted rows end with its last row.
+            let (rows, count) = (q.batch.rows(), wanted_rows(q));
+            let first = at + rows - count;
             if count > 0 {
                 match runs.last_mut() {
                     Some((start, len)) if *start + *len == first => *len += count,
@@ -365,11 +362,11 @@ impl<B: Backend> Model<B> {
             let norm = Some((&self.output_norm, self.hp.rms_eps));
             be.matmuls(&s.tmp, norm, n, &mut [(output, &mut s.logits)]);
         }
-        let tokens_only = seqs.iter().any(|q| q.logits.tokens_only());
-        if tokens_only {
+        let greedy = seqs.iter().any(|q| q.logits == LogitRows::Greedy);
+        if greedy {
             be.argmax(&s.logits, n, vocab, &mut s.greedy);
         }
-        // Logits come to the host only where a sequence wants them; tokens where all want tokens.
+        // Logits come to the host only where a sequence wants them.
         let wants_logits = seqs
             .iter()
             .any(|q| matches!(q.logits, LogitRows::All | LogitRows::Last));
@@ -378,7 +375,7 @@ impl<B: Backend> Model<B> {
         } else {
             Vec::new()
         };
-        let argmax = if seqs.iter().any(|q| q.logits == LogitRows::Greedy) {
+        let argmax = if greedy {
             be.download(&s.greedy, n)
         } else {
             Vec::new()
@@ -399,7 +396,7 @@ impl<B: Backend> Model<B> {
         let drawn = if draws.is_empty() {
             Vec::new()
         } else {
-            be.draw(&s.logits, &s.greedy, vocab, &draws)
+            be.draw(&s.logits, vocab, &draws)
         };
         let mut out = Vec::with_capacity(seqs.len());
         let (mut row, mut next_draw) = (0, 0);

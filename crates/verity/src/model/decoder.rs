@@ -449,7 +449,7 @@ impl<B: Backend> Model<B> {
                         position: p + 1,
                     })
                     .collect();
-                out.greedy = be.draw(&s.logits, &s.greedy, self.hp.vocab, &draws);
+                out.greedy = be.draw(&s.logits, self.hp.vocab, &draws);
             }
             _ => {}
         }
@@ -537,7 +537,7 @@ impl<B: Backend> Model<B> {
                     let norm = Some((&self.output_norm, eps));
                     be.matmuls(&s.x, norm, rows, &mut [(output, &mut s.logits)]);
                 }
-                if logit_rows.tokens_only() {
+                if logit_rows == LogitRows::Greedy {
                     be.argmax(&s.logits, rows, hp.vocab, &mut s.greedy);
                 }
             }

@@ -198,11 +198,11 @@ pub enum LogitRows {
 }
 
 impl LogitRows {
-    /// What these rows ask of a forward's device work: a draw asks for the argmax, then draws in a launch of
-    /// its own (so one recorded forward serves every race's settings).
+    /// What these rows ask of a forward's device work: a draw asks for every row's logits and draws from them
+    /// afterwards ([`crate::backend::Backend::draw`]), so one recorded forward serves every race's settings.
     pub(crate) fn work(self) -> LogitRows {
         match self {
-            LogitRows::Drawn(_) => LogitRows::Greedy,
+            LogitRows::Drawn(_) => LogitRows::All,
             rows => rows,
         }
     }
@@ -210,11 +210,6 @@ impl LogitRows {
     /// Whether every row is asked for (a verify's rows: a rollback may keep any of them).
     pub(crate) fn every_row(self) -> bool {
         !matches!(self, LogitRows::Last | LogitRows::None)
-    }
-
-    /// Whether each row comes back as one token (argmax or draw), not as logits.
-    pub fn tokens_only(self) -> bool {
-        matches!(self, LogitRows::Greedy | LogitRows::Drawn(_))
     }
 }
 

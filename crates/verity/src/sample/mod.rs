@@ -184,13 +184,14 @@ pub struct RaceSpec {
     pub min_p: f32,
 }
 
-// Validated settings are finite numbers, so equality by value is an equivalence (and agrees with the hash of
-// their bits, 0.0 and -0.0 aside, which no validated setting of these two is).
+// Validated settings are finite numbers, so equality by value is an equivalence; the hash agrees with it by
+// hashing each value's bits with -0.0 as 0.0 (adding 0.0 turns -0.0 into 0.0 and leaves every other value).
 impl Eq for RaceSpec {}
 
 impl std::hash::Hash for RaceSpec {
     fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
-        (self.seed, self.temperature.to_bits(), self.min_p.to_bits()).hash(h)
+        let bits = |x: f32| (x + 0.0).to_bits();
+        (self.seed, bits(self.temperature), bits(self.min_p)).hash(h)
     }
 }
 
