@@ -9,6 +9,8 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+use rayon::prelude::*;
+
 use crate::error::Result;
 use crate::quant::QMatrix;
 use crate::sample::RaceSpec;
@@ -83,6 +85,21 @@ pub struct RowDraw {
     pub row: usize,
     pub race: RaceSpec,
     pub position: usize,
+}
+
+/// The most rows a sequence may bring to [`Backend::attention_seqs`] (a decode step's or a verify's; a prompt's
+/// chunk runs alone).
+pub const SHARED_ATTENTION_ROWS: usize = 16;
+
+/// One sequence of [`Backend::attention_seqs`]: its rows' place in the batch, its shape (`shape.rows` rows),
+/// its cache layer, its attention scratch and its step.
+pub struct SeqAttention<'a, B: Backend + ?Sized> {
+    pub first_row: usize,
+    pub shape: AttnShape,
+    pub k_cache: &'a mut B::Buffer,
+    pub v_cache: &'a mut B::Buffer,
+    pub work: &'a mut B::Buffer,
+    pub step: &'a B::Step,
 }
 
 /// A layer's per-head RMS norms of Q and K (Qwen3, Gemma 3), `head_dim` weights each, applied before the
@@ -492,6 +509,25 @@ pub trait Backend: Send + Sync + 'static {
         step: &Self::Step,
         out: &mut Self::Buffer,
     );
+    /// [`Backend::rope_and_cache`] then [`Backend::attention`] for several sequences at once: sequence `i`'s
+    /// rows lie from row `seqs[i].first_row` on in `q`, `k` and `v` (rows of `n_heads * head_dim` and
+    /// `n_kv_heads * head_dim` values) and its attention output goes to the same rows of `out`; each runs over
+    /// its own cache with its own step, every value bitwise what its own two calls give. Returns `false`,
+    /// having done nothing, where this backend runs sequences one at a time (the caller then does): a device
+    /// shares launches among them, which a host does not need.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_seqs(
+        &self,
+        _q: &mut Self::Buffer,
+        _k: &mut Self::Buffer,
+        _v: &Self::Buffer,
+        _out: &mut Self::Buffer,
+        _rope: Rope,
+        _norms: Option<HeadNorms<'_, Self::Buffer>>,
+        _seqs: &mut [SeqAttention<'_, Self>],
+    ) -> bool {
+        false
+    }
     /// Each of `rows` rows' greedy token: `out[r]` = the index of the largest of `x[r * n..(r + 1) * n]`, chosen
     /// as [`crate::sample::argmax`] chooses it, as an exact f32 (indices stay below 2^24). A greedy verify then
     /// copies `rows` values to the host instead of `rows × vocab` logits.
@@ -499,14 +535,16 @@ pub trait Backend: Send + Sync + 'static {
     /// Each draw's token: drawn by its race from its row's logits `x[row * n..(row + 1) * n]`, bitwise what
     /// [`RaceSpec::draw`] draws from them. A device that draws where the logits are lets a sampled verify copy a
     /// value per row to the host instead of a vocabulary; by default the logits come to the host and are drawn
-    /// there.
+    /// there, the rows' races side by side on the host's cores (a race reads its whole row: 0.26 ms for
+    /// SmolLM2's 49,152 logits, so 16 sequences' draws one after another would cost a GPU step several times).
     fn draw(&self, x: &Self::Buffer, n: usize, draws: &[RowDraw]) -> Vec<u32> {
         let rows = draws.iter().map(|d| d.row + 1).max().unwrap_or(0);
         let logits = self.download(x, rows * n);
-        draws
-            .iter()
-            .map(|d| d.race.draw(&logits[d.row * n..(d.row + 1) * n], d.position))
-            .collect()
+        let race = |d: &RowDraw| d.race.draw(&logits[d.row * n..(d.row + 1) * n], d.position);
+        if draws.len() == 1 {
+            return vec![race(&draws[0])];
+        }
+        draws.par_iter().map(race).collect()
     }
     /// A greedy draft picked where the argmax lies: the token `table[src[0]]` (`src[0]` an argmax index as an
     /// exact f32; `table` a draft vocabulary's token ids as exact f32s, or `None` where the index is the token)
