@@ -383,14 +383,23 @@ fn cuda_logits_match_the_cpu_backend_on_the_fixture_bundles() {
 /// logits, a step without any; with the target states an MTP head or a block drafter asks for) each get bitwise
 /// their own forward's logits, argmaxes, states and cache: what keeps every request of a batching server on the
 /// GPU its solo answer.
+/// Both with the decoding sequences' RoPE and attention in launches they share and with a launch of each per
+/// sequence.
 #[test]
 fn cuda_batched_forwards_give_every_sequence_its_own_forwards_bits() {
-    let be = gpu();
-    for name in CUDA_BUNDLES {
-        let dir = hf_bundle(name);
-        let tokens = ids(&json(&dir.join("reference.json"))["token_ids"]);
-        let mut model = Model::load(&Bundle::open(&dir).unwrap(), be.clone()).unwrap();
-        common::batched::assert_batched_equals_alone(&mut model, &tokens, name);
+    for shared in [true, false] {
+        let opts = CudaOptions {
+            seq_launches: shared,
+            ..CudaOptions::from_env()
+        };
+        let be = Arc::new(CudaBackend::with_options(0, opts).unwrap());
+        for name in CUDA_BUNDLES {
+            let dir = hf_bundle(name);
+            let tokens = ids(&json(&dir.join("reference.json"))["token_ids"]);
+            let mut model = Model::load(&Bundle::open(&dir).unwrap(), be.clone()).unwrap();
+            let label = format!("{name} (shared launches: {shared})");
+            common::batched::assert_batched_equals_alone(&mut model, &tokens, &label);
+        }
     }
 }
 

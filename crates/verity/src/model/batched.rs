@@ -2,7 +2,7 @@
 //!
 //! Every projection and mixture runs once over the rows of all the sequences, so each weight is read once for
 //! the batch; each sequence's RoPE, cache write and attention run over its own cache with its own positions and
-//! mask. The projections are row-exact (a row's result does not depend on which rows share the launch) and
+//! mask (the decoding sequences' in launches they share where the device has them: [`Backend::attention_seqs`]). The projections are row-exact (a row's result does not depend on which rows share the launch) and
 //! the attention of a sequence sees only its own rows, so every sequence gets bitwise the logits and cache it
 //! would get from [`Model::forward`] alone — the promise a batching server makes to each request.
 //!
@@ -11,7 +11,10 @@
 
 use super::decoder::{layer_rope, layer_shape, Layer, Scratch, MAX_STATE_LAYERS};
 use super::{Batch, ForwardOutput, LogitRows, Model, TargetFeatures};
-use crate::backend::{AttnMask, AttnShape, Backend, Rope, RowDraw, StepInputs};
+use crate::backend::{
+    AttnMask, AttnShape, Backend, HeadNorms, Rope, RowDraw, SeqAttention, StepInputs,
+    SHARED_ATTENTION_ROWS,
+};
 use crate::bundle::hparams::HParams;
 use crate::cache::KvCache;
 use crate::error::Result;
@@ -46,9 +49,14 @@ impl<B: Backend> Layer<B> {
         let (qd, kvd) = (hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim);
         self.qkv_projections(be, hp, s, total);
         let norms = self.head_norms(hp);
+        let shared = shared_attention(be, s, rope, cache_layer, &shape, seqs, norms);
         let mut at = 0;
-        for q in seqs.iter_mut() {
+        for (q, done) in seqs.iter_mut().zip(shared) {
             let (rows, o) = (q.rows, &mut *q.own);
+            if done {
+                at += rows;
+                continue;
+            }
             be.copy(&s.q, at * qd, &mut o.q, 0, rows * qd);
             be.copy(&s.k, at * kvd, &mut o.k, 0, rows * kvd);
             be.copy(&s.v, at * kvd, &mut o.v, 0, rows * kvd);
@@ -112,6 +120,56 @@ impl<B: Backend> Layer<B> {
             );
             at += rows;
         }
+    }
+}
+
+/// The RoPE, cache writes and attention of the sequences of at most [`SHARED_ATTENTION_ROWS`] rows, in launches
+/// they share where the backend has them ([`Backend::attention_seqs`], reading and writing the batch's rows in
+/// place); which sequences that did (the others run alone).
+fn shared_attention<B: Backend>(
+    be: &B,
+    s: &mut Scratch<B>,
+    rope: Rope,
+    cache_layer: usize,
+    shape: &impl Fn(usize) -> AttnShape,
+    seqs: &mut [SeqRows<B>],
+    norms: Option<HeadNorms<'_, B::Buffer>>,
+) -> Vec<bool> {
+    let small: Vec<bool> = seqs
+        .iter()
+        .map(|q| q.rows <= SHARED_ATTENTION_ROWS)
+        .collect();
+    if small.iter().filter(|&&b| b).count() < 2 {
+        return vec![false; seqs.len()];
+    }
+    let mut group = Vec::new();
+    let mut at = 0;
+    for (q, &small) in seqs.iter_mut().zip(&small) {
+        if small {
+            let cache = &mut *q.cache;
+            group.push(SeqAttention {
+                first_row: at,
+                shape: shape(q.rows),
+                k_cache: &mut cache.k[cache_layer],
+                v_cache: &mut cache.v[cache_layer],
+                work: &mut cache.attn_work,
+                step: &q.own.step,
+            });
+        }
+        at += q.rows;
+    }
+    if be.attention_seqs(
+        &mut s.q,
+        &mut s.k,
+        &s.v,
+        &mut s.attn,
+        rope,
+        norms,
+        &mut group,
+    ) {
+        small
+    } else {
+        vec![false; seqs.len()]
     }
 }
 

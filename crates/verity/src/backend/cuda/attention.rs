@@ -5,10 +5,31 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::launch::Arg;
 use super::{
-    lock, CudaBackend, CudaStep, ATT_CHUNK, ATT_HEADS, ATT_RESIDENT_PER_SM, ATT_ROWS, ATT_SPLIT,
-    ATT_SPLIT_MAX, ATT_WARPS, ATT_WARP_ROWS, ATT_WARP_WIDTH, MAX_ROWS,
+    grid, lock, CudaBackend, CudaStep, ATT_CHUNK, ATT_HEADS, ATT_RESIDENT_PER_SM, ATT_ROWS,
+    ATT_SPLIT, ATT_SPLIT_MAX, ATT_WARPS, ATT_WARP_ROWS, ATT_WARP_WIDTH, MAX_ROWS,
 };
-use crate::backend::{AttnShape, Backend};
+use crate::backend::{
+    AttnShape, Backend, HeadNorms, Rope, RopeStyle, SeqAttention, SHARED_ATTENTION_ROWS,
+};
+
+/// The most sequences one shared launch serves (`kernels.cu`'s `MAX_SEQS`); more take several launches.
+pub(super) const MAX_SEQS: usize = 32;
+/// 64-bit words of one `kernels.cu` `SeqLaunch`.
+const SEQ_WORDS: usize = 8;
+const _: () = assert!(SHARED_ATTENTION_ROWS <= MAX_ROWS);
+
+/// A device address argument's value.
+fn address(a: Arg) -> u64 {
+    match a {
+        Arg::Ptr(p) => p,
+        _ => unreachable!("an address"),
+    }
+}
+
+/// Two `int`s of a kernel struct in one little-endian word, `lo` first.
+fn ints(lo: usize, hi: usize) -> u64 {
+    u64::from(lo as u32) | u64::from(hi as u32) << 32
+}
 
 /// Query heads per attention block for a launch of `rows` rows over a cache of `chunks` 64-slot chunks: one
 /// while a block per (row, head, chunk) leaves no SM more than two (`sms`), else the largest divisor of the GQA
@@ -196,6 +217,157 @@ impl CudaBackend {
             unsafe { self.go("attention", f, cfg, &args) };
             r0 += take;
         }
+        drop(staged);
+        *lock(&self.staged_for) = key;
+    }
+}
+
+impl CudaBackend {
+    /// `Backend::attention_seqs`: up to MAX_SEQS sequences of up to SHARED_ATTENTION_ROWS rows each per pair of
+    /// launches (`rope_and_cache_seqs`, then `attention_seqs[_ahead]_*`), each sequence's step, cache layer and
+    /// scratch passed by value; `false` where switched off or a sequence has more rows.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launch_attention_seqs(
+        &self,
+        q: &mut CudaSlice<f32>,
+        k: &mut CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        rope: Rope,
+        norms: Option<HeadNorms<'_, CudaSlice<f32>>>,
+        seqs: &mut [SeqAttention<'_, Self>],
+    ) -> bool {
+        if !self.seq_launches || seqs.iter().any(|s| s.shape.rows > SHARED_ATTENTION_ROWS) {
+            return false;
+        }
+        // Staging the output for the output projection needs every row of `out` it reads: the launch's rows
+        // from row 0 on, in one launch.
+        let contiguous = seqs
+            .iter()
+            .scan(0, |at, s| {
+                let ok = s.first_row == *at;
+                *at += s.shape.rows;
+                Some(ok)
+            })
+            .all(|ok| ok);
+        let whole = contiguous && seqs.len() <= MAX_SEQS;
+        for part in seqs.chunks_mut(MAX_SEQS) {
+            self.seqs_launches(q, k, v, out, rope, norms, part, whole);
+        }
+        true
+    }
+
+    /// One pair of launches for at most MAX_SEQS sequences; `stage`: their rows are the output's rows 0.. .
+    #[allow(clippy::too_many_arguments)]
+    fn seqs_launches(
+        &self,
+        q: &mut CudaSlice<f32>,
+        k: &mut CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        rope: Rope,
+        norms: Option<HeadNorms<'_, CudaSlice<f32>>>,
+        seqs: &mut [SeqAttention<'_, Self>],
+        stage: bool,
+    ) {
+        let shape = seqs[0].shape;
+        let (nh, nkv, hd) = (shape.n_heads, shape.n_kv_heads, shape.head_dim);
+        let kv_dim = nkv * hd;
+        let items: usize = seqs.iter().map(|s| s.shape.rows).sum();
+        let capacity = seqs
+            .iter()
+            .map(|s| s.k_cache.len() / kv_dim)
+            .max()
+            .unwrap_or(0);
+        // The rules of a one-sequence launch, for the launch's rows and its largest cache.
+        let heads = att_heads(
+            nh,
+            nkv,
+            items,
+            capacity.div_ceil(ATT_CHUNK),
+            self.sms,
+            self.att_heads,
+        );
+        let per_row = nh / heads;
+        let split = self.att_split(items * per_row, capacity);
+        let mut words = vec![0u64; MAX_SEQS * SEQ_WORDS + 1];
+        let (mut item, mut block) = (0, 0);
+        for (s, w) in seqs.iter().zip(words.chunks_mut(SEQ_WORDS)) {
+            debug_assert!(
+                s.shape.n_heads == nh && s.shape.n_kv_heads == nkv && s.shape.head_dim == hd
+            );
+            let slots = s.k_cache.len() / kv_dim;
+            assert!(s.work.len() >= self.attention_work_len(nh, hd, slots));
+            w[0] = address(self.at(&s.step.dev, 0));
+            w[1] = address(self.at(s.k_cache, 0));
+            w[2] = address(self.at(s.v_cache, 0));
+            w[3] = address(self.at(s.work, 0));
+            w[4] = ints(s.step.cap, s.step.rope_table(rope, hd) as usize);
+            w[5] = ints(slots, slots.div_ceil(ATT_CHUNK));
+            w[6] = ints(s.first_row, s.shape.rows);
+            w[7] = ints(item, block);
+            item += s.shape.rows;
+            block += s.shape.rows * per_row;
+        }
+        words[MAX_SEQS * SEQ_WORDS] = seqs.len() as u64;
+        let rope_args = [
+            self.at(q, 0),
+            self.at(k, 0),
+            self.at(v, 0),
+            Arg::I32(items as i32),
+            Arg::I32(nh as i32),
+            Arg::I32(nkv as i32),
+            Arg::I32(hd as i32),
+            Arg::I32(rope.rotated(hd) as i32),
+            Arg::I32(i32::from(rope.style == RopeStyle::Interleaved)),
+            norms.map_or(Arg::Ptr(0), |n| self.at(n.q, 0)),
+            norms.map_or(Arg::Ptr(0), |n| self.at(n.k, 0)),
+            Arg::F32(norms.map_or(0.0, |n| n.eps)),
+            Arg::Words(&words),
+        ];
+        // SAFETY: q, k and v hold every sequence's rows at its first row; each sequence's cache has room for its
+        // step's slots (reserved by the model; a ring's slots wrap) and its step its rows' rotation table; the
+        // norms' weights head_dim each; one warp per (row, head) of Q, K and V; `words` is a `Seqs`.
+        unsafe {
+            self.go(
+                "rope_and_cache_seqs",
+                &self.k.rope_and_cache_seqs,
+                grid(items * (nh + 2 * nkv) * 32, 128),
+                &rope_args,
+            )
+        };
+        let width = nh * hd;
+        let stage = stage && hd.is_multiple_of(32) && self.can_stage(items, width);
+        let key = stage.then(|| self.staged_key(out, 0, items, width, None));
+        let staged = lock(&self.staged);
+        let target = staged.last().filter(|_| stage);
+        let args = [
+            self.at(q, 0),
+            Arg::I32(nh as i32),
+            Arg::I32(nkv as i32),
+            Arg::I32(hd as i32),
+            Arg::F32(shape.scale),
+            Arg::I32(shape.window.map_or(0, |w| w.min(i32::MAX as usize) as i32)),
+            self.at(out, 0),
+            target.map_or(Arg::Ptr(0), |s| self.at(&s.xq, 0)),
+            target.map_or(Arg::Ptr(0), |s| self.at(&s.xd, 0)),
+            target.map_or(Arg::Ptr(0), |s| self.at(&s.xs, 0)),
+            Arg::Words(&words),
+        ];
+        let cfg = LaunchConfig {
+            grid_dim: (split as u32, block as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: (heads * 4 * hd * 4) as u32,
+        };
+        let f = if self.att_ahead && split * block <= self.att_ahead_per_sm * self.sms {
+            &self.k.attention_seqs_ahead[heads - 1]
+        } else {
+            &self.k.attention_seqs[heads - 1]
+        };
+        // SAFETY: as `launch_attention`'s, per sequence: its rows of q and out from its first row, its caches,
+        // scratch (checked above) and step; a staging target holds the launch's rows (items ≤ MAX_ROWS, checked
+        // by `can_stage`); `words` is a `Seqs` whose blocks cover the grid's y.
+        unsafe { self.go("attention_seqs", f, cfg, &args) };
         drop(staged);
         *lock(&self.staged_for) = key;
     }

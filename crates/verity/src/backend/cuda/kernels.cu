@@ -1748,19 +1748,13 @@ __device__ __forceinline__ float warp_norm_scale(const float* x, int dim, float 
 // slot step.base + r, the rest of the head copied), and each V head copied to its slot; a cache of `slots` slots
 // is a ring (slot j at j mod slots: a local layer's). The (cos, sin) pairs are the step's table at f32 offset
 // `table`, head_dim / 2 pairs per row (the host's `rope_angle` values).
-extern "C" __global__ void rope_and_cache(float* q, const float* k, const float* v, float* kc, float* vc,
-                                          int rows, int n_heads, int n_kv_heads, int head_dim, int rotated,
-                                          int table, int interleaved, const int* step, int cap, int slots,
-                                          const float* qn, const float* kn, float eps) {
-    FLOOR_EXIT
-    wait_inputs();
-    release_dependents();
+__device__ __forceinline__ void rope_and_cache_head(float* q, const float* k, const float* v, float* kc, float* vc,
+                                                    int r, int h, int n_heads, int n_kv_heads, int head_dim,
+                                                    int rotated, int table, int interleaved, const int* step,
+                                                    int cap, int slots, const float* qn, const float* kn,
+                                                    float eps) {
     Step st = read_step(step, cap);
     int lane = threadIdx.x & 31;
-    int heads = n_heads + 2 * n_kv_heads;
-    int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (w >= rows * heads) return;
-    int r = w / heads, h = w % heads;
     int kv_dim = n_kv_heads * head_dim;
     size_t slot = (size_t)((st.base + r) % slots) * kv_dim;
     if (h >= n_heads + n_kv_heads) {
@@ -1799,6 +1793,65 @@ extern "C" __global__ void rope_and_cache(float* q, const float* k, const float*
     }
     if (is_q && !nw) return;
     for (int j = rotated + lane; j < head_dim; j += 32) dst[j] = nw ? src[j] * scale * nw[j] : src[j];
+}
+
+extern "C" __global__ void rope_and_cache(float* q, const float* k, const float* v, float* kc, float* vc,
+                                          int rows, int n_heads, int n_kv_heads, int head_dim, int rotated,
+                                          int table, int interleaved, const int* step, int cap, int slots,
+                                          const float* qn, const float* kn, float eps) {
+    FLOOR_EXIT
+    wait_inputs();
+    release_dependents();
+    int heads = n_heads + 2 * n_kv_heads;
+    int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (w >= rows * heads) return;
+    rope_and_cache_head(q, k, v, kc, vc, w / heads, w % heads, n_heads, n_kv_heads, head_dim, rotated, table,
+                        interleaved, step, cap, slots, qn, kn, eps);
+}
+
+// Several sequences in one launch (a batched forward's decoding sequences): each its own step, cache layer and
+// attention scratch, its rows a run of the launch's rows (`SeqLaunch`, passed by value: no upload, so a launch
+// is ready as soon as the host knows the batch). The same per-(row, head) and per-block work as the
+// one-sequence kernels, so every value is the same bits as that sequence's own launch gives.
+#define MAX_SEQS 32
+struct SeqLaunch {
+    const int* step;
+    float* kc;
+    float* vc;
+    float* work;
+    int cap, table, slots, chunks;  // its step's capacity and rotation table, its cache's slots and 64-slot chunks
+    int first_row, rows;            // its rows in q, k, v and out
+    int first_item, first_block;    // its first row among the launch's sequences' rows, its first blockIdx.y
+};
+struct Seqs {
+    SeqLaunch s[MAX_SEQS];
+    int n;
+};
+
+// The sequence whose run (of the launch's rows, or of its attention blocks) holds `x` (the runs ascend).
+__device__ __forceinline__ int seq_of(const Seqs& seqs, int x, bool blocks) {
+    int i = 0;
+    while (i + 1 < seqs.n && (blocks ? seqs.s[i + 1].first_block : seqs.s[i + 1].first_item) <= x) i++;
+    return i;
+}
+
+// `rope_and_cache` of every sequence of `seqs` (`items`: their rows in all): q, k and v hold the batch's rows,
+// each sequence's from its `first_row`.
+extern "C" __global__ void rope_and_cache_seqs(float* q, const float* k, const float* v, int items, int n_heads,
+                                               int n_kv_heads, int head_dim, int rotated, int interleaved,
+                                               const float* qn, const float* kn, float eps, const Seqs seqs) {
+    FLOOR_EXIT
+    wait_inputs();
+    release_dependents();
+    int heads = n_heads + 2 * n_kv_heads;
+    int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (w >= items * heads) return;
+    int item = w / heads;
+    const SeqLaunch& sq = seqs.s[seq_of(seqs, item, false)];
+    size_t r0 = sq.first_row, kv_dim = (size_t)n_kv_heads * head_dim;
+    rope_and_cache_head(q + r0 * n_heads * head_dim, k + r0 * kv_dim, v + r0 * kv_dim, sq.kc, sq.vc,
+                        item - sq.first_item, w % heads, n_heads, n_kv_heads, head_dim, rotated, sq.table,
+                        interleaved, sq.step, sq.cap, sq.slots, qn, kn, eps);
 }
 
 // Attention of each (row, head) over committed slots [0, base) and the batch rows the row sees (causal, or the
@@ -1944,8 +1997,9 @@ __device__ void combine_chunks(const float* records, int chunks, int rec, int c_
     }
 }
 
+// `by`: the block's (row, head block) index in the launch (blockIdx.y, or its place in its sequence's run).
 template <bool AHEAD, int HEADS>
-__device__ __forceinline__ void attention_body(const float* q, const float* kc, const float* vc, int row0,
+__device__ __forceinline__ void attention_body(int by, const float* q, const float* kc, const float* vc, int row0,
                                                int n_heads, int n_kv_heads, int head_dim, float scale,
                                                int window, int slots, const int* step, int cap, float* work,
                                                int chunks, float* out, signed char* xq, float* xd, float* xs) {
@@ -1965,7 +2019,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
     constexpr int HC = HEADS;
 #endif
     int per_row = n_heads / HEADS;
-    int ri = blockIdx.y / per_row, h0 = blockIdx.y % per_row * HEADS;
+    int ri = by / per_row, h0 = by % per_row * HEADS;
     int i = row0 + ri;
     int kvh = h0 / (n_heads / n_kv_heads);
     int kv_dim = n_kv_heads * head_dim;
@@ -2113,11 +2167,11 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
     __syncthreads();
     // The working blocks: one per chunk up to the grid's width.
     int nc = (n + ATT_CHUNK - 1) / ATT_CHUNK;
-    if (t == 0) last = atomicAdd(&counters[blockIdx.y], 1u) == min(gridDim.x, (unsigned)nc) - 1;
+    if (t == 0) last = atomicAdd(&counters[by], 1u) == min(gridDim.x, (unsigned)nc) - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
-    if (t == 0) counters[blockIdx.y] = 0;
+    if (t == 0) counters[by] = 0;
     size_t o = ((size_t)i * n_heads + h0) * head_dim, ob = o / 32;  // the block's first value, 32-value block
     combine_chunks<HEADS, HEADS * MAX_HEAD_DIM / 256>(records, chunks, rec, c_lo, nc, head_dim, out + o, xq ? xq + o : xq,
         xq ? xd + ob : xd, xq ? xs + ob : xs);
@@ -2138,9 +2192,37 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
 #else
 #define ATT_EXIT FLOOR_EXIT
 #endif
+// The shared launch's block: its sequence's rows from `first_row` on in q, out and the staging target (whole
+// 32-value blocks: a row's values start at a multiple of n_heads * head_dim, itself a multiple of 32 where the
+// host stages), its step, cache layer and scratch.
+template <bool AHEAD, int HEADS>
+__device__ __forceinline__ void attention_seq_block(const float* q, int n_heads, int n_kv_heads, int head_dim,
+                                                    float scale, int window, float* out, signed char* xq, float* xd,
+                                                    float* xs, const Seqs& seqs) {
+    const SeqLaunch& sq = seqs.s[seq_of(seqs, blockIdx.y, true)];
+    size_t o = (size_t)sq.first_row * n_heads * head_dim;
+    attention_body<AHEAD, HEADS>(blockIdx.y - sq.first_block, q + o, sq.kc, sq.vc, 0, n_heads, n_kv_heads, head_dim,
+                                 scale, window, sq.slots, sq.step, sq.cap, sq.work, sq.chunks, out + o,
+                                 xq ? xq + o : xq, xq ? xd + o / 32 : xd, xq ? xs + o / 32 : xs);
+}
+#define ATT_SEQ_PARAMS                                                                                         \
+    const float *q, int n_heads, int n_kv_heads, int head_dim, float scale, int window, float *out,            \
+        signed char *xq, float *xd, float *xs, const Seqs seqs
+#define ATT_SEQ_ARGS q, n_heads, n_kv_heads, head_dim, scale, window, out, xq, xd, xs, seqs
+
 #define ATT_KERNELS(H)                                                                                         \
-    extern "C" __global__ void attention_##H(ATT_PARAMS) { ATT_EXIT attention_body<false, H>(ATT_ARGS); }      \
-    extern "C" __global__ void attention_ahead_##H(ATT_PARAMS) { ATT_EXIT attention_body<true, H>(ATT_ARGS); }
+    extern "C" __global__ void attention_##H(ATT_PARAMS) {                                                     \
+        ATT_EXIT attention_body<false, H>(blockIdx.y, ATT_ARGS);                                               \
+    }                                                                                                          \
+    extern "C" __global__ void attention_ahead_##H(ATT_PARAMS) {                                               \
+        ATT_EXIT attention_body<true, H>(blockIdx.y, ATT_ARGS);                                                \
+    }                                                                                                          \
+    extern "C" __global__ void attention_seqs_##H(ATT_SEQ_PARAMS) {                                            \
+        ATT_EXIT attention_seq_block<false, H>(ATT_SEQ_ARGS);                                                  \
+    }                                                                                                          \
+    extern "C" __global__ void attention_seqs_ahead_##H(ATT_SEQ_PARAMS) {                                      \
+        ATT_EXIT attention_seq_block<true, H>(ATT_SEQ_ARGS);                                                   \
+    }
 ATT_KERNELS(1)
 ATT_KERNELS(2)
 ATT_KERNELS(3)

@@ -12,15 +12,17 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfi
 
 /// One kernel argument, passed by value.
 #[derive(Clone, Copy, Debug)]
-pub enum Arg {
+pub enum Arg<'a> {
     /// A device address.
     Ptr(u64),
     I32(i32),
     F32(f32),
+    /// A struct parameter's bytes (the driver copies as many as the kernel's parameter takes).
+    Words(&'a [u64]),
 }
 
 /// The device address of `s`'s element `at`.
-pub fn addr<T>(stream: &CudaStream, s: &CudaSlice<T>, at: usize) -> Arg {
+pub fn addr<T>(stream: &CudaStream, s: &CudaSlice<T>, at: usize) -> Arg<'static> {
     debug_assert!(at <= s.len());
     // With event tracking disabled (one stream orders everything) the guard does nothing.
     let (p, _guard) = s.device_ptr(stream);
@@ -40,18 +42,23 @@ pub unsafe fn launch(
     pdl: bool,
     args: &[Arg],
 ) -> Result<(), cudarc::driver::DriverError> {
-    // Each parameter's bytes at the start of an 8-byte slot (little-endian: an i32 is its low half).
+    // Each scalar parameter's bytes at the start of an 8-byte slot (little-endian: an i32 is its low half).
     let mut slots: Vec<u64> = args
         .iter()
         .map(|a| match *a {
             Arg::Ptr(p) => p,
             Arg::I32(v) => u64::from(v as u32),
             Arg::F32(v) => u64::from(v.to_bits()),
+            Arg::Words(_) => 0,
         })
         .collect();
     let mut params: Vec<*mut c_void> = slots
         .iter_mut()
-        .map(|s| s as *mut u64 as *mut c_void)
+        .zip(args)
+        .map(|(s, a)| match a {
+            Arg::Words(w) => w.as_ptr() as *mut c_void,
+            _ => s as *mut u64 as *mut c_void,
+        })
         .collect();
     // SAFETY: an all-zero attribute is a valid value of the C struct; the one field used is set below.
     let mut attr: CUlaunchAttribute = unsafe { std::mem::zeroed() };
@@ -70,8 +77,8 @@ pub unsafe fn launch(
         numAttrs: u32::from(pdl),
     };
     stream.context().bind_to_thread()?;
-    // SAFETY: the caller vouches for the arguments; `params` points into `slots`, both alive across the call
-    // (the driver copies the parameters before returning).
+    // SAFETY: the caller vouches for the arguments; `params` points into `slots` and `args`' words, all alive
+    // across the call (the driver copies the parameters before returning; it only reads them).
     unsafe {
         cuLaunchKernelEx(
             &config,

@@ -90,7 +90,9 @@ use recorded::Recorded;
 use rope::{RopeKey, RopeTable};
 
 use crate::backend::RopeStyle;
-use crate::backend::{AttnMask, AttnShape, Backend, Glu, HeadNorms, Rope, StepInputs};
+use crate::backend::{
+    AttnMask, AttnShape, Backend, Glu, HeadNorms, Rope, SeqAttention, StepInputs,
+};
 use crate::error::{Error, Result};
 use crate::quant::QMatrix;
 use module::{nvrtc_options, nvrtc_version, source, Kernels};
@@ -224,6 +226,9 @@ pub struct CudaBackend {
     /// The largest attention grid, in blocks per SM, that runs the early-load variant (`ATT_AHEAD_PER_SM`;
     /// for side-by-side measurements `VERITY_CUDA_ATT_AHEAD_PER_SM`).
     att_ahead_per_sm: usize,
+    /// A batched forward's decoding sequences share RoPE and attention launches (`VERITY_CUDA_SEQ_LAUNCHES=0`:
+    /// a launch of each per sequence, for side-by-side measurements).
+    seq_launches: bool,
     /// Warps of a narrow-schedule projection CTA (`kernels.cu`'s `NQ_WARPS`, set at compilation).
     narrow_warps: usize,
     /// Shared memory of a narrow-schedule CTA's weight stream (`NQ_STREAM` slots per warp).
@@ -483,6 +488,7 @@ impl CudaBackend {
             fuse_rope: opts.fuse_rope,
             att_ahead: opts.att_ahead,
             att_ahead_per_sm: opts.att_ahead_per_sm,
+            seq_launches: opts.seq_launches,
             narrow_warps,
             narrow_stream_bytes: narrow_warps * opts.narrow_stream * STREAM_SLOT,
             wide_warps,
@@ -582,7 +588,7 @@ impl CudaBackend {
         lock(&self.fault).is_some()
     }
 
-    fn at<T>(&self, s: &CudaSlice<T>, at: usize) -> Arg {
+    fn at<T>(&self, s: &CudaSlice<T>, at: usize) -> Arg<'static> {
         addr(&self.stream, s, at)
     }
 }
@@ -982,6 +988,19 @@ impl Backend for CudaBackend {
                 &args,
             )
         };
+    }
+
+    fn attention_seqs(
+        &self,
+        q: &mut CudaSlice<f32>,
+        k: &mut CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        rope: Rope,
+        norms: Option<HeadNorms<'_, CudaSlice<f32>>>,
+        seqs: &mut [SeqAttention<'_, Self>],
+    ) -> bool {
+        self.launch_attention_seqs(q, k, v, out, rope, norms, seqs)
     }
 
     fn prepare_attention(&self, head_dim: usize, rope: Rope) -> Result<()> {

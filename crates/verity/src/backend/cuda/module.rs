@@ -35,9 +35,14 @@ pub(super) struct Kernels {
     pub(super) rms_norm_add: CudaFunction,
     pub(super) scale: CudaFunction,
     pub(super) rope_and_cache: CudaFunction,
+    /// `rope_and_cache` of several sequences in one launch.
+    pub(super) rope_and_cache_seqs: CudaFunction,
     /// Attention for blocks of 1 ..= ATT_HEADS query heads (index: heads - 1), without and with the early load.
     pub(super) attention: Vec<CudaFunction>,
     pub(super) attention_ahead: Vec<CudaFunction>,
+    /// The same for several sequences in one launch (`attention_seqs_*`, `attention_seqs_ahead_*`).
+    pub(super) attention_seqs: Vec<CudaFunction>,
+    pub(super) attention_seqs_ahead: Vec<CudaFunction>,
     /// Attention with a warp per chunk (`attention_warps_*`), by heads per block then dims per lane: index
     /// (heads - 1) * 4 + log2(dims per lane), dims per lane 1, 2, 4 or 8.
     pub(super) attention_warps: Vec<CudaFunction>,
@@ -70,11 +75,18 @@ impl Kernels {
             rms_norm_add: f("rms_norm_add")?,
             scale: f("scale")?,
             rope_and_cache: f("rope_and_cache")?,
+            rope_and_cache_seqs: f("rope_and_cache_seqs")?,
             attention: (1..=ATT_HEADS)
                 .map(|h| f(&format!("attention_{h}")))
                 .collect::<Result<_>>()?,
             attention_ahead: (1..=ATT_HEADS)
                 .map(|h| f(&format!("attention_ahead_{h}")))
+                .collect::<Result<_>>()?,
+            attention_seqs: (1..=ATT_HEADS)
+                .map(|h| f(&format!("attention_seqs_{h}")))
+                .collect::<Result<_>>()?,
+            attention_seqs_ahead: (1..=ATT_HEADS)
+                .map(|h| f(&format!("attention_seqs_ahead_{h}")))
                 .collect::<Result<_>>()?,
             attention_warps: (1..=ATT_HEADS)
                 .flat_map(|h| [1, 2, 4, 8].map(|d| (h, d)))

@@ -226,7 +226,7 @@ impl CudaBackend {
         r0: usize,
         rows: usize,
         k: usize,
-    ) -> [Arg; 3] {
+    ) -> [Arg<'static>; 3] {
         let ahead = lock(&self.staged_for).take();
         let found = ahead.is_some_and(|a| a == self.staged_key(x, r0, rows, k, norm));
         let staged = lock(&self.staged);
