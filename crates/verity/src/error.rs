@@ -29,6 +29,9 @@ pub enum Error {
     /// A request or setting outside its valid range.
     #[error("invalid argument: {0}")]
     Invalid(String),
+    /// An image a request carries that cannot be taken: not a PNG or JPEG, truncated, or too large.
+    #[error("image: {0}")]
+    Image(String),
     /// The device failed while running a forward (a driver error after load); the forward's results are lost.
     #[error("device error: {0}")]
     Device(String),

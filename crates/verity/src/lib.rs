@@ -19,5 +19,6 @@ pub mod quantize;
 pub mod sample;
 pub mod speculative;
 pub mod storage;
+pub mod vision;
 
 pub use error::{Error, Result};

@@ -1,0 +1,10 @@
+//! Images in a conversation: their bytes decoded and preprocessed into the pixel values a vision tower reads,
+//! value for value what the Hugging Face processors of the same model give for the same image.
+
+pub mod decode;
+pub mod preprocess;
+pub mod resize;
+
+pub use decode::{decode, ImageLimits};
+pub use preprocess::SquareProcessor;
+pub use resize::{resize, Arithmetic, Filter, Rgb8};
