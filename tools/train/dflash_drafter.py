@@ -147,3 +147,26 @@ class BlockDrafter(nn.Module):
             for n in ("gate_proj", "up_proj", "down_proj"):
                 out[p + f"mlp.{n}.weight"] = getattr(l, n).weight
         return {k: v.detach().float().contiguous().cpu() for k, v in out.items()}
+
+    def load_state_dict_hf(self, tensors):
+        """Weights under the runtime's names (what `state_dict_hf` writes): continues training an exported drafter."""
+        own = self.state_dict_hf()
+        missing = sorted(set(own) - set(tensors))
+        if missing:
+            raise ValueError(f"drafter weights lack {missing[:3]}")
+        for k in own:
+            if tensors[k].shape != own[k].shape:
+                raise ValueError(f"{k}: shape {tuple(tensors[k].shape)}, expected {tuple(own[k].shape)}")
+        with torch.no_grad():
+            for i, l in enumerate(self.layers):
+                p = f"layers.{i}."
+                pairs = [(l.input_layernorm.weight, p + "input_layernorm.weight"),
+                         (l.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")]
+                pairs += [(getattr(l, n).weight, p + f"self_attn.{n}.weight")
+                          for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+                pairs += [(getattr(l, n).weight, p + f"mlp.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")]
+                for w, k in pairs:
+                    w.copy_(tensors[k])
+            for w, k in ((self.fc.weight, "fc.weight"), (self.hidden_norm.weight, "hidden_norm.weight"),
+                         (self.norm.weight, "norm.weight")):
+                w.copy_(tensors[k])

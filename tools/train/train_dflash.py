@@ -214,6 +214,10 @@ def main():
     p.add_argument("--eval-seqs", type=int, default=96)
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft from this many ids (0: the full vocabulary)")
     p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--init-from", help="an exported drafter's model.safetensors to continue from (same layout)")
+    p.add_argument("--tf32", type=int, default=1,
+                   help="the frozen target's matmuls in TF32 on a GPU (labels: its greedy tokens; a near-tie may "
+                        "flip, as it may between any two kernels of the quantized target)")
     args = p.parse_args()
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -228,7 +232,14 @@ def main():
                         block=args.block, mask_token=args.mask_token)
     seqs = Sequences(args.data)
     log(f"data: {len(seqs.train)} training and {len(seqs.held)} held-out conversations; device {device}")
-    drafter = BlockDrafter(cfg).to(device)
+    drafter = BlockDrafter(cfg)
+    if args.init_from:
+        from safetensors.torch import load_file
+        drafter.load_state_dict_hf(load_file(args.init_from))
+        log(f"continuing from {args.init_from}")
+    drafter = drafter.to(device)
+    if device == "cuda" and args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
     E = model.model.embed_tokens.weight
     special = [0, gcfg["bos"], gcfg["eos"], args.mask_token, 1, 2]
     dv = draft_vocabulary(seqs, args.draft_vocab, special)
@@ -244,7 +255,7 @@ def main():
     gen = np.random.default_rng(args.seed)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
     before = evaluate(drafter, model, seqs, cfg, device, min(args.eval_seqs, 16), args.max_len, dv)
-    log(f"untrained: {before['tokens_per_cycle']:.3f} tokens/cycle")
+    log(f"before training: {before['tokens_per_cycle']:.3f} tokens/cycle")
 
     t0, step, losses = time.time(), 0, []
     warm_s = None  # seconds the warmup took: with a time budget, the cosine runs over the time after it
