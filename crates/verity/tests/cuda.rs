@@ -730,6 +730,61 @@ fn cuda_rollbacks_of_mixture_and_recurrent_state_keep_ar_output() {
     }
 }
 
+/// Scripted proposers on SmolLM2 on the GPU (chains always right at fixed widths 1 to 15, always wrong, right
+/// then wrong, random, and trees whose kept path leaves the first-child line, so accepted nodes' cache slots
+/// move down) leave AR's greedy tokens unchanged: which drafts break GPU exactness, where the routes' own
+/// test only says that one does. A failure names the adversary and the first token that differs.
+#[test]
+fn cuda_adversarial_proposers_never_change_smollm2_greedy_output() {
+    let be = gpu();
+    let mut e = Engine::load(&smollm2(), be, &SpecMode::Off).unwrap();
+    let vocab = e.model.hp.vocab;
+    for q in [
+        "Rewrite this sentence in the passive voice: The cat chased the mouse across the garden.",
+        "Explain what a prime number is.",
+    ] {
+        let prompt = e.chat_prompt(&[Message::new("user", q)]).unwrap();
+        let run = |e: &mut Engine<CudaBackend>, width: Option<usize>| {
+            let req = GenerateRequest {
+                ignore_eos: true,
+                draft_width: width,
+                ..GenerateRequest::greedy(128)
+            };
+            let mut s = e.new_session();
+            let mut out = Vec::new();
+            e.generate(&mut s, &prompt, &req, |_, t| {
+                out.push(t.id);
+                true
+            })
+            .unwrap();
+            out
+        };
+        e.set_proposer(None);
+        let base = run(&mut e, None);
+        let oracle: Vec<u32> = prompt.iter().chain(&base).copied().collect();
+        let mut cases: Vec<(Adversary, Option<usize>)> = [1, 2, 3, 4, 7, 8, 15]
+            .into_iter()
+            .map(|w| (Adversary::AlwaysRight, Some(w)))
+            .collect();
+        cases.extend([
+            (Adversary::AlwaysWrong, Some(4)),
+            (Adversary::RightThenWrong(3), Some(6)),
+            (Adversary::Random(5), None),
+            (Adversary::Tree(5), None),
+            (Adversary::Tree(6), None),
+        ]);
+        for (kind, width) in cases {
+            e.set_proposer(Some(scripted(kind.clone(), &oracle, vocab)));
+            let got = run(&mut e, width);
+            let first = got.iter().zip(&base).position(|(a, b)| a != b);
+            assert!(
+                got == base,
+                "{q:?}: {kind:?} at width {width:?} differs from AR from token {first:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn every_route_reproduces_cuda_ar_greedy_output_on_smollm2() {
     let be = gpu();

@@ -121,7 +121,35 @@ fn run<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
         super::plot::speed(&records, &super::plot::model_title(&a.model), path)?;
         eprintln!("plot: {}", path.display());
     }
+    if a.temperature == 0.0 {
+        let differ = differs_from_ar(&records);
+        if !differ.is_empty() {
+            bail!(
+                "greedy output differs from the ar route's in {} records (the speeds above are not valid): {}",
+                differ.len(),
+                differ.join(", ")
+            );
+        }
+    }
     Ok(())
+}
+
+/// The records whose text is not the `ar` record's of the same prompt, turn and repeat (`route prompt/turn/
+/// repeat`): with greedy decoding every route must give AR's text. Nothing where `ar` was not run.
+pub fn differs_from_ar(records: &[Record]) -> Vec<String> {
+    let ar: std::collections::HashMap<(&str, usize, usize), &str> = records
+        .iter()
+        .filter(|r| r.route == "ar")
+        .map(|r| ((r.prompt_id.as_str(), r.turn, r.repeat), r.text.as_str()))
+        .collect();
+    records
+        .iter()
+        .filter(|r| {
+            ar.get(&(r.prompt_id.as_str(), r.turn, r.repeat))
+                .is_some_and(|&t| t != r.text)
+        })
+        .map(|r| format!("{} {}/{}/{}", r.route, r.prompt_id, r.turn, r.repeat))
+        .collect()
 }
 
 /// The speculation mode of a benchmark route name (`ar`, `copy`, `mtp`, `drafter`, `draft_model`, `auto`).
@@ -235,4 +263,34 @@ pub fn write_json(path: Option<&std::path::Path>, records: &[Record]) -> Result<
         std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(route: &str, prompt: &str, turn: usize, repeat: usize, text: &str) -> Record {
+        serde_json::from_value(serde_json::json!({
+            "prompt_id": prompt, "category": "code", "turn": turn, "route": route, "repeat": repeat,
+            "prompt_tokens": 1, "restored_tokens": 0, "completion_tokens": 1, "ttft_s": 0.0,
+            "decode_tok_s": 1.0, "cycles": 1, "accepted_per_cycle": 1.0, "draft_s": 0.0, "verify_s": 0.0,
+            "other_s": 0.0, "text": text
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_route_whose_greedy_text_is_not_ars_is_named_with_its_prompt_turn_and_repeat() {
+        let records = [
+            rec("ar", "p", 1, 0, "a"),
+            rec("ar", "p", 2, 0, "b"),
+            rec("ar", "p", 1, 1, "a"),
+            rec("mtp", "p", 1, 0, "a"),
+            rec("mtp", "p", 2, 0, "c"),
+            rec("copy", "p", 1, 1, "a"),
+            rec("copy", "q", 1, 0, "z"), // no ar record to compare with
+        ];
+        assert_eq!(differs_from_ar(&records), ["mtp p/2/0"]);
+        assert!(differs_from_ar(&records[..4]).is_empty());
+    }
 }

@@ -38,7 +38,7 @@ pub struct CudaOptions {
     pub att_ahead: bool,
     pub att_ahead_per_sm: usize,
     /// A batched forward's decoding sequences share their RoPE and attention launches
-    /// (`VERITY_CUDA_SEQ_LAUNCHES=1`: on; `0`: a launch of each per sequence).
+    /// (`VERITY_CUDA_SEQ_LAUNCHES=0`: a launch of each per sequence).
     pub seq_launches: bool,
     /// A fixed attention split over the context (`VERITY_CUDA_ATT_SPLIT`: 1 to `ATT_SPLIT_MAX`), else the rule.
     pub att_split: Option<usize>,
@@ -89,7 +89,7 @@ impl Default for CudaOptions {
             fuse_rope: true,
             att_ahead: true,
             att_ahead_per_sm: ATT_AHEAD_PER_SM,
-            seq_launches: false,
+            seq_launches: true,
             att_split: None,
             att_heads: None,
             att_split_by_context: true,
@@ -135,7 +135,7 @@ impl CudaOptions {
             att_ahead: on("VERITY_CUDA_ATT_AHEAD"),
             att_ahead_per_sm: count("VERITY_CUDA_ATT_AHEAD_PER_SM", 1..=64)
                 .unwrap_or(d.att_ahead_per_sm),
-            seq_launches: var("VERITY_CUDA_SEQ_LAUNCHES").map_or(d.seq_launches, |v| v != "0"),
+            seq_launches: on("VERITY_CUDA_SEQ_LAUNCHES"),
             att_split: count("VERITY_CUDA_ATT_SPLIT", 1..=ATT_SPLIT_MAX),
             att_heads: count("VERITY_CUDA_ATT_HEADS", 1..=ATT_HEADS),
             att_split_by_context: on("VERITY_CUDA_ATT_SPLIT_BY_CONTEXT"),
@@ -198,9 +198,8 @@ mod tests {
             "out of range or not a number"
         );
         assert_eq!((o.att_split, o.row_groups), (None, Some(3)));
-        // A switch off by default turns on with anything but 0.
-        assert!(!o.seq_launches);
-        assert!(parse(&[("VERITY_CUDA_SEQ_LAUNCHES", "1")]).seq_launches);
+        assert!(o.seq_launches);
+        assert!(!parse(&[("VERITY_CUDA_SEQ_LAUNCHES", "0")]).seq_launches);
     }
 
     #[test]
