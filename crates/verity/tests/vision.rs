@@ -3,7 +3,9 @@
 
 use std::path::PathBuf;
 
-use verity::vision::{decode, resize, Arithmetic, Filter, ImageLimits, Rgb8, SquareProcessor};
+use verity::vision::{
+    decode, resize, Arithmetic, Filter, Gemma3Vision, ImageLimits, Rgb8, SquareProcessor,
+};
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/images")
@@ -131,4 +133,51 @@ fn broken_and_oversized_images_are_refused_before_decoding() {
         .unwrap_err()
         .to_string()
         .contains("bytes"));
+}
+
+fn floats(path: &std::path::Path) -> Vec<f32> {
+    std::fs::read(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+/// The largest difference relative to the reference's largest magnitude.
+fn relative_error(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max)
+        / scale
+}
+
+/// A tiny random Gemma 3 image-text bundle (`scripts/fixtures/make_vision_bundles.py`): its preprocessing gives
+/// transformers' pixel values bit for bit, and the SigLIP tower and the projector give transformers' outputs
+/// within f32 rounding (the sums run in another order).
+#[test]
+fn gemma3_vision_tower_and_projector_match_transformers() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vision/gemma3-vl");
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("preprocessor_config.json")).unwrap())
+            .unwrap();
+    let proc = SquareProcessor::from_config(&config).unwrap();
+    let pixels = proc.pixel_values(&decoded("rgb.png"));
+    let want = floats(&dir.join("pixel_values.f32"));
+    assert!(pixels
+        .iter()
+        .zip(&want)
+        .all(|(a, b)| a.to_bits() == b.to_bits()));
+    let vision = Gemma3Vision::load(&dir).unwrap();
+    let tower = vision.tower(&pixels).unwrap();
+    let e = relative_error(&tower, &floats(&dir.join("tower.f32")));
+    assert!(e < 1e-5, "tower: relative error {e}");
+    let features = vision.image_features(&pixels).unwrap();
+    let e = relative_error(&features, &floats(&dir.join("features.f32")));
+    assert!(e < 1e-5, "features: relative error {e}");
+    assert_eq!(features.len(), 4 * 48);
+    // The wrong number of pixel values is an error, not a panic.
+    assert!(vision.tower(&pixels[1..]).is_err());
 }

@@ -4,7 +4,9 @@
 pub mod decode;
 pub mod preprocess;
 pub mod resize;
+pub mod siglip;
 
 pub use decode::{decode, ImageLimits};
 pub use preprocess::SquareProcessor;
 pub use resize::{resize, Arithmetic, Filter, Rgb8};
+pub use siglip::{Gemma3Vision, SiglipConfig};

@@ -1,0 +1,399 @@
+//! Gemma 3's vision side: the SigLIP tower (patch embedding, bidirectional pre-norm transformer layers with
+//! LayerNorm and tanh-GELU, post-LayerNorm) and the projector into the text model (each side's patches averaged
+//! in square pools to `mm_tokens_per_image` tokens, Gemma's RMS norm with `1 + w`, one matrix), from a Hugging
+//! Face `Gemma3ForConditionalGeneration` folder.
+//!
+//! This is the reference path: plain f32 on the host, in transformers' order of operations, checked against
+//! transformers on a tiny bundle (`tests/vision.rs`); an image's tower runs once per image and its features are
+//! what the prefix cache keys and keeps.
+
+use std::path::Path;
+
+use half::{bf16, f16};
+use rayon::prelude::*;
+use serde_json::Value;
+
+use crate::bundle::safetensors::{SafetensorsSet, StDtype};
+use crate::error::{Error, Result};
+
+/// The tower's and the projector's sizes (`config.json`'s `vision_config` and `mm_tokens_per_image`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SiglipConfig {
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub image_size: usize,
+    pub patch_size: usize,
+    pub eps: f32,
+    /// Image tokens the text model receives per image (a square).
+    pub tokens: usize,
+    /// The text model's hidden size (the projector's output).
+    pub text_hidden: usize,
+}
+
+impl SiglipConfig {
+    pub fn from_config(c: &Value) -> Result<Self> {
+        let bad = |m: String| Error::Invalid(format!("config.json: {m}"));
+        let v = c
+            .get("vision_config")
+            .ok_or_else(|| bad("no vision_config".into()))?;
+        let num = |o: &Value, k: &str| -> Result<usize> {
+            o.get(k)
+                .and_then(Value::as_u64)
+                .filter(|&x| (1..=1 << 20).contains(&x))
+                .map(|x| x as usize)
+                .ok_or_else(|| bad(format!("{k} must be a positive count")))
+        };
+        let text = c.get("text_config").unwrap_or(c);
+        let cfg = SiglipConfig {
+            hidden: num(v, "hidden_size")?,
+            intermediate: num(v, "intermediate_size")?,
+            layers: num(v, "num_hidden_layers")?,
+            heads: num(v, "num_attention_heads")?,
+            image_size: num(v, "image_size")?,
+            patch_size: num(v, "patch_size")?,
+            eps: v
+                .get("layer_norm_eps")
+                .and_then(Value::as_f64)
+                .unwrap_or(1e-6) as f32,
+            tokens: num(c, "mm_tokens_per_image")?,
+            text_hidden: num(text, "hidden_size")?,
+        };
+        let side = cfg.patches_per_side();
+        let per_side = (cfg.tokens as f64).sqrt() as usize;
+        if !cfg.image_size.is_multiple_of(cfg.patch_size)
+            || per_side * per_side != cfg.tokens
+            || !side.is_multiple_of(per_side)
+            || !cfg.hidden.is_multiple_of(cfg.heads)
+        {
+            return Err(bad(format!(
+                "{}-pixel images in {}-pixel patches do not pool into {} tokens of {} heads' hidden {}",
+                cfg.image_size, cfg.patch_size, cfg.tokens, cfg.heads, cfg.hidden
+            )));
+        }
+        Ok(cfg)
+    }
+
+    pub fn patches_per_side(&self) -> usize {
+        self.image_size / self.patch_size
+    }
+
+    fn patches(&self) -> usize {
+        self.patches_per_side().pow(2)
+    }
+}
+
+struct Linear {
+    /// `[out][in]`.
+    w: Vec<f32>,
+    b: Option<Vec<f32>>,
+    inputs: usize,
+    outputs: usize,
+}
+
+impl Linear {
+    /// `rows` rows of `x` through the layer (each output a dot product in input order, plus the bias).
+    fn apply(&self, x: &[f32], rows: usize) -> Vec<f32> {
+        let mut out = vec![0f32; rows * self.outputs];
+        out.par_chunks_mut(self.outputs)
+            .zip(x.par_chunks(self.inputs))
+            .take(rows)
+            .for_each(|(o, xr)| {
+                for (j, oj) in o.iter_mut().enumerate() {
+                    let wr = &self.w[j * self.inputs..][..self.inputs];
+                    let dot: f32 = wr.iter().zip(xr).map(|(a, b)| a * b).sum();
+                    *oj = dot + self.b.as_ref().map_or(0.0, |b| b[j]);
+                }
+            });
+        out
+    }
+}
+
+struct Norm {
+    w: Vec<f32>,
+    b: Vec<f32>,
+}
+
+struct Layer {
+    ln1: Norm,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    ln2: Norm,
+    fc1: Linear,
+    fc2: Linear,
+}
+
+/// Gemma 3's SigLIP tower and projector, weights in f32.
+pub struct Gemma3Vision {
+    pub cfg: SiglipConfig,
+    patch: Linear,
+    positions: Vec<f32>,
+    layers: Vec<Layer>,
+    post: Norm,
+    pool_norm: Vec<f32>,
+    /// `[vision hidden][text hidden]`.
+    projection: Vec<f32>,
+}
+
+/// The tensors' names: `vision_tower.vision_model.…` (published checkpoints) or `vision_tower.…`, and
+/// `multi_modal_projector.…`, optionally under `model.`.
+fn find<'a>(
+    set: &'a SafetensorsSet,
+    name: &str,
+) -> Option<(String, &'a crate::bundle::safetensors::StTensor)> {
+    let candidates = [
+        name.to_string(),
+        format!("model.{name}"),
+        name.replacen("vision_tower.", "vision_tower.vision_model.", 1),
+        format!(
+            "model.{}",
+            name.replacen("vision_tower.", "vision_tower.vision_model.", 1)
+        ),
+    ];
+    candidates
+        .into_iter()
+        .find_map(|n| set.get(&n).map(|t| (n.clone(), t)))
+}
+
+impl Gemma3Vision {
+    /// The tower and projector of the image-text bundle in `dir` (`config.json` and its safetensors).
+    pub fn load(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let config: Value =
+            serde_json::from_str(&text).map_err(|e| Error::malformed(&path, e.to_string()))?;
+        let cfg = SiglipConfig::from_config(&config)?;
+        let set = SafetensorsSet::open(dir)?;
+        let tensor = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
+            let (full, t) = find(&set, name).ok_or_else(|| Error::tensor(name, "missing"))?;
+            let want: usize = shape.iter().product();
+            if t.shape.iter().product::<usize>() != want {
+                return Err(Error::tensor(
+                    &full,
+                    format!("shape {:?}, expected {:?}", t.shape, shape),
+                ));
+            }
+            let bytes = set.bytes(t);
+            let b = bytes.as_slice();
+            Ok(match t.dtype {
+                StDtype::F32 => b
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect(),
+                StDtype::BF16 => b
+                    .chunks_exact(2)
+                    .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                    .collect(),
+                StDtype::F16 => b
+                    .chunks_exact(2)
+                    .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+                    .collect(),
+                _ => {
+                    return Err(Error::tensor(
+                        &full,
+                        format!("dtype {} (f32, bf16 or f16 taken)", t.dtype_name),
+                    ))
+                }
+            })
+        };
+        let (h, m) = (cfg.hidden, cfg.intermediate);
+        let linear = |name: &str, outputs: usize, inputs: usize| -> Result<Linear> {
+            Ok(Linear {
+                w: tensor(&format!("{name}.weight"), &[outputs, inputs])?,
+                b: Some(tensor(&format!("{name}.bias"), &[outputs])?),
+                inputs,
+                outputs,
+            })
+        };
+        let norm = |name: &str| -> Result<Norm> {
+            Ok(Norm {
+                w: tensor(&format!("{name}.weight"), &[h])?,
+                b: tensor(&format!("{name}.bias"), &[h])?,
+            })
+        };
+        let p = cfg.patch_size;
+        let patch = linear("vision_tower.embeddings.patch_embedding", h, 3 * p * p)?;
+        let positions = tensor(
+            "vision_tower.embeddings.position_embedding.weight",
+            &[cfg.patches(), h],
+        )?;
+        let layers = (0..cfg.layers)
+            .map(|l| {
+                let n = format!("vision_tower.encoder.layers.{l}");
+                Ok(Layer {
+                    ln1: norm(&format!("{n}.layer_norm1"))?,
+                    q: linear(&format!("{n}.self_attn.q_proj"), h, h)?,
+                    k: linear(&format!("{n}.self_attn.k_proj"), h, h)?,
+                    v: linear(&format!("{n}.self_attn.v_proj"), h, h)?,
+                    o: linear(&format!("{n}.self_attn.out_proj"), h, h)?,
+                    ln2: norm(&format!("{n}.layer_norm2"))?,
+                    fc1: linear(&format!("{n}.mlp.fc1"), m, h)?,
+                    fc2: linear(&format!("{n}.mlp.fc2"), h, m)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Gemma3Vision {
+            patch,
+            positions,
+            layers,
+            post: norm("vision_tower.post_layernorm")?,
+            pool_norm: tensor("multi_modal_projector.mm_soft_emb_norm.weight", &[h])?,
+            projection: tensor(
+                "multi_modal_projector.mm_input_projection_weight",
+                &[h, cfg.text_hidden],
+            )?,
+            cfg,
+        })
+    }
+
+    /// The tower's last hidden state for one image's pixel values (`3 × image_size × image_size`, channels
+    /// first): `patches × hidden`, patches row by row.
+    pub fn tower(&self, pixels: &[f32]) -> Result<Vec<f32>> {
+        let c = &self.cfg;
+        let (s, p, h) = (c.image_size, c.patch_size, c.hidden);
+        if pixels.len() != 3 * s * s {
+            return Err(Error::Invalid(format!(
+                "{} pixel values for a {s}×{s} tower",
+                pixels.len()
+            )));
+        }
+        let side = c.patches_per_side();
+        let n = c.patches();
+        // Each patch's values in the convolution's order: channel, then row, then column.
+        let mut cols = vec![0f32; n * 3 * p * p];
+        for (i, col) in cols.chunks_mut(3 * p * p).enumerate() {
+            let (py, px) = (i / side, i % side);
+            for ch in 0..3 {
+                for y in 0..p {
+                    let src = &pixels[ch * s * s + (py * p + y) * s + px * p..][..p];
+                    col[(ch * p + y) * p..][..p].copy_from_slice(src);
+                }
+            }
+        }
+        let mut x = self.patch.apply(&cols, n);
+        for (v, pos) in x.iter_mut().zip(&self.positions) {
+            *v += pos;
+        }
+        for layer in &self.layers {
+            let xn = layer_norm(&x, &layer.ln1, c.eps);
+            let a = self.attention(layer, &xn, n);
+            for (v, d) in x.iter_mut().zip(&a) {
+                *v += d;
+            }
+            let xn = layer_norm(&x, &layer.ln2, c.eps);
+            let mut mid = layer.fc1.apply(&xn, n);
+            for v in mid.iter_mut() {
+                *v = gelu_tanh(*v);
+            }
+            let d = layer.fc2.apply(&mid, n);
+            for (v, d) in x.iter_mut().zip(&d) {
+                *v += d;
+            }
+        }
+        debug_assert_eq!(x.len(), n * h);
+        Ok(layer_norm(&x, &self.post, c.eps))
+    }
+
+    /// Every patch's attention over every patch (no mask), head by head.
+    fn attention(&self, layer: &Layer, x: &[f32], n: usize) -> Vec<f32> {
+        let h = self.cfg.hidden;
+        let d = h / self.cfg.heads;
+        let (q, k, v) = (
+            layer.q.apply(x, n),
+            layer.k.apply(x, n),
+            layer.v.apply(x, n),
+        );
+        let scale = (d as f32).powf(-0.5);
+        let mut out = vec![0f32; n * h];
+        out.par_chunks_mut(h).enumerate().for_each(|(i, o)| {
+            for head in 0..self.cfg.heads {
+                let qi = &q[i * h + head * d..][..d];
+                let mut w: Vec<f32> = (0..n)
+                    .map(|j| {
+                        let kj = &k[j * h + head * d..][..d];
+                        qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale
+                    })
+                    .collect();
+                let max = w.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0.0;
+                for x in w.iter_mut() {
+                    *x = (*x - max).exp();
+                    sum += *x;
+                }
+                let oh = &mut o[head * d..][..d];
+                for (j, wj) in w.iter().enumerate() {
+                    let vj = &v[j * h + head * d..][..d];
+                    for (a, b) in oh.iter_mut().zip(vj) {
+                        *a += wj / sum * b;
+                    }
+                }
+            }
+        });
+        layer.o.apply(&out, n)
+    }
+
+    /// The image's features for the text model: the tower's patches averaged in square pools, Gemma's RMS norm
+    /// (`x · rsqrt(mean x² + eps) · (1 + w)`), projected: `tokens × text_hidden`.
+    pub fn image_features(&self, pixels: &[f32]) -> Result<Vec<f32>> {
+        let c = &self.cfg;
+        let tower = self.tower(pixels)?;
+        let (side, h) = (c.patches_per_side(), c.hidden);
+        let per_side = (c.tokens as f64).sqrt() as usize;
+        let k = side / per_side;
+        let mut out = Vec::with_capacity(c.tokens * c.text_hidden);
+        for t in 0..c.tokens {
+            let (ty, tx) = (t / per_side, t % per_side);
+            let mut pooled = vec![0f32; h];
+            for y in 0..k {
+                for x in 0..k {
+                    let patch = (ty * k + y) * side + tx * k + x;
+                    for (a, b) in pooled.iter_mut().zip(&tower[patch * h..][..h]) {
+                        *a += b;
+                    }
+                }
+            }
+            let area = (k * k) as f32;
+            for a in pooled.iter_mut() {
+                *a /= area;
+            }
+            let ms = pooled.iter().map(|a| a * a).sum::<f32>() / h as f32;
+            let r = 1.0 / (ms + c.eps).sqrt();
+            let normed: Vec<f32> = pooled
+                .iter()
+                .zip(&self.pool_norm)
+                .map(|(a, w)| a * r * (1.0 + w))
+                .collect();
+            for j in 0..c.text_hidden {
+                let mut acc = 0f32;
+                for (i, v) in normed.iter().enumerate() {
+                    acc += v * self.projection[i * c.text_hidden + j];
+                }
+                out.push(acc);
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn layer_norm(x: &[f32], n: &Norm, eps: f32) -> Vec<f32> {
+    let h = n.w.len();
+    let mut out = vec![0f32; x.len()];
+    for (o, r) in out.chunks_mut(h).zip(x.chunks(h)) {
+        let mean = r.iter().sum::<f32>() / h as f32;
+        let var = r.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / h as f32;
+        let inv = 1.0 / (var + eps).sqrt();
+        for (i, oi) in o.iter_mut().enumerate() {
+            *oi = (r[i] - mean) * inv * n.w[i] + n.b[i];
+        }
+    }
+    out
+}
+
+/// GELU with the tanh approximation (`gelu_pytorch_tanh`).
+fn gelu_tanh(x: f32) -> f32 {
+    const C: f32 = 0.797_884_6; // sqrt(2 / pi)
+    0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh())
+}
