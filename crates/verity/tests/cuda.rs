@@ -980,6 +980,7 @@ fn recorded_forwards_replay_bitwise_what_direct_launches_compute() {
                             .collect(),
                     ),
                     tokens,
+                    media: Vec::new(),
                 }
             } else {
                 Batch::causal(&tokens, pos)

@@ -95,6 +95,7 @@ fn a_ring_cache_computes_what_a_whole_context_cache_computes() {
                     true, false, true, false, //
                     true, false, true, true,
                 ]),
+                media: Vec::new(),
             };
             both(
                 &mut model,

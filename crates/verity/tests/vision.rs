@@ -181,3 +181,64 @@ fn gemma3_vision_tower_and_projector_match_transformers() {
     // The wrong number of pixel values is an error, not a panic.
     assert!(vision.tower(&pixels[1..]).is_err());
 }
+
+/// The same bundle's text model with the image's features in place of its 4 image tokens (and those tokens
+/// attending to each other both ways): every row's logits match transformers' for the prompt with the image.
+#[test]
+fn gemma3_text_model_reads_the_image_features_as_transformers_does() {
+    use std::sync::Arc;
+    use verity::bundle::Bundle;
+    use verity::model::{Batch, LogitRows, MediaRows, Model};
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vision/gemma3-vl");
+    let reference: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap()).unwrap();
+    let tokens: Vec<u32> = reference["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    let first = tokens.iter().position(|&t| t == 299).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("preprocessor_config.json")).unwrap())
+            .unwrap();
+    let pixels = SquareProcessor::from_config(&config)
+        .unwrap()
+        .pixel_values(&decoded("rgb.png"));
+    let features = Gemma3Vision::load(&dir)
+        .unwrap()
+        .image_features(&pixels)
+        .unwrap();
+    let be = Arc::new(verity::backend::cpu::CpuBackend::new(2).unwrap());
+    let mut model = Model::load(&Bundle::open(&dir).unwrap(), be).unwrap();
+    let media = vec![MediaRows {
+        first_row: first,
+        rows: 4,
+        values: Arc::new(features),
+    }];
+    let want = floats(&dir.join("logits.f32"));
+    let mut cache = model.new_cache(64);
+    let batch = Batch::with_media(&tokens, 0, media.clone());
+    let got = model
+        .forward(&mut cache, &batch, LogitRows::All, &[])
+        .unwrap()
+        .logits;
+    let e = relative_error(&got, &want);
+    assert!(e < 1e-4, "logits: relative error {e}");
+    // Without the image's rows seeing each other both ways, the logits are not transformers'.
+    let mut cache = model.new_cache(64);
+    let causal = Batch {
+        mask: verity::backend::AttnMask::Causal,
+        ..batch
+    };
+    let got = model
+        .forward(&mut cache, &causal, LogitRows::All, &[])
+        .unwrap()
+        .logits;
+    assert!(relative_error(&got, &want) > 1e-3);
+    // Image rows that do not fit the batch are refused.
+    let bad = Batch::with_media(&tokens[..first + 2], 0, media);
+    assert!(model
+        .forward(&mut model.new_cache(64), &bad, LogitRows::All, &[])
+        .is_err());
+}

@@ -341,6 +341,7 @@ impl<B: Backend> Engine<B> {
                             tokens,
                             positions,
                             mask,
+                            media: Vec::new(),
                         }
                     }
                 }

@@ -138,6 +138,7 @@ impl<B: Backend> Engine<B> {
                 tokens: rows,
                 positions,
                 mask,
+                media: Vec::new(),
             };
             let mut out = self
                 .model

@@ -6,8 +6,8 @@
 //! the attention of a sequence sees only its own rows, so every sequence gets bitwise the logits and cache it
 //! would get from [`Model::forward`] alone — the promise a batching server makes to each request.
 //!
-//! Models with Gated DeltaNet layers run their sequences one after another (their recurrence runs per sequence
-//! on the host either way).
+//! Models with Gated DeltaNet layers, and batches holding an image, run their sequences one after another (a
+//! recurrence runs per sequence on the host either way; an image's features are uploaded for its own forward).
 
 use super::decoder::{layer_rope, layer_shape, Layer, Scratch, MAX_STATE_LAYERS};
 use super::{Batch, ForwardOutput, LogitRows, Model, TargetFeatures};
@@ -228,6 +228,7 @@ impl<B: Backend> Model<B> {
             .fold(TargetFeatures::none(), |all, q| all.union(&q.features));
         if seqs.len() == 1
             || self.layers.iter().any(|l| l.is_linear())
+            || seqs.iter().any(|q| !q.batch.media.is_empty())
             || union.layers.len() > MAX_STATE_LAYERS
         {
             return seqs

@@ -347,6 +347,23 @@ impl<B: Backend> Model<B> {
                 ));
             }
         }
+        let mut next_free = 0;
+        for m in &batch.media {
+            if m.rows == 0
+                || m.first_row < next_free
+                || m.first_row + m.rows > rows
+                || m.values.len() != m.rows * self.hp.hidden
+            {
+                return Err(Error::Invalid(format!(
+                    "image rows {}..{} ({} values) do not fit a batch of {rows} rows of {} values, in order",
+                    m.first_row,
+                    m.first_row + m.rows,
+                    m.values.len(),
+                    self.hp.hidden
+                )));
+            }
+            next_free = m.first_row + m.rows;
+        }
         if let Some(&l) = hidden_layers.iter().find(|&&l| l >= self.hp.n_layers) {
             return Err(Error::Invalid(format!(
                 "hidden layer {l} of a {}-layer model",
@@ -395,10 +412,17 @@ impl<B: Backend> Model<B> {
             hidden_layers,
         );
         let parents = parents(&batch.mask, rows);
+        // An image's rows: its features on the device, copied over those rows' embeddings.
+        let media: Vec<(usize, usize, B::Buffer)> = batch
+            .media
+            .iter()
+            .map(|m| (m.first_row, m.values.len(), be.upload(&m.values)))
+            .collect();
         let mut work = || {
             self.encode(
                 cache,
                 rows,
+                &media,
                 &parents,
                 logit_rows.work(),
                 final_hidden,
@@ -406,9 +430,9 @@ impl<B: Backend> Model<B> {
                 s,
             )
         };
-        if self.hp.block.moe.is_some() || self.hp.block.linear.is_some() {
+        if self.hp.block.moe.is_some() || self.hp.block.linear.is_some() || !media.is_empty() {
             // A mixture routes on the host mid-forward, and a Gated DeltaNet steps its state there: a recording
-            // cannot hold either.
+            // cannot hold either; nor an image's features, uploaded for this forward alone.
             work();
         } else {
             run_recorded(be, rows, key, &mut work);
@@ -477,6 +501,7 @@ impl<B: Backend> Model<B> {
         &self,
         cache: &mut KvCache<B>,
         rows: usize,
+        media: &[(usize, usize, B::Buffer)],
         parents: &[Option<usize>],
         logit_rows: LogitRows,
         final_hidden: bool,
@@ -489,6 +514,10 @@ impl<B: Backend> Model<B> {
         be.embed(&self.embed, &s.step, rows, &mut s.x);
         if let Some(scale) = hp.block.embedding_scale {
             be.scale(&mut s.x, rows * h, scale);
+        }
+        // Images enter as they are: the scale is the token embeddings'.
+        for (first, len, values) in media {
+            be.copy(values, 0, &mut s.x, first * h, *len);
         }
         // The output norm is fused into the output projection where these rows' logits come from `s.x` itself.
         let output_fused = !final_hidden

@@ -161,6 +161,17 @@ pub struct Batch {
     /// Absolute position of each row (RoPE); equal positions are allowed for the siblings of a draft tree.
     pub positions: Vec<usize>,
     pub mask: AttnMask,
+    /// Rows whose input is an image's features instead of their token's embedding.
+    pub media: Vec<MediaRows>,
+}
+
+/// One image's rows of a batch: `values` (`rows × hidden`, the vision side's output) are these rows' inputs to
+/// the first layer, in place of their placeholder tokens' embeddings.
+#[derive(Debug, Clone)]
+pub struct MediaRows {
+    pub first_row: usize,
+    pub rows: usize,
+    pub values: std::sync::Arc<Vec<f32>>,
 }
 
 impl Batch {
@@ -170,6 +181,37 @@ impl Batch {
             tokens: tokens.to_vec(),
             positions: (start..start + tokens.len()).collect(),
             mask: AttnMask::Causal,
+            media: Vec::new(),
+        }
+    }
+
+    /// `tokens` from position `start` with images in them: each row sees the rows before it, and an image's
+    /// rows also see each other both ways (Gemma 3's attention over an image; the whole image must be in one
+    /// batch).
+    pub fn with_media(tokens: &[u32], start: usize, media: Vec<MediaRows>) -> Self {
+        let rows = tokens.len();
+        let mut visible = vec![false; rows * rows];
+        for i in 0..rows {
+            for j in 0..=i {
+                visible[i * rows + j] = true;
+            }
+        }
+        for m in &media {
+            for i in m.first_row..(m.first_row + m.rows).min(rows) {
+                for j in m.first_row..(m.first_row + m.rows).min(rows) {
+                    visible[i * rows + j] = true;
+                }
+            }
+        }
+        Batch {
+            tokens: tokens.to_vec(),
+            positions: (start..start + rows).collect(),
+            mask: if media.is_empty() {
+                AttnMask::Causal
+            } else {
+                AttnMask::Tree(visible)
+            },
+            media,
         }
     }
 

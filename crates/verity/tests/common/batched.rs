@@ -43,6 +43,7 @@ fn tree(tokens: [u32; 5], base: usize) -> Batch {
         tokens: tokens.to_vec(),
         positions: (0..5).map(|r| base + depth(r)).collect(),
         mask: AttnMask::Tree(visible),
+        media: Vec::new(),
     }
 }
 
