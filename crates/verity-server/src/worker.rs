@@ -333,6 +333,7 @@ fn prepare<B: Backend>(
         logprobs: job.params.logprobs.unwrap_or(0),
         constraint,
         store_prefix: boundary,
+        images: Vec::new(),
     };
     let answer = Answer {
         events: job.events,

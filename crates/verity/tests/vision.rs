@@ -198,7 +198,7 @@ fn gemma3_text_model_reads_the_image_features_as_transformers_does() {
         .iter()
         .map(|t| t.as_u64().unwrap() as u32)
         .collect();
-    let first = tokens.iter().position(|&t| t == 299).unwrap();
+    let first = tokens.iter().position(|&t| t == 319).unwrap();
     let config: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("preprocessor_config.json")).unwrap())
             .unwrap();
@@ -240,5 +240,135 @@ fn gemma3_text_model_reads_the_image_features_as_transformers_does() {
     let bad = Batch::with_media(&tokens[..first + 2], 0, media);
     assert!(model
         .forward(&mut model.new_cache(64), &bad, LogitRows::All, &[])
+        .is_err());
+}
+
+/// An engine on the tiny image-text bundle and two images' prompt ids: text, `<start_of_image>`, the image's 4
+/// content-keyed rows, `<end_of_image>`, text.
+fn image_turns() -> (
+    verity::engine::Engine<verity::backend::cpu::CpuBackend>,
+    Vec<(Vec<u32>, verity::engine::PromptImage)>,
+) {
+    use std::sync::Arc;
+    use verity::engine::{Engine, PromptImage};
+    use verity::speculative::SpecMode;
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vision/gemma3-vl");
+    let be = Arc::new(verity::backend::cpu::CpuBackend::new(2).unwrap());
+    let engine = Engine::load(&dir, be, &SpecMode::Off).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("preprocessor_config.json")).unwrap())
+            .unwrap();
+    let proc = SquareProcessor::from_config(&config).unwrap();
+    let vision = Gemma3Vision::load(&dir).unwrap();
+    let turns = ["rgb.png", "gray.png"]
+        .iter()
+        .map(|name| {
+            let bytes = read(name);
+            let features = vision
+                .image_features(&proc.pixel_values(&decoded(name)))
+                .unwrap();
+            let key = verity::engine::content_key(&bytes, &format!("{proc:?}"));
+            let img = PromptImage::new(key, 4, features);
+            let mut ids = vec![2, 10, 11, 12, 317];
+            ids.extend(&img.ids);
+            ids.extend([318, 20, 21, 22]);
+            (ids, img)
+        })
+        .collect();
+    (engine, turns)
+}
+
+fn answer(
+    e: &mut verity::engine::Engine<verity::backend::cpu::CpuBackend>,
+    ids: &[u32],
+    img: &verity::engine::PromptImage,
+) -> (Vec<u32>, usize) {
+    use verity::engine::GenerateRequest;
+    let req = GenerateRequest {
+        ignore_eos: true,
+        images: vec![img.clone()],
+        store_prefix: Some(ids.len() - 1),
+        ..GenerateRequest::greedy(12)
+    };
+    let mut s = e.new_session();
+    let mut out = Vec::new();
+    let stats = e
+        .generate(&mut s, ids, &req, |_, t| {
+            out.push(t.id);
+            true
+        })
+        .unwrap();
+    e.end_session(s);
+    (out, stats.restored_tokens)
+}
+
+/// An image turn through the engine: the answer is greedy decoding of the model on the image's features (the
+/// first token the prefill's last logits pick); a second run of the same turn restores its whole prefix from the
+/// prefix cache and answers the same; the same text with another image restores only the text before the image
+/// and answers from its own.
+#[test]
+fn image_turns_restore_their_own_prefix_and_never_another_images() {
+    let (mut e, turns) = image_turns();
+    e.set_prefix_cache_budget(64 << 20);
+    let (ids, img) = &turns[0];
+    let (cold, restored) = answer(&mut e, ids, img);
+    assert_eq!(restored, 0);
+    let (warm, restored) = answer(&mut e, ids, img);
+    assert_eq!(warm, cold, "restored turn differs from the cold one");
+    assert_eq!(restored, ids.len() - 1, "the whole prompt body restores");
+    let (other_ids, other) = &turns[1];
+    let (theirs, restored) = answer(&mut e, other_ids, other);
+    assert!(
+        restored <= 5,
+        "another image restored {restored} rows of the first's prefix"
+    );
+    // Cold, without the cache: the same answer.
+    e.set_prefix_cache_budget(0);
+    let (alone, _) = answer(&mut e, other_ids, other);
+    assert_eq!(theirs, alone);
+    // The two images' prompts differ only in the image rows' inputs, and so do their last rows' logits.
+    use verity::model::{Batch, LogitRows, MediaRows};
+    let last: Vec<Vec<f32>> = turns
+        .iter()
+        .map(|(ids, img)| {
+            let mut tokens = ids.clone();
+            tokens[5..9].fill(0);
+            let batch = Batch::with_media(
+                &tokens,
+                0,
+                vec![MediaRows {
+                    first_row: 5,
+                    rows: 4,
+                    values: img.features.clone(),
+                }],
+            );
+            let mut cache = e.model.new_cache(64);
+            e.model
+                .forward(&mut cache, &batch, LogitRows::Last, &[])
+                .unwrap()
+                .logits
+        })
+        .collect();
+    assert!(
+        relative_error(&last[0], &last[1]) > 1e-3,
+        "the image rows' features were not read"
+    );
+}
+
+/// An image row id that belongs to no image of the request, or a prompt ending inside an image, is refused.
+#[test]
+fn image_rows_must_belong_to_the_request_and_not_end_the_prompt() {
+    use verity::engine::GenerateRequest;
+    let (mut e, turns) = image_turns();
+    let (ids, img) = &turns[0];
+    let mut s = e.new_session();
+    let no_images = GenerateRequest::greedy(2);
+    assert!(e.generate(&mut s, ids, &no_images, |_, _| true).is_err());
+    let ends_inside = GenerateRequest {
+        images: vec![img.clone()],
+        ..GenerateRequest::greedy(2)
+    };
+    assert!(e
+        .generate(&mut s, &ids[..7], &ends_inside, |_, _| true)
         .is_err());
 }

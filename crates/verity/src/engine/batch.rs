@@ -21,6 +21,7 @@
 use std::time::{Duration, Instant};
 
 use super::decode::{kept_features, logits_wanted, Cycle};
+use super::media::{self, MediaTable};
 use super::prefill::PrefillPlan;
 use super::{Emitted, Engine, GenerateRequest, GenerationStats, Session, StopReason};
 use crate::backend::Backend;
@@ -55,6 +56,8 @@ pub struct Decoding<B: Backend> {
     draft_s: f64,
     /// The target states its proposer conditions on (none without a proposer).
     features: TargetFeatures,
+    /// Where its prompt's image rows take their features from.
+    media: MediaTable,
 }
 
 /// Batched steps' row counts measured apart (the engine's [`crate::speculative::RowCost`]).
@@ -162,10 +165,13 @@ impl<B: Backend> Engine<B> {
         }
         let start = Instant::now();
         let verifier = Verifier::new(request.sampling)?;
+        let media = MediaTable::new(&request.images, self.model.hp.hidden)?;
+        media.check(prompt)?;
         let mut proposer = (self.batch_drafts
             && self.plan.route != Route::Ar
             && request.speculate
-            && request.constraint.is_none())
+            && request.constraint.is_none()
+            && media.is_empty())
         .then(|| {
             let own = self.proposer.as_ref().and_then(|p| p.for_request());
             own.unwrap_or_else(|| Box::new(SuffixCopy::new()))
@@ -197,6 +203,7 @@ impl<B: Backend> Engine<B> {
             width: 0,
             draft_s: 0.0,
             features,
+            media,
         };
         if d.prefill.is_none() {
             d.prompt_states_to_proposer();
@@ -277,8 +284,10 @@ impl<B: Backend> Engine<B> {
         // row of its first decode step).
         let chunk_end = |d: &Decoding<B>| {
             d.prefill.as_ref().map(|p| {
-                let end = p.next_end(d.context.len() - 1);
-                (p.pos, end.expect("a prefill under way has rows left"))
+                let body = &d.context[..d.context.len() - 1];
+                let end = p.next_end(body.len());
+                let end = media::chunk_end(body, end.expect("a prefill under way has rows left"));
+                (p.pos, end)
             })
         };
         // Each decoding request's drafts. A drafted row is worth its expected acceptance against what it costs:
@@ -333,20 +342,20 @@ impl<B: Backend> Engine<B> {
             .map(|(&i, draft)| {
                 let d = &batch[i];
                 match chunk_end(d) {
-                    Some((pos, end)) => Batch::causal(&d.context[pos..end], pos),
+                    Some((pos, end)) => d.media.batch(&d.context[pos..end], pos),
                     None => {
                         let pending = *d.context.last().expect("non-empty context");
                         let (tokens, positions, mask) = draft.rows(pending, d.session.cache.len());
-                        Batch {
+                        Ok(Batch {
                             tokens,
                             positions,
                             mask,
                             media: Vec::new(),
-                        }
+                        })
                     }
                 }
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let wants: Vec<LogitRows> = live
             .iter()
             .map(|&i| match batch[i].prefill {

@@ -11,6 +11,7 @@
 use std::borrow::Cow;
 use std::time::Instant;
 
+use super::media::MediaTable;
 use super::request::Logprobs;
 use super::{Emitted, Engine, GenerateRequest, GenerationStats, Prefilled, Session, StopReason};
 use crate::backend::Backend;
@@ -41,7 +42,9 @@ impl<B: Backend> Engine<B> {
                 sess.cache.max_capacity()
             )));
         }
-        let mut proposer = if req.speculate && req.constraint.is_none() {
+        let media = MediaTable::new(&req.images, self.model.hp.hidden)?;
+        media.check(prompt)?;
+        let mut proposer = if req.speculate && req.constraint.is_none() && media.is_empty() {
             self.proposer.take()
         } else {
             None
@@ -50,7 +53,13 @@ impl<B: Backend> Engine<B> {
             p.reset(&req.sampling);
         }
         let result = self
-            .prefill(sess, prompt, req.store_prefix, proposer.as_deref_mut())
+            .prefill(
+                sess,
+                prompt,
+                &media,
+                req.store_prefix,
+                proposer.as_deref_mut(),
+            )
             .and_then(|prefilled| {
                 let stats = self.decode(
                     sess,

@@ -7,6 +7,7 @@
 
 mod batch;
 mod decode;
+mod media;
 mod prefill;
 mod prompt;
 mod request;
@@ -17,6 +18,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 pub use batch::Decoding;
+pub use media::{content_key, is_media, PromptImage, MEDIA_BIT};
 pub use prompt::ChatPrompt;
 pub use request::{Emitted, GenerateRequest, Logprobs};
 pub use session::Session;

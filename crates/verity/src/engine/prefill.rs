@@ -3,11 +3,12 @@
 
 use std::time::Instant;
 
+use super::media::{self, MediaTable};
 use super::{Engine, GenerateRequest, Session};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
+use crate::model::LogitRows;
 use crate::model::TargetFeatures;
-use crate::model::{Batch, LogitRows};
 use crate::speculative::Proposer;
 
 /// What prefill reused and what storing cost.
@@ -61,6 +62,7 @@ impl<B: Backend> Engine<B> {
         &mut self,
         sess: &mut Session<B>,
         prompt: &[u32],
+        media: &MediaTable,
         store_at: Option<usize>,
         proposer: Option<&mut (dyn Proposer + 'static)>,
     ) -> Result<Prefilled> {
@@ -71,7 +73,8 @@ impl<B: Backend> Engine<B> {
         let mut plan = self.prefill_plan(sess, prompt, store_at, &features)?;
         let body = &prompt[..prompt.len() - 1];
         while let Some(end) = plan.next_end(body.len()) {
-            let chunk = Batch::causal(&body[plan.pos..end], plan.pos);
+            let end = media::chunk_end(body, end);
+            let chunk = media.batch(&body[plan.pos..end], plan.pos)?;
             if !features.is_none() {
                 let out = self.model.forward_features(
                     &mut sess.cache,

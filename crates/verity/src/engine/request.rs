@@ -1,5 +1,6 @@
 //! What a caller asks of the engine and what it gets back per token.
 
+use super::media::PromptImage;
 use crate::sample::constraint::SharedConstraint;
 use crate::sample::SamplerConfig;
 
@@ -24,6 +25,9 @@ pub struct GenerateRequest {
     /// Store a prefix-cache checkpoint after this many prompt tokens (the canonical boundary: the conversation
     /// without the generation prompt), captured during prefill; and one of the state after the answer.
     pub store_prefix: Option<usize>,
+    /// The images whose rows the prompt holds (their ids, [`PromptImage::ids`], in place of placeholder
+    /// tokens). A request with images decodes without drafts: the proposers do not yet condition on image rows.
+    pub images: Vec<PromptImage>,
 }
 
 impl Default for GenerateRequest {
@@ -39,6 +43,7 @@ impl Default for GenerateRequest {
             logprobs: 0,
             constraint: None,
             store_prefix: None,
+            images: Vec::new(),
         }
     }
 }

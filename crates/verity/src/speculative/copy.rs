@@ -138,9 +138,11 @@ impl Proposer for SuffixCopy {
     }
 
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft> {
+        // An image's rows are not tokens: a match that would copy one drafts nothing.
         Ok(self
             .lookup(context, k)
             .map(|(_, draft)| draft)
+            .filter(|d| !d.tokens().iter().any(|&t| crate::engine::is_media(t)))
             .unwrap_or_default())
     }
 

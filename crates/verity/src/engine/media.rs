@@ -1,0 +1,167 @@
+//! Images in a prompt. An image's rows carry ids derived from its content (its bytes and how they were
+//! preprocessed) instead of one placeholder id: the session's cached prefix and the prefix cache's keys (RAM and
+//! disk) are token sequences, so two different images never share a prefix and the same image restores its
+//! own, with no other change to the cache. The ids have the top bit set, outside every vocabulary: a forward
+//! gets the image's features for those rows ([`crate::model::MediaRows`]) and a placeholder token, and the copy
+//! proposer never copies them.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::model::{Batch, MediaRows};
+
+/// The bit that marks a prompt id as an image's row.
+pub const MEDIA_BIT: u32 = 1 << 31;
+
+/// Whether `id` is an image's row rather than a token.
+pub fn is_media(id: u32) -> bool {
+    id & MEDIA_BIT != 0
+}
+
+/// One image of a prompt: the ids its rows take (one per image token) and the vision side's features for them.
+#[derive(Debug, Clone)]
+pub struct PromptImage {
+    pub ids: Vec<u32>,
+    /// `ids.len() × hidden`.
+    pub features: Arc<Vec<f32>>,
+}
+
+/// The content key of an image: a 128-bit hash of its encoded bytes and of `settings` (how it is preprocessed:
+/// the same bytes resized for another tower are another input).
+pub fn content_key(bytes: &[u8], settings: &str) -> u128 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(&(bytes.len() as u64).to_le_bytes());
+    h.update(bytes);
+    h.update(settings.as_bytes());
+    h.digest128()
+}
+
+impl PromptImage {
+    /// The image whose content key is `key` (a hash of its bytes and its preprocessing settings), its features
+    /// `features` for `tokens` rows: row `i`'s id is 31 bits of a hash of `(key, i)`, so every row's id depends
+    /// on the whole content and two images' id sequences differ everywhere.
+    pub fn new(key: u128, tokens: usize, features: Vec<f32>) -> Self {
+        let ids = (0..tokens as u64)
+            .map(|i| {
+                let h = xxhash_rust::xxh3::xxh3_64_with_seed(&key.to_le_bytes(), i);
+                MEDIA_BIT | (h as u32 & !MEDIA_BIT)
+            })
+            .collect();
+        PromptImage {
+            ids,
+            features: Arc::new(features),
+        }
+    }
+}
+
+/// Where each image id of a request's prompt takes its features from.
+#[derive(Debug, Default, Clone)]
+pub struct MediaTable {
+    rows: HashMap<u32, (usize, usize)>,
+    images: Vec<PromptImage>,
+    hidden: usize,
+}
+
+impl MediaTable {
+    /// The table of `images` for a model of hidden size `hidden`; an image whose features are not one row of
+    /// `hidden` values per id is refused.
+    pub fn new(images: &[PromptImage], hidden: usize) -> Result<Self> {
+        let mut rows = HashMap::new();
+        for (n, img) in images.iter().enumerate() {
+            if img.features.len() != img.ids.len() * hidden || img.ids.iter().any(|&i| !is_media(i))
+            {
+                return Err(Error::Invalid(format!(
+                    "image {n}: {} ids and {} feature values for hidden size {hidden}",
+                    img.ids.len(),
+                    img.features.len()
+                )));
+            }
+            for (r, &id) in img.ids.iter().enumerate() {
+                rows.insert(id, (n, r));
+            }
+        }
+        Ok(MediaTable {
+            rows,
+            images: images.to_vec(),
+            hidden,
+        })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.images.is_empty()
+    }
+
+    /// That every image row of `prompt` belongs to one of the request's images, and that the prompt does not
+    /// end inside an image (its last token starts the answer).
+    pub fn check(&self, prompt: &[u32]) -> Result<()> {
+        if let Some(&id) = prompt
+            .iter()
+            .find(|&&t| is_media(t) && !self.rows.contains_key(&t))
+        {
+            return Err(Error::Invalid(format!(
+                "image row id {id:#x} of no image of the request"
+            )));
+        }
+        if prompt.last().is_some_and(|&t| is_media(t)) {
+            return Err(Error::Invalid(
+                "a prompt cannot end inside an image (its last token starts the answer)".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The forward of `ids` from position `start`: image rows get their features (runs of consecutive rows of
+    /// one image each a [`MediaRows`], its rows seeing each other both ways) and the placeholder token 0; an image
+    /// id the table does not know is an error.
+    pub fn batch(&self, ids: &[u32], start: usize) -> Result<Batch> {
+        if !ids.iter().any(|&i| is_media(i)) {
+            return Ok(Batch::causal(ids, start));
+        }
+        let h = self.hidden;
+        let mut tokens = Vec::with_capacity(ids.len());
+        let mut media: Vec<MediaRows> = Vec::new();
+        let mut run: Option<(usize, usize, usize)> = None; // (image, its first row, first batch row)
+        let mut values: Vec<f32> = Vec::new();
+        let flush = |run: &mut Option<(usize, usize, usize)>,
+                     values: &mut Vec<f32>,
+                     media: &mut Vec<MediaRows>| {
+            if let Some((_, _, first)) = run.take() {
+                media.push(MediaRows {
+                    first_row: first,
+                    rows: values.len() / h,
+                    values: Arc::new(std::mem::take(values)),
+                });
+            }
+        };
+        for (b, &id) in ids.iter().enumerate() {
+            if !is_media(id) {
+                flush(&mut run, &mut values, &mut media);
+                tokens.push(id);
+                continue;
+            }
+            let &(img, r) = self.rows.get(&id).ok_or_else(|| {
+                Error::Invalid(format!("image row id {id:#x} of no image of the request"))
+            })?;
+            let continues = matches!(run, Some((i, r0, b0)) if i == img && r == r0 + (b - b0));
+            if !continues {
+                flush(&mut run, &mut values, &mut media);
+                run = Some((img, r, b));
+            }
+            values.extend_from_slice(&self.images[img].features[r * h..][..h]);
+            tokens.push(0);
+        }
+        flush(&mut run, &mut values, &mut media);
+        Ok(Batch::with_media(&tokens, start, media))
+    }
+}
+
+/// The end of a prefill chunk of `body` that would end at `end`, moved past any image run it would cut (an
+/// image's rows attend to each other both ways, so they go through one forward).
+pub fn chunk_end(body: &[u32], end: usize) -> usize {
+    let mut e = end;
+    while e < body.len() && e > 0 && is_media(body[e - 1]) && is_media(body[e]) {
+        e += 1;
+    }
+    e
+}
