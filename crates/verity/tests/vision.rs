@@ -243,35 +243,27 @@ fn gemma3_text_model_reads_the_image_features_as_transformers_does() {
         .is_err());
 }
 
-/// An engine on the tiny image-text bundle and two images' prompt ids: text, `<start_of_image>`, the image's 4
-/// content-keyed rows, `<end_of_image>`, text.
+/// An engine on the tiny image-text bundle (its vision side found in the folder) and two images' prompt ids:
+/// text, then the image's block (`<start_of_image>`, its 4 content-keyed rows, `<end_of_image>`), then text.
 fn image_turns() -> (
     verity::engine::Engine<verity::backend::cpu::CpuBackend>,
     Vec<(Vec<u32>, verity::engine::PromptImage)>,
 ) {
     use std::sync::Arc;
-    use verity::engine::{Engine, PromptImage};
+    use verity::engine::Engine;
     use verity::speculative::SpecMode;
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vision/gemma3-vl");
     let be = Arc::new(verity::backend::cpu::CpuBackend::new(2).unwrap());
     let engine = Engine::load(&dir, be, &SpecMode::Off).unwrap();
-    let config: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("preprocessor_config.json")).unwrap())
-            .unwrap();
-    let proc = SquareProcessor::from_config(&config).unwrap();
-    let vision = Gemma3Vision::load(&dir).unwrap();
+    let vision = engine.vision.as_ref().expect("an image-text bundle");
+    assert_eq!((vision.begin, vision.end, vision.tokens), (317, 318, 4));
     let turns = ["rgb.png", "gray.png"]
         .iter()
         .map(|name| {
-            let bytes = read(name);
-            let features = vision
-                .image_features(&proc.pixel_values(&decoded(name)))
-                .unwrap();
-            let key = verity::engine::content_key(&bytes, &format!("{proc:?}"));
-            let img = PromptImage::new(key, 4, features);
-            let mut ids = vec![2, 10, 11, 12, 317];
-            ids.extend(&img.ids);
-            ids.extend([318, 20, 21, 22]);
+            let img = vision.image(&read(name), &ImageLimits::default()).unwrap();
+            let mut ids = vec![2, 10, 11, 12];
+            ids.extend(vision.block(&img));
+            ids.extend([20, 21, 22]);
             (ids, img)
         })
         .collect();

@@ -165,3 +165,84 @@ pub fn chunk_end(body: &[u32], end: usize) -> usize {
     }
     e
 }
+
+/// A bundle's vision side (a Gemma 3 image-text folder): its processor, the tower loaded on the first image
+/// (hundreds of megabytes a text-only turn never needs), and the tokens around an image's rows.
+pub struct VisionSide {
+    dir: std::path::PathBuf,
+    processor: crate::vision::SquareProcessor,
+    tower: std::sync::OnceLock<crate::vision::Gemma3Vision>,
+    /// `<start_of_image>` and `<end_of_image>`.
+    pub begin: u32,
+    pub end: u32,
+    /// Rows per image.
+    pub tokens: usize,
+}
+
+impl VisionSide {
+    /// The vision side of the bundle folder `dir`, if its `config.json` has one.
+    pub fn open(dir: &std::path::Path) -> Result<Option<Self>> {
+        let read = |name: &str| -> Result<Option<serde_json::Value>> {
+            let path = dir.join(name);
+            match std::fs::read(&path) {
+                Ok(b) => serde_json::from_slice(&b)
+                    .map(Some)
+                    .map_err(|e| Error::malformed(&path, e.to_string())),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(Error::io(&path, e)),
+            }
+        };
+        let Some(config) = read("config.json")? else {
+            return Ok(None);
+        };
+        if config.get("vision_config").is_none() {
+            return Ok(None);
+        }
+        let preprocessor = read("preprocessor_config.json")?.ok_or_else(|| {
+            Error::malformed(dir, "an image-text bundle without preprocessor_config.json")
+        })?;
+        let id = |k: &str| -> Result<u32> {
+            config
+                .get(k)
+                .and_then(serde_json::Value::as_u64)
+                .and_then(|v| u32::try_from(v).ok())
+                .ok_or_else(|| Error::malformed(dir.join("config.json"), format!("no {k}")))
+        };
+        let tower = crate::vision::SiglipConfig::from_config(&config)?;
+        Ok(Some(VisionSide {
+            dir: dir.to_path_buf(),
+            processor: crate::vision::SquareProcessor::from_config(&preprocessor)?,
+            tower: std::sync::OnceLock::new(),
+            begin: id("boi_token_index")?,
+            end: id("eoi_token_index")?,
+            tokens: tower.tokens,
+        }))
+    }
+
+    /// The image `bytes` (PNG or JPEG) as a prompt's image: decoded, preprocessed, through the tower and the
+    /// projector, its rows keyed by its content and the processor's settings.
+    pub fn image(&self, bytes: &[u8], limits: &crate::vision::ImageLimits) -> Result<PromptImage> {
+        let pixels = self
+            .processor
+            .pixel_values(&crate::vision::decode(bytes, limits)?);
+        let tower = match self.tower.get() {
+            Some(t) => t,
+            None => {
+                let t = crate::vision::Gemma3Vision::load(&self.dir)?;
+                self.tower.get_or_init(|| t)
+            }
+        };
+        let features = tower.image_features(&pixels)?;
+        let key = content_key(bytes, &format!("{:?}", self.processor));
+        Ok(PromptImage::new(key, self.tokens, features))
+    }
+
+    /// An image's part of a prompt: `<start_of_image>`, its rows, `<end_of_image>`.
+    pub fn block(&self, image: &PromptImage) -> Vec<u32> {
+        let mut ids = Vec::with_capacity(image.ids.len() + 2);
+        ids.push(self.begin);
+        ids.extend(&image.ids);
+        ids.push(self.end);
+        ids
+    }
+}

@@ -18,7 +18,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 pub use batch::Decoding;
-pub use media::{content_key, is_media, PromptImage, MEDIA_BIT};
+pub use media::{content_key, is_media, PromptImage, VisionSide, MEDIA_BIT};
 pub use prompt::ChatPrompt;
 pub use request::{Emitted, GenerateRequest, Logprobs};
 pub use session::Session;
@@ -50,6 +50,8 @@ pub struct Engine<B: Backend> {
     batch_drafts: bool,
     step_cost: RowCost,
     batch_gate: BatchGate,
+    /// An image-text bundle's vision side.
+    pub vision: Option<VisionSide>,
 }
 
 /// Ended sessions' caches kept for new ones. A cache keeps its buffers (and the capacity they grew to), so a
@@ -96,6 +98,11 @@ impl<B: Backend> Engine<B> {
             batch_drafts: false,
             step_cost: RowCost::new(batch::STEP_ROWS),
             batch_gate: BatchGate::default(),
+            vision: if bundle.path.is_dir() {
+                VisionSide::open(&bundle.path)?
+            } else {
+                None
+            },
         })
     }
 
