@@ -2,14 +2,15 @@ use std::io::Write;
 
 use std::sync::Arc;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use verity::backend::Backend;
 
 use crate::device::{with_backend, Device, WithBackend};
 use verity::chat::{Message, StreamDecoder};
-use verity::engine::GenerateRequest;
+use verity::engine::{GenerateRequest, IMAGE_SLOT};
 use verity::sample::SamplerConfig;
 use verity::speculative::SpecMode;
+use verity::vision::ImageLimits;
 use verity_registry as registry;
 
 /// Generation settings shared by `run` and `chat`.
@@ -74,6 +75,9 @@ pub struct Args {
     gen: GenArgs,
     /// The prompt (a user message; raw text for bundles without a chat template).
     prompt: String,
+    /// An image (PNG or JPEG) shown before the prompt's text; repeat for several. Needs an image-text bundle.
+    #[arg(long = "image", value_name = "FILE")]
+    images: Vec<std::path::PathBuf>,
 }
 
 pub fn main(a: Args, device: Device, threads: usize) -> Result<()> {
@@ -89,10 +93,32 @@ impl WithBackend for Args {
             eprintln!("[no chat template (a base model): the prompt is continued as raw text]");
         }
         let mut messages = a.gen.first_messages();
-        messages.push(Message::new("user", &a.prompt));
-        let prompt = engine.chat_prompt(&messages)?;
+        let mut req = a.gen.request();
+        let prompt = if a.images.is_empty() {
+            messages.push(Message::new("user", &a.prompt));
+            engine.chat_prompt(&messages)?
+        } else {
+            let vision = engine.vision.as_ref().with_context(|| {
+                format!(
+                    "{}: not an image-text bundle (no vision tower)",
+                    a.gen.model
+                )
+            })?;
+            for path in &a.images {
+                let bytes =
+                    std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+                let img = vision
+                    .image(&bytes, &ImageLimits::default())
+                    .with_context(|| path.display().to_string())?;
+                req.images.push(img);
+            }
+            let slots: String = std::iter::repeat_n(IMAGE_SLOT, a.images.len()).collect();
+            messages.push(Message::new("user", &format!("{slots}{}", a.prompt)));
+            engine
+                .render_chat_with_images(&messages, &req.images)?
+                .tokens
+        };
         let mut sess = engine.new_session();
-        let req = a.gen.request();
         let (_, stats) = stream(&mut engine, &mut sess, &prompt, &req)?;
         eprintln!("\n[{}]", stats.summary());
         Ok(())

@@ -629,3 +629,76 @@ fn quantize_writes_a_model_that_runs_and_refuses_what_it_cannot_do() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `run --image` on a tiny Gemma 3 image-text bundle: the image's block joins the prompt (text, a blank line,
+/// `<start_of_image>`, 4 rows, `<end_of_image>`, a blank line) and an answer streams; a file that is not an
+/// image, and a text-only bundle, give clear errors.
+#[test]
+fn run_takes_an_image_with_an_image_text_bundle() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../verity/tests/fixtures");
+    let bundle = fixtures.join("vision/gemma3-vl");
+    let image = fixtures.join("images/rgb.png");
+    let (bundle, image) = (bundle.to_str().unwrap(), image.to_str().unwrap());
+    let out = verity(&[
+        "run",
+        "--model",
+        bundle,
+        "--max-tokens",
+        "4",
+        "--image",
+        image,
+        "Describe it.",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let log = text(&out.stderr);
+    assert!(log.contains("4 completion tokens"), "{log}");
+    // Two images: the second's block of 6 ids and the blank lines between them.
+    let two = verity(&[
+        "run",
+        "--model",
+        bundle,
+        "--max-tokens",
+        "1",
+        "--image",
+        image,
+        "--image",
+        image,
+        "Describe it.",
+    ]);
+    assert!(two.status.success(), "{}", text(&two.stderr));
+    let tokens = |log: &str| -> usize {
+        let at = log.find(" prompt tokens").unwrap();
+        log[..at].rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let extra = tokens(&text(&two.stderr)) - tokens(&log);
+    assert!(
+        (7..=10).contains(&extra),
+        "{extra} more ids for the second image"
+    );
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
+    let bad = verity(&[
+        "run",
+        "--model",
+        bundle,
+        "--image",
+        manifest.to_str().unwrap(),
+        "x",
+    ]);
+    assert!(!bad.status.success());
+    assert!(
+        text(&bad.stderr).contains("not a PNG or JPEG"),
+        "{}",
+        text(&bad.stderr)
+    );
+    let llama = fixture("llama-f32");
+    let plain = verity(&[
+        "run",
+        "--model",
+        llama.to_str().unwrap(),
+        "--image",
+        image,
+        "x",
+    ]);
+    assert!(!plain.status.success());
+    assert!(text(&plain.stderr).contains("not an image-text bundle"));
+}

@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 pub use batch::Decoding;
 pub use media::{content_key, is_media, PromptImage, VisionSide, MEDIA_BIT};
-pub use prompt::ChatPrompt;
+pub use prompt::{ChatPrompt, IMAGE_SLOT};
 pub use request::{Emitted, GenerateRequest, Logprobs};
 pub use session::Session;
 pub use stats::{GenerationStats, StopReason};

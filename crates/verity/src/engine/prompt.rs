@@ -12,6 +12,8 @@ use crate::error::{Error, Result};
 /// a user wrote is encoded as text ([`crate::chat::Tokenizer::encode_with_literals`]).
 const OPEN: char = '\u{F8F0}';
 const CLOSE: char = '\u{F8F1}';
+/// Where an image goes in a message's content ([`Engine::render_chat_with_images`]).
+pub const IMAGE_SLOT: char = '\u{F8F2}';
 
 /// A conversation rendered for the model.
 #[derive(Debug, Clone)]
@@ -122,6 +124,71 @@ impl<B: Backend> Engine<B> {
             .tokenizer
             .encode_with_literals(&text, &literals, true)?;
         Ok((text, tokens))
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// The prompt for a conversation whose contents hold images: each [`IMAGE_SLOT`] character in a content is
+    /// where the next of `images` goes, as its processor places it (Gemma 3's: a blank line, `<start_of_image>`,
+    /// the image's rows, `<end_of_image>`, a blank line). The text between is encoded in pieces that end and
+    /// start at the image's control tokens, which a tokenizer never merges across, so the ids are those of the
+    /// whole expanded text. Needs the bundle's vision side and a chat template.
+    pub fn render_chat_with_images(
+        &self,
+        messages: &[Message],
+        images: &[super::PromptImage],
+    ) -> Result<ChatPrompt> {
+        let vision = self.vision.as_ref().ok_or_else(|| {
+            Error::Unsupported("images with a bundle that has no vision tower".into())
+        })?;
+        let t = self.template.as_ref().ok_or_else(|| {
+            Error::Unsupported("images with a bundle without a chat template".into())
+        })?;
+        let slots: usize = messages
+            .iter()
+            .map(|m| m.content.matches(IMAGE_SLOT).count())
+            .sum();
+        if slots != images.len() {
+            return Err(Error::Invalid(format!(
+                "{slots} image places in the messages for {} images",
+                images.len()
+            )));
+        }
+        if messages.iter().any(|m| {
+            self.tokenizer.mentions_special(&m.content) || m.content.contains([OPEN, CLOSE])
+        }) {
+            return Err(Error::Unsupported(
+                "control-token text in a message that comes with images".into(),
+            ));
+        }
+        let args = TemplateArgs::default();
+        let encode = |text: &str| -> Result<Vec<u32>> {
+            let pieces: Vec<&str> = text.split(IMAGE_SLOT).collect();
+            let mut ids = Vec::new();
+            for (i, piece) in pieces.iter().enumerate() {
+                let mut piece = piece.to_string();
+                if i > 0 {
+                    piece.insert_str(0, "\n\n");
+                }
+                if i + 1 < pieces.len() {
+                    piece.push_str("\n\n");
+                }
+                ids.extend(self.tokenizer.encode(&piece, i == 0)?);
+                if let Some(img) = images.get(i).filter(|_| i + 1 < pieces.len()) {
+                    ids.extend(vision.block(img));
+                }
+            }
+            Ok(ids)
+        };
+        let tokens = encode(&t.render(messages, true, &args)?)?;
+        let head = encode(&t.render(messages, false, &args)?)?;
+        let boundary =
+            (head.len() < tokens.len() && tokens.starts_with(&head)).then_some(head.len());
+        Ok(ChatPrompt {
+            tokens,
+            boundary,
+            opens_reasoning: false,
+        })
     }
 }
 
