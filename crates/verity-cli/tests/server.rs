@@ -3,6 +3,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -1074,4 +1075,93 @@ fn openai_python_client_suite_passes() {
 #[test]
 fn anthropic_python_client_suite_passes() {
     client_suite_passes("test_anthropic.py", "anthropic", "VERITY_REQUIRE_ANTHROPIC");
+}
+
+/// Standard base64, for the images the tests send.
+fn base64(bytes: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for c in bytes.chunks(3) {
+        let n = (u32::from(c[0]) << 16)
+            | (u32::from(*c.get(1).unwrap_or(&0)) << 8)
+            | u32::from(*c.get(2).unwrap_or(&0));
+        for i in 0..4 {
+            if i <= c.len() {
+                out.push(A[(n >> (18 - 6 * i)) as usize & 63] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// Images in both APIs, on a tiny Gemma 3 image-text bundle: an OpenAI `image_url` part with a base64 data URL
+/// and an Anthropic base64 `image` block are answered (the prompt holds the image's block: 6 ids, a blank line on
+/// each side, more than the text alone); the same request twice restores the image turn's prefix from the
+/// prefix cache; a remote URL is never fetched, and a broken image, bad base64 or a text-only model get a 4xx.
+#[test]
+fn chat_requests_carry_images_in_both_apis() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../verity/tests/fixtures");
+    let bundle = fixtures.join("vision/gemma3-vl");
+    let png = std::fs::read(fixtures.join("images/rgb.png")).unwrap();
+    let url = format!("data:image/png;base64,{}", base64(&png));
+    let s = Server::start(&["--model", bundle.to_str().unwrap()]);
+    let openai = |content: &str| {
+        let body = format!(
+            r#"{{"messages":[{{"role":"user","content":{content}}}],"max_tokens":3,"temperature":0}}"#
+        );
+        http(&s.addr, "POST", "/v1/chat/completions", &body)
+    };
+    let prompt_tokens = |body: &str| -> u64 {
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        v["usage"]["prompt_tokens"].as_u64().unwrap()
+    };
+    let with_image = format!(
+        r#"[{{"type":"image_url","image_url":{{"url":"{url}"}}}},{{"type":"text","text":"Describe it."}}]"#
+    );
+    let (status, body) = openai(&with_image);
+    assert_eq!(status, 200, "{body}");
+    let (status, text_only) = openai(r#""Describe it.""#);
+    assert_eq!(status, 200, "{text_only}");
+    assert!(
+        prompt_tokens(&body) >= prompt_tokens(&text_only) + 6,
+        "{body}"
+    );
+    // Again: the image turn's prefix comes from the prefix cache.
+    let (status, again) = openai(&with_image);
+    assert_eq!(status, 200);
+    let v: serde_json::Value = serde_json::from_str(&again).unwrap();
+    assert!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0)
+            > 6,
+        "{again}"
+    );
+    for bad in [
+        r#"[{"type":"image_url","image_url":{"url":"https://example.com/cat.png"}}]"#.to_string(),
+        r#"[{"type":"image_url","image_url":{"url":"data:image/png;base64,@@@"}}]"#.to_string(),
+        format!(
+            r#"[{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{}"}}}}]"#,
+            base64(&png[..png.len() / 2])
+        ),
+    ] {
+        let (status, body) = openai(&bad);
+        assert_eq!(status, 400, "{bad}: {body}");
+    }
+    // The Messages API's base64 image block.
+    let body = format!(
+        r#"{{"model":"gemma3-vl","max_tokens":3,"messages":[{{"role":"user","content":[{{"type":"image","source":{{"type":"base64","media_type":"image/png","data":"{}"}}}},{{"type":"text","text":"Describe it."}}]}}]}}"#,
+        base64(&png)
+    );
+    let (status, reply) = http(&s.addr, "POST", "/v1/messages", &body);
+    assert_eq!(status, 200, "{reply}");
+    drop(s);
+    // A text-only model refuses images.
+    let s = Server::start(&["--model", fixtures.join("hf/llama-f32").to_str().unwrap()]);
+    let body =
+        format!(r#"{{"messages":[{{"role":"user","content":{with_image}}}],"max_tokens":2}}"#);
+    let (status, reply) = http(&s.addr, "POST", "/v1/chat/completions", &body);
+    assert!((400..500).contains(&status), "{status}: {reply}");
 }

@@ -19,10 +19,10 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
-use verity::chat::{Message, ToolCall};
+use verity::chat::ToolCall;
 use verity::engine::GenerationStats;
 
-use crate::api::{self, Params};
+use crate::api;
 use crate::error::ApiError;
 use crate::events::{Events, SseBody};
 use crate::worker::Event;
@@ -107,7 +107,7 @@ fn block_type(b: &Value) -> Result<&str, ApiError> {
 
 fn refuse_media(kind: &str) -> ApiError {
     ApiError::unsupported(
-        format!("{kind} content blocks are not supported by this server's model (text only)"),
+        format!("{kind} content blocks are not supported here (text, and images in user turns)"),
         "messages",
     )
 }
@@ -123,13 +123,19 @@ fn turn(m: &InMessage, out: &mut Vec<Value>) -> Result<(), ApiError> {
     };
     let mut text = String::new();
     let mut calls = Vec::new();
+    // With images, the user's content as OpenAI parts: text and `image_url` data URLs, in order.
+    let mut parts: Vec<Value> = Vec::new();
     for b in blocks {
         match (m.role.as_str(), block_type(b)?) {
-            (_, "text") => text.push_str(
-                b.get("text")
+            (_, "text") => {
+                let t = b
+                    .get("text")
                     .and_then(Value::as_str)
-                    .ok_or_else(|| invalid("a text block needs a string `text`"))?,
-            ),
+                    .ok_or_else(|| invalid("a text block needs a string `text`"))?;
+                text.push_str(t);
+                parts.push(json!({"type": "text", "text": t}));
+            }
+            ("user", "image") => parts.push(image_part(b)?),
             ("user", "tool_result") => {
                 let id = b
                     .get("tool_use_id")
@@ -169,10 +175,41 @@ fn turn(m: &InMessage, out: &mut Vec<Value>) -> Result<(), ApiError> {
     }
     if !calls.is_empty() {
         out.push(json!({"role": "assistant", "content": text, "tool_calls": calls}));
+    } else if parts.iter().any(|p| p["type"] == "image_url") {
+        out.push(json!({"role": m.role, "content": parts}));
     } else if !text.is_empty() || m.role == "assistant" || blocks.is_empty() {
         out.push(json!({"role": m.role, "content": text}));
     }
     Ok(())
+}
+
+/// An Anthropic `image` block (`{source: {type: "base64", media_type, data}}`) as an OpenAI `image_url` part
+/// with a data URL; a URL source is refused (images are never fetched).
+fn image_part(b: &Value) -> Result<Value, ApiError> {
+    let source = b
+        .get("source")
+        .ok_or_else(|| invalid("an image block needs a `source`"))?;
+    match source.get("type").and_then(Value::as_str) {
+        Some("base64") => {}
+        Some(kind) => {
+            return Err(ApiError::unsupported(
+                format!(
+                    "image sources of type {kind:?} (images are not fetched: send base64 data)"
+                ),
+                "messages",
+            ))
+        }
+        None => return Err(invalid("an image source needs a `type`")),
+    }
+    let (Some(media), Some(data)) = (
+        source.get("media_type").and_then(Value::as_str),
+        source.get("data").and_then(Value::as_str),
+    ) else {
+        return Err(invalid(
+            "a base64 image source needs `media_type` and `data`",
+        ));
+    };
+    Ok(json!({"type": "image_url", "image_url": {"url": format!("data:{media};base64,{data}")}}))
 }
 
 /// An Anthropic tool (`{name, description?, input_schema}`) as an OpenAI function tool.
@@ -304,7 +341,7 @@ fn to_openai(req: &MessagesRequest) -> Result<Value, ApiError> {
 
 /// A Messages request body as the conversation and the validated settings (the same as the OpenAI chat
 /// endpoint's for the same request).
-pub fn parse_messages(body: &[u8]) -> Result<(Vec<Message>, Params), ApiError> {
+pub fn parse_messages(body: &[u8]) -> Result<api::Chat, ApiError> {
     let req: MessagesRequest = api::parse(body)?;
     api::parse_chat_value(to_openai(&req)?)
 }

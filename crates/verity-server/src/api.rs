@@ -16,7 +16,8 @@ pub enum Stop {
     Many(Vec<String>),
 }
 
-/// Message content: a string or a list of parts (only text parts are accepted).
+/// Message content: a string or a list of parts (text, and images as `image_url` parts holding a base64 `data:`
+/// URL; a remote URL is never fetched).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum Content {
@@ -29,6 +30,35 @@ pub struct Part {
     #[serde(rename = "type")]
     pub kind: String,
     pub text: Option<String>,
+    pub image_url: Option<Value>,
+}
+
+/// The bytes of an `image_url` part's `data:` URL (`{"url": "data:image/png;base64,..."}`, or the URL string).
+pub fn data_url_bytes(v: &Value) -> Result<Vec<u8>, ApiError> {
+    use base64::Engine as _;
+    let url = v
+        .get("url")
+        .unwrap_or(v)
+        .as_str()
+        .ok_or_else(|| ApiError::invalid("image_url must hold a url", Some("messages")))?;
+    let Some(rest) = url.strip_prefix("data:") else {
+        return Err(ApiError::invalid(
+            "image URLs are not fetched: send the image inline as a data:image/...;base64,... URL",
+            Some("messages"),
+        ));
+    };
+    let (meta, data) = rest
+        .split_once(',')
+        .ok_or_else(|| ApiError::invalid("a data: URL without a comma", Some("messages")))?;
+    if !meta.ends_with(";base64") {
+        return Err(ApiError::invalid(
+            "image data: URLs must be base64",
+            Some("messages"),
+        ));
+    }
+    base64::engine::general_purpose::STANDARD
+        .decode(data.trim())
+        .map_err(|e| ApiError::invalid(format!("image data: {e}"), Some("messages")))
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -168,19 +198,23 @@ pub(crate) fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiE
     serde_json::from_value(v).map_err(|e| ApiError::invalid(format!("invalid request: {e}"), None))
 }
 
-pub fn parse_chat(body: &[u8]) -> Result<(Vec<Message>, Params), ApiError> {
+/// A chat request: its messages (an image's place in a content is [`verity::engine::IMAGE_SLOT`]), the images'
+/// bytes in order, and the validated settings.
+pub type Chat = (Vec<Message>, Vec<Vec<u8>>, Params);
+
+pub fn parse_chat(body: &[u8]) -> Result<Chat, ApiError> {
     chat(parse(body)?)
 }
 
 /// A chat request already read as JSON (what the Messages API's request translates into).
-pub(crate) fn parse_chat_value(v: Value) -> Result<(Vec<Message>, Params), ApiError> {
+pub(crate) fn parse_chat_value(v: Value) -> Result<Chat, ApiError> {
     chat(
         serde_json::from_value(v)
             .map_err(|e| ApiError::invalid(format!("invalid request: {e}"), None))?,
     )
 }
 
-fn chat(req: ChatRequest) -> Result<(Vec<Message>, Params), ApiError> {
+fn chat(req: ChatRequest) -> Result<Chat, ApiError> {
     if req.messages.is_empty() {
         return Err(ApiError::invalid(
             "messages must not be empty",
@@ -188,6 +222,7 @@ fn chat(req: ChatRequest) -> Result<(Vec<Message>, Params), ApiError> {
         ));
     }
     let mut messages = Vec::with_capacity(req.messages.len());
+    let mut images = Vec::new();
     for m in &req.messages {
         if !ROLES.contains(&m.role.as_str()) {
             return Err(ApiError::invalid(
@@ -203,6 +238,16 @@ fn chat(req: ChatRequest) -> Result<(Vec<Message>, Params), ApiError> {
                 for p in parts {
                     match (p.kind.as_str(), &p.text) {
                         ("text", Some(s)) => t.push_str(s),
+                        ("image_url", _) if m.role == "user" => {
+                            let url = p.image_url.as_ref().ok_or_else(|| {
+                                ApiError::invalid(
+                                    "an image_url part without image_url",
+                                    Some("messages"),
+                                )
+                            })?;
+                            images.push(data_url_bytes(url)?);
+                            t.push(verity::engine::IMAGE_SLOT);
+                        }
                         (kind, _) => {
                             return Err(ApiError::unsupported(
                                 format!("content part type {kind:?}"),
@@ -234,7 +279,7 @@ fn chat(req: ChatRequest) -> Result<(Vec<Message>, Params), ApiError> {
         messages.push(msg);
     }
     let params = params(&req.common, Endpoint::Chat)?;
-    Ok((messages, params))
+    Ok((messages, images, params))
 }
 
 /// An OpenAI tool call as chat templates read it: `arguments` as an object, not JSON text.
@@ -668,7 +713,7 @@ mod tests {
 
     fn chat(extra: &str) -> Result<Params, ApiError> {
         let body = format!(r#"{{"messages":[{{"role":"user","content":"hi"}}]{extra}}}"#);
-        parse_chat(body.as_bytes()).map(|(_, p)| p)
+        parse_chat(body.as_bytes()).map(|(_, _, p)| p)
     }
 
     fn completion(extra: &str) -> Result<Params, ApiError> {

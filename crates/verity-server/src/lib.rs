@@ -233,7 +233,7 @@ async fn handle(s: &Arc<AppState>, body: Result<Bytes, BytesRejection>, kind: Ki
         let body = body_bytes(body)?;
         api::check_model(api::model_field(&body).as_deref(), &s.model_id)?;
         let (input, params) = match kind {
-            Kind::Chat => api::parse_chat(&body).map(|(m, p)| (Input::Chat(m), p))?,
+            Kind::Chat => api::parse_chat(&body).map(|(m, i, p)| (Input::Chat(m, i), p))?,
             Kind::Text => api::parse_completion(&body).map(|(t, p)| (Input::Text(t), p))?,
         };
         generate(s, input, params, kind).await
@@ -252,9 +252,9 @@ async fn messages(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejec
     let r = async {
         let body = body_bytes(body)?;
         api::check_model(api::model_field(&body).as_deref(), &s.model_id)?;
-        let (messages, params) = anthropic::parse_messages(&body)?;
+        let (messages, images, params) = anthropic::parse_messages(&body)?;
         let stream = params.stream;
-        let events = start(&s, Input::Chat(messages), params).await?;
+        let events = start(&s, Input::Chat(messages, images), params).await?;
         let reply = anthropic::Reply {
             id: format!("msg_{:x}", rand_id()),
             model: s.model_id.clone(),

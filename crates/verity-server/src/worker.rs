@@ -24,6 +24,7 @@ use verity::engine::{
     Decoding, Emitted, Engine, GenerateRequest, GenerationStats, Session, StopReason,
 };
 use verity::sample::constraint::SharedConstraint;
+use verity::vision::ImageLimits;
 
 use crate::api::{Params, ResponseFormat, ToolChoice};
 use crate::error::ApiError;
@@ -32,7 +33,8 @@ use crate::metrics::Metrics;
 use crate::Capacity;
 
 pub enum Input {
-    Chat(Vec<Message>),
+    /// The messages and the bytes of the images their contents place.
+    Chat(Vec<Message>, Vec<Vec<u8>>),
     Text(String),
 }
 
@@ -277,8 +279,31 @@ fn prepare<B: Backend>(
     grammars: &mut Option<Grammars>,
     job: Job,
 ) -> Result<Prepared, ApiError> {
+    let images = match &job.input {
+        Input::Chat(_, images) if !images.is_empty() => {
+            let vision = engine.vision.as_ref().ok_or_else(|| {
+                ApiError::unsupported("images: this model has no vision tower", "messages")
+            })?;
+            if job.params.tools.is_some() {
+                return Err(ApiError::unsupported("tools with images", "tools"));
+            }
+            images
+                .iter()
+                .enumerate()
+                .map(|(i, bytes)| {
+                    vision
+                        .image(bytes, &ImageLimits::default())
+                        .map_err(|e| ApiError::invalid(format!("image {i}: {e}"), Some("messages")))
+                })
+                .collect::<Result<Vec<_>, _>>()?
+        }
+        _ => Vec::new(),
+    };
     let (prompt, boundary, opens_reasoning) = match &job.input {
-        Input::Chat(messages) => {
+        Input::Chat(messages, _) if !images.is_empty() => engine
+            .render_chat_with_images(messages, &images)
+            .map(|p| (p.tokens, p.boundary, p.opens_reasoning)),
+        Input::Chat(messages, _) => {
             let args = TemplateArgs {
                 tools: job.params.tools.clone(),
                 kwargs: job.params.template_kwargs.clone(),
@@ -333,7 +358,7 @@ fn prepare<B: Backend>(
         logprobs: job.params.logprobs.unwrap_or(0),
         constraint,
         store_prefix: boundary,
-        images: Vec::new(),
+        images,
     };
     let answer = Answer {
         events: job.events,
