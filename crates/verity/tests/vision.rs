@@ -270,27 +270,35 @@ fn image_turns() -> (
     (engine, turns)
 }
 
-fn answer(
-    e: &mut verity::engine::Engine<verity::backend::cpu::CpuBackend>,
+type CpuEngine = verity::engine::Engine<verity::backend::cpu::CpuBackend>;
+
+/// `req` on `ids` in a session of its own: the answer and its statistics.
+fn generate(
+    e: &mut CpuEngine,
     ids: &[u32],
-    img: &verity::engine::PromptImage,
-) -> (Vec<u32>, usize) {
-    use verity::engine::GenerateRequest;
-    let req = GenerateRequest {
-        ignore_eos: true,
-        images: vec![img.clone()],
-        store_prefix: Some(ids.len() - 1),
-        ..GenerateRequest::greedy(12)
-    };
+    req: &verity::engine::GenerateRequest,
+) -> (Vec<u32>, verity::engine::GenerationStats) {
     let mut s = e.new_session();
     let mut out = Vec::new();
     let stats = e
-        .generate(&mut s, ids, &req, |_, t| {
+        .generate(&mut s, ids, req, |_, t| {
             out.push(t.id);
             true
         })
         .unwrap();
     e.end_session(s);
+    (out, stats)
+}
+
+/// A 12-token greedy answer to an image turn that stores its prefix: the answer and how much was restored.
+fn answer(e: &mut CpuEngine, ids: &[u32], img: &verity::engine::PromptImage) -> (Vec<u32>, usize) {
+    let req = verity::engine::GenerateRequest {
+        ignore_eos: true,
+        images: vec![img.clone()],
+        store_prefix: Some(ids.len() - 1),
+        ..verity::engine::GenerateRequest::greedy(12)
+    };
+    let (out, stats) = generate(e, ids, &req);
     (out, stats.restored_tokens)
 }
 
@@ -363,4 +371,31 @@ fn image_rows_must_belong_to_the_request_and_not_end_the_prompt() {
     assert!(e
         .generate(&mut s, &ids[..7], &ends_inside, |_, _| true)
         .is_err());
+}
+
+/// The copy route on an image turn: it drafts from the context's tokens (never an image row) and the answer is
+/// AR's, token for token.
+#[test]
+fn copying_on_an_image_turn_gives_ars_answer() {
+    use std::sync::Arc;
+    use verity::engine::{Engine, GenerateRequest};
+    use verity::speculative::SpecMode;
+    let (mut ar, turns) = image_turns();
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vision/gemma3-vl");
+    let be = Arc::new(verity::backend::cpu::CpuBackend::new(2).unwrap());
+    let mut copy = Engine::load(&dir, be, &SpecMode::Copy).unwrap();
+    for (ids, img) in &turns {
+        let req = GenerateRequest {
+            ignore_eos: true,
+            images: vec![img.clone()],
+            ..GenerateRequest::greedy(40)
+        };
+        let (want, _) = generate(&mut ar, ids, &req);
+        let (got, stats) = generate(&mut copy, ids, &req);
+        assert_eq!(
+            got, want,
+            "the copy route's answer differs from AR's on an image turn"
+        );
+        assert!(stats.drafted > 0, "copying drafted nothing");
+    }
 }

@@ -170,11 +170,18 @@ impl<B: Backend> Engine<B> {
         let mut proposer = (self.batch_drafts
             && self.plan.route != Route::Ar
             && request.speculate
-            && request.constraint.is_none()
-            && media.is_empty())
+            && request.constraint.is_none())
         .then(|| {
             let own = self.proposer.as_ref().and_then(|p| p.for_request());
             own.unwrap_or_else(|| Box::new(SuffixCopy::new()))
+        })
+        // A proposer that cannot read the prompt's image rows leaves the request to copying.
+        .map(|p| {
+            if media.is_empty() || p.takes_images() {
+                p
+            } else {
+                Box::new(SuffixCopy::new()) as Box<dyn Proposer>
+            }
         });
         if let Some(p) = proposer.as_mut() {
             p.reset(&request.sampling);

@@ -44,8 +44,9 @@ impl<B: Backend> Engine<B> {
         }
         let media = MediaTable::new(&req.images, self.model.hp.hidden)?;
         media.check(prompt)?;
-        let mut proposer = if req.speculate && req.constraint.is_none() && media.is_empty() {
-            self.proposer.take()
+        let mut proposer = if req.speculate && req.constraint.is_none() {
+            self.proposer
+                .take_if(|p| media.is_empty() || p.takes_images())
         } else {
             None
         };

@@ -137,6 +137,10 @@ impl Proposer for SuffixCopy {
         self.width.min(k)
     }
 
+    fn takes_images(&self) -> bool {
+        true
+    }
+
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Draft> {
         // An image's rows are not tokens: a match that would copy one drafts nothing.
         Ok(self

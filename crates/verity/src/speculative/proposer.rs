@@ -261,6 +261,13 @@ pub trait Proposer: Send {
     /// forget everything else (its caches roll back to the kept path).
     fn observe(&mut self, outcome: &Outcome);
 
+    /// Whether the proposer drafts from the context's token ids alone (copying), so that a prompt's image rows
+    /// ([`crate::engine::is_media`]) cost it nothing: a model-based proposer would have to read them as the target
+    /// does, which none does yet, so requests with images decode without it.
+    fn takes_images(&self) -> bool {
+        false
+    }
+
     /// Which target hidden states the proposer conditions on (an MTP head: the final ones; a block drafter:
     /// several layers'). The engine then runs the target with that output and reports committed rows through
     /// [`Proposer::observe_hidden`].
