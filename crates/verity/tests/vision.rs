@@ -399,3 +399,29 @@ fn copying_on_an_image_turn_gives_ars_answer() {
         assert!(stats.drafted > 0, "copying drafted nothing");
     }
 }
+
+/// The disk tier keys image turns by content too: after a restart (a new engine, the same folder) the image turn
+/// restores its prefix from disk and answers as before; the other image restores none of the first's rows.
+#[test]
+fn image_turns_restore_from_the_disk_tier_after_a_restart() {
+    let root = std::env::temp_dir().join(format!("verity-vision-disk-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let (mut e, turns) = image_turns();
+    assert!(e.set_prefix_cache_dir(&root, 1 << 30));
+    let (ids, img) = &turns[0];
+    let (cold, _) = answer(&mut e, ids, img);
+    drop(e.prefix_disk()); // every queued store written
+    drop(e);
+    let (mut restarted, turns) = image_turns();
+    assert!(restarted.set_prefix_cache_dir(&root, 1 << 30));
+    let (warm, restored) = answer(&mut restarted, ids, img);
+    assert_eq!(restored, ids.len() - 1, "restored from disk");
+    assert_eq!(warm, cold);
+    let (other_ids, other) = &turns[1];
+    let (_, restored) = answer(&mut restarted, other_ids, other);
+    assert!(
+        restored <= 5,
+        "another image restored {restored} rows from disk"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
