@@ -1,6 +1,8 @@
 //! Images decoded and preprocessed as the Hugging Face processors do, checked value for value against the
 //! fixtures `scripts/fixtures/make_image_fixtures.py` wrote with Pillow, torchvision and transformers.
 
+mod common;
+
 use std::path::PathBuf;
 
 use verity::vision::{
@@ -272,24 +274,6 @@ fn image_turns() -> (
 
 type CpuEngine = verity::engine::Engine<verity::backend::cpu::CpuBackend>;
 
-/// `req` on `ids` in a session of its own: the answer and its statistics.
-fn generate(
-    e: &mut CpuEngine,
-    ids: &[u32],
-    req: &verity::engine::GenerateRequest,
-) -> (Vec<u32>, verity::engine::GenerationStats) {
-    let mut s = e.new_session();
-    let mut out = Vec::new();
-    let stats = e
-        .generate(&mut s, ids, req, |_, t| {
-            out.push(t.id);
-            true
-        })
-        .unwrap();
-    e.end_session(s);
-    (out, stats)
-}
-
 /// A 12-token greedy answer to an image turn that stores its prefix: the answer and how much was restored.
 fn answer(e: &mut CpuEngine, ids: &[u32], img: &verity::engine::PromptImage) -> (Vec<u32>, usize) {
     let req = verity::engine::GenerateRequest {
@@ -298,7 +282,7 @@ fn answer(e: &mut CpuEngine, ids: &[u32], img: &verity::engine::PromptImage) -> 
         store_prefix: Some(ids.len() - 1),
         ..verity::engine::GenerateRequest::greedy(12)
     };
-    let (out, stats) = generate(e, ids, &req);
+    let (out, _, stats) = common::answer(e, ids, &req);
     (out, stats.restored_tokens)
 }
 
@@ -390,8 +374,8 @@ fn copying_on_an_image_turn_gives_ars_answer() {
             images: vec![img.clone()],
             ..GenerateRequest::greedy(40)
         };
-        let (want, _) = generate(&mut ar, ids, &req);
-        let (got, stats) = generate(&mut copy, ids, &req);
+        let (want, _, _) = common::answer(&mut ar, ids, &req);
+        let (got, _, stats) = common::answer(&mut copy, ids, &req);
         assert_eq!(
             got, want,
             "the copy route's answer differs from AR's on an image turn"

@@ -198,9 +198,14 @@ impl VisionSide {
         if config.get("vision_config").is_none() {
             return Ok(None);
         }
-        let preprocessor = read("preprocessor_config.json")?.ok_or_else(|| {
-            Error::malformed(dir, "an image-text bundle without preprocessor_config.json")
-        })?;
+        // Without its processor's settings the folder still serves text.
+        let Some(preprocessor) = read("preprocessor_config.json")? else {
+            tracing::warn!(
+                "{}: an image-text bundle without preprocessor_config.json: images are not taken",
+                dir.display()
+            );
+            return Ok(None);
+        };
         let id = |k: &str| -> Result<u32> {
             config
                 .get(k)
