@@ -739,6 +739,7 @@ fn cuda_adversarial_proposers_never_change_smollm2_greedy_output() {
     let be = gpu();
     let mut e = Engine::load(&smollm2(), be, &SpecMode::Off).unwrap();
     let vocab = e.model.hp.vocab;
+    let mut failures = Vec::new();
     for q in [
         "Rewrite this sentence in the passive voice: The cat chased the mouse across the garden.",
         "Explain what a prime number is.",
@@ -776,13 +777,15 @@ fn cuda_adversarial_proposers_never_change_smollm2_greedy_output() {
         for (kind, width) in cases {
             e.set_proposer(Some(scripted(kind.clone(), &oracle, vocab)));
             let got = run(&mut e, width);
-            let first = got.iter().zip(&base).position(|(a, b)| a != b);
-            assert!(
-                got == base,
-                "{q:?}: {kind:?} at width {width:?} differs from AR from token {first:?}"
-            );
+            if let Some(first) = got.iter().zip(&base).position(|(a, b)| a != b) {
+                failures.push(format!(
+                    "{q:?}: {kind:?} at width {width:?} differs from AR from token {first}"
+                ));
+            }
         }
     }
+    // Every case runs before the verdict: which adversaries fail, together, locates the fault.
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 #[test]

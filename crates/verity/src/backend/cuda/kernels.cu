@@ -56,14 +56,15 @@ __device__ __forceinline__ void release_dependents() {
 // Each removes one part's time from a forward and computes garbage — never a result (the host admits every
 // shape unchecked under one, so W-row launches are timed as they would run).
 
-// The step buffer: int header {base, rows, tree, mask offset in bytes}, then u32 tokens[cap], int positions[cap],
-// per prepared rotation its rows' (cos, sin) pairs (`CudaStep`), u8 mask[cap * cap] (row-major, written only for
-// tree masks).
+// The step buffer: int header {base, rows, tree, views offset in bytes}, then u32 tokens[cap], int positions[cap],
+// per prepared rotation its rows' (cos, sin) pairs (`CudaStep`), and under a tree mask each row's view of the
+// step's rows (`views.rs`): u16 counts[rows], then u16 seen[rows][rows], row i's seen rows in increasing order.
 struct Step {
     int base, rows, tree;
     const u32* tokens;
     const int* positions;
-    const u8* mask;
+    const unsigned short* counts;
+    const unsigned short* seen;
 };
 
 __device__ __forceinline__ Step read_step(const int* s, int cap) {
@@ -73,9 +74,22 @@ __device__ __forceinline__ Step read_step(const int* s, int cap) {
     st.tree = s[2];
     st.tokens = (const u32*)(s + 4);
     st.positions = s + 4 + cap;
-    st.mask = (const u8*)s + s[3];
+    st.counts = (const unsigned short*)((const u8*)s + s[3]);
+    st.seen = st.counts + st.rows;
     return st;
 }
+
+// The slot holding key j of step row i's view: committed slots [0, base) as they are; from base on, the step rows
+// the row sees in row order (under a tree mask; causally, the slots themselves), so that every key has the index
+// it has in a one-row step at the row's position and a row's sums associate as AR's (`views.rs`); past the keys
+// the row sees, slot j itself (a finite value for loads whose weight is zero).
+__device__ __forceinline__ int view_slot(const Step& st, int i, int j) {
+    int k = j - st.base;
+    return st.tree && k >= 0 && k < (int)st.counts[i] ? st.base + st.seen[i * st.rows + k] : j;
+}
+
+// How many of the step's rows row i sees.
+__device__ __forceinline__ int step_keys(const Step& st, int i) { return st.tree ? (int)st.counts[i] : i + 1; }
 
 // IEEE half (the low 16 bits of h) to float: one exact conversion instruction, no branches (no cuda_fp16.h
 // needed under NVRTC). Branch-free matters: it sits inside the projections' per-block chains.
@@ -1888,12 +1902,12 @@ __device__ __forceinline__ float fma4(float4 a, float4 b, float d) {
     return fmaf(a.w, b.w, d);
 }
 
-// Whether step row i (at position qpos) sees slot j: committed slots below base, the step's rows causally or
-// by its tree mask, none at or past n = base + rows; a local layer's `window` keeps only the last positions.
+// Whether step row i (at position qpos) sees key j of its view (`view_slot`): committed slots below base, then
+// the step's rows it sees, none at or past n = base + rows; a local layer's `window` keeps only the last positions.
 __device__ __forceinline__ bool slot_seen(const Step& st, int i, int j, int n, int window, int qpos) {
     int base = st.base;
-    bool sees = j < n && (j < base || (st.tree ? st.mask[i * st.rows + (j - base)] != 0 : (j - base) <= i));
-    if (window > 0 && sees) sees = qpos - (j < base ? j : st.positions[j - base]) < window;
+    bool sees = j < n && (j < base || j - base < step_keys(st, i));
+    if (window > 0 && sees) sees = qpos - (j < base ? j : st.positions[view_slot(st, i, j) - base]) < window;
     return sees;
 }
 
@@ -2073,7 +2087,7 @@ __device__ __forceinline__ void attention_body(int by, const float* q, const flo
 #pragma unroll
         for (int g = 0; g < HEADS; g++) d[g] = 0.f;
         if (sees) {
-            const float* kv = kh + (size_t)(j % slots) * kv_dim;
+            const float* kv = kh + (size_t)(view_slot(st, i, j) % slots) * kv_dim;
             if (vec) {
                 int w = head_dim / 16;  // float4s per quarter
                 const float4* k4 = (const float4*)kv + sub * w;
@@ -2136,8 +2150,9 @@ __device__ __forceinline__ void attention_body(int by, const float* q, const flo
                 for (int i = 0; i < 4; i++) {
                     int jj = 4 * j4 + i;
                     if (jq + jj < n) {
-                        float v = AHEAD && held && jq + jj < base ? vq[AHEAD ? jj : 0]
-                                                                  : vh[(size_t)((jq + jj) % slots) * kv_dim + e];
+                        float v = AHEAD && held && jq + jj < base
+                                      ? vq[AHEAD ? jj : 0]
+                                      : vh[(size_t)(view_slot(st, i, jq + jj) % slots) * kv_dim + e];
 #pragma unroll
                         for (int g = 0; g < HC; g++) {
                             float w = i == 0 ? p[g].x : i == 1 ? p[g].y : i == 2 ? p[g].z : p[g].w;
@@ -2264,7 +2279,7 @@ __device__ __forceinline__ void attention_warps_body(const float* q, const float
     // The chunks this row reads: from its window's first (local layers) to the one holding the last slot it can
     // see (its own, causally; a tree row may see any of the step's rows).
     int c_lo = window > 0 ? max(0, qpos - window + 1) / ATT_CHUNK : 0;
-    int nc = ((st.tree ? n - 1 : base + i) / ATT_CHUNK) + 1;
+    int nc = (base + step_keys(st, i) - 1) / ATT_CHUNK + 1;
     int workers = min((int)gridDim.x, (nc + ATT_WARPS - 1) / ATT_WARPS);
     if ((int)blockIdx.x >= workers) return;
     const float* kh = kc + kvh * head_dim;
@@ -2295,7 +2310,7 @@ __device__ __forceinline__ void attention_warps_body(const float* q, const float
             float d[HEADS];
 #pragma unroll
             for (int g = 0; g < HEADS; g++) d[g] = 0.f;
-            const float* kv = kh + (size_t)(min(j, n - 1) % slots) * kv_dim;
+            const float* kv = kh + (size_t)(view_slot(st, i, min(j, n - 1)) % slots) * kv_dim;
             if (vec) {
                 int w = head_dim / 16;
                 const float4* k4 = (const float4*)kv + sub * w;
@@ -2354,7 +2369,7 @@ __device__ __forceinline__ void attention_warps_body(const float* q, const float
                 float v[8][DPL];
 #pragma unroll
                 for (int s8 = 0; s8 < 8; s8++) {
-                    const float* vr = vh + (size_t)(min(jb + s8, n - 1) % slots) * kv_dim;
+                    const float* vr = vh + (size_t)(view_slot(st, i, min(jb + s8, n - 1)) % slots) * kv_dim;
 #pragma unroll
                     for (int dd = 0; dd < DPL; dd++) v[s8][dd] = lane + 32 * dd < head_dim ? vr[lane + 32 * dd] : 0.f;
                 }

@@ -75,6 +75,7 @@ mod recorded;
 mod rope;
 pub mod tiles;
 mod types;
+mod views;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -88,6 +89,7 @@ use launch::{addr, Arg};
 pub use options::CudaOptions;
 use recorded::Recorded;
 use rope::{RopeKey, RopeTable};
+use views::{views_bytes, write_views};
 
 use crate::backend::RopeStyle;
 use crate::backend::{
@@ -180,11 +182,10 @@ pub struct CudaMatrix {
     gemm: bool,
 }
 
-/// A forward's inputs on the device, laid out as `kernels.cu`'s `Step` reads them: an i32 header {base, rows,
-/// tree, 0}, u32 tokens[cap], i32 positions[cap], u8 mask[cap²].
 /// One forward's inputs on the device, one upload per step. Layout (`kernels.cu`'s `read_step`): a 16-byte
-/// header {base, rows, tree, mask offset}, `cap` tokens, `cap` positions, then per prepared rotation its rows'
-/// `(cos, sin)` pairs (`cap` × `head_dim` f32), then the `cap` × `cap` tree mask.
+/// header {base, rows, tree, views offset}, `cap` tokens, `cap` positions, then per prepared rotation its rows'
+/// `(cos, sin)` pairs (`cap` × `head_dim` f32), then under a tree mask each row's view of the step's rows
+/// ([`write_views`]).
 pub struct CudaStep {
     cap: usize,
     /// Per prepared rotation: its key and the f32 offset of its rows' table.
@@ -652,7 +653,7 @@ impl Backend for CudaBackend {
                 table
             })
             .collect();
-        let bytes = at + max_rows * max_rows;
+        let bytes = at + views_bytes(max_rows);
         CudaStep {
             cap: max_rows,
             ropes,
@@ -697,10 +698,7 @@ impl Backend for CudaBackend {
             used = 4 * (at + rows * key.1);
         }
         if let Some(v) = tree {
-            for (i, &seen) in v.iter().enumerate() {
-                h[step.mask_at + i] = u8::from(seen);
-            }
-            used = step.mask_at + v.len();
+            used = step.mask_at + write_views(v, rows, &mut h[step.mask_at..]);
         }
         let r = self
             .stream
