@@ -595,6 +595,82 @@ fn assert_rows_are_one_row_steps(
     (cache, wide)
 }
 
+/// A draft tree's verify rows on the GPU are bitwise the one-row steps along each row's path (its ancestors,
+/// then itself, committed at consecutive slots as AR commits them): siblings at every depth, a deep line beside
+/// short branches, at contexts whose committed part ends inside an attention chunk and at its edge.
+#[test]
+fn cuda_tree_verify_rows_are_bitwise_the_one_row_steps_along_their_paths() {
+    use verity::speculative::Draft;
+    let be = gpu();
+    let path = smollm2();
+    let mut m = Model::load(&Bundle::open(&path).unwrap(), be.clone()).unwrap();
+    let e = Engine::load(&path, f32_backend(), &SpecMode::Off).unwrap();
+    let text = e
+        .chat_prompt(&[Message::new(
+            "user",
+            "Explain how a hash map works, with an example in Rust, and say when to avoid one. Then compare it \
+             with a binary search tree: lookups, ordering, memory, and what each costs when the data grows.",
+        )])
+        .unwrap();
+    let vocab = m.hp.vocab;
+    // Node i's parent row (0: the pending token): two siblings under the root, a line of six under the first,
+    // branches off it, and a second line under the other sibling.
+    let parents = vec![0, 0, 1, 3, 4, 5, 6, 7, 3, 5, 2, 11, 12];
+    let tokens: Vec<u32> = (0..parents.len()).map(|i| text[20 + i]).collect();
+    let draft = Draft::tree(tokens, parents.clone()).unwrap();
+    let mut failures = Vec::new();
+    for ctx_len in [40, 60, 63, 64, 70] {
+        let ctx = &text[..ctx_len];
+        let mut cache = m.new_cache(ctx_len + 32);
+        m.forward(&mut cache, &Batch::causal(ctx, 0), LogitRows::None, &[])
+            .unwrap();
+        let base = cache.len();
+        let (rows, positions, mask) = draft.rows(text[ctx_len], base);
+        let batch = Batch {
+            tokens: rows.clone(),
+            positions,
+            mask,
+            media: Vec::new(),
+        };
+        let wide = m
+            .forward(&mut cache, &batch, LogitRows::All, &[])
+            .unwrap()
+            .logits;
+        for r in 0..rows.len() {
+            let mut line = vec![r];
+            while *line.last().unwrap() > 0 {
+                line.push(parents[line.last().unwrap() - 1]);
+            }
+            line.reverse();
+            cache.truncate(base);
+            let mut one = Vec::new();
+            for (d, &row) in line.iter().enumerate() {
+                one = m
+                    .forward(
+                        &mut cache,
+                        &Batch::causal(&[rows[row]], base + d),
+                        LogitRows::All,
+                        &[],
+                    )
+                    .unwrap()
+                    .logits;
+            }
+            let got = &wide[r * vocab..(r + 1) * vocab];
+            if !got
+                .iter()
+                .zip(&one)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+            {
+                failures.push(format!("context {ctx_len}, row {r} (path {line:?})"));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "tree rows not bitwise their paths' one-row steps: {failures:?}"
+    );
+}
+
 /// On every fixture bundle the GPU runs (float, MLX and GGUF weights; grouped-query, local and mixture layers),
 /// each row of a W-row forward is bitwise the one-row step at its position: W = 3, 4, 7 and 16 (one launch per
 /// projection and attention), 24 (two attention launches; past 16 rows the projections of tiled weights take the

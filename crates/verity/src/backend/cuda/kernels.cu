@@ -2147,15 +2147,15 @@ __device__ __forceinline__ void attention_body(int by, const float* q, const flo
 #pragma unroll
                 for (int g = 0; g < HC; g++) p[g] = ((const float4*)&sc[g][qq * (ATT_CHUNK / 4)])[j4];
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    int jj = 4 * j4 + i;
+                for (int s4 = 0; s4 < 4; s4++) {
+                    int jj = 4 * j4 + s4;
                     if (jq + jj < n) {
                         float v = AHEAD && held && jq + jj < base
                                       ? vq[AHEAD ? jj : 0]
                                       : vh[(size_t)(view_slot(st, i, jq + jj) % slots) * kv_dim + e];
 #pragma unroll
                         for (int g = 0; g < HC; g++) {
-                            float w = i == 0 ? p[g].x : i == 1 ? p[g].y : i == 2 ? p[g].z : p[g].w;
+                            float w = s4 == 0 ? p[g].x : s4 == 1 ? p[g].y : s4 == 2 ? p[g].z : p[g].w;
                             a[g] = fmaf(w, v, a[g]);
                         }
                     }
