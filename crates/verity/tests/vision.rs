@@ -357,31 +357,93 @@ fn image_rows_must_belong_to_the_request_and_not_end_the_prompt() {
         .is_err());
 }
 
-/// The copy route on an image turn: it drafts from the context's tokens (never an image row) and the answer is
-/// AR's, token for token.
+/// The image-text bundle with a random MTP head and a random block drafter beside it.
+fn image_bundle_with_proposers() -> PathBuf {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vision/gemma3-vl");
+    let dir = common::copy_folder(&src, "vision-routes");
+    // Gemma 3's blocks norm each head of Q and K, and around the MLP: the head's block does too.
+    let mut head = common::random_mtp_head(48, 2, 1, 24, 96, 7, None);
+    let p = "mtp.layers.0.";
+    for (name, n) in [
+        ("self_attn.q_norm", 24),
+        ("self_attn.k_norm", 24),
+        ("pre_feedforward_layernorm", 48),
+        ("post_feedforward_layernorm", 48),
+    ] {
+        let ones = common::f32_bytes(&vec![1.0; n]);
+        head.push((format!("{p}{name}.weight"), "F32", vec![n], ones));
+    }
+    common::write_safetensors(
+        &dir.join("mtp.safetensors"),
+        &head,
+        &[("num_nextn_predict_layers", "1")],
+    );
+    let s = common::DrafterShape {
+        hidden: 48,
+        target_layers: vec![0, 1],
+        layers: 1,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 24,
+        ffn: 96,
+        block: 8,
+        mask: 3,
+    };
+    common::write_drafter(
+        &dir,
+        &common::drafter_config(&s),
+        &common::random_drafter(&s, 5),
+    );
+    dir
+}
+
+/// Every speculative route on image turns: copying (never an image row), the MTP head (the image's rows
+/// embedded as the image token, read through the target's states), the block drafter and `auto` draft, and
+/// every answer is AR's, token for token; a turn answered again restores its whole prefix, image included, and
+/// answers the same.
 #[test]
-fn copying_on_an_image_turn_gives_ars_answer() {
+fn every_route_gives_ars_answer_on_image_turns() {
     use std::sync::Arc;
     use verity::engine::{Engine, GenerateRequest};
     use verity::speculative::SpecMode;
     let (mut ar, turns) = image_turns();
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vision/gemma3-vl");
-    let be = Arc::new(verity::backend::cpu::CpuBackend::new(2).unwrap());
-    let mut copy = Engine::load(&dir, be, &SpecMode::Copy).unwrap();
-    for (ids, img) in &turns {
-        let req = GenerateRequest {
-            ignore_eos: true,
-            images: vec![img.clone()],
-            ..GenerateRequest::greedy(40)
-        };
-        let (want, _, _) = common::answer(&mut ar, ids, &req);
-        let (got, _, stats) = common::answer(&mut copy, ids, &req);
-        assert_eq!(
-            got, want,
-            "the copy route's answer differs from AR's on an image turn"
-        );
-        assert!(stats.drafted > 0, "copying drafted nothing");
+    let dir = image_bundle_with_proposers();
+    for mode in [
+        SpecMode::Copy,
+        SpecMode::Mtp,
+        SpecMode::Drafter,
+        SpecMode::Auto,
+    ] {
+        let be = Arc::new(verity::backend::cpu::CpuBackend::new(2).unwrap());
+        let mut e = Engine::load(&dir, be, &mode).unwrap();
+        e.set_prefix_cache_budget(64 << 20);
+        for (ids, img) in &turns {
+            let req = GenerateRequest {
+                ignore_eos: true,
+                images: vec![img.clone()],
+                store_prefix: Some(ids.len() - 1),
+                ..GenerateRequest::greedy(40)
+            };
+            let (want, _, _) = common::answer(&mut ar, ids, &req);
+            let (got, _, stats) = common::answer(&mut e, ids, &req);
+            assert_eq!(
+                got, want,
+                "{mode:?}: the answer differs from AR's on an image turn"
+            );
+            assert!(
+                stats.drafted > 0,
+                "{mode:?} drafted nothing on an image turn"
+            );
+            let (again, _, stats) = common::answer(&mut e, ids, &req);
+            assert_eq!(again, want, "{mode:?}: the restored turn differs");
+            assert_eq!(
+                stats.restored_tokens,
+                ids.len() - 1,
+                "{mode:?}: the prefix did not restore"
+            );
+        }
     }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The disk tier keys image turns by content too: after a restart (a new engine, the same folder) the image turn

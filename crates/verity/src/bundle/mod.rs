@@ -75,12 +75,16 @@ pub struct Bundle {
     /// What the bundle folder offers as a block drafter ([`drafter::FOLDER`]).
     pub drafter: DrafterStatus,
     drafter_tensors: Option<SafetensorsSet>,
+    /// The token an image row stands for in an image-text checkpoint (its `image_token_index`): what a model
+    /// that embeds token ids reads at an image's rows, whose own inputs are the vision side's features.
+    pub image_token: Option<u32>,
 }
 
 impl Bundle {
     /// Open a bundle: a `.gguf` file, a folder holding one `.gguf` file, or a safetensors folder.
     pub fn open(path: &Path) -> Result<Self> {
         let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+        let mut image_token = None;
         let source = if meta.is_file() {
             Source::Gguf(GgufFile::open(path)?)
         } else if path.join("config.json").is_file() {
@@ -88,6 +92,10 @@ impl Bundle {
             let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
             let value: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| Error::malformed(&cfg_path, format!("invalid config.json: {e}")))?;
+            image_token = value
+                .get("image_token_index")
+                .and_then(serde_json::Value::as_u64)
+                .and_then(|v| u32::try_from(v).ok());
             let (value, nested) = hparams::text_model_config(value);
             let config: HfConfig = serde_json::from_value(value)
                 .map_err(|e| Error::malformed(&cfg_path, format!("invalid config.json: {e}")))?;
@@ -154,6 +162,7 @@ impl Bundle {
             mtp_tensors,
             drafter,
             drafter_tensors,
+            image_token,
         })
     }
 

@@ -15,6 +15,7 @@
 //! steps ([`HeadInput::Last`]). A greedy draft goes further ([`MtpHead::draft_greedy`]): each step's token is
 //! picked on the backend from the step before's argmax, so a whole draft costs the host one wait.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use super::batched::{fit_own, write_batch_step, SeqRows};
@@ -98,6 +99,8 @@ pub struct MtpHead<B: Backend> {
     backend: Arc<B>,
     rope: RopeStyle,
     embed: Arc<B::Matrix>,
+    /// The token an image row stands for ([`Bundle::image_token`]).
+    image_token: Option<u32>,
     embedding_norm: B::Buffer,
     hidden_norm: B::Buffer,
     fusion: HeadFusion<B>,
@@ -213,6 +216,7 @@ impl<B: Backend> MtpHead<B> {
             hp,
             rope,
             embed: target.embedding(),
+            image_token: bundle.image_token,
             fusion,
             blocks,
             lm_head,
@@ -319,7 +323,7 @@ impl<B: Backend> MtpHead<B> {
                 hidden.len()
             )));
         }
-        self.check_tokens(tokens)?;
+        let tokens = &*self.embedded_ids(tokens)?;
         cache.reserve(self.backend.as_ref(), rows + depth - 1)?;
         let mut s = self.scratch(rows);
         let be = self.backend.as_ref();
@@ -359,14 +363,33 @@ impl<B: Backend> MtpHead<B> {
         Ok(drafted.iter().map(|&t| t as u32).collect())
     }
 
-    /// Refuse token ids the embedding does not hold.
-    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
-        match tokens.iter().find(|&&t| t as usize >= self.hp.vocab) {
+    /// The ids the head embeds for `tokens`: an image's rows ([`crate::engine::is_media`]) as the model's image
+    /// token (the head reads the image through the target's states over its rows, as it reads text through
+    /// them), every other id as it is; ids the embedding does not hold are refused.
+    fn embedded_ids<'a>(&self, tokens: &'a [u32]) -> Result<Cow<'a, [u32]>> {
+        let mut ids = Cow::Borrowed(tokens);
+        if tokens.iter().any(|&t| crate::engine::is_media(t)) {
+            let image = self.image_token.ok_or_else(|| {
+                Error::Invalid("an image row, and the model names no image token".into())
+            })?;
+            ids = Cow::Owned(
+                tokens
+                    .iter()
+                    .map(|&t| if crate::engine::is_media(t) { image } else { t })
+                    .collect(),
+            );
+        }
+        match ids.iter().find(|&&t| t as usize >= self.hp.vocab) {
             Some(t) => Err(Error::Invalid(format!(
                 "token id {t} outside the vocabulary"
             ))),
-            None => Ok(()),
+            None => Ok(ids),
         }
+    }
+
+    /// Whether the head drafts on requests with images (the model names the token their rows stand for).
+    pub fn reads_images(&self) -> bool {
+        self.image_token.is_some()
     }
 
     fn step(
@@ -396,7 +419,7 @@ impl<B: Backend> MtpHead<B> {
             }
             _ => {}
         }
-        self.check_tokens(tokens)?;
+        let tokens = &*self.embedded_ids(tokens)?;
         cache.reserve(self.backend.as_ref(), rows)?;
         let mut s = self.scratch(rows);
         let out = self.run(cache, tokens, start, input, greedy, hidden_out, &mut s);
@@ -568,7 +591,7 @@ impl<B: Backend> MtpHead<B> {
                     j.hidden.len()
                 )));
             }
-            self.check_tokens(j.tokens)?;
+            self.embedded_ids(j.tokens)?;
         }
         let be = self.backend.clone();
         let be = be.as_ref();
@@ -595,7 +618,7 @@ impl<B: Backend> MtpHead<B> {
                     continue;
                 }
                 let (t, first) = if i == 0 {
-                    (job.tokens.to_vec(), job.start)
+                    (self.embedded_ids(job.tokens)?.into_owned(), job.start)
                 } else {
                     (
                         vec![drafted[j][i - 1]],

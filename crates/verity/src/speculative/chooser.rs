@@ -361,6 +361,10 @@ impl Proposer for Chooser {
         self.features.clone()
     }
 
+    fn takes_images(&self) -> bool {
+        self.copy.takes_images() && self.models.iter().all(|m| m.takes_images())
+    }
+
     fn observe_hidden(&mut self, start: usize, hidden: &[f32]) {
         for (model, part) in self.models.iter_mut().zip(&self.model_features) {
             if *part == self.features {

@@ -276,6 +276,12 @@ impl<B: Backend> Proposer for DrafterProposer<B> {
         TargetFeatures::layers(self.layers.clone())
     }
 
+    /// The drafter reads the context through the target's states alone; the one token it embeds is the pending
+    /// one, never an image's row (a prompt does not end inside an image).
+    fn takes_images(&self) -> bool {
+        true
+    }
+
     fn observe_hidden(&mut self, start: usize, hidden: &[f32]) {
         if self.states.is_empty() || start != self.states_start + self.state_rows() {
             self.states.clear();

@@ -238,6 +238,10 @@ impl<B: Backend> Proposer for MtpProposer<B> {
         TargetFeatures::final_state()
     }
 
+    fn takes_images(&self) -> bool {
+        self.head.lock().model.reads_images()
+    }
+
     fn observe_hidden(&mut self, start: usize, hidden: &[f32]) {
         if !self.hid.is_empty() && start == self.hid_start + self.hidden_rows() {
             self.hid.extend_from_slice(hidden);

@@ -261,9 +261,10 @@ pub trait Proposer: Send {
     /// forget everything else (its caches roll back to the kept path).
     fn observe(&mut self, outcome: &Outcome);
 
-    /// Whether the proposer drafts from the context's token ids alone (copying), so that a prompt's image rows
-    /// ([`crate::engine::is_media`]) cost it nothing: a model-based proposer would have to read them as the target
-    /// does, which none does yet, so requests with images decode without it.
+    /// Whether the proposer drafts on requests with images ([`crate::engine::is_media`] rows in the context):
+    /// copying never copies an image's rows; an MTP head or a block drafter reads an image through the target's
+    /// states over its rows (the head embeds the model's image token there). A draft model, which would need the
+    /// image itself, does not: requests with images decode without it.
     fn takes_images(&self) -> bool {
         false
     }

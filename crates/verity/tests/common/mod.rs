@@ -278,11 +278,15 @@ pub fn bundle_with_head(name: &str, tag: &str, head: &[StEntry]) -> PathBuf {
 
 /// A copy of the HF fixture bundle `name` in a fresh scratch folder.
 pub fn copy_bundle(name: &str, tag: &str) -> PathBuf {
-    let src = hf_bundle(name);
+    copy_folder(&hf_bundle(name), tag)
+}
+
+/// A copy of the bundle folder `src` in a fresh scratch folder.
+pub fn copy_folder(src: &Path, tag: &str) -> PathBuf {
     let dst = std::env::temp_dir().join(format!("verity-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dst);
     std::fs::create_dir_all(&dst).unwrap();
-    for e in std::fs::read_dir(&src).unwrap() {
+    for e in std::fs::read_dir(src).unwrap() {
         let e = e.unwrap();
         std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
     }
