@@ -28,7 +28,7 @@ printf 'int %s(void) { return 0; }\n' cuDeviceGet cuDeviceGetAttribute cuGetErro
 gcc -shared -fPIC -Wl,-soname,libcuda.so.1 stub.c -o "$cuda/lib/stubs/libcuda.so"
 # The llama.cpp tree that llama-cpp-python 0.3.36 vendors (the version run_peers.py's CPU arm uses).
 test -d llama_cpp_python-0.3.36 || {
-    python3 -m pip download -q --no-deps --no-binary :all: -d sdist llama-cpp-python==0.3.36
+    python3 -m pip download -q --no-deps --no-binary llama-cpp-python -d sdist llama-cpp-python==0.3.36
     tar xzf sdist/llama_cpp_python-0.3.36.tar.gz
 }
 test -x venv/bin/cmake || { python3 -m venv venv && venv/bin/pip install -q cmake ninja; }
