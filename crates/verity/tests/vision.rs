@@ -471,3 +471,34 @@ fn image_turns_restore_from_the_disk_tier_after_a_restart() {
     );
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// An image sent again (a chat client resends the conversation's image with every turn) takes the features the
+/// vision side computed the first time, while it is among the last [`FEATURE_CACHE_IMAGES`]; pushed out, it is
+/// computed afresh, to the same values. Other bytes are another image, whatever their pixels.
+#[test]
+fn an_image_sent_again_takes_the_features_computed_the_first_time() {
+    use std::sync::Arc;
+    use verity::engine::FEATURE_CACHE_IMAGES;
+    let (e, _) = image_turns();
+    let vision = e.vision.as_ref().expect("an image-text bundle");
+    let limits = ImageLimits::default();
+    let rgb = read("rgb.png");
+    let first = vision.image(&rgb, &limits).unwrap();
+    let again = vision.image(&rgb, &limits).unwrap();
+    assert!(Arc::ptr_eq(&first.features, &again.features));
+    assert_eq!(first.ids, again.ids);
+    // The same pixels in other bytes (a trailing word after the PNG's end): other images, as many as the cache
+    // holds.
+    for i in 0..FEATURE_CACHE_IMAGES as u32 {
+        let mut bytes = rgb.clone();
+        bytes.extend_from_slice(&i.to_le_bytes());
+        let other = vision.image(&bytes, &limits).unwrap();
+        assert!(!Arc::ptr_eq(&other.features, &first.features));
+        assert_ne!(other.ids, first.ids);
+        assert_eq!(other.features, first.features);
+    }
+    let back = vision.image(&rgb, &limits).unwrap();
+    assert!(!Arc::ptr_eq(&back.features, &first.features));
+    assert_eq!(back.features, first.features);
+    assert_eq!(back.ids, first.ids);
+}

@@ -41,17 +41,14 @@ impl PromptImage {
     /// The image whose content key is `key` (a hash of its bytes and its preprocessing settings), its features
     /// `features` for `tokens` rows: row `i`'s id is 31 bits of a hash of `(key, i)`, so every row's id depends
     /// on the whole content and two images' id sequences differ everywhere.
-    pub fn new(key: u128, tokens: usize, features: Vec<f32>) -> Self {
+    pub fn new(key: u128, tokens: usize, features: Arc<Vec<f32>>) -> Self {
         let ids = (0..tokens as u64)
             .map(|i| {
                 let h = xxhash_rust::xxh3::xxh3_64_with_seed(&key.to_le_bytes(), i);
                 MEDIA_BIT | (h as u32 & !MEDIA_BIT)
             })
             .collect();
-        PromptImage {
-            ids,
-            features: Arc::new(features),
-        }
+        PromptImage { ids, features }
     }
 }
 
@@ -166,12 +163,19 @@ pub fn chunk_end(body: &[u32], end: usize) -> usize {
     e
 }
 
+/// How many images' features [`VisionSide`] keeps (a Gemma 3 image's 256 rows at hidden 2,560 are 2.6 MB).
+pub const FEATURE_CACHE_IMAGES: usize = 32;
+
 /// A bundle's vision side (a Gemma 3 image-text folder): its processor, the tower loaded on the first image
 /// (hundreds of megabytes a text-only turn never needs), and the tokens around an image's rows.
 pub struct VisionSide {
     dir: std::path::PathBuf,
     processor: crate::vision::SquareProcessor,
     tower: std::sync::OnceLock<crate::vision::Gemma3Vision>,
+    /// The features of the images seen last, by content key, most recent last: a conversation sends its image
+    /// again with every turn (the chat APIs are stateless), and the tower costs far more than the turn's
+    /// restored prefix. A short recency list: at most [`FEATURE_CACHE_IMAGES`] entries, so a linear scan.
+    recent: std::sync::Mutex<std::collections::VecDeque<(u128, Arc<Vec<f32>>)>>,
     /// `<start_of_image>` and `<end_of_image>`.
     pub begin: u32,
     pub end: u32,
@@ -218,6 +222,7 @@ impl VisionSide {
             dir: dir.to_path_buf(),
             processor: crate::vision::SquareProcessor::from_config(&preprocessor)?,
             tower: std::sync::OnceLock::new(),
+            recent: Default::default(),
             begin: id("boi_token_index")?,
             end: id("eoi_token_index")?,
             tokens: tower.tokens,
@@ -225,8 +230,13 @@ impl VisionSide {
     }
 
     /// The image `bytes` (PNG or JPEG) as a prompt's image: decoded, preprocessed, through the tower and the
-    /// projector, its rows keyed by its content and the processor's settings.
+    /// projector, its rows keyed by its content and the processor's settings. An image among the last
+    /// [`FEATURE_CACHE_IMAGES`] takes the features computed then (the same bytes and settings: the same values).
     pub fn image(&self, bytes: &[u8], limits: &crate::vision::ImageLimits) -> Result<PromptImage> {
+        let key = content_key(bytes, &format!("{:?}", self.processor));
+        if let Some(features) = self.recall(key) {
+            return Ok(PromptImage::new(key, self.tokens, features));
+        }
         let pixels = self
             .processor
             .pixel_values(&crate::vision::decode(bytes, limits)?);
@@ -237,9 +247,23 @@ impl VisionSide {
                 self.tower.get_or_init(|| t)
             }
         };
-        let features = tower.image_features(&pixels)?;
-        let key = content_key(bytes, &format!("{:?}", self.processor));
+        let features = Arc::new(tower.image_features(&pixels)?);
+        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        if recent.len() == FEATURE_CACHE_IMAGES {
+            recent.pop_front();
+        }
+        recent.push_back((key, features.clone()));
         Ok(PromptImage::new(key, self.tokens, features))
+    }
+
+    /// The features of the image keyed `key` if it is among the recent ones (it becomes the most recent).
+    fn recall(&self, key: u128) -> Option<Arc<Vec<f32>>> {
+        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        let at = recent.iter().position(|(k, _)| *k == key)?;
+        let entry = recent.remove(at)?;
+        let features = entry.1.clone();
+        recent.push_back(entry);
+        Some(features)
     }
 
     /// An image's part of a prompt: `<start_of_image>`, its rows, `<end_of_image>`.
