@@ -702,3 +702,61 @@ fn run_takes_an_image_with_an_image_text_bundle() {
     assert!(!plain.status.success());
     assert!(text(&plain.stderr).contains("not an image-text bundle"));
 }
+
+/// `bench conversation --image`: the image shows in each conversation's first turn and every turn sends it
+/// again; turn 1 computes its features (`image_s` recorded), and turn 2 restores the first turn's whole prompt,
+/// the image's rows included, from RAM and from disk after a restart.
+#[test]
+fn bench_conversation_takes_an_image_and_restores_it_in_the_follow_up() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../verity/tests/fixtures");
+    let dir = std::env::temp_dir().join(format!("verity-bench-image-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let prompts = dir.join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        r#"{"id":"c1","category":"conversation","turns":[{"role":"user","content":"What is in it?"},{"role":"user","content":"And the colours?"}]}"#,
+    )
+    .unwrap();
+    let json = dir.join("out.json");
+    let out = verity(&[
+        "bench",
+        "conversation",
+        "--model",
+        fixtures.join("vision/gemma3-vl").to_str().unwrap(),
+        "--route",
+        "ar",
+        "--image",
+        fixtures.join("images/rgb.png").to_str().unwrap(),
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--max-tokens",
+        "4",
+        "--repeat",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let records: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let of = |cache: &str, turn: u64| {
+        records
+            .iter()
+            .find(|r| r["cache"] == cache && r["turn"] == turn)
+            .unwrap_or_else(|| panic!("no {cache} turn {turn} record"))
+    };
+    for cache in ["off", "on", "disk"] {
+        assert!(of(cache, 1)["image_s"].as_f64().unwrap() > 0.0);
+    }
+    // RAM, and disk after the restart (the queued stores landed first): turn 1's prompt, image included.
+    for cache in ["on", "disk"] {
+        let prompt1 = of(cache, 1)["prompt_tokens"].as_u64().unwrap();
+        assert!(prompt1 > 4, "the image's rows are in the prompt");
+        assert!(
+            of(cache, 2)["restored_tokens"].as_u64().unwrap() >= prompt1 - 1,
+            "{cache}: turn 2 restores less than turn 1's prompt"
+        );
+    }
+    assert_eq!(of("off", 2)["restored_tokens"], 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}

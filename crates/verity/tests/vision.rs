@@ -172,7 +172,8 @@ fn gemma3_vision_tower_and_projector_match_transformers() {
         .iter()
         .zip(&want)
         .all(|(a, b)| a.to_bits() == b.to_bits()));
-    let vision = Gemma3Vision::load(&dir).unwrap();
+    let be = std::sync::Arc::new(verity::backend::cpu::CpuBackend::new(2).unwrap());
+    let vision = Gemma3Vision::load(&dir, be).unwrap();
     let tower = vision.tower(&pixels).unwrap();
     let e = relative_error(&tower, &floats(&dir.join("tower.f32")));
     assert!(e < 1e-5, "tower: relative error {e}");
@@ -207,11 +208,11 @@ fn gemma3_text_model_reads_the_image_features_as_transformers_does() {
     let pixels = SquareProcessor::from_config(&config)
         .unwrap()
         .pixel_values(&decoded("rgb.png"));
-    let features = Gemma3Vision::load(&dir)
+    let be = Arc::new(verity::backend::cpu::CpuBackend::new(2).unwrap());
+    let features = Gemma3Vision::load(&dir, be.clone())
         .unwrap()
         .image_features(&pixels)
         .unwrap();
-    let be = Arc::new(verity::backend::cpu::CpuBackend::new(2).unwrap());
     let mut model = Model::load(&Bundle::open(&dir).unwrap(), be).unwrap();
     let media = vec![MediaRows {
         first_row: first,

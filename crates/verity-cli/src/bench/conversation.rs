@@ -35,6 +35,11 @@ pub struct Args {
     /// choice.
     #[arg(long)]
     width: Option<usize>,
+    /// Show this image (PNG or JPEG) in each conversation's first user message, sent again with every turn (an
+    /// image-text folder): its features are computed afresh in each conversation's first turn (and, in the disk
+    /// arm, after the restart), and the time they took is reported beside the times to first token.
+    #[arg(long, value_name = "FILE")]
+    image: Option<PathBuf>,
     #[arg(long)]
     json: Option<PathBuf>,
     /// Draw turn-2 time to first token per arm as DIR/conversation.png (the folder is created).
@@ -61,6 +66,11 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
     let target = target.to_str().context("model path is not UTF-8")?;
     let mode = route_mode(&a.route, target)?;
     let mut engine = crate::load::engine_on(target, backend.clone(), &mode)?;
+    let image = a
+        .image
+        .as_deref()
+        .map(|p| std::fs::read(p).with_context(|| format!("reading {}", p.display())))
+        .transpose()?;
     // off: nothing to restore; on: the RAM tier; disk: the disk tier alone (a restarted server).
     let disk_root =
         std::env::temp_dir().join(format!("verity-bench-prefix-{}", std::process::id()));
@@ -87,7 +97,16 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
                 } else {
                     Turns::FreshSessions
                 };
-                for mut r in run_prompt(&mut engine, p, &a.route, repeat, &req, turns)? {
+                let runs = run_prompt(
+                    &mut engine,
+                    p,
+                    &a.route,
+                    repeat,
+                    &req,
+                    turns,
+                    image.as_deref(),
+                )?;
+                for mut r in runs {
                     r.cache = Some(label.to_string());
                     records.push(r);
                 }
@@ -99,12 +118,20 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
     drop(engine);
     let _ = std::fs::remove_dir_all(&disk_root);
     println!(
-        "{:<6} {:>5} {:>10} {:>10} {:>10} {:>9} {:>10}",
-        "cache", "runs", "ttft2 s", "restored", "tok/s", "tok/cyc", "store ms"
+        "{:<6} {:>5} {:>10} {:>10} {:>10} {:>9} {:>10} {:>9} {:>9}",
+        "cache",
+        "runs",
+        "ttft2 s",
+        "restored",
+        "tok/s",
+        "tok/cyc",
+        "store ms",
+        "image1 s",
+        "image2 s"
     );
     for arm in arms(&records) {
         println!(
-            "{:<6} {:>5} {:>10.3} {:>10.0} {:>10.1} {:>9.2} {:>10.2}",
+            "{:<6} {:>5} {:>10.3} {:>10.0} {:>10.1} {:>9.2} {:>10.2} {:>9.3} {:>9.3}",
             arm.cache,
             arm.runs,
             arm.ttft2_s,
@@ -112,6 +139,8 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
             arm.decode_tok_s,
             arm.accepted_per_cycle,
             arm.store_ms,
+            arm.image_s[0],
+            arm.image_s[1],
         );
     }
     if let Some(path) = &plot {
@@ -130,6 +159,8 @@ pub struct Arm {
     pub decode_tok_s: f64,
     pub accepted_per_cycle: f64,
     pub store_ms: f64,
+    /// The image's time to features in turns 1 and 2 (`--image`; 0 without).
+    pub image_s: [f64; 2],
 }
 
 /// The arms `off`, `on` and `disk`, in that order (an arm without records has `runs` 0 and NaN medians).
@@ -152,6 +183,7 @@ pub fn arms(records: &[Record]) -> Vec<Arm> {
                 decode_tok_s: median(t2.iter().map(|r| r.decode_tok_s).collect()),
                 accepted_per_cycle: median(t2.iter().map(|r| r.accepted_per_cycle).collect()),
                 store_ms: median(t1.iter().map(|r| r.store_s * 1e3).collect()),
+                image_s: [&t1, &t2].map(|t| median(t.iter().map(|r| r.image_s).collect())),
             }
         })
         .collect()

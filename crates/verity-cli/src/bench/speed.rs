@@ -10,10 +10,12 @@ use std::sync::Arc;
 use verity::backend::Backend;
 
 use crate::device::{with_backend, Device, WithBackend};
+use std::time::Instant;
 use verity::chat::{Message, TemplateArgs};
-use verity::engine::{Engine, GenerateRequest};
+use verity::engine::{Engine, GenerateRequest, IMAGE_SLOT};
 use verity::sample::SamplerConfig;
 use verity::speculative::SpecMode;
+use verity::vision::ImageLimits;
 
 use super::prompts::{self, BenchPrompt};
 use super::summary::{self, Record};
@@ -109,7 +111,7 @@ fn run<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
             for (route, slot) in routes.iter().zip(proposers.iter_mut()) {
                 let (plan, proposer) = slot.take().expect("returned after its runs");
                 let own = engine.swap_route(plan, proposer);
-                let runs = run_prompt(&mut engine, p, route, repeat, &req, Turns::OneSession);
+                let runs = run_prompt(&mut engine, p, route, repeat, &req, Turns::OneSession, None);
                 *slot = Some(engine.swap_route(own.0, own.1));
                 records.extend(runs?);
             }
@@ -177,7 +179,10 @@ pub enum Turns {
     Restarted,
 }
 
-/// Run every turn of `p` (appending each answer) and record each turn.
+/// Run every turn of `p` (appending each answer) and record each turn. With `image` (PNG or JPEG bytes) the
+/// first user message shows it, and every turn sends it again, as a chat client does: each turn's record says
+/// how long the image took to become features (`image_s`: the tower's time, or a look-up of the features the
+/// vision side kept).
 pub fn run_prompt<B: Backend>(
     engine: &mut Engine<B>,
     p: &BenchPrompt,
@@ -185,6 +190,7 @@ pub fn run_prompt<B: Backend>(
     repeat: usize,
     req: &GenerateRequest,
     turns: Turns,
+    image: Option<&[u8]>,
 ) -> Result<Vec<Record>> {
     let mut sess = engine.new_session();
     let mut messages: Vec<Message> = Vec::new();
@@ -193,16 +199,43 @@ pub fn run_prompt<B: Backend>(
         if turns != Turns::OneSession && ti > 0 {
             engine.end_session(sess);
             if turns == Turns::Restarted {
+                // A restart lets the queued disk stores land first (the engine's drop waits for them).
+                drop(engine.prefix_disk());
                 engine.forget_conversations();
             }
             sess = engine.new_session();
         }
+        let first = messages.is_empty();
         messages.extend(turn);
-        let rendered = engine.render_chat(&messages, &TemplateArgs::default())?;
+        if let (true, Some(_)) = (first, image) {
+            let user = messages
+                .iter_mut()
+                .find(|m| m.role == "user")
+                .context("a turn without a user message")?;
+            user.content = format!("{IMAGE_SLOT}{}", user.content);
+        }
+        let t = Instant::now();
+        let images = match image {
+            Some(bytes) => {
+                let vision = engine
+                    .vision
+                    .as_ref()
+                    .context("--image: the model has no vision tower")?;
+                vec![vision.image(bytes, &ImageLimits::default())?]
+            }
+            None => Vec::new(),
+        };
+        let image_s = t.elapsed().as_secs_f64();
+        let rendered = if images.is_empty() {
+            engine.render_chat(&messages, &TemplateArgs::default())?
+        } else {
+            engine.render_chat_with_images(&messages, &images)?
+        };
         let (prompt, boundary) = (rendered.tokens, rendered.boundary);
         let req = GenerateRequest {
             constraint: None,
             store_prefix: boundary,
+            images,
             ..req.clone()
         };
         let mut ids = Vec::new();
@@ -234,6 +267,7 @@ pub fn run_prompt<B: Backend>(
             text,
             cache: None,
             store_s: stats.store_s,
+            image_s,
         };
         eprintln!(
             "{:<14} turn {} {:<11} rep {}: {:>4} tokens, {:>6.1} tok/s, {:.2} tok/cycle, ttft {:.3} s, restored {}",

@@ -33,6 +33,13 @@ pub struct Record {
     /// Seconds spent storing the prefix-cache checkpoint (during prefill); 0 in records older than the field.
     #[serde(default)]
     pub store_s: f64,
+    /// Seconds the turn's image took to become features (`bench conversation --image`); 0 without one.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub image_s: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 pub fn median(mut v: Vec<f64>) -> f64 {

@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::model::{Batch, MediaRows};
 
@@ -168,10 +169,11 @@ pub const FEATURE_CACHE_IMAGES: usize = 32;
 
 /// A bundle's vision side (a Gemma 3 image-text folder): its processor, the tower loaded on the first image
 /// (hundreds of megabytes a text-only turn never needs), and the tokens around an image's rows.
-pub struct VisionSide {
+pub struct VisionSide<B: Backend> {
     dir: std::path::PathBuf,
+    backend: Arc<B>,
     processor: crate::vision::SquareProcessor,
-    tower: std::sync::OnceLock<crate::vision::Gemma3Vision>,
+    tower: std::sync::OnceLock<crate::vision::Gemma3Vision<B>>,
     /// The features of the images seen last, by content key, most recent last: a conversation sends its image
     /// again with every turn (the chat APIs are stateless), and the tower costs far more than the turn's
     /// restored prefix. A short recency list: at most [`FEATURE_CACHE_IMAGES`] entries, so a linear scan.
@@ -183,9 +185,9 @@ pub struct VisionSide {
     pub tokens: usize,
 }
 
-impl VisionSide {
-    /// The vision side of the bundle folder `dir`, if its `config.json` has one.
-    pub fn open(dir: &std::path::Path) -> Result<Option<Self>> {
+impl<B: Backend> VisionSide<B> {
+    /// The vision side of the bundle folder `dir`, if its `config.json` has one; its tower runs on `backend`.
+    pub fn open(dir: &std::path::Path, backend: Arc<B>) -> Result<Option<Self>> {
         let read = |name: &str| -> Result<Option<serde_json::Value>> {
             let path = dir.join(name);
             match std::fs::read(&path) {
@@ -220,6 +222,7 @@ impl VisionSide {
         let tower = crate::vision::SiglipConfig::from_config(&config)?;
         Ok(Some(VisionSide {
             dir: dir.to_path_buf(),
+            backend,
             processor: crate::vision::SquareProcessor::from_config(&preprocessor)?,
             tower: std::sync::OnceLock::new(),
             recent: Default::default(),
@@ -243,7 +246,7 @@ impl VisionSide {
         let tower = match self.tower.get() {
             Some(t) => t,
             None => {
-                let t = crate::vision::Gemma3Vision::load(&self.dir)?;
+                let t = crate::vision::Gemma3Vision::load(&self.dir, self.backend.clone())?;
                 self.tower.get_or_init(|| t)
             }
         };
@@ -254,6 +257,14 @@ impl VisionSide {
         }
         recent.push_back((key, features.clone()));
         Ok(PromptImage::new(key, self.tokens, features))
+    }
+
+    /// Forget the features kept of recent images (the next image runs the tower again).
+    pub fn forget_images(&self) {
+        self.recent
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
     }
 
     /// The features of the image keyed `key` if it is among the recent ones (it becomes the most recent).

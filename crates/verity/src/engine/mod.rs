@@ -51,7 +51,7 @@ pub struct Engine<B: Backend> {
     step_cost: RowCost,
     batch_gate: BatchGate,
     /// An image-text bundle's vision side.
-    pub vision: Option<VisionSide>,
+    pub vision: Option<VisionSide<B>>,
 }
 
 /// Ended sessions' caches kept for new ones. A cache keeps its buffers (and the capacity they grew to), so a
@@ -85,6 +85,11 @@ impl<B: Backend> Engine<B> {
             }
             None => None,
         };
+        let vision = if bundle.path.is_dir() {
+            VisionSide::open(&bundle.path, backend.clone())?
+        } else {
+            None
+        };
         let (plan, proposer) = speculative::build(&bundle, &model, &tokenizer, backend, mode)?;
         Ok(Engine {
             model,
@@ -98,11 +103,7 @@ impl<B: Backend> Engine<B> {
             batch_drafts: false,
             step_cost: RowCost::new(batch::STEP_ROWS),
             batch_gate: BatchGate::default(),
-            vision: if bundle.path.is_dir() {
-                VisionSide::open(&bundle.path)?
-            } else {
-                None
-            },
+            vision,
         })
     }
 
@@ -163,12 +164,16 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Forget every conversation as a restart would, keeping the disk tier's files: the RAM prefix tier, the
-    /// spare sessions' caches and the proposer's state (an MTP head's or a draft model's cache, the copy index).
+    /// spare sessions' caches, the proposer's state (an MTP head's or a draft model's cache, the copy index) and
+    /// the images' features the vision side kept.
     pub fn forget_conversations(&mut self) {
         self.prefix.clear_ram();
         self.spare.clear();
         if let Some(p) = self.proposer.as_mut() {
             p.forget();
+        }
+        if let Some(v) = &self.vision {
+            v.forget_images();
         }
     }
 
