@@ -597,13 +597,25 @@ fn assert_rows_are_one_row_steps(
 
 /// A draft tree's verify rows on the GPU are bitwise the one-row steps along each row's path (its ancestors,
 /// then itself, committed at consecutive slots as AR commits them): siblings at every depth, a deep line beside
-/// short branches, at contexts whose committed part ends inside an attention chunk and at its edge.
+/// short branches, at contexts whose committed part ends inside an attention chunk and at its edge; with the
+/// attention's block per chunk and its warp per chunk.
 #[test]
 fn cuda_tree_verify_rows_are_bitwise_the_one_row_steps_along_their_paths() {
-    use verity::speculative::Draft;
-    let be = gpu();
     let path = smollm2();
-    let mut m = Model::load(&Bundle::open(&path).unwrap(), be.clone()).unwrap();
+    for warp_rows in [None, Some(1)] {
+        let opts = CudaOptions {
+            att_warp_rows: warp_rows,
+            ..CudaOptions::from_env()
+        };
+        let be = Arc::new(CudaBackend::with_options(0, opts).unwrap());
+        let mut m = Model::load(&Bundle::open(&path).unwrap(), be).unwrap();
+        assert_tree_rows_are_path_steps(&mut m, &format!("warp rows {warp_rows:?}"));
+    }
+}
+
+fn assert_tree_rows_are_path_steps(m: &mut Model<CudaBackend>, what: &str) {
+    use verity::speculative::Draft;
+    let path = smollm2();
     let e = Engine::load(&path, f32_backend(), &SpecMode::Off).unwrap();
     let text = e
         .chat_prompt(&[Message::new(
@@ -667,7 +679,7 @@ fn cuda_tree_verify_rows_are_bitwise_the_one_row_steps_along_their_paths() {
     }
     assert!(
         failures.is_empty(),
-        "tree rows not bitwise their paths' one-row steps: {failures:?}"
+        "{what}: tree rows not bitwise their paths' one-row steps: {failures:?}"
     );
 }
 
@@ -1281,4 +1293,49 @@ fn cuda_ring_caches_compute_what_whole_context_caches_compute() {
     }
     assert!(pos > 800);
     assert!(ring.bytes() <= whole.bytes() / 2);
+}
+
+/// The image-text fixture's vision tower on the GPU (its projections and attention products on the CUDA
+/// backend's f32 kernels) gives the CPU backend's features within float tolerance, and the engine on the GPU
+/// answers an image turn.
+#[test]
+fn cuda_vision_tower_matches_the_cpu_tower() {
+    use verity::vision::{decode, Gemma3Vision, ImageLimits, SquareProcessor};
+    let fixtures = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let dir = fixtures.join("vision/gemma3-vl");
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("preprocessor_config.json")).unwrap())
+            .unwrap();
+    let image = std::fs::read(fixtures.join("images/rgb.png")).unwrap();
+    let pixels = SquareProcessor::from_config(&config)
+        .unwrap()
+        .pixel_values(&decode(&image, &ImageLimits::default()).unwrap());
+    let on_gpu = Gemma3Vision::load(&dir, gpu())
+        .unwrap()
+        .image_features(&pixels)
+        .unwrap();
+    let on_cpu = Gemma3Vision::load(&dir, f32_backend())
+        .unwrap()
+        .image_features(&pixels)
+        .unwrap();
+    let e = relative_error(&on_gpu, &on_cpu);
+    assert!(e < 1e-5, "features: relative error {e}");
+    let mut engine = Engine::load(&dir, gpu(), &SpecMode::Off).unwrap();
+    let img = engine
+        .vision
+        .as_ref()
+        .unwrap()
+        .image(&image, &ImageLimits::default())
+        .unwrap();
+    let mut prompt = vec![2, 10, 11, 12];
+    prompt.extend(engine.vision.as_ref().unwrap().block(&img));
+    prompt.extend([20, 21, 22]);
+    let req = GenerateRequest {
+        ignore_eos: true,
+        images: vec![img],
+        ..GenerateRequest::greedy(8)
+    };
+    let mut s = engine.new_session();
+    let stats = engine.generate(&mut s, &prompt, &req, |_, _| true).unwrap();
+    assert_eq!(stats.completion_tokens, 8);
 }

@@ -145,17 +145,6 @@ fn floats(path: &std::path::Path) -> Vec<f32> {
         .collect()
 }
 
-/// The largest difference relative to the reference's largest magnitude.
-fn relative_error(got: &[f32], want: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len());
-    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    got.iter()
-        .zip(want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max)
-        / scale
-}
-
 /// A tiny random Gemma 3 image-text bundle (`scripts/fixtures/make_vision_bundles.py`): its preprocessing gives
 /// transformers' pixel values bit for bit, and the SigLIP tower and the projector give transformers' outputs
 /// within f32 rounding (the sums run in another order).
@@ -175,10 +164,10 @@ fn gemma3_vision_tower_and_projector_match_transformers() {
     let be = std::sync::Arc::new(verity::backend::cpu::CpuBackend::new(2).unwrap());
     let vision = Gemma3Vision::load(&dir, be).unwrap();
     let tower = vision.tower(&pixels).unwrap();
-    let e = relative_error(&tower, &floats(&dir.join("tower.f32")));
+    let e = common::relative_error(&tower, &floats(&dir.join("tower.f32")));
     assert!(e < 1e-5, "tower: relative error {e}");
     let features = vision.image_features(&pixels).unwrap();
-    let e = relative_error(&features, &floats(&dir.join("features.f32")));
+    let e = common::relative_error(&features, &floats(&dir.join("features.f32")));
     assert!(e < 1e-5, "features: relative error {e}");
     assert_eq!(features.len(), 4 * 48);
     // The wrong number of pixel values is an error, not a panic.
@@ -226,7 +215,7 @@ fn gemma3_text_model_reads_the_image_features_as_transformers_does() {
         .forward(&mut cache, &batch, LogitRows::All, &[])
         .unwrap()
         .logits;
-    let e = relative_error(&got, &want);
+    let e = common::relative_error(&got, &want);
     assert!(e < 1e-4, "logits: relative error {e}");
     // Without the image's rows seeing each other both ways, the logits are not transformers'.
     let mut cache = model.new_cache(64);
@@ -238,7 +227,7 @@ fn gemma3_text_model_reads_the_image_features_as_transformers_does() {
         .forward(&mut cache, &causal, LogitRows::All, &[])
         .unwrap()
         .logits;
-    assert!(relative_error(&got, &want) > 1e-3);
+    assert!(common::relative_error(&got, &want) > 1e-3);
     // Image rows that do not fit the batch are refused.
     let bad = Batch::with_media(&tokens[..first + 2], 0, media);
     assert!(model
@@ -335,7 +324,7 @@ fn image_turns_restore_their_own_prefix_and_never_another_images() {
         })
         .collect();
     assert!(
-        relative_error(&last[0], &last[1]) > 1e-3,
+        common::relative_error(&last[0], &last[1]) > 1e-3,
         "the image rows' features were not read"
     );
 }

@@ -493,3 +493,14 @@ pub fn sampled(max_tokens: usize, temperature: f32, seed: u64) -> GenerateReques
         ..no_eos(max_tokens)
     }
 }
+
+/// The largest difference relative to the reference's largest magnitude.
+pub fn relative_error(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max)
+        / scale
+}
