@@ -117,21 +117,24 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
     // The engine's disk writer finishes its stores before the folder goes.
     drop(engine);
     let _ = std::fs::remove_dir_all(&disk_root);
+    let images = image.is_some();
+    let columns = if images {
+        format!(" {:>9} {:>9}", "image1 s", "image2 s")
+    } else {
+        String::new()
+    };
     println!(
-        "{:<6} {:>5} {:>10} {:>10} {:>10} {:>9} {:>10} {:>9} {:>9}",
-        "cache",
-        "runs",
-        "ttft2 s",
-        "restored",
-        "tok/s",
-        "tok/cyc",
-        "store ms",
-        "image1 s",
-        "image2 s"
+        "{:<6} {:>5} {:>10} {:>10} {:>10} {:>9} {:>10}{columns}",
+        "cache", "runs", "ttft2 s", "restored", "tok/s", "tok/cyc", "store ms"
     );
     for arm in arms(&records) {
+        let columns = if images {
+            format!(" {:>9.3} {:>9.3}", arm.image_s[0], arm.image_s[1])
+        } else {
+            String::new()
+        };
         println!(
-            "{:<6} {:>5} {:>10.3} {:>10.0} {:>10.1} {:>9.2} {:>10.2} {:>9.3} {:>9.3}",
+            "{:<6} {:>5} {:>10.3} {:>10.0} {:>10.1} {:>9.2} {:>10.2}{columns}",
             arm.cache,
             arm.runs,
             arm.ttft2_s,
@@ -139,8 +142,6 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
             arm.decode_tok_s,
             arm.accepted_per_cycle,
             arm.store_ms,
-            arm.image_s[0],
-            arm.image_s[1],
         );
     }
     if let Some(path) = &plot {
