@@ -6,11 +6,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use std::sync::Arc;
+use std::time::Instant;
 
 use verity::backend::Backend;
 
 use crate::device::{with_backend, Device, WithBackend};
-use std::time::Instant;
 use verity::chat::{Message, TemplateArgs};
 use verity::engine::{Engine, GenerateRequest, IMAGE_SLOT};
 use verity::sample::SamplerConfig;
@@ -207,7 +207,7 @@ pub fn run_prompt<B: Backend>(
         }
         let first = messages.is_empty();
         messages.extend(turn);
-        if let (true, Some(_)) = (first, image) {
+        if first && image.is_some() {
             let user = messages
                 .iter_mut()
                 .find(|m| m.role == "user")

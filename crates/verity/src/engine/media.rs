@@ -173,6 +173,8 @@ pub struct VisionSide<B: Backend> {
     dir: std::path::PathBuf,
     backend: Arc<B>,
     processor: crate::vision::SquareProcessor,
+    /// The processor's settings as content keys take them ([`content_key`]).
+    settings: String,
     tower: std::sync::OnceLock<crate::vision::Gemma3Vision<B>>,
     /// The features of the images seen last, by content key, most recent last: a conversation sends its image
     /// again with every turn (the chat APIs are stateless), and the tower costs far more than the turn's
@@ -220,10 +222,12 @@ impl<B: Backend> VisionSide<B> {
                 .ok_or_else(|| Error::malformed(dir.join("config.json"), format!("no {k}")))
         };
         let tower = crate::vision::SiglipConfig::from_config(&config)?;
+        let processor = crate::vision::SquareProcessor::from_config(&preprocessor)?;
         Ok(Some(VisionSide {
             dir: dir.to_path_buf(),
             backend,
-            processor: crate::vision::SquareProcessor::from_config(&preprocessor)?,
+            settings: format!("{processor:?}"),
+            processor,
             tower: std::sync::OnceLock::new(),
             recent: Default::default(),
             begin: id("boi_token_index")?,
@@ -236,7 +240,7 @@ impl<B: Backend> VisionSide<B> {
     /// projector, its rows keyed by its content and the processor's settings. An image among the last
     /// [`FEATURE_CACHE_IMAGES`] takes the features computed then (the same bytes and settings: the same values).
     pub fn image(&self, bytes: &[u8], limits: &crate::vision::ImageLimits) -> Result<PromptImage> {
-        let key = content_key(bytes, &format!("{:?}", self.processor));
+        let key = content_key(bytes, &self.settings);
         if let Some(features) = self.recall(key) {
             return Ok(PromptImage::new(key, self.tokens, features));
         }
@@ -252,6 +256,8 @@ impl<B: Backend> VisionSide<B> {
         };
         let features = Arc::new(tower.image_features(&pixels)?);
         let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        // Another request may have computed the same image meanwhile: one entry per key.
+        recent.retain(|(k, _)| *k != key);
         if recent.len() == FEATURE_CACHE_IMAGES {
             recent.pop_front();
         }

@@ -26,8 +26,8 @@ pub struct GenerateRequest {
     /// without the generation prompt), captured during prefill; and one of the state after the answer.
     pub store_prefix: Option<usize>,
     /// The images whose rows the prompt holds (their ids, [`PromptImage::ids`], in place of placeholder
-    /// tokens). A request with images drafts only by copying (the model-based proposers do not yet read image
-    /// rows).
+    /// tokens). A request with images drafts with the proposers that take them
+    /// ([`crate::speculative::Proposer::takes_images`]).
     pub images: Vec<PromptImage>,
 }
 

@@ -581,6 +581,8 @@ impl<B: Backend> MtpHead<B> {
     /// step's tokens (one wait per step, not per draft).
     pub fn draft_greedy_batched(&mut self, jobs: &mut [HeadDraft<B>]) -> Result<Vec<Vec<u32>>> {
         let hd = self.hp.hidden;
+        // Each job's catch-up ids as the head embeds them.
+        let mut catch_up = Vec::with_capacity(jobs.len());
         for j in jobs.iter() {
             let rows = j.tokens.len();
             if rows == 0 || j.hidden.len() != rows * hd || !(1..=MAX_CHAIN).contains(&j.depth) {
@@ -591,7 +593,7 @@ impl<B: Backend> MtpHead<B> {
                     j.hidden.len()
                 )));
             }
-            self.embedded_ids(j.tokens)?;
+            catch_up.push(self.embedded_ids(j.tokens)?.into_owned());
         }
         let be = self.backend.clone();
         let be = be.as_ref();
@@ -618,7 +620,7 @@ impl<B: Backend> MtpHead<B> {
                     continue;
                 }
                 let (t, first) = if i == 0 {
-                    (self.embedded_ids(job.tokens)?.into_owned(), job.start)
+                    (std::mem::take(&mut catch_up[j]), job.start)
                 } else {
                     (
                         vec![drafted[j][i - 1]],

@@ -127,7 +127,11 @@ struct Linear<B: Backend> {
 impl<B: Backend> Linear<B> {
     /// `rows` rows of `x` through the layer, the bias added.
     fn apply(&self, be: &B, x: &[f32], rows: usize) -> Vec<f32> {
-        let mut out = project(be, &self.w, x, rows, self.outputs);
+        self.with_bias(project(be, &self.w, x, rows, self.outputs))
+    }
+
+    /// `out` (rows of this layer's products) with the bias added.
+    fn with_bias(&self, mut out: Vec<f32>) -> Vec<f32> {
         for o in out.chunks_mut(self.outputs) {
             for (v, b) in o.iter_mut().zip(&self.b) {
                 *v += b;
@@ -336,11 +340,21 @@ impl<B: Backend> Gemma3Vision<B> {
         let be = self.backend.as_ref();
         let h = self.cfg.hidden;
         let d = h / self.cfg.heads;
-        let (q, k, v) = (
-            layer.q.apply(be, x, n),
-            layer.k.apply(be, x, n),
-            layer.v.apply(be, x, n),
+        // Q, K and V from one upload of the input, in one pass where the backend can.
+        let input = be.upload(x);
+        let (mut bq, mut bk, mut bv) = (be.buffer(n * h), be.buffer(n * h), be.buffer(n * h));
+        be.matmuls(
+            &input,
+            None,
+            n,
+            &mut [
+                (&layer.q.w, &mut bq),
+                (&layer.k.w, &mut bk),
+                (&layer.v.w, &mut bv),
+            ],
         );
+        let [q, k, v] = [(&layer.q, bq), (&layer.k, bk), (&layer.v, bv)]
+            .map(|(l, b)| l.with_bias(be.download(&b, n * h)));
         let scale = (d as f32).powf(-0.5);
         let head_of = |m: &[f32], head: usize| -> Vec<f32> {
             m.chunks(h)
