@@ -313,7 +313,7 @@ fn image_turns_restore_their_own_prefix_and_never_another_images() {
                 vec![MediaRows {
                     first_row: 5,
                     rows: 4,
-                    values: img.features.clone(),
+                    values: img.features.get().unwrap(),
                 }],
             );
             let mut cache = e.model.new_cache(64);
@@ -437,7 +437,8 @@ fn every_route_gives_ars_answer_on_image_turns() {
 }
 
 /// The disk tier keys image turns by content too: after a restart (a new engine, the same folder) the image turn
-/// restores its prefix from disk and answers as before; the other image restores none of the first's rows.
+/// restores its prefix from disk and answers as before, without running the tower (no forward needs the image's
+/// features); the other image restores none of the first's rows and runs it.
 #[test]
 fn image_turns_restore_from_the_disk_tier_after_a_restart() {
     let root = std::env::temp_dir().join(format!("verity-vision-disk-{}", std::process::id()));
@@ -453,42 +454,64 @@ fn image_turns_restore_from_the_disk_tier_after_a_restart() {
     let (warm, restored) = answer(&mut restarted, ids, img);
     assert_eq!(restored, ids.len() - 1, "restored from disk");
     assert_eq!(warm, cold);
+    let vision = restarted.vision.as_ref().expect("an image-text bundle");
+    assert_eq!(
+        vision.tower_runs(),
+        0,
+        "the tower ran for rows restored from disk"
+    );
     let (other_ids, other) = &turns[1];
     let (_, restored) = answer(&mut restarted, other_ids, other);
     assert!(
         restored <= 5,
         "another image restored {restored} rows from disk"
     );
+    let vision = restarted.vision.as_ref().expect("an image-text bundle");
+    assert_eq!(
+        vision.tower_runs(),
+        1,
+        "the other image's rows need the tower"
+    );
     let _ = std::fs::remove_dir_all(&root);
 }
 
-/// An image sent again (a chat client resends the conversation's image with every turn) takes the features the
-/// vision side computed the first time, while it is among the last [`FEATURE_CACHE_IMAGES`]; pushed out, it is
-/// computed afresh, to the same values. Other bytes are another image, whatever their pixels.
+/// An image sent again (a chat client resends the conversation's image with every turn) shares the features of
+/// its first sending, while it is among the last [`FEATURE_CACHE_IMAGES`]; pushed out, it is computed afresh, to
+/// the same values. Other bytes are another image, whatever their pixels. Features are computed once, when
+/// first needed, however many sendings share them.
 #[test]
 fn an_image_sent_again_takes_the_features_computed_the_first_time() {
-    use std::sync::Arc;
     use verity::engine::FEATURE_CACHE_IMAGES;
     let (e, _) = image_turns();
     let vision = e.vision.as_ref().expect("an image-text bundle");
     let limits = ImageLimits::default();
     let rgb = read("rgb.png");
+    let runs = vision.tower_runs();
     let first = vision.image(&rgb, &limits).unwrap();
     let again = vision.image(&rgb, &limits).unwrap();
-    assert!(Arc::ptr_eq(&first.features, &again.features));
+    assert!(first.features.same(&again.features));
     assert_eq!(first.ids, again.ids);
+    assert_eq!(
+        vision.tower_runs(),
+        runs,
+        "no forward needed the features yet"
+    );
+    let values = again.features.get().unwrap();
+    assert!(first.features.is_computed());
+    assert_eq!(*first.features.get().unwrap(), *values);
+    assert_eq!(vision.tower_runs(), runs + 1);
     // The same pixels in other bytes (a trailing word after the PNG's end): other images, as many as the cache
     // holds.
     for i in 0..FEATURE_CACHE_IMAGES as u32 {
         let mut bytes = rgb.clone();
         bytes.extend_from_slice(&i.to_le_bytes());
         let other = vision.image(&bytes, &limits).unwrap();
-        assert!(!Arc::ptr_eq(&other.features, &first.features));
+        assert!(!other.features.same(&first.features));
         assert_ne!(other.ids, first.ids);
-        assert_eq!(other.features, first.features);
+        assert_eq!(*other.features.get().unwrap(), *values);
     }
     let back = vision.image(&rgb, &limits).unwrap();
-    assert!(!Arc::ptr_eq(&back.features, &first.features));
-    assert_eq!(back.features, first.features);
+    assert!(!back.features.same(&first.features));
+    assert_eq!(*back.features.get().unwrap(), *values);
     assert_eq!(back.ids, first.ids);
 }

@@ -160,7 +160,7 @@ pub struct Arm {
     pub decode_tok_s: f64,
     pub accepted_per_cycle: f64,
     pub store_ms: f64,
-    /// The image's time to features in turns 1 and 2 (`--image`; 0 without).
+    /// The image's time in turns 1 and 2 (`--image`, the records' `image_s`; 0 without).
     pub image_s: [f64; 2],
 }
 

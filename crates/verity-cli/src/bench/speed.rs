@@ -181,8 +181,9 @@ pub enum Turns {
 
 /// Run every turn of `p` (appending each answer) and record each turn. With `image` (PNG or JPEG bytes) the
 /// first user message shows it, and every turn sends it again, as a chat client does: each turn's record says
-/// how long the image took to become features (`image_s`: the tower's time, or a look-up of the features the
-/// vision side kept).
+/// how long the image took (`image_s`: checking its bytes, and computing its features where a forward needed
+/// them — the tower's time, inside the turn's time to first token; nothing more where the vision side kept the
+/// features or every image row restored from the prefix cache).
 pub fn run_prompt<B: Backend>(
     engine: &mut Engine<B>,
     p: &BenchPrompt,
@@ -215,6 +216,7 @@ pub fn run_prompt<B: Backend>(
             user.content = format!("{IMAGE_SLOT}{}", user.content);
         }
         let t = Instant::now();
+        let tower_before = engine.vision.as_ref().map(|v| v.tower_time());
         let images = match image {
             Some(bytes) => {
                 let vision = engine
@@ -225,7 +227,7 @@ pub fn run_prompt<B: Backend>(
             }
             None => Vec::new(),
         };
-        let image_s = t.elapsed().as_secs_f64();
+        let checked_s = t.elapsed().as_secs_f64();
         let rendered = if images.is_empty() {
             engine.render_chat(&messages, &TemplateArgs::default())?
         } else {
@@ -245,6 +247,15 @@ pub fn run_prompt<B: Backend>(
                 true
             })
             .with_context(|| format!("prompt {} turn {}", p.id, ti + 1))?;
+        let tower_s = match (&engine.vision, tower_before) {
+            (Some(v), Some(before)) => (v.tower_time() - before).as_secs_f64(),
+            _ => 0.0,
+        };
+        let image_s = if image.is_some() {
+            checked_s + tower_s
+        } else {
+            0.0
+        };
         let text = engine.tokenizer.decode(&ids)?;
         messages.push(Message::new("assistant", &text));
         let rec = Record {

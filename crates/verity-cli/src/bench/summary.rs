@@ -33,7 +33,8 @@ pub struct Record {
     /// Seconds spent storing the prefix-cache checkpoint (during prefill); 0 in records older than the field.
     #[serde(default)]
     pub store_s: f64,
-    /// Seconds the turn's image took to become features (`bench conversation --image`); 0 without one.
+    /// Seconds the turn spent on its image (`bench conversation --image`): checking its bytes, and its features
+    /// where a forward needed them (the tower, within `ttft_s`); 0 without one.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub image_s: f64,
 }

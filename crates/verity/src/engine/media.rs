@@ -20,12 +20,11 @@ pub fn is_media(id: u32) -> bool {
     id & MEDIA_BIT != 0
 }
 
-/// One image of a prompt: the ids its rows take (one per image token) and the vision side's features for them.
+/// One image of a prompt: the ids its rows take (one per image token) and its features.
 #[derive(Debug, Clone)]
 pub struct PromptImage {
     pub ids: Vec<u32>,
-    /// `ids.len() × hidden`.
-    pub features: Arc<Vec<f32>>,
+    pub features: ImageFeatures,
 }
 
 /// The content key of an image: a 128-bit hash of its encoded bytes and of `settings` (how it is preprocessed:
@@ -42,7 +41,7 @@ impl PromptImage {
     /// The image whose content key is `key` (a hash of its bytes and its preprocessing settings), its features
     /// `features` for `tokens` rows: row `i`'s id is 31 bits of a hash of `(key, i)`, so every row's id depends
     /// on the whole content and two images' id sequences differ everywhere.
-    pub fn new(key: u128, tokens: usize, features: Arc<Vec<f32>>) -> Self {
+    pub fn new(key: u128, tokens: usize, features: ImageFeatures) -> Self {
         let ids = (0..tokens as u64)
             .map(|i| {
                 let h = xxhash_rust::xxh3::xxh3_64_with_seed(&key.to_le_bytes(), i);
@@ -50,6 +49,92 @@ impl PromptImage {
             })
             .collect();
         PromptImage { ids, features }
+    }
+}
+
+/// An image's features (one row of the text model's width per image token), computed when a forward first
+/// needs them: a turn whose image rows all restore from the prefix cache (after a restart too) never runs the
+/// tower, which costs seconds to minutes where the restore costs milliseconds. Clones share one computation.
+#[derive(Clone)]
+pub struct ImageFeatures(Arc<FeatureCell>);
+
+struct FeatureCell {
+    ready: std::sync::OnceLock<Arc<Vec<f32>>>,
+    /// What computes them, until they are computed.
+    pending: std::sync::Mutex<Option<Pending>>,
+}
+
+struct Pending {
+    source: Arc<dyn FeatureSource>,
+    bytes: Vec<u8>,
+    limits: crate::vision::ImageLimits,
+}
+
+/// What turns an image's encoded bytes into its features (the vision side's tower).
+trait FeatureSource: Send + Sync {
+    fn features(&self, bytes: &[u8], limits: &crate::vision::ImageLimits) -> Result<Vec<f32>>;
+}
+
+impl ImageFeatures {
+    /// Features already computed.
+    pub fn ready(values: Arc<Vec<f32>>) -> Self {
+        ImageFeatures(Arc::new(FeatureCell {
+            ready: values.into(),
+            pending: std::sync::Mutex::new(None),
+        }))
+    }
+
+    fn deferred(
+        source: Arc<dyn FeatureSource>,
+        bytes: Vec<u8>,
+        limits: crate::vision::ImageLimits,
+    ) -> Self {
+        ImageFeatures(Arc::new(FeatureCell {
+            ready: std::sync::OnceLock::new(),
+            pending: std::sync::Mutex::new(Some(Pending {
+                source,
+                bytes,
+                limits,
+            })),
+        }))
+    }
+
+    /// The features, computed now if nothing has needed them yet (once, however many clones ask at once; after
+    /// an error the next call tries again).
+    pub fn get(&self) -> Result<Arc<Vec<f32>>> {
+        if let Some(v) = self.0.ready.get() {
+            return Ok(v.clone());
+        }
+        let mut pending = self.0.pending.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(v) = self.0.ready.get() {
+            return Ok(v.clone()); // computed while this call waited
+        }
+        let p = pending
+            .as_ref()
+            .expect("features are either computed or pending");
+        let values = Arc::new(p.source.features(&p.bytes, &p.limits)?);
+        let _ = self.0.ready.set(values.clone());
+        *pending = None;
+        Ok(values)
+    }
+
+    /// Whether the features have been computed.
+    pub fn is_computed(&self) -> bool {
+        self.0.ready.get().is_some()
+    }
+
+    /// Whether `self` and `other` are one image's features (one computation).
+    pub fn same(&self, other: &ImageFeatures) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl std::fmt::Debug for ImageFeatures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0.ready.get() {
+            Some(v) => write!(f, "ImageFeatures({} values)", v.len()),
+            None => f.write_str("ImageFeatures(not computed yet)"),
+        }
     }
 }
 
@@ -62,28 +147,46 @@ pub struct MediaTable {
 }
 
 impl MediaTable {
-    /// The table of `images` for a model of hidden size `hidden`; an image whose features are not one row of
-    /// `hidden` values per id is refused.
+    /// The table of `images` for a model of hidden size `hidden`. An image whose ids are not image ids is
+    /// refused, and so is one whose features (once computed) are not one row of `hidden` values per id.
     pub fn new(images: &[PromptImage], hidden: usize) -> Result<Self> {
         let mut rows = HashMap::new();
         for (n, img) in images.iter().enumerate() {
-            if img.features.len() != img.ids.len() * hidden || img.ids.iter().any(|&i| !is_media(i))
-            {
+            if img.ids.iter().any(|&i| !is_media(i)) {
                 return Err(Error::Invalid(format!(
-                    "image {n}: {} ids and {} feature values for hidden size {hidden}",
-                    img.ids.len(),
-                    img.features.len()
+                    "image {n}: a row id without the image bit"
                 )));
             }
             for (r, &id) in img.ids.iter().enumerate() {
                 rows.insert(id, (n, r));
             }
         }
-        Ok(MediaTable {
+        let table = MediaTable {
             rows,
             images: images.to_vec(),
             hidden,
-        })
+        };
+        for (n, img) in images.iter().enumerate() {
+            if img.features.is_computed() {
+                table.features(n)?;
+            }
+        }
+        Ok(table)
+    }
+
+    /// Image `n`'s features, computed now if no forward has needed them yet, checked against its rows.
+    fn features(&self, n: usize) -> Result<Arc<Vec<f32>>> {
+        let img = &self.images[n];
+        let values = img.features.get()?;
+        if values.len() != img.ids.len() * self.hidden {
+            return Err(Error::Invalid(format!(
+                "image {n}: {} ids and {} feature values for hidden size {}",
+                img.ids.len(),
+                values.len(),
+                self.hidden
+            )));
+        }
+        Ok(values)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -121,6 +224,7 @@ impl MediaTable {
         let mut media: Vec<MediaRows> = Vec::new();
         let mut run: Option<(usize, usize, usize)> = None; // (image, its first row, first batch row)
         let mut values: Vec<f32> = Vec::new();
+        let mut features: Option<(usize, Arc<Vec<f32>>)> = None; // the last image's, fetched once a run
         let flush = |run: &mut Option<(usize, usize, usize)>,
                      values: &mut Vec<f32>,
                      media: &mut Vec<MediaRows>| {
@@ -146,7 +250,11 @@ impl MediaTable {
                 flush(&mut run, &mut values, &mut media);
                 run = Some((img, r, b));
             }
-            values.extend_from_slice(&self.images[img].features[r * h..][..h]);
+            if features.as_ref().is_none_or(|(i, _)| *i != img) {
+                features = Some((img, self.features(img)?));
+            }
+            let f = &features.as_ref().expect("fetched above").1;
+            values.extend_from_slice(&f[r * h..][..h]);
             tokens.push(0);
         }
         flush(&mut run, &mut values, &mut media);
@@ -164,27 +272,60 @@ pub fn chunk_end(body: &[u32], end: usize) -> usize {
     e
 }
 
-/// How many images' features [`VisionSide`] keeps (a Gemma 3 image's 256 rows at hidden 2,560 are 2.6 MB).
+/// How many images [`VisionSide`] keeps by content key (a Gemma 3 image's 256 rows at hidden 2,560 are 2.6 MB of
+/// features; an image whose features nothing has needed yet keeps its encoded bytes instead).
 pub const FEATURE_CACHE_IMAGES: usize = 32;
 
 /// A bundle's vision side (a Gemma 3 image-text folder): its processor, the tower loaded on the first image
-/// (hundreds of megabytes a text-only turn never needs), and the tokens around an image's rows.
+/// whose features a forward needs (hundreds of megabytes a text-only turn never needs), and the tokens around an
+/// image's rows.
 pub struct VisionSide<B: Backend> {
-    dir: std::path::PathBuf,
-    backend: Arc<B>,
-    processor: crate::vision::SquareProcessor,
+    tower: Arc<Tower<B>>,
     /// The processor's settings as content keys take them ([`content_key`]).
     settings: String,
-    tower: std::sync::OnceLock<crate::vision::Gemma3Vision<B>>,
-    /// The features of the images seen last, by content key, most recent last: a conversation sends its image
-    /// again with every turn (the chat APIs are stateless), and the tower costs far more than the turn's
-    /// restored prefix. A short recency list: at most [`FEATURE_CACHE_IMAGES`] entries, so a linear scan.
-    recent: std::sync::Mutex<std::collections::VecDeque<(u128, Arc<Vec<f32>>)>>,
+    /// The images seen last, by content key, most recent last: a conversation sends its image again with every
+    /// turn (the chat APIs are stateless), and the tower costs far more than the turn's restored prefix; the
+    /// same image's requests share one computation. A short recency list: at most [`FEATURE_CACHE_IMAGES`]
+    /// entries, so a linear scan.
+    recent: std::sync::Mutex<std::collections::VecDeque<(u128, ImageFeatures)>>,
     /// `<start_of_image>` and `<end_of_image>`.
     pub begin: u32,
     pub end: u32,
     /// Rows per image.
     pub tokens: usize,
+}
+
+/// The processor and the tower: what computes an image's features from its bytes.
+struct Tower<B: Backend> {
+    dir: std::path::PathBuf,
+    backend: Arc<B>,
+    processor: crate::vision::SquareProcessor,
+    model: std::sync::OnceLock<crate::vision::Gemma3Vision<B>>,
+    runs: std::sync::atomic::AtomicUsize,
+    /// Nanoseconds spent computing features (decode, preprocessing, tower), over every run.
+    nanos: std::sync::atomic::AtomicU64,
+}
+
+impl<B: Backend> FeatureSource for Tower<B> {
+    fn features(&self, bytes: &[u8], limits: &crate::vision::ImageLimits) -> Result<Vec<f32>> {
+        let t = std::time::Instant::now();
+        let pixels = self
+            .processor
+            .pixel_values(&crate::vision::decode(bytes, limits)?);
+        let model = match self.model.get() {
+            Some(m) => m,
+            None => {
+                let m = crate::vision::Gemma3Vision::load(&self.dir, self.backend.clone())?;
+                self.model.get_or_init(|| m)
+            }
+        };
+        let features = model.image_features(&pixels)?;
+        self.runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let nanos = t.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+        self.nanos
+            .fetch_add(nanos, std::sync::atomic::Ordering::Relaxed);
+        Ok(features)
+    }
 }
 
 impl<B: Backend> VisionSide<B> {
@@ -221,42 +362,39 @@ impl<B: Backend> VisionSide<B> {
                 .and_then(|v| u32::try_from(v).ok())
                 .ok_or_else(|| Error::malformed(dir.join("config.json"), format!("no {k}")))
         };
-        let tower = crate::vision::SiglipConfig::from_config(&config)?;
+        let shape = crate::vision::SiglipConfig::from_config(&config)?;
         let processor = crate::vision::SquareProcessor::from_config(&preprocessor)?;
         Ok(Some(VisionSide {
-            dir: dir.to_path_buf(),
-            backend,
             settings: format!("{processor:?}"),
-            processor,
-            tower: std::sync::OnceLock::new(),
+            tower: Arc::new(Tower {
+                dir: dir.to_path_buf(),
+                backend,
+                processor,
+                model: std::sync::OnceLock::new(),
+                runs: Default::default(),
+                nanos: Default::default(),
+            }),
             recent: Default::default(),
             begin: id("boi_token_index")?,
             end: id("eoi_token_index")?,
-            tokens: tower.tokens,
+            tokens: shape.tokens,
         }))
     }
 
-    /// The image `bytes` (PNG or JPEG) as a prompt's image: decoded, preprocessed, through the tower and the
-    /// projector, its rows keyed by its content and the processor's settings. An image among the last
-    /// [`FEATURE_CACHE_IMAGES`] takes the features computed then (the same bytes and settings: the same values).
+    /// The image `bytes` (PNG or JPEG) as a prompt's image, its rows keyed by its content and the processor's
+    /// settings. The bytes are decoded now (a malformed image fails its request here); the features (decoded
+    /// again, preprocessed, through the tower and the projector) are computed when a forward first needs them.
+    /// An image among the last [`FEATURE_CACHE_IMAGES`] shares the features of its first sending (the same bytes
+    /// and settings: the same values).
     pub fn image(&self, bytes: &[u8], limits: &crate::vision::ImageLimits) -> Result<PromptImage> {
         let key = content_key(bytes, &self.settings);
         if let Some(features) = self.recall(key) {
             return Ok(PromptImage::new(key, self.tokens, features));
         }
-        let pixels = self
-            .processor
-            .pixel_values(&crate::vision::decode(bytes, limits)?);
-        let tower = match self.tower.get() {
-            Some(t) => t,
-            None => {
-                let t = crate::vision::Gemma3Vision::load(&self.dir, self.backend.clone())?;
-                self.tower.get_or_init(|| t)
-            }
-        };
-        let features = Arc::new(tower.image_features(&pixels)?);
+        crate::vision::decode(bytes, limits)?;
+        let features = ImageFeatures::deferred(self.tower.clone(), bytes.to_vec(), *limits);
         let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
-        // Another request may have computed the same image meanwhile: one entry per key.
+        // Another request may have sent the same image meanwhile: one entry per key.
         recent.retain(|(k, _)| *k != key);
         if recent.len() == FEATURE_CACHE_IMAGES {
             recent.pop_front();
@@ -265,7 +403,17 @@ impl<B: Backend> VisionSide<B> {
         Ok(PromptImage::new(key, self.tokens, features))
     }
 
-    /// Forget the features kept of recent images (the next image runs the tower again).
+    /// How many images the tower has run on.
+    pub fn tower_runs(&self) -> usize {
+        self.tower.runs.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The time spent computing features (decoding, preprocessing, the tower), over every image.
+    pub fn tower_time(&self) -> std::time::Duration {
+        std::time::Duration::from_nanos(self.tower.nanos.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Forget the images kept by content key (the next sending of one computes its features again).
     pub fn forget_images(&self) {
         self.recent
             .lock()
@@ -274,7 +422,7 @@ impl<B: Backend> VisionSide<B> {
     }
 
     /// The features of the image keyed `key` if it is among the recent ones (it becomes the most recent).
-    fn recall(&self, key: u128) -> Option<Arc<Vec<f32>>> {
+    fn recall(&self, key: u128) -> Option<ImageFeatures> {
         let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
         let at = recent.iter().position(|(k, _)| *k == key)?;
         let entry = recent.remove(at)?;

@@ -18,7 +18,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 pub use batch::Decoding;
-pub use media::{content_key, is_media, PromptImage, VisionSide, FEATURE_CACHE_IMAGES, MEDIA_BIT};
+pub use media::{
+    content_key, is_media, ImageFeatures, PromptImage, VisionSide, FEATURE_CACHE_IMAGES, MEDIA_BIT,
+};
 pub use prompt::{ChatPrompt, IMAGE_SLOT};
 pub use request::{Emitted, GenerateRequest, Logprobs};
 pub use session::Session;
