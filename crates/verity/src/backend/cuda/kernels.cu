@@ -1230,6 +1230,51 @@ __device__ __forceinline__ void stream_block(int ty, u8* slot, const u8* q, cons
 #define NQ_LEAN 0
 #endif
 
+// This lane's x in the lean loops from block lo on: its B-fragment row's quants (read where the row is one of
+// the launch's, else 0: that row's chains are never stored) and its fragment rows' (scale, sum) (row i2, and
+// row i2 + 1 at + nb).
+struct LaneX {
+    const signed char* xp;
+    const float* dp;
+    const float* sp;
+    bool xrow, r0, r1;
+};
+
+__device__ __forceinline__ LaneX lane_x(const Staged& st, int rows, int lo, int lane) {
+    const int g = lane >> 2, i2 = 2 * (lane & 3);
+    return {st.xq + (size_t)g * st.k + lo * 32 + (lane & 3) * 4, st.xd + i2 * st.nb + lo, st.xs + i2 * st.nb + lo,
+            g < rows, i2 < rows, i2 + 1 < rows};
+}
+
+// One block's step of the lean loops: the contract's chain steps of this lane's (column, row) pairs from the
+// block's quants and scales and x at `x`, which then moves to the next block.
+template <int TY>
+__device__ __forceinline__ void lean_block(const u32 (&raw)[4], const ScaleRaw (&sw)[2], LaneX& x, int nb, int rows,
+                                           float (&acc)[4]) {
+    constexpr int SUMS = tile_sums(TY);
+    u32 a[4];
+    fragment<TY>(raw, a);
+    BlockScale bs[2] = {block_scale<TY>(sw[0]), block_scale<TY>(sw[1])};
+    u32 x0 = 0u, x1 = 0u;
+    if (x.xrow) {
+        x0 = *(const u32*)x.xp;
+        x1 = *(const u32*)(x.xp + 16);
+    }
+    int d[SUMS][4];
+    block_dots<TY>(a, x0, x1, d[0], d[SUMS - 1]);
+    float xd0 = x.r0 ? x.dp[0] : 0.f, xs0 = x.r0 ? x.sp[0] : 0.f;
+    acc[0] = chain_step<TY>(acc[0], bs[0], xd0, xs0, d[0][0], d[SUMS - 1][0]);
+    acc[2] = chain_step<TY>(acc[2], bs[1], xd0, xs0, d[0][2], d[SUMS - 1][2]);
+    if (rows > 1) {  // a one-row launch stores no odd fragment row
+        float xd1 = x.r1 ? x.dp[nb] : 0.f, xs1 = x.r1 ? x.sp[nb] : 0.f;
+        acc[1] = chain_step<TY>(acc[1], bs[0], xd1, xs1, d[0][1], d[SUMS - 1][1]);
+        acc[3] = chain_step<TY>(acc[3], bs[1], xd1, xs1, d[0][3], d[SUMS - 1][3]);
+    }
+    x.xp += 32;
+    x.dp++;
+    x.sp++;
+}
+
 // One run's blocks lo .. hi of matrix m (the gate's or, for glu, the up projection's) into this warp's one n-tile
 // chains `acc`, block lo's quants and scales already in raw and sw unless `first` (the warp's later runs); the
 // next block (this run's next, or the up projection's first) loaded while each block's chains run. The quants'
@@ -1238,8 +1283,8 @@ template <int TY, int MATS>
 __device__ __forceinline__ void lean_run(const u8* const (&wq)[2], const TileOf& t, const Staged& st, int rows, int lo,
                                          int hi, int m, bool first, int lane, u32 (&raw)[4], ScaleRaw (&sw)[2],
                                          float (&acc)[4]) {
-    constexpr int QB = tile_quant_bytes(TY), SUMS = tile_sums(TY);
-    const int nb = st.nb, g = lane >> 2, i2 = 2 * (lane & 3);
+    constexpr int QB = tile_quant_bytes(TY);
+    const int nb = st.nb, g = lane >> 2;
     const u8* wm = m ? wq[1] : wq[0];
     const u8* ts = tile_scales(TY, wm, t.tiles, nb, t.lt);
     const u8* qp = wm + ((size_t)t.lt * nb + lo) * QB;  // block lo's quants
@@ -1264,10 +1309,7 @@ __device__ __forceinline__ void lean_run(const u8* const (&wq)[2], const TileOf&
         }
     };
     if (first) load(qp, ts, lo, raw, sw);
-    const bool xrow = g < rows, r0 = i2 < rows, r1 = i2 + 1 < rows;
-    const signed char* xp = st.xq + (size_t)g * st.k + lo * 32 + (lane & 3) * 4;
-    const float* dp = st.xd + i2 * nb + lo;
-    const float* sp = st.xs + i2 * nb + lo;
+    LaneX x = lane_x(st, rows, lo, lane);
     for (int b = lo; b < hi; b++) {
         u32 nraw[4];
         ScaleRaw nsw[2];
@@ -1278,27 +1320,7 @@ __device__ __forceinline__ void lean_run(const u8* const (&wq)[2], const TileOf&
             sup = -1;  // another matrix's super-blocks
             load(wq[1] + ((size_t)t.lt * nb + lo) * QB, tile_scales(TY, wq[1], t.tiles, nb, t.lt), lo, nraw, nsw);
         }
-        u32 a[4];
-        fragment<TY>(raw, a);
-        BlockScale bs[2] = {block_scale<TY>(sw[0]), block_scale<TY>(sw[1])};
-        u32 x0 = 0u, x1 = 0u;
-        if (xrow) {
-            x0 = *(const u32*)xp;
-            x1 = *(const u32*)(xp + 16);
-        }
-        int d[SUMS][4];
-        block_dots<TY>(a, x0, x1, d[0], d[SUMS - 1]);
-        float xd0 = r0 ? dp[0] : 0.f, xs0 = r0 ? sp[0] : 0.f;
-        acc[0] = chain_step<TY>(acc[0], bs[0], xd0, xs0, d[0][0], d[SUMS - 1][0]);
-        acc[2] = chain_step<TY>(acc[2], bs[1], xd0, xs0, d[0][2], d[SUMS - 1][2]);
-        if (rows > 1) {  // a one-row launch stores no odd fragment row
-            float xd1 = r1 ? dp[nb] : 0.f, xs1 = r1 ? sp[nb] : 0.f;
-            acc[1] = chain_step<TY>(acc[1], bs[0], xd1, xs1, d[0][1], d[SUMS - 1][1]);
-            acc[3] = chain_step<TY>(acc[3], bs[1], xd1, xs1, d[0][3], d[SUMS - 1][3]);
-        }
-        xp += 32;
-        dp++;
-        sp++;
+        lean_block<TY>(raw, sw, x, nb, rows, acc);
 #pragma unroll
         for (int i = 0; i < 4; i++) raw[i] = nraw[i];
         sw[0] = nsw[0];
@@ -1395,41 +1417,18 @@ __device__ __forceinline__ void bulk_wait(void* bar) {
 template <int TY, int MATS>
 __device__ __forceinline__ void bulk_run(const u8* region, const Staged& st, int rows, int lo, int hi, int m, int lane,
                                          float (&acc)[4]) {
-    constexpr int QB = tile_quant_bytes(TY), SUMS = tile_sums(TY);
-    const int nb = st.nb, g = lane >> 2, i2 = 2 * (lane & 3);
+    constexpr int QB = tile_quant_bytes(TY);
+    const int nb = st.nb, g = lane >> 2;
     const int cap = run_cap(nb);
     const u8* q = region + 16 + m * (cap * QB + bulk_scale_bytes(TY, cap));
     // Scales indexed by the tile's block numbers: the region holds them from super-block lo / 8 (or block lo).
     const u8* ts = q + cap * QB - (tiled_k(TY) ? (lo >> 3) * 320 : lo * 64);
-    const bool xrow = g < rows, r0 = i2 < rows, r1 = i2 + 1 < rows;
-    const signed char* xp = st.xq + (size_t)g * st.k + lo * 32 + (lane & 3) * 4;
-    const float* dp = st.xd + i2 * nb + lo;
-    const float* sp = st.xs + i2 * nb + lo;
+    LaneX x = lane_x(st, rows, lo, lane);
     for (int b = lo; b < hi; b++, q += QB) {
         u32 raw[4];
         load_quants<TY, false>(q, lane, raw);
         ScaleRaw sw[2] = {scale_raw<TY>(ts, b, g), scale_raw<TY>(ts, b, g + 8)};
-        u32 a[4];
-        fragment<TY>(raw, a);
-        BlockScale bs[2] = {block_scale<TY>(sw[0]), block_scale<TY>(sw[1])};
-        u32 x0 = 0u, x1 = 0u;
-        if (xrow) {
-            x0 = *(const u32*)xp;
-            x1 = *(const u32*)(xp + 16);
-        }
-        int d[SUMS][4];
-        block_dots<TY>(a, x0, x1, d[0], d[SUMS - 1]);
-        float xd0 = r0 ? dp[0] : 0.f, xs0 = r0 ? sp[0] : 0.f;
-        acc[0] = chain_step<TY>(acc[0], bs[0], xd0, xs0, d[0][0], d[SUMS - 1][0]);
-        acc[2] = chain_step<TY>(acc[2], bs[1], xd0, xs0, d[0][2], d[SUMS - 1][2]);
-        if (rows > 1) {
-            float xd1 = r1 ? dp[nb] : 0.f, xs1 = r1 ? sp[nb] : 0.f;
-            acc[1] = chain_step<TY>(acc[1], bs[0], xd1, xs1, d[0][1], d[SUMS - 1][1]);
-            acc[3] = chain_step<TY>(acc[3], bs[1], xd1, xs1, d[0][3], d[SUMS - 1][3]);
-        }
-        xp += 32;
-        dp++;
-        sp++;
+        lean_block<TY>(raw, sw, x, nb, rows, acc);
     }
 }
 
