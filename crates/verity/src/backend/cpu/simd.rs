@@ -107,51 +107,75 @@ pub fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-    use std::arch::x86_64::*;
     let n = a.len().min(b.len());
-    let (pa, pb) = (a.as_ptr(), b.as_ptr());
-    let mut acc0 = _mm256_setzero_ps();
-    let mut acc1 = _mm256_setzero_ps();
-    let mut acc2 = _mm256_setzero_ps();
-    let mut acc3 = _mm256_setzero_ps();
+    let [[d]] = dots_avx2::<1, 1>([&a[..n]], [&b[..n]]);
+    d
+}
+
+/// `C × R` AVX2 dot products at once: `out[c][r]` is bitwise `dot_avx2(a[c], b[r])` (each pair keeps its own
+/// four accumulators and the same order of operations), with each 8-lane load of an `a` or a `b` row serving
+/// `R` or `C` products instead of one. The rows must share one length.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA, and the caller's target features must cover the registers `C × R × 4`
+/// accumulators need without spilling (2 × 2: AVX-512VL's 32).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // c, r and j index parallel arrays
+pub unsafe fn dots_avx2<const C: usize, const R: usize>(
+    a: [&[f32]; C],
+    b: [&[f32]; R],
+) -> [[f32; R]; C] {
+    use std::arch::x86_64::*;
+    let n = a[0].len();
+    debug_assert!(a.iter().all(|r| r.len() == n) && b.iter().all(|r| r.len() == n));
+    let pa = a.map(|r| r.as_ptr());
+    let pb = b.map(|r| r.as_ptr());
+    let mut acc = [[[_mm256_setzero_ps(); 4]; R]; C];
     let mut i = 0;
     while i + 32 <= n {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
-        acc1 = _mm256_fmadd_ps(
-            _mm256_loadu_ps(pa.add(i + 8)),
-            _mm256_loadu_ps(pb.add(i + 8)),
-            acc1,
-        );
-        acc2 = _mm256_fmadd_ps(
-            _mm256_loadu_ps(pa.add(i + 16)),
-            _mm256_loadu_ps(pb.add(i + 16)),
-            acc2,
-        );
-        acc3 = _mm256_fmadd_ps(
-            _mm256_loadu_ps(pa.add(i + 24)),
-            _mm256_loadu_ps(pb.add(i + 24)),
-            acc3,
-        );
+        for j in 0..4 {
+            let vb: [__m256; R] = std::array::from_fn(|r| _mm256_loadu_ps(pb[r].add(i + 8 * j)));
+            for c in 0..C {
+                let va = _mm256_loadu_ps(pa[c].add(i + 8 * j));
+                for r in 0..R {
+                    acc[c][r][j] = _mm256_fmadd_ps(va, vb[r], acc[c][r][j]);
+                }
+            }
+        }
         i += 32;
     }
-    while i + 8 <= n {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
-        i += 8;
+    let main = i;
+    let mut out = [[0f32; R]; C];
+    for c in 0..C {
+        for r in 0..R {
+            let [mut acc0, acc1, acc2, acc3] = acc[c][r];
+            let mut i = main;
+            while i + 8 <= n {
+                acc0 = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(pa[c].add(i)),
+                    _mm256_loadu_ps(pb[r].add(i)),
+                    acc0,
+                );
+                i += 8;
+            }
+            let s = _mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3));
+            let lo = _mm256_castps256_ps128(s);
+            let hi = _mm256_extractf128_ps(s, 1);
+            let q = _mm_add_ps(lo, hi);
+            let d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+            let e = _mm_add_ss(d, _mm_shuffle_ps(d, d, 1));
+            let mut sum = _mm_cvtss_f32(e);
+            let mut tail = 0f32;
+            while i < n {
+                tail += *pa[c].add(i) * *pb[r].add(i);
+                i += 1;
+            }
+            sum += tail;
+            out[c][r] = sum;
+        }
     }
-    let s = _mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3));
-    let lo = _mm256_castps256_ps128(s);
-    let hi = _mm256_extractf128_ps(s, 1);
-    let q = _mm_add_ps(lo, hi);
-    let d = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    let e = _mm_add_ss(d, _mm_shuffle_ps(d, d, 1));
-    let mut sum = _mm_cvtss_f32(e);
-    let mut tail = 0f32;
-    while i < n {
-        tail += *pa.add(i) * *pb.add(i);
-        i += 1;
-    }
-    sum += tail;
-    sum
+    out
 }
 
 /// NEON dot product: four 4-lane accumulators, a fixed horizontal reduction, a scalar tail.
