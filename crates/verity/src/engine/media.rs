@@ -76,14 +76,6 @@ trait FeatureSource: Send + Sync {
 }
 
 impl ImageFeatures {
-    /// Features already computed.
-    pub fn ready(values: Arc<Vec<f32>>) -> Self {
-        ImageFeatures(Arc::new(FeatureCell {
-            ready: values.into(),
-            pending: std::sync::Mutex::new(None),
-        }))
-    }
-
     fn deferred(
         source: Arc<dyn FeatureSource>,
         bytes: Vec<u8>,
@@ -147,8 +139,8 @@ pub struct MediaTable {
 }
 
 impl MediaTable {
-    /// The table of `images` for a model of hidden size `hidden`. An image whose ids are not image ids is
-    /// refused, and so is one whose features (once computed) are not one row of `hidden` values per id.
+    /// The table of `images` for a model of hidden size `hidden`; an image whose ids are not image ids is
+    /// refused (features that are not one row of `hidden` values per id are, when a forward fetches them).
     pub fn new(images: &[PromptImage], hidden: usize) -> Result<Self> {
         let mut rows = HashMap::new();
         for (n, img) in images.iter().enumerate() {
@@ -161,17 +153,11 @@ impl MediaTable {
                 rows.insert(id, (n, r));
             }
         }
-        let table = MediaTable {
+        Ok(MediaTable {
             rows,
             images: images.to_vec(),
             hidden,
-        };
-        for (n, img) in images.iter().enumerate() {
-            if img.features.is_computed() {
-                table.features(n)?;
-            }
-        }
-        Ok(table)
+        })
     }
 
     /// Image `n`'s features, computed now if no forward has needed them yet, checked against its rows.
