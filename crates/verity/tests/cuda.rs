@@ -643,6 +643,7 @@ fn assert_tree_rows_are_path_steps(m: &mut Model<CudaBackend>, what: &str) {
             positions,
             mask,
             media: Vec::new(),
+            spatial: Vec::new(),
         };
         let wide = m
             .forward(&mut cache, &batch, LogitRows::All, &[])
@@ -1072,6 +1073,7 @@ fn recorded_forwards_replay_bitwise_what_direct_launches_compute() {
                     ),
                     tokens,
                     media: Vec::new(),
+                    spatial: Vec::new(),
                 }
             } else {
                 Batch::causal(&tokens, pos)

@@ -96,6 +96,7 @@ fn a_ring_cache_computes_what_a_whole_context_cache_computes() {
                     true, false, true, true,
                 ]),
                 media: Vec::new(),
+                spatial: Vec::new(),
             };
             both(
                 &mut model,

@@ -6,7 +6,8 @@ mod common;
 use std::path::PathBuf;
 
 use verity::vision::{
-    decode, resize, Arithmetic, Filter, Gemma3Vision, ImageLimits, Rgb8, SquareProcessor,
+    decode, resize, Arithmetic, Filter, Gemma3Vision, GridProcessor, ImageLimits, Qwen25Vision,
+    Rgb8, SquareProcessor,
 };
 
 fn fixtures() -> PathBuf {
@@ -514,4 +515,141 @@ fn an_image_sent_again_takes_the_features_computed_the_first_time() {
     assert!(!back.features.same(&first.features));
     assert_eq!(*back.features.get().unwrap(), *values);
     assert_eq!(back.ids, first.ids);
+}
+
+fn qwen_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vision/qwen25-vl")
+}
+
+fn qwen_processor() -> GridProcessor {
+    let config: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(qwen_dir().join("preprocessor_config.json")).unwrap(),
+    )
+    .unwrap();
+    GridProcessor::from_config(&config).unwrap()
+}
+
+/// Qwen2-VL's `smart_resize` sizes (transformers' table, `scripts/fixtures/make_qwen25vl_bundle.py`): growing
+/// small images, shrinking large ones, keeping those within bounds to the nearest multiples, and refusing
+/// aspect ratios beyond 200.
+#[test]
+fn qwen_images_resize_to_transformers_grid_sizes() {
+    let cases: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(qwen_dir().join("smart_resize.json")).unwrap())
+            .unwrap();
+    let base = qwen_processor();
+    for c in cases.as_array().unwrap() {
+        let n = |k: &str| c[k].as_u64().unwrap() as usize;
+        let p = GridProcessor {
+            min_pixels: n("min_pixels"),
+            max_pixels: n("max_pixels"),
+            ..base.clone()
+        };
+        let got = p.resized(n("height"), n("width")).ok();
+        let want = c["resized"].as_array().map(|v| {
+            [
+                v[0].as_u64().unwrap() as usize,
+                v[1].as_u64().unwrap() as usize,
+            ]
+        });
+        assert_eq!(got, want, "{c}");
+    }
+}
+
+/// The tiny Qwen2.5-VL bundle: the processor gives transformers' pixel values (patches merged square by square,
+/// each over two repeated frames) bit for bit and its grid, and the vision transformer (window attention in two
+/// layers, full attention in one, 2-D rotary positions) and the merger give transformers' image features within
+/// f32 rounding.
+#[test]
+fn qwen25_vision_tower_and_merger_match_transformers() {
+    let dir = qwen_dir();
+    let reference = json("../vision/qwen25-vl/reference.json");
+    let (pixels, grid) = qwen_processor().pixel_values(&decoded("rgb.png")).unwrap();
+    let want_grid: Vec<usize> = reference["grid_thw"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as usize)
+        .collect();
+    assert_eq!(vec![1, grid[0], grid[1]], want_grid);
+    let want = floats(&dir.join("pixel_values.f32"));
+    assert_eq!(pixels.len(), want.len());
+    let differing = pixels
+        .iter()
+        .zip(&want)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    assert_eq!(differing, 0, "pixel values differ from transformers'");
+    let be = std::sync::Arc::new(verity::backend::cpu::CpuBackend::new(2).unwrap());
+    let vision = Qwen25Vision::load(&dir, be).unwrap();
+    let features = vision.image_features(&pixels, grid).unwrap();
+    let e = common::relative_error(&features, &floats(&dir.join("features.f32")));
+    assert!(e < 1e-5, "features: relative error {e}");
+    assert_eq!(features.len(), 20 * 48);
+    // A grid that does not hold the pixel values, or does not merge, is an error, not a panic.
+    assert!(vision.image_features(&pixels, [8, 8]).is_err());
+    assert!(vision.image_features(&pixels[..1176 * 15], [3, 5]).is_err());
+}
+
+/// The tiny Qwen2.5-VL bundle's text model (Qwen2 blocks, multimodal rotary positions) with the image's
+/// features in place of its 20 image tokens at transformers' position ids (the image's rows at its grid's
+/// heights and widths, the text after it resuming at the image's start plus its longer side): every row's
+/// logits match transformers'. At plain consecutive positions they do not.
+#[test]
+fn qwen25_text_model_reads_the_image_at_multimodal_positions() {
+    use std::sync::Arc;
+    use verity::bundle::Bundle;
+    use verity::model::{Batch, LogitRows, MediaRows, Model};
+    let dir = qwen_dir();
+    let reference = json("../vision/qwen25-vl/reference.json");
+    let list = |v: &serde_json::Value| -> Vec<usize> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as usize)
+            .collect()
+    };
+    let tokens: Vec<u32> = list(&reference["token_ids"])
+        .into_iter()
+        .map(|t| t as u32)
+        .collect();
+    let pos: Vec<Vec<usize>> = reference["position_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(list)
+        .collect();
+    let first = tokens.iter().position(|&t| t == 319).unwrap();
+    let be = Arc::new(verity::backend::cpu::CpuBackend::new(2).unwrap());
+    let features = floats(&dir.join("features.f32"));
+    let bundle = Bundle::open(&dir).unwrap();
+    assert_eq!(bundle.hparams.block.mrope, Some([2, 5, 5]));
+    let mut model = Model::load(&bundle, be).unwrap();
+    let media = vec![MediaRows {
+        first_row: first,
+        rows: 20,
+        values: Arc::new(features),
+    }];
+    let mut input = tokens.clone();
+    input[first..first + 20].fill(0);
+    let spatial = (0..tokens.len()).map(|i| [pos[1][i], pos[2][i]]).collect();
+    let batch = Batch::with_positioned_media(&input, pos[0].clone(), spatial, media.clone());
+    let want = floats(&dir.join("logits.f32"));
+    let got = model
+        .forward(&mut model.new_cache(64), &batch, LogitRows::All, &[])
+        .unwrap()
+        .logits;
+    let e = common::relative_error(&got, &want);
+    assert!(e < 1e-4, "logits: relative error {e}");
+    let plain = Batch::with_positioned_media(
+        &input,
+        (0..tokens.len()).collect(),
+        (0..tokens.len()).map(|i| [i, i]).collect(),
+        media,
+    );
+    let got = model
+        .forward(&mut model.new_cache(64), &plain, LogitRows::All, &[])
+        .unwrap()
+        .logits;
+    assert!(common::relative_error(&got, &want) > 1e-3);
 }

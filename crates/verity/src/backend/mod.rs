@@ -127,6 +127,10 @@ pub struct Rope {
     pub scaling: RopeScaling,
     /// The values of each head it rotates, from the first (`None`: all of them); the rest pass unrotated.
     pub dims: Option<usize>,
+    /// Multimodal rotary positions (Qwen2.5-VL's M-RoPE): the first `mrope[0]` pairs turn with a row's temporal
+    /// position, the next `mrope[1]` with its height position, the last `mrope[2]` with its width position. A
+    /// text row's three positions are equal, so it turns as with one position.
+    pub mrope: Option<[usize; 3]>,
 }
 
 /// How a model stretches its rotations beyond the context it was trained on: each pair's frequency
@@ -263,6 +267,24 @@ impl Rope {
     /// Every backend uses it: the angle is computed in f64 and rounded once, so it is as accurate as f32 allows
     /// and the same for a position in any batch.
     pub fn angle(&self, pos: usize, i: usize, rotated: usize) -> (f32, f32) {
+        self.angle_at([pos; 3], i, rotated)
+    }
+
+    /// [`Rope::angle`] of pair `i` for a row at the temporal, height and width positions `pos` (all three are
+    /// one position unless the rotation is multimodal).
+    pub fn angle_at(&self, pos: [usize; 3], i: usize, rotated: usize) -> (f32, f32) {
+        let pos = match self.mrope {
+            Some([t, h, _]) => {
+                pos[if i < t {
+                    0
+                } else if i < t + h {
+                    1
+                } else {
+                    2
+                }]
+            }
+            None => pos[0],
+        };
         let inv_freq = (self.theta as f64).powf(-2.0 * i as f64 / rotated as f64);
         let a = pos as f64 * inv_freq / self.scaling.divisor(self.theta, i, rotated);
         let m = self.scaling.magnitude() as f64;
@@ -276,6 +298,7 @@ impl Rope {
         self.theta.to_bits().hash(&mut h);
         (self.style == RopeStyle::Interleaved).hash(&mut h);
         self.dims.hash(&mut h);
+        self.mrope.hash(&mut h);
         match self.scaling {
             RopeScaling::None => 0u8.hash(&mut h),
             RopeScaling::Linear { factor } => (1u8, factor.to_bits()).hash(&mut h),
@@ -323,6 +346,10 @@ pub struct StepInputs<'a> {
     pub tokens: &'a [u32],
     /// Absolute position of each row (RoPE).
     pub positions: &'a [usize],
+    /// Multimodal rotary positions ([`Rope::mrope`]): each row's height and width positions beside its
+    /// (temporal) position, for a forward holding an image's rows; empty where every row's three positions are
+    /// its position.
+    pub spatial: &'a [[usize; 2]],
     /// Cache slots committed before this forward; its rows' K/V go to slots `base..base + rows`.
     pub base: usize,
     pub mask: &'a AttnMask,

@@ -76,6 +76,9 @@ pub struct BlockStyle {
     pub attention_gate: bool,
     /// Gated DeltaNet (linear attention) layers, where the model has them.
     pub linear: Option<LinearAttention>,
+    /// Qwen2.5-VL: multimodal rotary positions; how many of each head's rotated pairs, from the first, turn
+    /// with a row's temporal, height and width position ([`crate::backend::Rope::mrope`]).
+    pub mrope: Option<[usize; 3]>,
 }
 
 /// Gated DeltaNet layers (Qwen3-Next): per value head a `key_dim × value_dim` state updated by the delta rule
@@ -207,6 +210,10 @@ impl HParams {
                     m.sparse.len()
                 ));
             }
+        }
+        if self.block.mrope.is_some() && self.block.sliding.is_some() {
+            // A local layer's window is counted in rotary positions, which multimodal ones do not keep.
+            return bad("multimodal rotary positions with sliding-window layers".into());
         }
         if let Some(r) = self.block.rotary_dims {
             if r == 0 || !r.is_multiple_of(2) || r > self.head_dim {
@@ -439,7 +446,7 @@ impl HParams {
     pub fn from_hf(cfg: &HfConfig) -> Result<Self> {
         let arch = match cfg.model_type.as_deref() {
             Some("llama") | Some("mistral") => Arch::Llama,
-            Some("qwen2") => Arch::Qwen2,
+            Some("qwen2") | Some("qwen2_5_vl_text") => Arch::Qwen2,
             Some("qwen3") | Some("qwen3_moe") => Arch::Qwen3,
             Some("gemma3_text") => Arch::Gemma3,
             Some("qwen3_next") => Arch::Qwen3Next,
@@ -467,7 +474,9 @@ impl HParams {
                     .as_ref()
                     .and_then(|s| s.get("rope_type").or_else(|| s.get("type")))
             })
-            .and_then(|t| t.as_str());
+            .and_then(|t| t.as_str())
+            // Qwen2.5-VL's published configs call their sectioned rotation `mrope`: nothing is stretched.
+            .filter(|&t| t != "mrope");
         let scaling_params = params
             .filter(|p| p.get("rope_type").is_some())
             .or(cfg.rope_scaling.as_ref());
@@ -531,6 +540,7 @@ impl HParams {
                 moe,
                 rotary_dims,
                 attention_gate: arch == Arch::Qwen3Next,
+                mrope: hf_mrope(cfg, head_dim)?,
                 linear: if arch == Arch::Qwen3Next {
                     Some(hf_linear_attention(cfg)?)
                 } else {
@@ -805,6 +815,40 @@ fn hf_sliding_window(cfg: &HfConfig, rope_theta: f32) -> Result<Option<SlidingWi
 }
 
 /// The scaling a config's `rope_type` (`None`/`default`: none) asks for, with its parameters from `params`.
+/// A `qwen2_5_vl_text` config's `mrope_section` (in `rope_parameters` or the older `rope_scaling`; transformers'
+/// default where neither names it): sections of the head's rotated pairs that must add up to all of them.
+fn hf_mrope(cfg: &HfConfig, head_dim: usize) -> Result<Option<[usize; 3]>> {
+    if cfg.model_type.as_deref() != Some("qwen2_5_vl_text") {
+        return Ok(None);
+    }
+    let named = [&cfg.rope_parameters, &cfg.rope_scaling]
+        .into_iter()
+        .find_map(|p| p.as_ref()?.get("mrope_section"));
+    let sections = match named {
+        None => [16, 24, 24],
+        Some(v) => {
+            let parts: Option<Vec<usize>> = v
+                .as_array()
+                .filter(|a| a.len() == 3)
+                .map(|a| a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect())
+                .and_then(|v: Option<Vec<usize>>| v);
+            let p = parts.ok_or_else(|| {
+                Error::Invalid(format!(
+                    "config.json mrope_section {v} (three counts expected)"
+                ))
+            })?;
+            [p[0], p[1], p[2]]
+        }
+    };
+    if sections.iter().sum::<usize>() != head_dim / 2 {
+        return Err(Error::Invalid(format!(
+            "config.json mrope_section {sections:?} does not add up to the {} rotated pairs of a head",
+            head_dim / 2
+        )));
+    }
+    Ok(Some(sections))
+}
+
 fn hf_rope_scaling(
     rope_type: Option<&str>,
     params: Option<&serde_json::Value>,
@@ -1046,8 +1090,12 @@ fn gemma3_block(
 /// (`model_type: gemma3`) keeps its text model's config in `text_config`, which names only what differs from
 /// `Gemma3TextConfig`'s defaults — filled in here as transformers fills them. Any other config as it is.
 pub fn text_model_config(config: serde_json::Value) -> (serde_json::Value, bool) {
-    let nested = config.get("model_type").and_then(|t| t.as_str()) == Some("gemma3")
-        && config.get("text_config").is_some_and(|t| t.is_object());
+    let model_type = config.get("model_type").and_then(|t| t.as_str());
+    if model_type == Some("qwen2_5_vl") {
+        return (qwen25_vl_text_config(config), true);
+    }
+    let nested =
+        model_type == Some("gemma3") && config.get("text_config").is_some_and(|t| t.is_object());
     if !nested {
         return (config, false);
     }
@@ -1073,6 +1121,23 @@ pub fn text_model_config(config: serde_json::Value) -> (serde_json::Value, bool)
         obj.entry(k.clone()).or_insert_with(|| v.clone());
     }
     (text, true)
+}
+
+/// A Qwen2.5-VL config's text model: transformers 5 nests it in `text_config`; published checkpoints keep its
+/// fields at the top level beside `vision_config`. Either way as a `qwen2_5_vl_text` config (Qwen2 blocks with
+/// multimodal rotary positions), tied embeddings as the outer config says.
+fn qwen25_vl_text_config(config: serde_json::Value) -> serde_json::Value {
+    let mut text = match config.get("text_config") {
+        Some(t) if t.is_object() => t.clone(),
+        _ => config.clone(),
+    };
+    let obj = text.as_object_mut().expect("a JSON object");
+    obj.insert("model_type".into(), "qwen2_5_vl_text".into());
+    if let Some(tied) = config.get("tie_word_embeddings") {
+        obj.insert("tie_word_embeddings".into(), tied.clone());
+    }
+    obj.remove("vision_config");
+    text
 }
 
 /// The fields of a Hugging Face `config.json` that verity reads.
@@ -1269,6 +1334,7 @@ mod tests {
                 style: RopeStyle::Interleaved,
                 scaling,
                 dims: None,
+                mrope: None,
             };
             for (i, want) in case["inv_freq"].as_array().unwrap().iter().enumerate() {
                 let want = want.as_f64().unwrap();

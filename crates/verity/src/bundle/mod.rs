@@ -92,15 +92,18 @@ impl Bundle {
             let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
             let value: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| Error::malformed(&cfg_path, format!("invalid config.json: {e}")))?;
-            image_token = value
-                .get("image_token_index")
+            image_token = ["image_token_index", "image_token_id"]
+                .iter()
+                .find_map(|k| value.get(*k))
                 .and_then(serde_json::Value::as_u64)
                 .and_then(|v| u32::try_from(v).ok());
             let (value, nested) = hparams::text_model_config(value);
             let config: HfConfig = serde_json::from_value(value)
                 .map_err(|e| Error::malformed(&cfg_path, format!("invalid config.json: {e}")))?;
             let tensors = SafetensorsSet::open(path)?;
-            let layout = if !nested {
+            // An image-text checkpoint keeps its text model under `language_model` (Gemma 3), or beside the
+            // vision tower as a text-only one would (Qwen2.5-VL's `model.layers…`).
+            let layout = if !nested || tensors.get("model.embed_tokens.weight").is_some() {
                 HfLayout::Plain
             } else if tensors
                 .get("model.language_model.embed_tokens.weight")

@@ -58,6 +58,9 @@ pub struct Decoding<B: Backend> {
     features: TargetFeatures,
     /// Where its prompt's image rows take their features from.
     media: MediaTable,
+    /// How far the rotary positions of the rows after the prompt's images lag behind their slots
+    /// ([`MediaTable::lag`]).
+    lag: usize,
 }
 
 /// Batched steps' row counts measured apart (the engine's [`crate::speculative::RowCost`]).
@@ -210,6 +213,7 @@ impl<B: Backend> Engine<B> {
             width: 0,
             draft_s: 0.0,
             features,
+            lag: media.lag(prompt),
             media,
         };
         if d.prefill.is_none() {
@@ -349,15 +353,17 @@ impl<B: Backend> Engine<B> {
             .map(|(&i, draft)| {
                 let d = &batch[i];
                 match chunk_end(d) {
-                    Some((pos, end)) => d.media.batch(&d.context[pos..end], pos),
+                    Some((pos, end)) => d.media.batch(&d.context, pos, end),
                     None => {
                         let pending = *d.context.last().expect("non-empty context");
-                        let (tokens, positions, mask) = draft.rows(pending, d.session.cache.len());
+                        let (tokens, positions, mask) =
+                            draft.rows(pending, d.session.cache.len() - d.lag);
                         Ok(Batch {
                             tokens,
                             positions,
                             mask,
                             media: Vec::new(),
+                            spatial: Vec::new(),
                         })
                     }
                 }

@@ -65,6 +65,7 @@ impl<B: Backend> Engine<B> {
                 let stats = self.decode(
                     sess,
                     prompt,
+                    media.lag(prompt),
                     req,
                     &verifier,
                     proposer.as_deref_mut(),
@@ -90,6 +91,7 @@ impl<B: Backend> Engine<B> {
         &mut self,
         sess: &mut Session<B>,
         prompt: &[u32],
+        lag: usize,
         req: &GenerateRequest,
         verifier: &Verifier,
         mut proposer: Option<&mut (dyn Proposer + 'static)>,
@@ -143,12 +145,14 @@ impl<B: Backend> Engine<B> {
             };
             let t1 = Instant::now();
             let pending = *context.last().expect("non-empty context");
-            let (rows, positions, mask) = draft.rows(pending, n);
+            // Rotary positions lag the slots by what the prompt's images saved ([`MediaTable::lag`]).
+            let (rows, positions, mask) = draft.rows(pending, n - lag);
             let batch = Batch {
                 tokens: rows,
                 positions,
                 mask,
                 media: Vec::new(),
+                spatial: Vec::new(),
             };
             let mut out = self
                 .model

@@ -25,6 +25,10 @@ pub fn is_media(id: u32) -> bool {
 pub struct PromptImage {
     pub ids: Vec<u32>,
     pub features: ImageFeatures,
+    /// Where the rows sit at multimodal rotary positions (Qwen2.5-VL): the image's grid of merged patches,
+    /// `[rows, columns]`, its rows in row-major order. `None`: consecutive positions, the rows seeing each
+    /// other both ways (Gemma 3).
+    pub grid: Option<[usize; 2]>,
 }
 
 /// The content key of an image: a 128-bit hash of its encoded bytes and of `settings` (how it is preprocessed:
@@ -41,14 +45,23 @@ impl PromptImage {
     /// The image whose content key is `key` (a hash of its bytes and its preprocessing settings), its features
     /// `features` for `tokens` rows: row `i`'s id is 31 bits of a hash of `(key, i)`, so every row's id depends
     /// on the whole content and two images' id sequences differ everywhere.
-    pub fn new(key: u128, tokens: usize, features: ImageFeatures) -> Self {
+    pub fn new(
+        key: u128,
+        tokens: usize,
+        features: ImageFeatures,
+        grid: Option<[usize; 2]>,
+    ) -> Self {
         let ids = (0..tokens as u64)
             .map(|i| {
                 let h = xxhash_rust::xxh3::xxh3_64_with_seed(&key.to_le_bytes(), i);
                 MEDIA_BIT | (h as u32 & !MEDIA_BIT)
             })
             .collect();
-        PromptImage { ids, features }
+        PromptImage {
+            ids,
+            features,
+            grid,
+        }
     }
 }
 
@@ -139,8 +152,9 @@ pub struct MediaTable {
 }
 
 impl MediaTable {
-    /// The table of `images` for a model of hidden size `hidden`; an image whose ids are not image ids is
-    /// refused (features that are not one row of `hidden` values per id are, when a forward fetches them).
+    /// The table of `images` for a model of hidden size `hidden`; an image whose ids are not image ids, or
+    /// whose grid does not hold its rows, is refused (features that are not one row of `hidden` values per id
+    /// are, when a forward fetches them).
     pub fn new(images: &[PromptImage], hidden: usize) -> Result<Self> {
         let mut rows = HashMap::new();
         for (n, img) in images.iter().enumerate() {
@@ -148,6 +162,14 @@ impl MediaTable {
                 return Err(Error::Invalid(format!(
                     "image {n}: a row id without the image bit"
                 )));
+            }
+            if let Some([r, c]) = img.grid {
+                if r == 0 || c == 0 || r * c != img.ids.len() {
+                    return Err(Error::Invalid(format!(
+                        "image {n}: a grid of {r} x {c} for {} rows",
+                        img.ids.len()
+                    )));
+                }
             }
             for (r, &id) in img.ids.iter().enumerate() {
                 rows.insert(id, (n, r));
@@ -198,12 +220,52 @@ impl MediaTable {
         Ok(())
     }
 
-    /// The forward of `ids` from position `start`: image rows get their features (runs of consecutive rows of
-    /// one image each a [`MediaRows`], its rows seeing each other both ways) and the placeholder token 0; an image
-    /// id the table does not know is an error.
-    pub fn batch(&self, ids: &[u32], start: usize) -> Result<Batch> {
+    /// How far the rotary position of every row after the images of `context` lags behind its index: an image
+    /// at multimodal positions takes its grid's longer side in positions, not one per row. 0 without such
+    /// images.
+    pub fn lag(&self, context: &[u32]) -> usize {
+        self.runs(context)
+            .map(|(img, _, _)| match self.images[img].grid {
+                Some([r, c]) => r * c - r.max(c),
+                None => 0,
+            })
+            .sum()
+    }
+
+    /// The images of `context` in order: `(image, its first row's index, rows present)` for each image whose
+    /// first row is in `context`.
+    fn runs<'a>(&'a self, context: &'a [u32]) -> impl Iterator<Item = (usize, usize, usize)> + 'a {
+        let mut at = 0;
+        std::iter::from_fn(move || {
+            while at < context.len() {
+                let i = at;
+                at += 1;
+                let Some(&(img, 0)) = self.rows.get(&context[i]) else {
+                    continue;
+                };
+                let ids = &self.images[img].ids;
+                let n = context[i..]
+                    .iter()
+                    .zip(ids)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                at = i + n;
+                return Some((img, i, n));
+            }
+            None
+        })
+    }
+
+    /// The forward of `body[start..end]` (`body` the prompt, so that rotary positions can account for the
+    /// images before `start`): image rows get their features (runs of consecutive rows of one image each a
+    /// [`MediaRows`]; an image at consecutive positions has its rows see each other both ways, one at
+    /// multimodal positions keeps the causal mask and gets each row's grid position) and the placeholder token
+    /// 0; an image id the table does not know is an error.
+    pub fn batch(&self, body: &[u32], start: usize, end: usize) -> Result<Batch> {
+        let ids = &body[start..end];
+        let lag = self.lag(&body[..start]);
         if !ids.iter().any(|&i| is_media(i)) {
-            return Ok(Batch::causal(ids, start));
+            return Ok(Batch::causal(ids, start - lag));
         }
         let h = self.hidden;
         let mut tokens = Vec::with_capacity(ids.len());
@@ -244,7 +306,50 @@ impl MediaTable {
             tokens.push(0);
         }
         flush(&mut run, &mut values, &mut media);
-        Ok(Batch::with_media(&tokens, start, media))
+        if self.images.iter().all(|i| i.grid.is_none()) {
+            return Ok(Batch::with_media(&tokens, start, media));
+        }
+        let (positions, spatial) = self.positions(body, start, end);
+        Ok(Batch::with_positioned_media(
+            &tokens, positions, spatial, media,
+        ))
+    }
+
+    /// Multimodal rotary positions of `body[start..end]`: a text row at its index less the lag of the images
+    /// before it; an image's row `r` of a `rows × columns` grid at temporal position `p` (where its first row
+    /// would be as text), height position `p + r / columns` and width position `p + r % columns`.
+    fn positions(&self, body: &[u32], start: usize, end: usize) -> (Vec<usize>, Vec<[usize; 2]>) {
+        let mut out = Vec::with_capacity(end - start);
+        let mut lag = 0;
+        let mut at = 0; // the next row of `body` to place
+        let place = |from: usize, to: usize, lag: usize, out: &mut Vec<[usize; 3]>| {
+            for i in from.max(start)..to.min(end) {
+                let p = i - lag;
+                out.push([p; 3]);
+            }
+        };
+        for (img, first, n) in self.runs(&body[..end]) {
+            place(at, first, lag, &mut out);
+            let p = first - lag;
+            let grid = self.images[img].grid;
+            for r in 0..n {
+                let i = first + r;
+                if (start..end).contains(&i) {
+                    out.push(match grid {
+                        Some([_, c]) => [p, p + r / c, p + r % c],
+                        None => [i - lag; 3],
+                    });
+                }
+            }
+            lag += match grid {
+                Some([r, c]) => r * c - r.max(c),
+                None => 0,
+            };
+            at = first + n;
+        }
+        place(at, end, lag, &mut out);
+        debug_assert_eq!(out.len(), end - start);
+        out.into_iter().map(|[t, h, w]| (t, [h, w])).unzip()
     }
 }
 
@@ -375,7 +480,7 @@ impl<B: Backend> VisionSide<B> {
     pub fn image(&self, bytes: &[u8], limits: &crate::vision::ImageLimits) -> Result<PromptImage> {
         let key = content_key(bytes, &self.settings);
         if let Some(features) = self.recall(key) {
-            return Ok(PromptImage::new(key, self.tokens, features));
+            return Ok(PromptImage::new(key, self.tokens, features, None));
         }
         crate::vision::decode(bytes, limits)?;
         let features = ImageFeatures::deferred(self.tower.clone(), bytes.to_vec(), *limits);
@@ -386,7 +491,7 @@ impl<B: Backend> VisionSide<B> {
             recent.pop_front();
         }
         recent.push_back((key, features.clone()));
-        Ok(PromptImage::new(key, self.tokens, features))
+        Ok(PromptImage::new(key, self.tokens, features, None))
     }
 
     /// How many images the tower has run on.

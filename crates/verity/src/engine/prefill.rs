@@ -74,7 +74,7 @@ impl<B: Backend> Engine<B> {
         let body = &prompt[..prompt.len() - 1];
         while let Some(end) = plan.next_end(body.len()) {
             let end = media::chunk_end(body, end);
-            let chunk = media.batch(&body[plan.pos..end], plan.pos)?;
+            let chunk = media.batch(body, plan.pos, end)?;
             if !features.is_none() {
                 let out = self.model.forward_features(
                     &mut sess.cache,

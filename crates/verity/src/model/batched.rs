@@ -202,6 +202,7 @@ pub(super) fn write_batch_step<B: Backend>(
         StepInputs {
             tokens,
             positions,
+            spatial: &[],
             base: 0,
             mask: &AttnMask::Causal,
         },
@@ -263,6 +264,7 @@ impl<B: Backend> Model<B> {
                 StepInputs {
                     tokens: &q.batch.tokens,
                     positions: &q.batch.positions,
+                    spatial: &q.batch.spatial,
                     base: q.cache.len(),
                     mask: &q.batch.mask,
                 },

@@ -334,6 +334,19 @@ impl<B: Backend> Model<B> {
                 batch.positions.len()
             )));
         }
+        if !batch.spatial.is_empty()
+            && (batch.spatial.len() != rows || self.hp.block.mrope.is_none())
+        {
+            return Err(Error::Invalid(format!(
+                "{} multimodal positions for {rows} rows of a model {} multimodal rotary positions",
+                batch.spatial.len(),
+                if self.hp.block.mrope.is_some() {
+                    "with"
+                } else {
+                    "without"
+                }
+            )));
+        }
         if let Some(&t) = batch.tokens.iter().find(|&&t| t as usize >= self.hp.vocab) {
             return Err(Error::Invalid(format!(
                 "token id {t} outside the vocabulary ({})",
@@ -396,6 +409,7 @@ impl<B: Backend> Model<B> {
             StepInputs {
                 tokens: &batch.tokens,
                 positions: &batch.positions,
+                spatial: &batch.spatial,
                 base: cache.len(),
                 mask: &batch.mask,
             },
@@ -613,6 +627,7 @@ pub(super) fn layer_rope(hp: &HParams, l: usize) -> Rope {
             hp.rope_scaling
         },
         dims: hp.block.rotary_dims,
+        mrope: hp.block.mrope,
     }
 }
 

@@ -234,6 +234,7 @@ impl<B: Backend> BlockDrafter<B> {
             StepInputs {
                 tokens: &vec![0; rows],
                 positions: &positions,
+                spatial: &[],
                 base: cache.len(),
                 mask: &AttnMask::Causal,
             },
@@ -291,6 +292,7 @@ impl<B: Backend> BlockDrafter<B> {
             StepInputs {
                 tokens: &tokens,
                 positions: &positions,
+                spatial: &[],
                 base,
                 mask: &AttnMask::Tree(vec![true; rows * rows]),
             },
@@ -436,6 +438,7 @@ impl<B: Backend> BlockDrafter<B> {
                 StepInputs {
                     tokens: &vec![0; rows],
                     positions: &positions,
+                    spatial: &[],
                     base: j.cache.len(),
                     mask: &AttnMask::Causal,
                 },
@@ -525,5 +528,6 @@ fn rope(hp: &HParams) -> Rope {
         style: RopeStyle::HalfSplit,
         scaling: hp.rope_scaling,
         dims: hp.block.rotary_dims,
+        mrope: None,
     }
 }

@@ -163,6 +163,9 @@ pub struct Batch {
     pub mask: AttnMask,
     /// Rows whose input is an image's features instead of their token's embedding.
     pub media: Vec<MediaRows>,
+    /// Multimodal rotary positions (Qwen2.5-VL): each row's height and width positions beside `positions`;
+    /// empty unless the forward holds an image's rows at such positions.
+    pub spatial: Vec<[usize; 2]>,
 }
 
 /// One image's rows of a batch: `values` (`rows × hidden`, the vision side's output) are these rows' inputs to
@@ -182,6 +185,7 @@ impl Batch {
             positions: (start..start + tokens.len()).collect(),
             mask: AttnMask::Causal,
             media: Vec::new(),
+            spatial: Vec::new(),
         }
     }
 
@@ -212,6 +216,25 @@ impl Batch {
                 AttnMask::Tree(visible)
             },
             media,
+            spatial: Vec::new(),
+        }
+    }
+
+    /// `tokens` with images in them at multimodal rotary positions (Qwen2.5-VL's): causally masked (an image's
+    /// rows too), row `r` at the temporal position `positions[r]` and the height and width positions
+    /// `spatial[r]`.
+    pub fn with_positioned_media(
+        tokens: &[u32],
+        positions: Vec<usize>,
+        spatial: Vec<[usize; 2]>,
+        media: Vec<MediaRows>,
+    ) -> Self {
+        Batch {
+            tokens: tokens.to_vec(),
+            positions,
+            mask: AttnMask::Causal,
+            media,
+            spatial,
         }
     }
 

@@ -48,6 +48,7 @@ fn write_step<B: Backend>(be: &B, step: &mut B::Step, tokens: &[u32], start: usi
         StepInputs {
             tokens,
             positions: &positions,
+            spatial: &[],
             base,
             mask: &AttnMask::Causal,
         },
@@ -128,6 +129,7 @@ fn rotation(hp: &HParams, style: RopeStyle) -> Rope {
         style,
         scaling: hp.rope_scaling,
         dims: hp.block.rotary_dims,
+        mrope: None,
     }
 }
 

@@ -13,15 +13,11 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use half::{bf16, f16};
-use rayon::prelude::*;
 use serde_json::Value;
 
+use super::layers::{attend, gelu_tanh, qkv, Linear, Tensors};
 use crate::backend::Backend;
-use crate::bundle::safetensors::{SafetensorsSet, StDtype};
 use crate::error::{Error, Result};
-use crate::quant::{GgmlType, QMatrix};
-use crate::storage::Bytes;
 
 /// The tower's and the projector's sizes (`config.json`'s `vision_config` and `mm_tokens_per_image`).
 #[derive(Debug, Clone, PartialEq)]
@@ -91,56 +87,6 @@ impl SiglipConfig {
     }
 }
 
-/// `rows × outputs` values of `w · x` for `rows` rows of `x` (`rows × inputs`), on the backend: `w` is
-/// `outputs × inputs`, row-major.
-fn project<B: Backend>(be: &B, w: &B::Matrix, x: &[f32], rows: usize, outputs: usize) -> Vec<f32> {
-    let input = be.upload(x);
-    let mut out = be.buffer(rows * outputs);
-    be.matmul(w, &input, rows, &mut out);
-    be.download(&out, rows * outputs)
-}
-
-/// An f32 matrix of `rows × cols` values on the backend.
-fn matrix<B: Backend>(
-    be: &B,
-    name: &str,
-    rows: usize,
-    cols: usize,
-    values: &[f32],
-) -> Result<B::Matrix> {
-    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-    be.load_matrix(QMatrix::ggml(
-        name,
-        GgmlType::F32,
-        rows,
-        cols,
-        Bytes::owned(bytes),
-    )?)
-}
-
-struct Linear<B: Backend> {
-    w: B::Matrix,
-    b: Vec<f32>,
-    outputs: usize,
-}
-
-impl<B: Backend> Linear<B> {
-    /// `rows` rows of `x` through the layer, the bias added.
-    fn apply(&self, be: &B, x: &[f32], rows: usize) -> Vec<f32> {
-        self.with_bias(project(be, &self.w, x, rows, self.outputs))
-    }
-
-    /// `out` (rows of this layer's products) with the bias added.
-    fn with_bias(&self, mut out: Vec<f32>) -> Vec<f32> {
-        for o in out.chunks_mut(self.outputs) {
-            for (v, b) in o.iter_mut().zip(&self.b) {
-                *v += b;
-            }
-        }
-        out
-    }
-}
-
 struct Norm {
     w: Vec<f32>,
     b: Vec<f32>,
@@ -172,22 +118,14 @@ pub struct Gemma3Vision<B: Backend> {
 
 /// The tensors' names: `vision_tower.vision_model.…` (published checkpoints) or `vision_tower.…`, and
 /// `multi_modal_projector.…`, optionally under `model.`.
-fn find<'a>(
-    set: &'a SafetensorsSet,
-    name: &str,
-) -> Option<(String, &'a crate::bundle::safetensors::StTensor)> {
-    let candidates = [
+fn names(name: &str) -> Vec<String> {
+    let nested = name.replacen("vision_tower.", "vision_tower.vision_model.", 1);
+    vec![
         name.to_string(),
         format!("model.{name}"),
-        name.replacen("vision_tower.", "vision_tower.vision_model.", 1),
-        format!(
-            "model.{}",
-            name.replacen("vision_tower.", "vision_tower.vision_model.", 1)
-        ),
-    ];
-    candidates
-        .into_iter()
-        .find_map(|n| set.get(&n).map(|t| (n.clone(), t)))
+        format!("model.{nested}"),
+        nested,
+    ]
 }
 
 impl<B: Backend> Gemma3Vision<B> {
@@ -199,49 +137,12 @@ impl<B: Backend> Gemma3Vision<B> {
         let config: Value =
             serde_json::from_str(&text).map_err(|e| Error::malformed(&path, e.to_string()))?;
         let cfg = SiglipConfig::from_config(&config)?;
-        let set = SafetensorsSet::open(dir)?;
-        let tensor = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
-            let (full, t) = find(&set, name).ok_or_else(|| Error::tensor(name, "missing"))?;
-            let want: usize = shape.iter().product();
-            if t.shape.iter().product::<usize>() != want {
-                return Err(Error::tensor(
-                    &full,
-                    format!("shape {:?}, expected {:?}", t.shape, shape),
-                ));
-            }
-            let bytes = set.bytes(t);
-            let b = bytes.as_slice();
-            Ok(match t.dtype {
-                StDtype::F32 => b
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                    .collect(),
-                StDtype::BF16 => b
-                    .chunks_exact(2)
-                    .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                    .collect(),
-                StDtype::F16 => b
-                    .chunks_exact(2)
-                    .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
-                    .collect(),
-                _ => {
-                    return Err(Error::tensor(
-                        &full,
-                        format!("dtype {} (f32, bf16 or f16 taken)", t.dtype_name),
-                    ))
-                }
-            })
-        };
+        let set = Tensors::open(dir, names)?;
+        let tensor = |name: &str, shape: &[usize]| set.f32(name, shape);
         let (h, m) = (cfg.hidden, cfg.intermediate);
         let be = backend.as_ref();
-        let linear = |name: &str, outputs: usize, inputs: usize| -> Result<Linear<B>> {
-            let w = tensor(&format!("{name}.weight"), &[outputs, inputs])?;
-            Ok(Linear {
-                w: matrix(be, name, outputs, inputs, &w)?,
-                b: tensor(&format!("{name}.bias"), &[outputs])?,
-                outputs,
-            })
-        };
+        let linear =
+            |name: &str, outputs: usize, inputs: usize| set.linear(be, name, outputs, inputs, true);
         let norm = |name: &str| -> Result<Norm> {
             Ok(Norm {
                 w: tensor(&format!("{name}.weight"), &[h])?,
@@ -333,64 +234,18 @@ impl<B: Backend> Gemma3Vision<B> {
         Ok(layer_norm(&x, &self.post, c.eps))
     }
 
-    /// Every patch's attention over every patch (no mask), head by head: the scores `Q_h · K_hᵀ` and the
-    /// weighted values `P · V_h` on the backend (each head's keys, and its values transposed, as a matrix), the
-    /// softmax on the host.
+    /// Every patch's attention over every patch (no mask), Q, K and V from one upload of the input.
     fn attention(&self, layer: &Layer<B>, x: &[f32], n: usize) -> Result<Vec<f32>> {
         let be = self.backend.as_ref();
-        let h = self.cfg.hidden;
-        let d = h / self.cfg.heads;
-        // Q, K and V from one upload of the input, in one pass where the backend can.
-        let input = be.upload(x);
-        let (mut bq, mut bk, mut bv) = (be.buffer(n * h), be.buffer(n * h), be.buffer(n * h));
-        be.matmuls(
-            &input,
-            None,
-            n,
-            &mut [
-                (&layer.q.w, &mut bq),
-                (&layer.k.w, &mut bk),
-                (&layer.v.w, &mut bv),
-            ],
-        );
-        let [q, k, v] = [(&layer.q, bq), (&layer.k, bk), (&layer.v, bv)]
-            .map(|(l, b)| l.with_bias(be.download(&b, n * h)));
-        let scale = (d as f32).powf(-0.5);
-        let head_of = |m: &[f32], head: usize| -> Vec<f32> {
-            m.chunks(h)
-                .flat_map(|r| &r[head * d..][..d])
-                .copied()
-                .collect()
-        };
-        let mut out = vec![0f32; n * h];
-        for head in 0..self.cfg.heads {
-            let (qh, kh) = (head_of(&q, head), head_of(&k, head));
-            let keys = matrix(be, "vision keys", n, d, &kh)?;
-            let mut p = project(be, &keys, &qh, n, n);
-            p.par_chunks_mut(n).for_each(|w| {
-                let max = w.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
-                let mut sum = 0.0;
-                for x in w.iter_mut() {
-                    *x = (*x * scale - max).exp();
-                    sum += *x;
-                }
-                for x in w.iter_mut() {
-                    *x /= sum;
-                }
-            });
-            // The values transposed: row e holds every patch's value e.
-            let mut vt = vec![0f32; d * n];
-            for (j, r) in v.chunks(h).enumerate() {
-                for (e, &x) in r[head * d..][..d].iter().enumerate() {
-                    vt[e * n + j] = x;
-                }
-            }
-            let values = matrix(be, "vision values", d, n, &vt)?;
-            let oh = project(be, &values, &p, n, d);
-            for (o, r) in out.chunks_mut(h).zip(oh.chunks(d)) {
-                o[head * d..][..d].copy_from_slice(r);
-            }
-        }
+        let [q, k, v] = qkv(be, [&layer.q, &layer.k, &layer.v], x, n);
+        let all = 0..n;
+        let out = attend(
+            be,
+            [&q, &k, &v],
+            self.cfg.hidden,
+            self.cfg.heads,
+            std::slice::from_ref(&all),
+        )?;
         Ok(layer.o.apply(be, &out, n))
     }
 
@@ -438,21 +293,5 @@ impl<B: Backend> Gemma3Vision<B> {
 }
 
 fn layer_norm(x: &[f32], n: &Norm, eps: f32) -> Vec<f32> {
-    let h = n.w.len();
-    let mut out = vec![0f32; x.len()];
-    for (o, r) in out.chunks_mut(h).zip(x.chunks(h)) {
-        let mean = r.iter().sum::<f32>() / h as f32;
-        let var = r.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / h as f32;
-        let inv = 1.0 / (var + eps).sqrt();
-        for (i, oi) in o.iter_mut().enumerate() {
-            *oi = (r[i] - mean) * inv * n.w[i] + n.b[i];
-        }
-    }
-    out
-}
-
-/// GELU with the tanh approximation (`gelu_pytorch_tanh`).
-fn gelu_tanh(x: f32) -> f32 {
-    const C: f32 = 0.797_884_6; // sqrt(2 / pi)
-    0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh())
+    super::layers::layer_norm(x, &n.w, &n.b, eps)
 }

@@ -44,6 +44,7 @@ fn tree(tokens: [u32; 5], base: usize) -> Batch {
         positions: (0..5).map(|r| base + depth(r)).collect(),
         mask: AttnMask::Tree(visible),
         media: Vec::new(),
+        spatial: Vec::new(),
     }
 }
 

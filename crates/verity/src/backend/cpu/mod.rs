@@ -50,6 +50,7 @@ fn at_least(v: &mut Vec<f32>, n: usize) -> &mut Vec<f32> {
 pub struct CpuStep {
     tokens: Vec<u32>,
     positions: Vec<usize>,
+    spatial: Vec<[usize; 2]>,
     base: usize,
     mask: AttnMask,
     /// The rows' RoPE rotations, computed by the first layer of a forward and reused by the others (the angles
@@ -188,6 +189,7 @@ impl Backend for CpuBackend {
         CpuStep {
             tokens: Vec::with_capacity(max_rows),
             positions: Vec::with_capacity(max_rows),
+            spatial: Vec::new(),
             base: 0,
             mask: AttnMask::Causal,
             rope: Mutex::new(RopeTable::default()),
@@ -199,6 +201,8 @@ impl Backend for CpuBackend {
         step.tokens.extend_from_slice(inputs.tokens);
         step.positions.clear();
         step.positions.extend_from_slice(inputs.positions);
+        step.spatial.clear();
+        step.spatial.extend_from_slice(inputs.spatial);
         step.base = inputs.base;
         step.mask.clone_from(inputs.mask);
         step.rope
@@ -326,9 +330,14 @@ impl Backend for CpuBackend {
         let at = match table.tables.iter().position(|(k, _)| *k == key) {
             Some(at) => at,
             None => {
+                let spatial = &step.spatial;
                 let rotations = positions
                     .iter()
-                    .flat_map(|&pos| (0..rotated / 2).map(move |i| rope.angle(pos, i, rotated)))
+                    .enumerate()
+                    .flat_map(|(r, &pos)| {
+                        let [h, w] = spatial.get(r).copied().unwrap_or([pos; 2]);
+                        (0..rotated / 2).map(move |i| rope.angle_at([pos, h, w], i, rotated))
+                    })
                     .collect();
                 table.tables.push((key, rotations));
                 table.tables.len() - 1

@@ -1012,6 +1012,13 @@ impl Backend for CudaBackend {
                  {MAX_HEAD_DIM})"
             )));
         }
+        if rope.mrope.is_some() {
+            return Err(Error::Unsupported(
+                "multimodal rotary positions (Qwen2.5-VL's M-RoPE) on the CUDA backend: run this model on the \
+                 CPU"
+                    .into(),
+            ));
+        }
         let key = rope::key(rope, head_dim);
         let mut tables = lock(&self.ropes);
         if !tables.iter().any(|t| t.key == key) {

@@ -64,6 +64,7 @@ mod tests {
             style: RopeStyle::Interleaved,
             scaling: crate::backend::RopeScaling::Linear { factor: 8.0 },
             dims: None,
+            mrope: None,
         };
         let mut table = RopeTable::new(rope, 64);
         for pos in [700, 3, 0, 701, 64, 699] {
