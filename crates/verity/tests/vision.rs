@@ -238,18 +238,29 @@ fn gemma3_text_model_reads_the_image_features_as_transformers_does() {
 
 /// An engine on the tiny image-text bundle (its vision side found in the folder) and two images' prompt ids:
 /// text, then the image's block (`<start_of_image>`, its 4 content-keyed rows, `<end_of_image>`), then text.
-fn image_turns() -> (
-    verity::engine::Engine<verity::backend::cpu::CpuBackend>,
-    Vec<(Vec<u32>, verity::engine::PromptImage)>,
-) {
+type CpuEngine = verity::engine::Engine<verity::backend::cpu::CpuBackend>;
+
+fn image_turns() -> (CpuEngine, Vec<(Vec<u32>, verity::engine::PromptImage)>) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vision/gemma3-vl");
+    let (engine, turns) = image_turns_in(&dir);
+    let vision = engine.vision.as_ref().expect("an image-text bundle");
+    assert_eq!(
+        (vision.begin, vision.end, vision.tokens),
+        (317, 318, Some(4))
+    );
+    (engine, turns)
+}
+
+/// An engine on the image-text bundle `dir` and two images' prompt ids: text, the image's block, text.
+fn image_turns_in(
+    dir: &std::path::Path,
+) -> (CpuEngine, Vec<(Vec<u32>, verity::engine::PromptImage)>) {
     use std::sync::Arc;
     use verity::engine::Engine;
     use verity::speculative::SpecMode;
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vision/gemma3-vl");
     let be = Arc::new(verity::backend::cpu::CpuBackend::new(2).unwrap());
-    let engine = Engine::load(&dir, be, &SpecMode::Off).unwrap();
+    let engine = Engine::load(dir, be, &SpecMode::Off).unwrap();
     let vision = engine.vision.as_ref().expect("an image-text bundle");
-    assert_eq!((vision.begin, vision.end, vision.tokens), (317, 318, 4));
     let turns = ["rgb.png", "gray.png"]
         .iter()
         .map(|name| {
@@ -262,8 +273,6 @@ fn image_turns() -> (
         .collect();
     (engine, turns)
 }
-
-type CpuEngine = verity::engine::Engine<verity::backend::cpu::CpuBackend>;
 
 /// A 12-token greedy answer to an image turn that stores its prefix: the answer and how much was restored.
 fn answer(e: &mut CpuEngine, ids: &[u32], img: &verity::engine::PromptImage) -> (Vec<u32>, usize) {
@@ -348,6 +357,26 @@ fn image_rows_must_belong_to_the_request_and_not_end_the_prompt() {
         .is_err());
 }
 
+/// A random block drafter (one layer) for the fixtures' 48-wide, 2-layer text models, in `dir`.
+fn write_random_drafter(dir: &std::path::Path) {
+    let s = common::DrafterShape {
+        hidden: 48,
+        target_layers: vec![0, 1],
+        layers: 1,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 24,
+        ffn: 96,
+        block: 8,
+        mask: 3,
+    };
+    common::write_drafter(
+        dir,
+        &common::drafter_config(&s),
+        &common::random_drafter(&s, 5),
+    );
+}
+
 /// The image-text bundle with a random MTP head and a random block drafter beside it.
 fn image_bundle_with_proposers() -> PathBuf {
     let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vision/gemma3-vl");
@@ -369,22 +398,7 @@ fn image_bundle_with_proposers() -> PathBuf {
         &head,
         &[("num_nextn_predict_layers", "1")],
     );
-    let s = common::DrafterShape {
-        hidden: 48,
-        target_layers: vec![0, 1],
-        layers: 1,
-        heads: 2,
-        kv_heads: 1,
-        head_dim: 24,
-        ffn: 96,
-        block: 8,
-        mask: 3,
-    };
-    common::write_drafter(
-        &dir,
-        &common::drafter_config(&s),
-        &common::random_drafter(&s, 5),
-    );
+    write_random_drafter(&dir);
     dir
 }
 
@@ -394,28 +408,40 @@ fn image_bundle_with_proposers() -> PathBuf {
 /// answers the same.
 #[test]
 fn every_route_gives_ars_answer_on_image_turns() {
-    use std::sync::Arc;
-    use verity::engine::{Engine, GenerateRequest};
     use verity::speculative::SpecMode;
     let (mut ar, turns) = image_turns();
     let dir = image_bundle_with_proposers();
-    for mode in [
+    let modes = [
         SpecMode::Copy,
         SpecMode::Mtp,
         SpecMode::Drafter,
         SpecMode::Auto,
-    ] {
-        let be = Arc::new(verity::backend::cpu::CpuBackend::new(2).unwrap());
-        let mut e = Engine::load(&dir, be, &mode).unwrap();
+    ];
+    routes_give_ars_answers(&mut ar, &turns, &dir, &modes);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Each of `modes` on the bundle `dir` answers each image turn as `ar` does, drafting, and answers it again
+/// from its whole restored prefix.
+fn routes_give_ars_answers(
+    ar: &mut CpuEngine,
+    turns: &[(Vec<u32>, verity::engine::PromptImage)],
+    dir: &std::path::Path,
+    modes: &[verity::speculative::SpecMode],
+) {
+    use verity::engine::{Engine, GenerateRequest};
+    for mode in modes {
+        let be = std::sync::Arc::new(verity::backend::cpu::CpuBackend::new(2).unwrap());
+        let mut e = Engine::load(dir, be, mode).unwrap();
         e.set_prefix_cache_budget(64 << 20);
-        for (ids, img) in &turns {
+        for (ids, img) in turns {
             let req = GenerateRequest {
                 ignore_eos: true,
                 images: vec![img.clone()],
                 store_prefix: Some(ids.len() - 1),
                 ..GenerateRequest::greedy(40)
             };
-            let (want, _, _) = common::answer(&mut ar, ids, &req);
+            let (want, _, _) = common::answer(ar, ids, &req);
             let (got, _, stats) = common::answer(&mut e, ids, &req);
             assert_eq!(
                 got, want,
@@ -434,7 +460,6 @@ fn every_route_gives_ars_answer_on_image_turns() {
             );
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The disk tier keys image turns by content too: after a restart (a new engine, the same folder) the image turn
@@ -652,4 +677,89 @@ fn qwen25_text_model_reads_the_image_at_multimodal_positions() {
         .unwrap()
         .logits;
     assert!(common::relative_error(&got, &want) > 1e-3);
+}
+
+/// The Qwen2.5-VL bundle through the engine: an image turn's prompt is transformers' (text, `<|vision_start|>`,
+/// the image's 20 rows, `<|vision_end|>`, text) and its greedy answer is transformers' `generate` of it, token
+/// for token (the image's rows at their grid positions, the answer's at positions that lag its slots); the same
+/// answer restored from the prefix cache, batched beside another request, and alone; another image restores
+/// only the text before it.
+#[test]
+fn qwen25_image_turns_answer_as_transformers_generates() {
+    use verity::engine::GenerateRequest;
+    let (mut e, turns) = image_turns_in(&qwen_dir());
+    let vision = e.vision.as_ref().expect("an image-text bundle");
+    assert_eq!((vision.begin, vision.end, vision.tokens), (317, 318, None));
+    let reference = json("../vision/qwen25-vl/reference.json");
+    let ids_of = |k: &str| -> Vec<u32> {
+        reference[k]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let (ids, img) = &turns[0];
+    assert_eq!(img.grid, Some([4, 5]));
+    let text: Vec<u32> = ids
+        .iter()
+        .map(|&t| if verity::engine::is_media(t) { 319 } else { t })
+        .collect();
+    assert_eq!(text, ids_of("token_ids"));
+    e.set_prefix_cache_budget(64 << 20);
+    let (cold, restored) = answer(&mut e, ids, img);
+    assert_eq!(restored, 0);
+    assert_eq!(
+        cold,
+        ids_of("greedy_continuation_ids"),
+        "transformers' greedy answer"
+    );
+    let (warm, restored) = answer(&mut e, ids, img);
+    assert_eq!(restored, ids.len() - 1, "the whole prompt body restores");
+    assert_eq!(warm, cold, "restored turn differs from the cold one");
+    let (other_ids, other) = &turns[1];
+    let (theirs, restored) = answer(&mut e, other_ids, other);
+    assert!(restored <= 5, "another image restored {restored} rows");
+    e.set_prefix_cache_budget(0);
+    let (alone, _) = answer(&mut e, other_ids, other);
+    assert_eq!(theirs, alone);
+    // Batched: both image turns side by side, each answers as alone.
+    let mut batch: Vec<_> = turns
+        .iter()
+        .map(|(ids, img)| {
+            let req = GenerateRequest {
+                ignore_eos: true,
+                images: vec![img.clone()],
+                ..GenerateRequest::greedy(12)
+            };
+            let s = e.new_session();
+            e.start_decoding(s, ids, req).unwrap()
+        })
+        .collect();
+    let mut got = vec![Vec::new(); 2];
+    while batch.iter().any(|d| !d.is_finished()) {
+        e.decode_step(&mut batch, |i, _, t| {
+            got[i].push(t.id);
+            true
+        })
+        .unwrap();
+    }
+    assert_eq!(
+        got,
+        vec![cold, alone],
+        "batched image turns differ from solo ones"
+    );
+}
+
+/// Every route that reads Qwen2.5-VL image turns (copying, the block drafter, `auto`) gives AR's answer, and
+/// a turn answered again restores its whole prefix and answers the same.
+#[test]
+fn every_route_gives_ars_answer_on_qwen25_image_turns() {
+    use verity::speculative::SpecMode;
+    let (mut ar, turns) = image_turns_in(&qwen_dir());
+    let dir = common::copy_folder(&qwen_dir(), "qwen-vision-routes");
+    write_random_drafter(&dir);
+    let modes = [SpecMode::Copy, SpecMode::Drafter, SpecMode::Auto];
+    routes_give_ars_answers(&mut ar, &turns, &dir, &modes);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -367,9 +367,9 @@ pub fn chunk_end(body: &[u32], end: usize) -> usize {
 /// features; an image whose features nothing has needed yet keeps its encoded bytes instead).
 pub const FEATURE_CACHE_IMAGES: usize = 32;
 
-/// A bundle's vision side (a Gemma 3 image-text folder): its processor, the tower loaded on the first image
-/// whose features a forward needs (hundreds of megabytes a text-only turn never needs), and the tokens around an
-/// image's rows.
+/// A bundle's vision side (a Gemma 3 or Qwen2.5-VL image-text folder): its processor, the tower loaded on the
+/// first image whose features a forward needs (hundreds of megabytes a text-only turn never needs), and the
+/// tokens around an image's rows.
 pub struct VisionSide<B: Backend> {
     tower: Arc<Tower<B>>,
     /// The processor's settings as content keys take them ([`content_key`]).
@@ -378,39 +378,70 @@ pub struct VisionSide<B: Backend> {
     /// turn (the chat APIs are stateless), and the tower costs far more than the turn's restored prefix; the
     /// same image's requests share one computation. A short recency list: at most [`FEATURE_CACHE_IMAGES`]
     /// entries, so a linear scan.
-    recent: std::sync::Mutex<std::collections::VecDeque<(u128, ImageFeatures)>>,
-    /// `<start_of_image>` and `<end_of_image>`.
+    recent: std::sync::Mutex<std::collections::VecDeque<(u128, PromptImage)>>,
+    /// The tokens that open and close an image's rows (`<start_of_image>` and `<end_of_image>`,
+    /// `<|vision_start|>` and `<|vision_end|>`).
     pub begin: u32,
     pub end: u32,
-    /// Rows per image.
-    pub tokens: usize,
+    /// Rows per image, where the tower takes images at one size (Gemma 3's); `None` where an image's rows
+    /// follow its size (Qwen2.5-VL's).
+    pub tokens: Option<usize>,
+    /// What the processor puts between an image's block and the text around it (Gemma 3's blank lines).
+    margin: &'static str,
+}
+
+/// An image's pixel values as a family's tower takes them.
+#[derive(Debug)]
+enum Processor {
+    Square(crate::vision::SquareProcessor),
+    Grid(crate::vision::GridProcessor),
+}
+
+/// A family's vision tower and projector.
+enum Encoder<B: Backend> {
+    Gemma3(crate::vision::Gemma3Vision<B>),
+    Qwen25(crate::vision::Qwen25Vision<B>),
 }
 
 /// The processor and the tower: what computes an image's features from its bytes.
 struct Tower<B: Backend> {
     dir: std::path::PathBuf,
     backend: Arc<B>,
-    processor: crate::vision::SquareProcessor,
-    model: std::sync::OnceLock<crate::vision::Gemma3Vision<B>>,
+    processor: Processor,
+    model: std::sync::OnceLock<Encoder<B>>,
     runs: std::sync::atomic::AtomicUsize,
     /// Nanoseconds spent computing features (decode, preprocessing, tower), over every run.
     nanos: std::sync::atomic::AtomicU64,
 }
 
+impl<B: Backend> Tower<B> {
+    fn encoder(&self) -> Result<&Encoder<B>> {
+        if let Some(m) = self.model.get() {
+            return Ok(m);
+        }
+        let (dir, be) = (&self.dir, self.backend.clone());
+        let m = match self.processor {
+            Processor::Square(_) => Encoder::Gemma3(crate::vision::Gemma3Vision::load(dir, be)?),
+            Processor::Grid(_) => Encoder::Qwen25(crate::vision::Qwen25Vision::load(dir, be)?),
+        };
+        Ok(self.model.get_or_init(|| m))
+    }
+}
+
 impl<B: Backend> FeatureSource for Tower<B> {
     fn features(&self, bytes: &[u8], limits: &crate::vision::ImageLimits) -> Result<Vec<f32>> {
         let t = std::time::Instant::now();
-        let pixels = self
-            .processor
-            .pixel_values(&crate::vision::decode(bytes, limits)?);
-        let model = match self.model.get() {
-            Some(m) => m,
-            None => {
-                let m = crate::vision::Gemma3Vision::load(&self.dir, self.backend.clone())?;
-                self.model.get_or_init(|| m)
+        let image = crate::vision::decode(bytes, limits)?;
+        let features = match (&self.processor, self.encoder()?) {
+            (Processor::Square(p), Encoder::Gemma3(m)) => {
+                m.image_features(&p.pixel_values(&image))?
             }
+            (Processor::Grid(p), Encoder::Qwen25(m)) => {
+                let (pixels, grid) = p.pixel_values(&image)?;
+                m.image_features(&pixels, grid)?
+            }
+            _ => unreachable!("the encoder is loaded for its processor"),
         };
-        let features = model.image_features(&pixels)?;
         self.runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let nanos = t.elapsed().as_nanos().min(u64::MAX as u128) as u64;
         self.nanos
@@ -420,7 +451,8 @@ impl<B: Backend> FeatureSource for Tower<B> {
 }
 
 impl<B: Backend> VisionSide<B> {
-    /// The vision side of the bundle folder `dir`, if its `config.json` has one; its tower runs on `backend`.
+    /// The vision side of the bundle folder `dir`, if its `config.json` has one (a Gemma 3 or Qwen2.5-VL
+    /// image-text config); its tower runs on `backend`.
     pub fn open(dir: &std::path::Path, backend: Arc<B>) -> Result<Option<Self>> {
         let read = |name: &str| -> Result<Option<serde_json::Value>> {
             let path = dir.join(name);
@@ -438,6 +470,14 @@ impl<B: Backend> VisionSide<B> {
         if config.get("vision_config").is_none() {
             return Ok(None);
         }
+        let family = config.get("model_type").and_then(serde_json::Value::as_str);
+        if !matches!(family, Some("gemma3") | Some("qwen2_5_vl")) {
+            tracing::warn!(
+                "{}: a vision tower of model type {family:?}: images are not taken (Gemma 3 and Qwen2.5-VL are)",
+                dir.display()
+            );
+            return Ok(None);
+        }
         // Without its processor's settings the folder still serves text.
         let Some(preprocessor) = read("preprocessor_config.json")? else {
             tracing::warn!(
@@ -453,8 +493,26 @@ impl<B: Backend> VisionSide<B> {
                 .and_then(|v| u32::try_from(v).ok())
                 .ok_or_else(|| Error::malformed(dir.join("config.json"), format!("no {k}")))
         };
-        let shape = crate::vision::SiglipConfig::from_config(&config)?;
-        let processor = crate::vision::SquareProcessor::from_config(&preprocessor)?;
+        let (processor, begin, end, tokens, margin) = if family == Some("gemma3") {
+            let shape = crate::vision::SiglipConfig::from_config(&config)?;
+            let p = crate::vision::SquareProcessor::from_config(&preprocessor)?;
+            let (b, e) = (id("boi_token_index")?, id("eoi_token_index")?);
+            (Processor::Square(p), b, e, Some(shape.tokens), "\n\n")
+        } else {
+            let shape = crate::vision::Qwen25VisionConfig::from_config(&config)?;
+            let p = crate::vision::GridProcessor::from_config(&preprocessor)?;
+            if (p.patch, p.merge, p.temporal) != (shape.patch_size, shape.merge, shape.temporal) {
+                return Err(Error::malformed(
+                    dir.join("preprocessor_config.json"),
+                    format!(
+                        "patches of {} merged {} over {} frames for a tower of {}, {}, {}",
+                        p.patch, p.merge, p.temporal, shape.patch_size, shape.merge, shape.temporal
+                    ),
+                ));
+            }
+            let (b, e) = (id("vision_start_token_id")?, id("vision_end_token_id")?);
+            (Processor::Grid(p), b, e, None, "")
+        };
         Ok(Some(VisionSide {
             settings: format!("{processor:?}"),
             tower: Arc::new(Tower {
@@ -466,32 +524,43 @@ impl<B: Backend> VisionSide<B> {
                 nanos: Default::default(),
             }),
             recent: Default::default(),
-            begin: id("boi_token_index")?,
-            end: id("eoi_token_index")?,
-            tokens: shape.tokens,
+            begin,
+            end,
+            tokens,
+            margin,
         }))
     }
 
     /// The image `bytes` (PNG or JPEG) as a prompt's image, its rows keyed by its content and the processor's
-    /// settings. The bytes are decoded now (a malformed image fails its request here); the features (decoded
-    /// again, preprocessed, through the tower and the projector) are computed when a forward first needs them.
-    /// An image among the last [`FEATURE_CACHE_IMAGES`] shares the features of its first sending (the same bytes
+    /// settings. The bytes are decoded now (a malformed image fails its request here; its size sets how many
+    /// rows it takes where the tower takes images near their own size); the features (decoded again,
+    /// preprocessed, through the tower and the projector) are computed when a forward first needs them. An
+    /// image among the last [`FEATURE_CACHE_IMAGES`] shares the features of its first sending (the same bytes
     /// and settings: the same values).
     pub fn image(&self, bytes: &[u8], limits: &crate::vision::ImageLimits) -> Result<PromptImage> {
         let key = content_key(bytes, &self.settings);
-        if let Some(features) = self.recall(key) {
-            return Ok(PromptImage::new(key, self.tokens, features, None));
+        if let Some(image) = self.recall(key) {
+            return Ok(image);
         }
-        crate::vision::decode(bytes, limits)?;
+        let decoded = crate::vision::decode(bytes, limits)?;
+        let (tokens, grid) = match &self.tower.processor {
+            Processor::Square(_) => (self.tokens.expect("a square tower's rows"), None),
+            Processor::Grid(p) => {
+                let [rows, cols] = p.grid(decoded.height, decoded.width)?;
+                let merged = [rows / p.merge, cols / p.merge];
+                (merged[0] * merged[1], Some(merged))
+            }
+        };
         let features = ImageFeatures::deferred(self.tower.clone(), bytes.to_vec(), *limits);
+        let image = PromptImage::new(key, tokens, features, grid);
         let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
         // Another request may have sent the same image meanwhile: one entry per key.
         recent.retain(|(k, _)| *k != key);
         if recent.len() == FEATURE_CACHE_IMAGES {
             recent.pop_front();
         }
-        recent.push_back((key, features.clone()));
-        Ok(PromptImage::new(key, self.tokens, features, None))
+        recent.push_back((key, image.clone()));
+        Ok(image)
     }
 
     /// How many images the tower has run on.
@@ -512,22 +581,27 @@ impl<B: Backend> VisionSide<B> {
             .clear();
     }
 
-    /// The features of the image keyed `key` if it is among the recent ones (it becomes the most recent).
-    fn recall(&self, key: u128) -> Option<ImageFeatures> {
+    /// The image keyed `key` if it is among the recent ones (it becomes the most recent).
+    fn recall(&self, key: u128) -> Option<PromptImage> {
         let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
         let at = recent.iter().position(|(k, _)| *k == key)?;
         let entry = recent.remove(at)?;
-        let features = entry.1.clone();
+        let image = entry.1.clone();
         recent.push_back(entry);
-        Some(features)
+        Some(image)
     }
 
-    /// An image's part of a prompt: `<start_of_image>`, its rows, `<end_of_image>`.
+    /// An image's part of a prompt: the opening token, its rows, the closing token.
     pub fn block(&self, image: &PromptImage) -> Vec<u32> {
         let mut ids = Vec::with_capacity(image.ids.len() + 2);
         ids.push(self.begin);
         ids.extend(&image.ids);
         ids.push(self.end);
         ids
+    }
+
+    /// What the processor puts between an image's block and the text before and after it.
+    pub fn margin(&self) -> &'static str {
+        self.margin
     }
 }

@@ -130,7 +130,8 @@ impl<B: Backend> Engine<B> {
 impl<B: Backend> Engine<B> {
     /// The prompt for a conversation whose contents hold images: each [`IMAGE_SLOT`] character in a content is
     /// where the next of `images` goes, as its processor places it (Gemma 3's: a blank line, `<start_of_image>`,
-    /// the image's rows, `<end_of_image>`, a blank line). The text between is encoded in pieces that end and
+    /// the image's rows, `<end_of_image>`, a blank line; Qwen2.5-VL's: `<|vision_start|>`, the rows,
+    /// `<|vision_end|>`). The text between is encoded in pieces that end and
     /// start at the image's control tokens, which a tokenizer never merges across, so the ids are those of the
     /// whole expanded text. Needs the bundle's vision side and a chat template.
     pub fn render_chat_with_images(
@@ -168,10 +169,10 @@ impl<B: Backend> Engine<B> {
             for (i, piece) in pieces.iter().enumerate() {
                 let mut piece = piece.to_string();
                 if i > 0 {
-                    piece.insert_str(0, "\n\n");
+                    piece.insert_str(0, vision.margin());
                 }
                 if i + 1 < pieces.len() {
-                    piece.push_str("\n\n");
+                    piece.push_str(vision.margin());
                 }
                 ids.extend(self.tokenizer.encode(&piece, i == 0)?);
                 if let Some(img) = images.get(i).filter(|_| i + 1 < pieces.len()) {
