@@ -630,6 +630,37 @@ fn quantize_writes_a_model_that_runs_and_refuses_what_it_cannot_do() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `run --image` on the tiny Qwen2.5-VL bundle: the 61 x 45 picture grows to the processor's minimum area (140 x
+/// 112 pixels: 20 image rows), its block (`<|vision_start|>`, the rows, `<|vision_end|>`, no blank lines) joins
+/// the prompt once per image, and an answer streams.
+#[test]
+fn run_takes_an_image_with_a_qwen25_vl_bundle() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../verity/tests/fixtures");
+    let bundle = fixtures.join("vision/qwen25-vl");
+    let image = fixtures.join("images/rgb.png");
+    let (bundle, image) = (bundle.to_str().unwrap(), image.to_str().unwrap());
+    let run = |images: usize| {
+        let mut args = vec!["run", "--model", bundle, "--max-tokens", "3"];
+        for _ in 0..images {
+            args.extend(["--image", image]);
+        }
+        args.push("Describe it.");
+        let out = verity(&args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let log = text(&out.stderr);
+        assert!(log.contains("3 completion tokens"), "{log}");
+        let at = log.find(" prompt tokens").unwrap();
+        log[..at]
+            .rsplit(' ')
+            .next()
+            .unwrap()
+            .parse::<usize>()
+            .unwrap()
+    };
+    let (none, one, two) = (run(0), run(1), run(2));
+    assert_eq!((one - none, two - one), (22, 22));
+}
+
 /// `run --image` on a tiny Gemma 3 image-text bundle: the image's block joins the prompt (text, a blank line,
 /// `<start_of_image>`, 4 rows, `<end_of_image>`, a blank line) and an answer streams; a file that is not an
 /// image, and a text-only bundle, give clear errors.
