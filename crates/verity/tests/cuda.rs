@@ -1341,3 +1341,49 @@ fn cuda_vision_tower_matches_the_cpu_tower() {
     let stats = engine.generate(&mut s, &prompt, &req, |_, _| true).unwrap();
     assert_eq!(stats.completion_tokens, 8);
 }
+
+/// The tiny Qwen2.5-VL bundle on the GPU: its vision transformer gives transformers' image features, and the
+/// engine's greedy answer to an image turn (the image's rows at multimodal rotary positions, their rotations
+/// uploaded per row; the answer's positions lagging its slots) is transformers' `generate`, token for token.
+#[test]
+fn cuda_qwen25_vl_image_turn_answers_as_transformers_generates() {
+    use verity::vision::{decode, GridProcessor, ImageLimits, Qwen25Vision};
+    let fixtures = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let dir = fixtures.join("vision/qwen25-vl");
+    let read_json = |name: &str| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(dir.join(name)).unwrap()).unwrap()
+    };
+    let image = std::fs::read(fixtures.join("images/rgb.png")).unwrap();
+    let (pixels, grid) = GridProcessor::from_config(&read_json("preprocessor_config.json"))
+        .unwrap()
+        .pixel_values(&decode(&image, &ImageLimits::default()).unwrap())
+        .unwrap();
+    let features = Qwen25Vision::load(&dir, gpu())
+        .unwrap()
+        .image_features(&pixels, grid)
+        .unwrap();
+    let want = read_f32(&dir.join("features.f32"));
+    let e = relative_error(&features, &want);
+    assert!(e < 1e-5, "features: relative error {e}");
+    let reference = read_json("reference.json");
+    let mut engine = Engine::load(&dir, gpu(), &SpecMode::Off).unwrap();
+    let vision = engine.vision.as_ref().unwrap();
+    let img = vision.image(&image, &ImageLimits::default()).unwrap();
+    let mut prompt = vec![2, 10, 11, 12];
+    prompt.extend(vision.block(&img));
+    prompt.extend([20, 21, 22]);
+    let req = GenerateRequest {
+        ignore_eos: true,
+        images: vec![img],
+        ..GenerateRequest::greedy(12)
+    };
+    let mut s = engine.new_session();
+    let mut got = Vec::new();
+    engine
+        .generate(&mut s, &prompt, &req, |_, t| {
+            got.push(t.id);
+            true
+        })
+        .unwrap();
+    assert_eq!(got, ids(&reference["greedy_continuation_ids"]));
+}

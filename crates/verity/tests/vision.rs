@@ -691,14 +691,7 @@ fn qwen25_image_turns_answer_as_transformers_generates() {
     let vision = e.vision.as_ref().expect("an image-text bundle");
     assert_eq!((vision.begin, vision.end, vision.tokens), (317, 318, None));
     let reference = json("../vision/qwen25-vl/reference.json");
-    let ids_of = |k: &str| -> Vec<u32> {
-        reference[k]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect()
-    };
+    let ids_of = |k: &str| common::ids(&reference[k]);
     let (ids, img) = &turns[0];
     assert_eq!(img.grid, Some([4, 5]));
     let text: Vec<u32> = ids

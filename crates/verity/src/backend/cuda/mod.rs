@@ -695,8 +695,18 @@ impl Backend for CudaBackend {
                 .find(|t| t.key == *key)
                 .expect("a step's rotations stay prepared");
             for (r, &p) in inputs.positions.iter().enumerate() {
-                for (i, v) in table.at(p).iter().enumerate() {
-                    put(4 * (at + r * key.1 + i), v.to_le_bytes());
+                match inputs.spatial.get(r) {
+                    // An image's row at multimodal positions: its pairs from their sections' positions.
+                    Some(&[h, w]) if [h, w] != [p, p] => {
+                        for (i, v) in table.at_multimodal([p, h, w]).iter().enumerate() {
+                            put(4 * (at + r * key.1 + i), v.to_le_bytes());
+                        }
+                    }
+                    _ => {
+                        for (i, v) in table.at(p).iter().enumerate() {
+                            put(4 * (at + r * key.1 + i), v.to_le_bytes());
+                        }
+                    }
                 }
             }
             used = 4 * (at + rows * key.1);
@@ -1011,13 +1021,6 @@ impl Backend for CudaBackend {
                 "heads of {head_dim} values on the CUDA backend (its attention runs even sizes up to \
                  {MAX_HEAD_DIM})"
             )));
-        }
-        if rope.mrope.is_some() {
-            return Err(Error::Unsupported(
-                "multimodal rotary positions (Qwen2.5-VL's M-RoPE) on the CUDA backend: run this model on the \
-                 CPU"
-                    .into(),
-            ));
         }
         let key = rope::key(rope, head_dim);
         let mut tables = lock(&self.ropes);

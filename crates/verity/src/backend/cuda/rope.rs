@@ -50,12 +50,54 @@ impl RopeTable {
         }
         &self.pairs[pos * hd..(pos + 1) * hd]
     }
+
+    /// The `head_dim` values of a row at the temporal, height and width positions `pos` of a multimodal
+    /// rotation ([`Rope::mrope`]): each pair's `(cos, sin)` as [`RopeTable::at`] gives it at the position its
+    /// section turns with (so the values are [`Rope::angle_at`]'s, as on the CPU).
+    pub fn at_multimodal(&mut self, pos: [usize; 3]) -> Vec<f32> {
+        let Some([t, h, _]) = self.rope.mrope else {
+            return self.at(pos[0]).to_vec();
+        };
+        let hd = self.key.1;
+        self.at(pos.into_iter().max().unwrap_or(0));
+        (0..hd / 2)
+            .flat_map(|i| {
+                let section = usize::from(i >= t) + usize::from(i >= t + h);
+                let at = pos[section] * hd + 2 * i;
+                [self.pairs[at], self.pairs[at + 1]]
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::backend::RopeStyle;
+
+    #[test]
+    fn multimodal_rows_take_each_section_at_its_own_position() {
+        let rope = Rope {
+            theta: 10_000.0,
+            style: RopeStyle::HalfSplit,
+            scaling: crate::backend::RopeScaling::None,
+            dims: None,
+            mrope: Some([2, 5, 5]),
+        };
+        let mut table = RopeTable::new(rope, 24);
+        for pos in [[5, 5, 9], [7, 3, 0], [4, 4, 4]] {
+            let row = table.at_multimodal(pos);
+            for i in 0..12 {
+                let (c, s) = rope.angle_at(pos, i, 24);
+                assert_eq!(
+                    (row[2 * i].to_bits(), row[2 * i + 1].to_bits()),
+                    (c.to_bits(), s.to_bits())
+                );
+            }
+        }
+        // A text row's three positions are one: the plain row.
+        assert_eq!(table.at_multimodal([6; 3]), table.at(6).to_vec());
+    }
 
     #[test]
     fn positions_read_back_the_rotation_angles_in_any_order() {
