@@ -1096,16 +1096,8 @@ fn base64(bytes: &[u8]) -> String {
     out
 }
 
-/// Images in both APIs, on a tiny Gemma 3 image-text bundle: an OpenAI `image_url` part with a base64 data URL
-/// and an Anthropic base64 `image` block are answered (the prompt holds the image's block: 6 ids, a blank line on
-/// each side, more than the text alone); the same request twice restores the image turn's prefix from the
-/// prefix cache; a remote URL is never fetched, and a broken image, bad base64 or a text-only model get a 4xx.
-#[test]
-fn chat_requests_carry_images_in_both_apis() {
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../verity/tests/fixtures");
-    let bundle = fixtures.join("vision/gemma3-vl");
-    let png = std::fs::read(fixtures.join("images/rgb.png")).unwrap();
-    let url = format!("data:image/png;base64,{}", base64(&png));
+/// One image-text bundle's server: see [`chat_requests_carry_images_in_both_apis`].
+fn images_are_served(bundle: &Path, png: &[u8], with_image: &str, block: u64) {
     let s = Server::start(&["--model", bundle.to_str().unwrap()]);
     let openai = |content: &str| {
         let body = format!(
@@ -1117,26 +1109,23 @@ fn chat_requests_carry_images_in_both_apis() {
         let v: serde_json::Value = serde_json::from_str(body).unwrap();
         v["usage"]["prompt_tokens"].as_u64().unwrap()
     };
-    let with_image = format!(
-        r#"[{{"type":"image_url","image_url":{{"url":"{url}"}}}},{{"type":"text","text":"Describe it."}}]"#
-    );
-    let (status, body) = openai(&with_image);
+    let (status, body) = openai(with_image);
     assert_eq!(status, 200, "{body}");
     let (status, text_only) = openai(r#""Describe it.""#);
     assert_eq!(status, 200, "{text_only}");
     assert!(
-        prompt_tokens(&body) >= prompt_tokens(&text_only) + 6,
+        prompt_tokens(&body) >= prompt_tokens(&text_only) + block,
         "{body}"
     );
     // Again: the image turn's prefix comes from the prefix cache.
-    let (status, again) = openai(&with_image);
+    let (status, again) = openai(with_image);
     assert_eq!(status, 200);
     let v: serde_json::Value = serde_json::from_str(&again).unwrap();
     assert!(
         v["usage"]["prompt_tokens_details"]["cached_tokens"]
             .as_u64()
             .unwrap_or(0)
-            > 6,
+            > block,
         "{again}"
     );
     for bad in [
@@ -1152,12 +1141,35 @@ fn chat_requests_carry_images_in_both_apis() {
     }
     // The Messages API's base64 image block.
     let body = format!(
-        r#"{{"model":"gemma3-vl","max_tokens":3,"messages":[{{"role":"user","content":[{{"type":"image","source":{{"type":"base64","media_type":"image/png","data":"{}"}}}},{{"type":"text","text":"Describe it."}}]}}]}}"#,
-        base64(&png)
+        r#"{{"model":"{}","max_tokens":3,"messages":[{{"role":"user","content":[{{"type":"image","source":{{"type":"base64","media_type":"image/png","data":"{}"}}}},{{"type":"text","text":"Describe it."}}]}}]}}"#,
+        bundle.file_name().unwrap().to_str().unwrap(),
+        base64(png)
     );
     let (status, reply) = http(&s.addr, "POST", "/v1/messages", &body);
     assert_eq!(status, 200, "{reply}");
-    drop(s);
+}
+
+/// Images in both APIs, on the tiny Gemma 3 and Qwen2.5-VL image-text bundles: an OpenAI `image_url` part with a
+/// base64 data URL and an Anthropic base64 `image` block are answered (the prompt holds the image's block: at
+/// least `block` ids more than the text alone); the same request twice restores the image turn's prefix from
+/// the prefix cache; a remote URL is never fetched, and a broken image, bad base64 or a text-only model get a
+/// 4xx.
+#[test]
+fn chat_requests_carry_images_in_both_apis() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../verity/tests/fixtures");
+    let png = std::fs::read(fixtures.join("images/rgb.png")).unwrap();
+    let url = format!("data:image/png;base64,{}", base64(&png));
+    let with_image = format!(
+        r#"[{{"type":"image_url","image_url":{{"url":"{url}"}}}},{{"type":"text","text":"Describe it."}}]"#
+    );
+    for (name, block) in [("gemma3-vl", 6), ("qwen25-vl", 22)] {
+        images_are_served(
+            &fixtures.join("vision").join(name),
+            &png,
+            &with_image,
+            block,
+        );
+    }
     // A text-only model refuses images.
     let s = Server::start(&["--model", fixtures.join("hf/llama-f32").to_str().unwrap()]);
     let body =

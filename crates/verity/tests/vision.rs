@@ -744,15 +744,36 @@ fn qwen25_image_turns_answer_as_transformers_generates() {
     );
 }
 
-/// Every route that reads Qwen2.5-VL image turns (copying, the block drafter, `auto`) gives AR's answer, and
-/// a turn answered again restores its whole prefix and answers the same.
+/// Every route on Qwen2.5-VL image turns (copying, a random MTP head, a random block drafter, `auto`) gives AR's
+/// answer, and a turn answered again restores its whole prefix and answers the same.
 #[test]
 fn every_route_gives_ars_answer_on_qwen25_image_turns() {
     use verity::speculative::SpecMode;
     let (mut ar, turns) = image_turns_in(&qwen_dir());
     let dir = common::copy_folder(&qwen_dir(), "qwen-vision-routes");
     write_random_drafter(&dir);
-    let modes = [SpecMode::Copy, SpecMode::Drafter, SpecMode::Auto];
+    // Qwen2's blocks add biases to Q, K and V: the head's block does too.
+    let mut head = common::random_mtp_head(48, 2, 1, 24, 96, 7, None);
+    for (name, n, seed) in [("q_proj", 48, 1), ("k_proj", 24, 2), ("v_proj", 24, 3)] {
+        let bias = common::f32_bytes(&common::random_f32(n, seed, 0.1));
+        head.push((
+            format!("mtp.layers.0.self_attn.{name}.bias"),
+            "F32",
+            vec![n],
+            bias,
+        ));
+    }
+    common::write_safetensors(
+        &dir.join("mtp.safetensors"),
+        &head,
+        &[("num_nextn_predict_layers", "1")],
+    );
+    let modes = [
+        SpecMode::Copy,
+        SpecMode::Mtp,
+        SpecMode::Drafter,
+        SpecMode::Auto,
+    ];
     routes_give_ars_answers(&mut ar, &turns, &dir, &modes);
     let _ = std::fs::remove_dir_all(&dir);
 }
