@@ -167,16 +167,34 @@ pub(super) fn qkv<B: Backend>(
     [(q, bq), (k, bk), (v, bv)].map(|(l, b)| l.with_bias(be.download(&b, rows * l.outputs)))
 }
 
+/// Scores a query block may hold (its rows × the span's keys): a large image's full-attention layers would
+/// otherwise hold a square of tens of thousands of patches per head (a 12-megapixel picture is 61,000 of them).
+const SCORE_VALUES: usize = 1 << 24;
+
 /// Bidirectional attention of `rows` rows (`q`, `k`, `v`: `rows × hidden`, `heads` heads side by side) within
 /// each of `spans` (ranges of rows that see each other and nothing else; together every row once), head by
 /// head: the scores `Q_h · K_hᵀ` and the weighted values `P · V_h` on the backend (each span's keys, and its
-/// values transposed, as a matrix), the softmax on the host. Returns `rows × hidden`.
+/// values transposed, as a matrix), the softmax on the host; the queries in blocks whose scores fit
+/// [`SCORE_VALUES`] (a row's values do not depend on its block: the backend's products are row-exact).
+/// Returns `rows × hidden`.
 pub(super) fn attend<B: Backend>(
+    be: &B,
+    qkv: [&[f32]; 3],
+    hidden: usize,
+    heads: usize,
+    spans: &[std::ops::Range<usize>],
+) -> Result<Vec<f32>> {
+    attend_within(be, qkv, hidden, heads, spans, SCORE_VALUES)
+}
+
+/// [`attend`] with query blocks of at most `score_values` scores.
+fn attend_within<B: Backend>(
     be: &B,
     [q, k, v]: [&[f32]; 3],
     hidden: usize,
     heads: usize,
     spans: &[std::ops::Range<usize>],
+    score_values: usize,
 ) -> Result<Vec<f32>> {
     let d = hidden / heads;
     let rows = q.len() / hidden;
@@ -191,21 +209,10 @@ pub(super) fn attend<B: Backend>(
                 .copied()
                 .collect()
         };
+        let block = (score_values / n).clamp(1, n);
         for head in 0..heads {
             let (qh, kh) = (head_of(q, head), head_of(k, head));
             let keys = matrix(be, "vision keys", n, d, &kh)?;
-            let mut p = project(be, &keys, &qh, n, n);
-            p.par_chunks_mut(n).for_each(|w| {
-                let max = w.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
-                let mut sum = 0.0;
-                for x in w.iter_mut() {
-                    *x = (*x * scale - max).exp();
-                    sum += *x;
-                }
-                for x in w.iter_mut() {
-                    *x /= sum;
-                }
-            });
             // The values transposed: row e holds every row's value e.
             let mut vt = vec![0f32; d * n];
             for (j, r) in v[span.start * hidden..span.end * hidden]
@@ -217,12 +224,28 @@ pub(super) fn attend<B: Backend>(
                 }
             }
             let values = matrix(be, "vision values", d, n, &vt)?;
-            let oh = project(be, &values, &p, n, d);
-            for (o, r) in out[span.start * hidden..span.end * hidden]
-                .chunks_mut(hidden)
-                .zip(oh.chunks(d))
-            {
-                o[head * d..][..d].copy_from_slice(r);
+            for (b, queries) in qh.chunks(block * d).enumerate() {
+                let m = queries.len() / d;
+                let mut p = project(be, &keys, queries, m, n);
+                p.par_chunks_mut(n).for_each(|w| {
+                    let max = w.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
+                    let mut sum = 0.0;
+                    for x in w.iter_mut() {
+                        *x = (*x * scale - max).exp();
+                        sum += *x;
+                    }
+                    for x in w.iter_mut() {
+                        *x /= sum;
+                    }
+                });
+                let oh = project(be, &values, &p, m, d);
+                let first = span.start + b * block;
+                for (o, r) in out[first * hidden..(first + m) * hidden]
+                    .chunks_mut(hidden)
+                    .zip(oh.chunks(d))
+                {
+                    o[head * d..][..d].copy_from_slice(r);
+                }
             }
         }
     }
@@ -280,6 +303,27 @@ pub(super) fn gelu_erf(x: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn attention_in_query_blocks_is_the_whole_attention() {
+        let be = crate::backend::cpu::CpuBackend::new(2).unwrap();
+        let (rows, hidden, heads) = (40, 16, 2);
+        let values = |seed: u32| -> Vec<f32> {
+            (0..rows * hidden)
+                .map(|i| {
+                    ((i as u32).wrapping_mul(2_654_435_761) ^ seed) as f32 / u32::MAX as f32 - 0.5
+                })
+                .collect()
+        };
+        let (q, k, v) = (values(1), values(2), values(3));
+        let spans = [0..rows];
+        let whole = attend(&be, [&q, &k, &v], hidden, heads, &spans).unwrap();
+        let blocked = attend_within(&be, [&q, &k, &v], hidden, heads, &spans, 7 * rows).unwrap();
+        assert_eq!(
+            whole.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            blocked.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+    }
 
     #[test]
     fn gelu_erf_is_x_times_the_normal_cdf() {
