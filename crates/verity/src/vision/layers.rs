@@ -316,9 +316,10 @@ mod tests {
                 .collect()
         };
         let (q, k, v) = (values(1), values(2), values(3));
-        let spans = [0..rows];
-        let whole = attend(&be, [&q, &k, &v], hidden, heads, &spans).unwrap();
-        let blocked = attend_within(&be, [&q, &k, &v], hidden, heads, &spans, 7 * rows).unwrap();
+        let all = 0..rows;
+        let spans = std::slice::from_ref(&all);
+        let whole = attend(&be, [&q, &k, &v], hidden, heads, spans).unwrap();
+        let blocked = attend_within(&be, [&q, &k, &v], hidden, heads, spans, 7 * rows).unwrap();
         assert_eq!(
             whole.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
             blocked.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
