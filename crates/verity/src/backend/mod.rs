@@ -511,6 +511,11 @@ pub trait Backend: Send + Sync + 'static {
         let _ = (head_dim, rope);
         Ok(())
     }
+    /// What the length of an f32 matrix's rows (and so of its input rows) must be a multiple of on this
+    /// backend; a caller with other lengths pads both with zeros (the vision towers do).
+    fn f32_row_multiple(&self) -> usize {
+        1
+    }
     /// Rows per prefill forward: a prompt is computed in chunks of this many (no result depends on it: a
     /// forward's rows are row-exact), large enough to amortize each weight read, small enough to bound scratch.
     fn prefill_rows(&self) -> usize {

@@ -84,8 +84,28 @@ impl Tensors {
     }
 }
 
+/// `x`'s `rows` rows padded with zeros to the row length the backend's f32 matrices take
+/// ([`Backend::f32_row_multiple`]; as [`matrix`] pads a matrix's rows).
+fn padded<'a, B: Backend>(be: &B, x: &'a [f32], rows: usize) -> std::borrow::Cow<'a, [f32]> {
+    padded_to(x, rows, be.f32_row_multiple())
+}
+
+/// `x`'s `rows` rows padded with zeros to a multiple of `multiple` values.
+fn padded_to(x: &[f32], rows: usize, multiple: usize) -> std::borrow::Cow<'_, [f32]> {
+    let len = x.len() / rows.max(1);
+    let to = len.next_multiple_of(multiple);
+    if to == len {
+        return std::borrow::Cow::Borrowed(x);
+    }
+    let mut out = vec![0f32; rows * to];
+    for (o, r) in out.chunks_mut(to).zip(x.chunks(len)) {
+        o[..len].copy_from_slice(r);
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// `rows × outputs` values of `w · x` for `rows` rows of `x` (`rows × inputs`), on the backend: `w` is
-/// `outputs × inputs`, row-major.
+/// `outputs × inputs`, row-major, as [`matrix`] made it.
 pub(super) fn project<B: Backend>(
     be: &B,
     w: &B::Matrix,
@@ -93,13 +113,14 @@ pub(super) fn project<B: Backend>(
     rows: usize,
     outputs: usize,
 ) -> Vec<f32> {
-    let input = be.upload(x);
+    let input = be.upload(&padded(be, x, rows));
     let mut out = be.buffer(rows * outputs);
     be.matmul(w, &input, rows, &mut out);
     be.download(&out, rows * outputs)
 }
 
-/// An f32 matrix of `rows × cols` values on the backend.
+/// An f32 matrix of `rows × cols` values on the backend, its rows padded with zeros to the length the backend
+/// takes ([`Backend::f32_row_multiple`]; the zeros add nothing to a product).
 pub(super) fn matrix<B: Backend>(
     be: &B,
     name: &str,
@@ -107,12 +128,13 @@ pub(super) fn matrix<B: Backend>(
     cols: usize,
     values: &[f32],
 ) -> Result<B::Matrix> {
+    let values = padded(be, values, rows);
     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     be.load_matrix(QMatrix::ggml(
         name,
         GgmlType::F32,
         rows,
-        cols,
+        values.len() / rows,
         Bytes::owned(bytes),
     )?)
 }
@@ -152,7 +174,7 @@ pub(super) fn qkv<B: Backend>(
     x: &[f32],
     rows: usize,
 ) -> [Vec<f32>; 3] {
-    let input = be.upload(x);
+    let input = be.upload(&padded(be, x, rows));
     let (mut bq, mut bk, mut bv) = (
         be.buffer(rows * q.outputs),
         be.buffer(rows * k.outputs),
@@ -303,6 +325,38 @@ pub(super) fn gelu_erf(x: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rows_padded_with_zeros_give_the_same_products() {
+        let be = crate::backend::cpu::CpuBackend::new(2).unwrap();
+        let (rows, cols, outputs) = (3, 147, 5);
+        let x: Vec<f32> = (0..rows * cols)
+            .map(|i| (i % 13) as f32 * 0.1 - 0.6)
+            .collect();
+        let w: Vec<f32> = (0..outputs * cols)
+            .map(|i| (i % 7) as f32 * 0.2 - 0.5)
+            .collect();
+        let plain = project(
+            &be,
+            &matrix(&be, "w", outputs, cols, &w).unwrap(),
+            &x,
+            rows,
+            outputs,
+        );
+        let (wp, xp) = (padded_to(&w, outputs, 32), padded_to(&x, rows, 32));
+        assert_eq!((wp.len(), xp.len()), (outputs * 160, rows * 160));
+        assert!(xp.chunks(160).all(|r| r[cols..].iter().all(|&v| v == 0.0)));
+        let wide = project(
+            &be,
+            &matrix(&be, "w", outputs, 160, &wp).unwrap(),
+            &xp,
+            rows,
+            outputs,
+        );
+        for (a, b) in plain.iter().zip(&wide) {
+            assert!((a - b).abs() <= 1e-5 * a.abs().max(1.0), "{a} vs {b}");
+        }
+    }
 
     #[test]
     fn attention_in_query_blocks_is_the_whole_attention() {

@@ -1034,6 +1034,10 @@ impl Backend for CudaBackend {
         self.prefill_rows
     }
 
+    fn f32_row_multiple(&self) -> usize {
+        32 // the kernels read rows in 32-value blocks
+    }
+
     fn attention_work_len(&self, n_heads: usize, head_dim: usize, capacity: usize) -> usize {
         let per_row_head = 1 + capacity.div_ceil(ATT_CHUNK) * (head_dim + 2);
         ATT_ROWS * n_heads * per_row_head
