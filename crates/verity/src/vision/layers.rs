@@ -128,6 +128,7 @@ pub(super) fn matrix<B: Backend>(
     cols: usize,
     values: &[f32],
 ) -> Result<B::Matrix> {
+    debug_assert_eq!(values.len(), rows * cols);
     let values = padded(be, values, rows);
     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     be.load_matrix(QMatrix::ggml(
