@@ -27,20 +27,6 @@ const GEMM_STAGES: usize = 3;
 pub const GEMM_SHARED_BYTES: usize = GEMM_STAGES
     * (64 * (GEMM_KC * 32 + 16) + 64 * (GEMM_KC * 2 + 2) * 4 + GEMM_WARPS * GEMM_KC * STREAM_SLOT);
 
-/// A narrow-schedule warp's share of shared memory under the bulk copy (`kernels.cu`'s `bulk_stride`), for
-/// tiles of `quant_bytes` per block (K-quant super-block scales when `k_quant`), rows of `k` values and
-/// `per_tile` matrices per tile: a barrier, then per matrix the longest run's quants and the scales it can touch.
-pub fn bulk_stride(quant_bytes: usize, k_quant: bool, k: usize, per_tile: usize) -> usize {
-    let nb = k / 32;
-    let len = nb.div_ceil(INT8_RUNS.min(nb).max(1));
-    let scales = if k_quant {
-        (len / 8 + 2) * 320
-    } else {
-        len * 64
-    };
-    16 + per_tile * (len * quant_bytes + scales)
-}
-
 /// What an integer projection launch keeps in shared memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct QGeometry {
@@ -108,13 +94,6 @@ mod tests {
         assert_eq!(
             q_geometry(37, 4096, false, 1, 0, H200).unwrap().bytes,
             16 * 5 * 128 * 4
-        );
-        // The bulk copy's regions come first, like a stream: an 8B model's down projection (Q6_K tiles, 384
-        // bytes a block, runs of 28 blocks touching at most 5 super-blocks).
-        assert_eq!(bulk_stride(384, true, 14_336, 1), 16 + 28 * 384 + 5 * 320);
-        assert_eq!(
-            bulk_stride(256, false, 4096, 2),
-            16 + 2 * (8 * 256 + 8 * 64)
         );
         // A weight stream of 4 slots per warp of a 16-warp CTA comes first.
         assert_eq!(

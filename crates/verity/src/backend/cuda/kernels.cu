@@ -1221,217 +1221,6 @@ __device__ __forceinline__ void stream_block(int ty, u8* slot, const u8* q, cons
     }
 }
 
-// Launches (row groups) of at most 8 rows in the narrow schedule may take the lean loop (`-DNQ_LEAN=1`, set by
-// the host: `CudaOptions::narrow_lean`): the general pipelined loop's steps, with each block's addresses advanced
-// from the last block's instead of computed from the tile's origin, a K-quant super-block's words loaded once,
-// and x's loads skipped for fragment rows past the launch's (0 in their place: those rows' chains are never
-// stored). No row's arithmetic changes.
-#ifndef NQ_LEAN
-#define NQ_LEAN 0
-#endif
-
-// This lane's x in the lean loops from block lo on: its B-fragment row's quants (read where the row is one of
-// the launch's, else 0: that row's chains are never stored) and its fragment rows' (scale, sum) (row i2, and
-// row i2 + 1 at + nb).
-struct LaneX {
-    const signed char* xp;
-    const float* dp;
-    const float* sp;
-    bool xrow, r0, r1;
-};
-
-__device__ __forceinline__ LaneX lane_x(const Staged& st, int rows, int lo, int lane) {
-    const int g = lane >> 2, i2 = 2 * (lane & 3);
-    return {st.xq + (size_t)g * st.k + lo * 32 + (lane & 3) * 4, st.xd + i2 * st.nb + lo, st.xs + i2 * st.nb + lo,
-            g < rows, i2 < rows, i2 + 1 < rows};
-}
-
-// One block's step of the lean loops: the contract's chain steps of this lane's (column, row) pairs from the
-// block's quants and scales and x at `x`, which then moves to the next block.
-template <int TY>
-__device__ __forceinline__ void lean_block(const u32 (&raw)[4], const ScaleRaw (&sw)[2], LaneX& x, int nb, int rows,
-                                           float (&acc)[4]) {
-    constexpr int SUMS = tile_sums(TY);
-    u32 a[4];
-    fragment<TY>(raw, a);
-    BlockScale bs[2] = {block_scale<TY>(sw[0]), block_scale<TY>(sw[1])};
-    u32 x0 = 0u, x1 = 0u;
-    if (x.xrow) {
-        x0 = *(const u32*)x.xp;
-        x1 = *(const u32*)(x.xp + 16);
-    }
-    int d[SUMS][4];
-    block_dots<TY>(a, x0, x1, d[0], d[SUMS - 1]);
-    float xd0 = x.r0 ? x.dp[0] : 0.f, xs0 = x.r0 ? x.sp[0] : 0.f;
-    acc[0] = chain_step<TY>(acc[0], bs[0], xd0, xs0, d[0][0], d[SUMS - 1][0]);
-    acc[2] = chain_step<TY>(acc[2], bs[1], xd0, xs0, d[0][2], d[SUMS - 1][2]);
-    if (rows > 1) {  // a one-row launch stores no odd fragment row
-        float xd1 = x.r1 ? x.dp[nb] : 0.f, xs1 = x.r1 ? x.sp[nb] : 0.f;
-        acc[1] = chain_step<TY>(acc[1], bs[0], xd1, xs1, d[0][1], d[SUMS - 1][1]);
-        acc[3] = chain_step<TY>(acc[3], bs[1], xd1, xs1, d[0][3], d[SUMS - 1][3]);
-    }
-    x.xp += 32;
-    x.dp++;
-    x.sp++;
-}
-
-// One run's blocks lo .. hi of matrix m (the gate's or, for glu, the up projection's) into this warp's one n-tile
-// chains `acc`, block lo's quants and scales already in raw and sw unless `first` (the warp's later runs); the
-// next block (this run's next, or the up projection's first) loaded while each block's chains run. The quants'
-// address advances a block at a time, and a K-quant super-block's words (d, dmin) are loaded once for its blocks.
-template <int TY, int MATS>
-__device__ __forceinline__ void lean_run(const u8* const (&wq)[2], const TileOf& t, const Staged& st, int rows, int lo,
-                                         int hi, int m, bool first, int lane, u32 (&raw)[4], ScaleRaw (&sw)[2],
-                                         float (&acc)[4]) {
-    constexpr int QB = tile_quant_bytes(TY);
-    const int nb = st.nb, g = lane >> 2;
-    const u8* wm = m ? wq[1] : wq[0];
-    const u8* ts = tile_scales(TY, wm, t.tiles, nb, t.lt);
-    const u8* qp = wm + ((size_t)t.lt * nb + lo) * QB;  // block lo's quants
-    // The K-quants' super-block words of columns g and g + 8, and which super-block they are (-1: none yet).
-    u32 wg = 0u, wg8 = 0u;
-    int sup = -1;
-    auto load = [&](const u8* q, const u8* scales, int b, u32 (&r)[4], ScaleRaw (&w)[2]) {
-        load_quants<TY>(q, lane, r);
-        if (tiled_k(TY)) {
-            const u8* sb = scales + (b >> 3) * 320;
-            if ((b >> 3) != sup) {
-                wg = ((const u32*)sb)[g];
-                wg8 = ((const u32*)sb)[g + 8];
-                sup = b >> 3;
-            }
-            const unsigned short* pairs = (const unsigned short*)(sb + 64) + (b & 7) * 16;
-            w[0] = {wg, pairs[g]};
-            w[1] = {wg8, pairs[g + 8]};
-        } else {
-            w[0] = scale_raw<TY>(scales, b, g);
-            w[1] = scale_raw<TY>(scales, b, g + 8);
-        }
-    };
-    if (first) load(qp, ts, lo, raw, sw);
-    LaneX x = lane_x(st, rows, lo, lane);
-    for (int b = lo; b < hi; b++) {
-        u32 nraw[4];
-        ScaleRaw nsw[2];
-        qp += QB;
-        if (b + 1 < hi) {
-            load(qp, ts, b + 1, nraw, nsw);
-        } else if (MATS == 2 && m == 0) {
-            sup = -1;  // another matrix's super-blocks
-            load(wq[1] + ((size_t)t.lt * nb + lo) * QB, tile_scales(TY, wq[1], t.tiles, nb, t.lt), lo, nraw, nsw);
-        }
-        lean_block<TY>(raw, sw, x, nb, rows, acc);
-#pragma unroll
-        for (int i = 0; i < 4; i++) raw[i] = nraw[i];
-        sw[0] = nsw[0];
-        sw[1] = nsw[1];
-    }
-}
-
-// The bulk schedule for launches of at most 8 rows (sm_90, `-DNQ_BULK=1`, where the host gave the launch the
-// shared memory `bulk_stride` asks for): each warp asks the copy engine for its whole run of quants and scales,
-// of every matrix of the tile, in one bulk copy per region before the grid before has finished, then computes
-// the lean loop's steps from shared memory. A warp then has its run's bytes in flight at once, where the
-// register pipeline has one block.
-#ifndef NQ_BULK
-#define NQ_BULK 0
-#endif
-static_assert(!(NQ_BULK && NQ_STREAM), "the bulk copy and the stream are alternatives");
-
-// Scale bytes a run of `len` blocks copies: K-quant super-blocks it touches (at most len / 8 + 2), or per block.
-__host__ __device__ constexpr int bulk_scale_bytes(int ty, int len) {
-    return tiled_k(ty) ? (len / 8 + 2) * 320 : len * 64;
-}
-
-// A warp's share of the bulk schedule's shared memory for type `ty`, rows of nb blocks and `mats` matrices per
-// tile: its barrier (16 bytes), then per matrix the run's quants and scales (the host's `bulk_bytes`).
-// The longest run of a row of nb blocks (`run_start`'s runs).
-__host__ __device__ constexpr int run_cap(int nb) {
-    return (nb + (nb < RUNS ? nb : RUNS) - 1) / (nb < RUNS ? nb : RUNS);
-}
-
-__host__ __device__ constexpr int bulk_stride(int ty, int nb, int mats) {
-    return 16 + mats * (run_cap(nb) * tile_quant_bytes(ty) + bulk_scale_bytes(ty, run_cap(nb)));
-}
-
-__device__ __forceinline__ unsigned dynamic_smem_bytes() {
-    unsigned n;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
-    return n;
-}
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-
-// Lane 0's bulk copies of `bytes` (a multiple of 16, 16-byte aligned both ends) from global memory into shared
-// memory, completing on the barrier at `bar`.
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, void* bar) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
-                 : "memory");
-#endif
-}
-
-// This warp's run s (blocks lo .. hi) of the tile's MATS matrices requested into `region` (lane 0; the other
-// lanes return at once): the barrier set for one arrival and the copies' bytes, then per matrix the quants and
-// the scales (K-quants: the super-blocks the run touches).
-template <int TY, int MATS>
-__device__ __forceinline__ void bulk_request(u8* region, const u8* const (&wq)[2], const TileOf& t, int nb, int lo,
-                                             int hi, int lane) {
-#if __CUDA_ARCH__ >= 900
-    if (lane != 0) return;
-    constexpr int QB = tile_quant_bytes(TY);
-    const int len = hi - lo, cap = run_cap(nb);
-    const int s0 = lo >> 3, s1 = (hi + 7) >> 3;
-    const unsigned sbytes = tiled_k(TY) ? (s1 - s0) * 320 : len * 64;
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(region)) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(region)),
-                 "r"(MATS * (len * QB + sbytes))
-                 : "memory");
-    u8* at = region + 16;
-#pragma unroll
-    for (int m = 0; m < MATS; m++) {
-        const u8* ts = tile_scales(TY, wq[m], t.tiles, nb, t.lt);
-        bulk_copy(at, wq[m] + ((size_t)t.lt * nb + lo) * QB, len * QB, region);
-        bulk_copy(at + cap * QB, tiled_k(TY) ? ts + s0 * 320 : ts + lo * 64, sbytes, region);
-        at += cap * QB + bulk_scale_bytes(TY, cap);
-    }
-#endif
-}
-
-// Wait until the barrier at `bar` completes its first phase (the warp's bulk copies have landed).
-__device__ __forceinline__ void bulk_wait(void* bar) {
-#if __CUDA_ARCH__ >= 900
-    unsigned done = 0;
-    while (!done)
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-            : "=r"(done)
-            : "r"(smem_addr(bar))
-            : "memory");
-#endif
-}
-
-// The lean loop's steps for run blocks lo .. hi of matrix m, from the warp's bulk region.
-template <int TY, int MATS>
-__device__ __forceinline__ void bulk_run(const u8* region, const Staged& st, int rows, int lo, int hi, int m, int lane,
-                                         float (&acc)[4]) {
-    constexpr int QB = tile_quant_bytes(TY);
-    const int nb = st.nb, g = lane >> 2;
-    const int cap = run_cap(nb);
-    const u8* q = region + 16 + m * (cap * QB + bulk_scale_bytes(TY, cap));
-    // Scales indexed by the tile's block numbers: the region holds them from super-block lo / 8 (or block lo).
-    const u8* ts = q + cap * QB - (tiled_k(TY) ? (lo >> 3) * 320 : lo * 64);
-    LaneX x = lane_x(st, rows, lo, lane);
-    for (int b = lo; b < hi; b++, q += QB) {
-        u32 raw[4];
-        load_quants<TY, false>(q, lane, raw);
-        ScaleRaw sw[2] = {scale_raw<TY>(ts, b, g), scale_raw<TY>(ts, b, g + 8)};
-        lean_block<TY>(raw, sw, x, nb, rows, acc);
-    }
-}
-
 // Narrow schedule: this CTA's tile (`up`: the up projection for glu, gate in t; MATS = 1 or 2) over up to 8 NT
 // rows (NT MMA n-tiles: 2 for launches of up to 16 rows, 8 for the tall schedule's), its blocks' runs spread
 // over the warps (warp w sums runs w, w + WARPS, ...). A warp streams its run's contiguous bytes (the first
@@ -1447,10 +1236,7 @@ __device__ void split_tile(const TileOf& t, const u8* up, const Staged& st, int 
     constexpr int QB = tile_quant_bytes(TY);
     int nb = st.nb, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int ntiles = min(NT, (rows + 7) / 8), runs = min(RUNS, nb);
-    // The bulk schedule where it is compiled in, the launch has at most 8 rows, and the host gave it the room.
-    const bool bulk = NQ_BULK && NQ_PIPE && NT == 1 && WARPS >= RUNS &&
-                      dynamic_smem_bytes() >= (unsigned)(WARPS * bulk_stride(TY, nb, MATS) + runs * MATS * 128 * 4);
-    float* part = (float*)(smem + (bulk ? WARPS * bulk_stride(TY, nb, MATS) : WARPS * NQ_STREAM * STREAM_SLOT));
+    float* part = (float*)(smem + WARPS * NQ_STREAM * STREAM_SLOT);
 #if NQ_STREAM > 0
     int g = lane >> 2;
     u8* ring = smem + warp * NQ_STREAM * STREAM_SLOT;
@@ -1480,13 +1266,7 @@ __device__ void split_tile(const TileOf& t, const u8* up, const Staged& st, int 
         load_blocks<TY, NQ_AHEAD>(wq[m] + (size_t)t.lt * nb * QB, tile_scales(TY, wq[m], t.tiles, nb, t.lt), b0, end,
                                   lane, raw, sw);
     };
-    u8* region = smem + warp * bulk_stride(TY, nb, MATS);
-    if (bulk) {
-        if (warp < runs) bulk_request<TY, MATS>(region, wq, t, nb, run_start(warp, nb), run_start(warp + 1, nb), lane);
-        __syncwarp();  // the barrier initialised before any lane waits on it
-    } else if (warp < runs) {
-        load_group(0, run_start(warp, nb), run_start(warp + 1, nb));
-    }
+    if (warp < runs) load_group(0, run_start(warp, nb), run_start(warp + 1, nb));
 #endif
     wait_inputs();
     release_dependents();
@@ -1513,34 +1293,27 @@ __device__ void split_tile(const TileOf& t, const u8* up, const Staged& st, int 
                 tile_block<TY>(raw, sw, st, b, lane, ntiles, rows > 1, acc);
             }
 #elif NQ_PIPE
-            if (bulk) {
-                if (m == 0) bulk_wait(region);
-                bulk_run<TY, MATS>(region, st, rows, lo, hi, m, lane, acc[0]);
-            } else if (NQ_LEAN && NT == 1) {
-                lean_run<TY, MATS>(wq, t, st, rows, lo, hi, m, s != warp && m == 0, lane, raw[0], sw[0], acc[0]);
-            } else {
-                // The warp's next block (in this run, the next matrix's, or its next run's) loaded while this block's
-                // chains run.
-                for (int b = lo; b < hi; b++) {
-                    u32 nraw[1][4];
-                    ScaleRaw nsw[1][2];
-                    int nm = m, nbk = b + 1, nhi = hi;
-                    if (nbk == hi) {
-                        nbk = lo;
-                        if (++nm == MATS) {
-                            nm = 0;
-                            nbk = run_start(s + WARPS, nb);
-                            nhi = s + WARPS < runs ? run_start(s + WARPS + 1, nb) : 0;
-                        }
+            // The warp's next block (in this run, the next matrix's, or its next run's) loaded while this block's
+            // chains run.
+            for (int b = lo; b < hi; b++) {
+                u32 nraw[1][4];
+                ScaleRaw nsw[1][2];
+                int nm = m, nbk = b + 1, nhi = hi;
+                if (nbk == hi) {
+                    nbk = lo;
+                    if (++nm == MATS) {
+                        nm = 0;
+                        nbk = run_start(s + WARPS, nb);
+                        nhi = s + WARPS < runs ? run_start(s + WARPS + 1, nb) : 0;
                     }
-                    load_blocks<TY, 1>(wq[nm] + (size_t)t.lt * nb * QB, tile_scales(TY, wq[nm], t.tiles, nb, t.lt),
-                                       nbk, nhi, lane, nraw, nsw);
-                    tile_block<TY>(raw[0], sw[0], st, b, lane, ntiles, rows > 1, acc);
-#pragma unroll
-                    for (int i = 0; i < 4; i++) raw[0][i] = nraw[0][i];
-                    sw[0][0] = nsw[0][0];
-                    sw[0][1] = nsw[0][1];
                 }
+                load_blocks<TY, 1>(wq[nm] + (size_t)t.lt * nb * QB, tile_scales(TY, wq[nm], t.tiles, nb, t.lt), nbk,
+                                   nhi, lane, nraw, nsw);
+                tile_block<TY>(raw[0], sw[0], st, b, lane, ntiles, rows > 1, acc);
+#pragma unroll
+                for (int i = 0; i < 4; i++) raw[0][i] = nraw[0][i];
+                sw[0][0] = nsw[0][0];
+                sw[0][1] = nsw[0][1];
             }
 #else
             for (int b0 = lo; b0 < hi; b0 += NQ_AHEAD) {

@@ -234,9 +234,6 @@ pub struct CudaBackend {
     narrow_warps: usize,
     /// Shared memory of a narrow-schedule CTA's weight stream (`NQ_STREAM` slots per warp).
     narrow_stream_bytes: usize,
-    /// Launches of at most 8 rows copy each warp's run into shared memory in bulk where it fits
-    /// (`CudaOptions::narrow_bulk`, on sm_90 and later).
-    narrow_bulk: bool,
     /// Warps (tiles) of a wide-schedule projection CTA (`kernels.cu`'s `QM_WARPS`, set at compilation).
     wide_warps: usize,
     /// The tile count from which an integer launch takes the wide schedule (`QM_WIDE_TILES`; for
@@ -495,7 +492,6 @@ impl CudaBackend {
             seq_launches: opts.seq_launches,
             narrow_warps,
             narrow_stream_bytes: narrow_warps * opts.narrow_stream * STREAM_SLOT,
-            narrow_bulk: opts.narrow_bulk && opts.narrow_stream == 0 && major >= 9,
             wide_warps,
             wide_tiles: opts.wide_tiles,
             att_split: opts.att_split,

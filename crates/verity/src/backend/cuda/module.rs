@@ -106,11 +106,6 @@ pub(super) fn nvrtc_options(opts: &CudaOptions) -> Vec<String> {
     options.push(format!("-DQM_WARPS={}", opts.wide_warps));
     options.push(format!("-DNQ_WARPS={}", opts.narrow_warps));
     options.push(format!("-DNQ_STREAM={}", opts.narrow_stream));
-    options.push(format!("-DNQ_LEAN={}", u8::from(opts.narrow_lean)));
-    options.push(format!(
-        "-DNQ_BULK={}",
-        u8::from(opts.narrow_bulk && opts.narrow_stream == 0)
-    ));
     options.push(format!("-DRUNS={}", crate::backend::INT8_RUNS));
     options.push(format!("-DGM_SHARED_BYTES={GEMM_SHARED_BYTES}"));
     options.push(format!("-DATT_ROWS={ATT_ROWS}"));

@@ -21,14 +21,6 @@ pub struct CudaOptions {
     /// Blocks each narrow-schedule warp keeps in flight through shared memory (`VERITY_CUDA_NARROW_STREAM`: 0
     /// to 8; 0 loads them into registers instead).
     pub narrow_stream: usize,
-    /// Launches of at most 8 rows run the narrow schedule's lean loop (`VERITY_CUDA_NARROW_LEAN=1`: addresses
-    /// advanced a block at a time, a K-quant super-block's words loaded once, x not loaded for rows past the
-    /// launch's). Off by default until timed on a GPU. The same bits either way.
-    pub narrow_lean: bool,
-    /// Launches of at most 8 rows copy each narrow-schedule warp's whole run of weights into shared memory with
-    /// one bulk copy per region (sm_90), where it fits (`VERITY_CUDA_NARROW_BULK=1`; off with a stream). Off by
-    /// default until timed on a GPU. The same bits either way.
-    pub narrow_bulk: bool,
     /// Warps of a wide-schedule CTA (`VERITY_CUDA_WIDE_WARPS`: 4 to 16).
     pub wide_warps: usize,
     /// The tile count from which an integer launch takes the wide schedule (`VERITY_CUDA_WIDE_TILES`: 1 to
@@ -90,8 +82,6 @@ impl Default for CudaOptions {
             nvrtc: Vec::new(),
             narrow_warps: NARROW_WARPS,
             narrow_stream: NARROW_STREAM,
-            narrow_lean: false,
-            narrow_bulk: false,
             wide_warps: WIDE_WARPS,
             wide_tiles: QM_WIDE_TILES,
             int8: true,
@@ -137,8 +127,6 @@ impl CudaOptions {
                 .unwrap_or_default(),
             narrow_warps: count("VERITY_CUDA_NARROW_WARPS", 4..=32).unwrap_or(d.narrow_warps),
             narrow_stream: count("VERITY_CUDA_NARROW_STREAM", 0..=8).unwrap_or(d.narrow_stream),
-            narrow_lean: var("VERITY_CUDA_NARROW_LEAN").as_deref() == Some("1"),
-            narrow_bulk: var("VERITY_CUDA_NARROW_BULK").as_deref() == Some("1"),
             wide_warps: count("VERITY_CUDA_WIDE_WARPS", 4..=16).unwrap_or(d.wide_warps),
             wide_tiles: count("VERITY_CUDA_WIDE_TILES", 1..=65_536).unwrap_or(d.wide_tiles),
             int8: on("VERITY_CUDA_INT8"),
@@ -212,13 +200,6 @@ mod tests {
         assert_eq!((o.att_split, o.row_groups), (None, Some(3)));
         assert!(o.seq_launches);
         assert!(!parse(&[("VERITY_CUDA_SEQ_LAUNCHES", "0")]).seq_launches);
-        // Switches that are off by default turn on only at 1.
-        assert!(!o.narrow_lean && !o.narrow_bulk);
-        let on = parse(&[
-            ("VERITY_CUDA_NARROW_LEAN", "1"),
-            ("VERITY_CUDA_NARROW_BULK", "yes"),
-        ]);
-        assert!(on.narrow_lean && !on.narrow_bulk);
     }
 
     #[test]

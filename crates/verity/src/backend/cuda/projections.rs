@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::geometry::{
-    bulk_stride, q_geometry, staged_bytes, QGeometry, GEMM_SHARED_BYTES, GEMM_WARPS, ROWS_PER_GROUP,
+    q_geometry, staged_bytes, QGeometry, GEMM_SHARED_BYTES, GEMM_WARPS, ROWS_PER_GROUP,
 };
 use super::launch::Arg;
 use super::types::Tag;
@@ -364,32 +364,6 @@ impl CudaBackend {
         )
     }
 
-    /// The shared memory of a narrow launch of `rows` ≤ 8 rows that copies each warp's run in bulk: every
-    /// matrix's tile form's regions (the launch's CTAs may hold different forms), then the runs' sums; `None`
-    /// where a matrix is not tiled or it does not fit (the launch then streams through registers: the kernel
-    /// reads how much it was given).
-    fn bulk_bytes(&self, rows: usize, k: usize, glu: bool, mats: &[&CudaMatrix]) -> Option<usize> {
-        let per_tile = if glu { 2 } else { 1 };
-        let stride = mats
-            .iter()
-            .map(|m| {
-                m.form
-                    .map(|f| bulk_stride(f.quant_bytes(), f.k_quant(), k, per_tile))
-            })
-            .collect::<Option<Vec<_>>>()?
-            .into_iter()
-            .max()?;
-        q_geometry(
-            rows,
-            k,
-            false,
-            per_tile,
-            self.narrow_warps * stride,
-            self.matmul_shared,
-        )
-        .map(|g| g.bytes)
-    }
-
     /// One launch of the `matmuls` kernel over up to three matrices that share `x` (`rows` ≤ `TALL_ROWS`, row
     /// offset `r0` into `x` and every output): `outs[m]` receives `mats[m]`'s projection; with an activation
     /// `act`, `mats` are the gate and up projections and their gated product goes to the one output. Launches
@@ -481,11 +455,6 @@ impl CudaBackend {
                 (&self.k.qmatmuls_narrow8, self.narrow_warps)
             } else {
                 (&self.k.qmatmuls_narrow, self.narrow_warps)
-            };
-            let bytes = if self.narrow_bulk && std::ptr::eq(f, &self.k.qmatmuls_narrow8) {
-                self.bulk_bytes(cta_rows, k, glu, mats).unwrap_or(bytes)
-            } else {
-                bytes
             };
             let cfg = LaunchConfig {
                 grid_dim: (ctas as u32, groups as u32, 1),
