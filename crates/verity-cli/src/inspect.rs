@@ -46,6 +46,11 @@ pub fn main(a: Args) -> Result<()> {
         if block.attention_gate {
             parts.push("gated attention output".into());
         }
+        if let Some([t, h, w]) = block.mrope {
+            parts.push(format!(
+                "multimodal RoPE ({t}, {h}, {w} pairs by temporal, height, width position)"
+            ));
+        }
         println!("block         {}", parts.join("; "));
     }
     if let Some(m) = &block.moe {
@@ -178,6 +183,13 @@ pub fn main(a: Args) -> Result<()> {
             }
         }
         Err(e) => println!("tokenizer     unavailable: {e}"),
+    }
+    if path.is_dir() {
+        // The vision side loads its tower on the first image: opening it reads the configs alone.
+        let backend = std::sync::Arc::new(verity::backend::cpu::CpuBackend::new(1)?);
+        if let Some(v) = verity::engine::VisionSide::open(&path, backend)? {
+            println!("vision        {}", v.describe());
+        }
     }
     println!("mtp head      {}", b.mtp.describe());
     println!("drafter       {}", b.drafter.describe());

@@ -632,7 +632,7 @@ fn quantize_writes_a_model_that_runs_and_refuses_what_it_cannot_do() {
 
 /// `run --image` on the tiny Qwen2.5-VL bundle: the 61 x 45 picture grows to the processor's minimum area (140 x
 /// 112 pixels: 20 image rows), its block (`<|vision_start|>`, the rows, `<|vision_end|>`, no blank lines) joins
-/// the prompt once per image, and an answer streams.
+/// the prompt once per image, and an answer streams; `inspect` describes the bundle's vision side.
 #[test]
 fn run_takes_an_image_with_a_qwen25_vl_bundle() {
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../verity/tests/fixtures");
@@ -659,6 +659,15 @@ fn run_takes_an_image_with_a_qwen25_vl_bundle() {
     };
     let (none, one, two) = (run(0), run(1), run(2));
     assert_eq!((one - none, two - one), (22, 22));
+    // `inspect` names the rotation's sections and the vision side.
+    let out = verity(&["inspect", bundle]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let shown = text(&out.stdout);
+    assert!(shown.contains("multimodal RoPE (2, 5, 5 pairs"), "{shown}");
+    assert!(
+        shown.contains("vision        Qwen2.5-VL's vision transformer (3 layers"),
+        "{shown}"
+    );
 }
 
 /// `run --image` on a tiny Gemma 3 image-text bundle: the image's block joins the prompt (text, a blank line,

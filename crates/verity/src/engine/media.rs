@@ -388,6 +388,8 @@ pub struct VisionSide<B: Backend> {
     pub tokens: Option<usize>,
     /// What the processor puts between an image's block and the text around it (Gemma 3's blank lines).
     margin: &'static str,
+    /// The tower and the processor in words ([`VisionSide::describe`]).
+    description: String,
 }
 
 /// An image's pixel values as a family's tower takes them.
@@ -493,11 +495,22 @@ impl<B: Backend> VisionSide<B> {
                 .and_then(|v| u32::try_from(v).ok())
                 .ok_or_else(|| Error::malformed(dir.join("config.json"), format!("no {k}")))
         };
-        let (processor, begin, end, tokens, margin) = if family == Some("gemma3") {
+        let (processor, begin, end, tokens, margin, description) = if family == Some("gemma3") {
             let shape = crate::vision::SiglipConfig::from_config(&config)?;
             let p = crate::vision::SquareProcessor::from_config(&preprocessor)?;
             let (b, e) = (id("boi_token_index")?, id("eoi_token_index")?);
-            (Processor::Square(p), b, e, Some(shape.tokens), "\n\n")
+            let description = format!(
+                "Gemma 3's SigLIP tower ({} layers, hidden {}, {} heads); images resized to {} x {} pixels, {} rows each",
+                shape.layers, shape.hidden, shape.heads, p.width, p.height, shape.tokens
+            );
+            (
+                Processor::Square(p),
+                b,
+                e,
+                Some(shape.tokens),
+                "\n\n",
+                description,
+            )
         } else {
             let shape = crate::vision::Qwen25VisionConfig::from_config(&config)?;
             let p = crate::vision::GridProcessor::from_config(&preprocessor)?;
@@ -511,7 +524,23 @@ impl<B: Backend> VisionSide<B> {
                 ));
             }
             let (b, e) = (id("vision_start_token_id")?, id("vision_end_token_id")?);
-            (Processor::Grid(p), b, e, None, "")
+            let description = format!(
+                "Qwen2.5-VL's vision transformer ({} layers, hidden {}, {} heads, windows of {} pixels, full \
+                 attention in layers {:?}); images resized to multiples of {} pixels within {} to {} pixels, a row \
+                 per {} x {} patches of {}",
+                shape.layers,
+                shape.hidden,
+                shape.heads,
+                shape.window,
+                shape.full_layers,
+                p.patch * p.merge,
+                p.min_pixels,
+                p.max_pixels,
+                p.merge,
+                p.merge,
+                p.patch
+            );
+            (Processor::Grid(p), b, e, None, "", description)
         };
         Ok(Some(VisionSide {
             settings: format!("{processor:?}"),
@@ -528,7 +557,13 @@ impl<B: Backend> VisionSide<B> {
             end,
             tokens,
             margin,
+            description,
         }))
+    }
+
+    /// The tower and how images reach it, in words.
+    pub fn describe(&self) -> &str {
+        &self.description
     }
 
     /// The image `bytes` (PNG or JPEG) as a prompt's image, its rows keyed by its content and the processor's
