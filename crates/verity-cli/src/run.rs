@@ -98,18 +98,8 @@ impl WithBackend for Args {
             messages.push(Message::new("user", &a.prompt));
             engine.chat_prompt(&messages)?
         } else {
-            let vision = engine.vision.as_ref().with_context(|| {
-                format!(
-                    "{}: not an image-text bundle (no vision tower)",
-                    a.gen.model
-                )
-            })?;
             for path in &a.images {
-                let bytes =
-                    std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-                let img = vision
-                    .image(&bytes, &ImageLimits::default())
-                    .with_context(|| path.display().to_string())?;
+                let img = image(&engine, path).with_context(|| a.gen.model.clone())?;
                 req.images.push(img);
             }
             let slots: String = std::iter::repeat_n(IMAGE_SLOT, a.images.len()).collect();
@@ -123,6 +113,21 @@ impl WithBackend for Args {
         eprintln!("\n[{}]", stats.summary());
         Ok(())
     }
+}
+
+/// The image file `path` (PNG or JPEG) as a prompt's image, for `engine`'s vision side.
+pub fn image<B: Backend>(
+    engine: &verity::engine::Engine<B>,
+    path: &std::path::Path,
+) -> Result<verity::engine::PromptImage> {
+    let vision = engine
+        .vision
+        .as_ref()
+        .context("not an image-text bundle (no vision tower)")?;
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    vision
+        .image(&bytes, &ImageLimits::default())
+        .with_context(|| path.display().to_string())
 }
 
 /// Generate and stream text to stdout; returns the completion's token ids and the statistics.

@@ -630,6 +630,68 @@ fn quantize_writes_a_model_that_runs_and_refuses_what_it_cannot_do() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `chat` with an image (`/image FILE`) on the tiny Qwen2.5-VL bundle: the image goes with the next message,
+/// the next turn restores the whole conversation so far from the session's cache (image included); a file that
+/// is not an image is said and the conversation goes on.
+#[test]
+fn chat_shows_images_with_the_next_message() {
+    use std::io::Write;
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../verity/tests/fixtures");
+    let bundle = fixtures.join("vision/qwen25-vl");
+    let image = fixtures.join("images/rgb.png");
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_verity"))
+        .args([
+            "chat",
+            "--model",
+            bundle.to_str().unwrap(),
+            "--max-tokens",
+            "3",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let input = format!(
+        "/image {}\n/image {}\nDescribe it.\nAnd again?\n\n",
+        manifest.display(),
+        image.display()
+    );
+    child
+        .stdin
+        .as_mut()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("not a PNG or JPEG"), "{err}");
+    assert!(
+        err.contains("[image 1 shown with the next message]"),
+        "{err}"
+    );
+    let turns: Vec<&str> = err.lines().filter(|l| l.contains("route ")).collect();
+    assert_eq!(turns.len(), 2, "{err}");
+    let count = |line: &str, what: &str| -> usize {
+        let at = line.find(what).unwrap();
+        line[..at]
+            .rsplit([' ', '('])
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    // The first turn holds the image's 22 ids; the second restores at least them and the first turn's text.
+    assert!(count(turns[0], " prompt tokens") >= 22, "{}", turns[0]);
+    assert!(
+        count(turns[1], " restored") >= count(turns[0], " prompt tokens"),
+        "{}",
+        turns[1]
+    );
+}
+
 /// `run --image` on the tiny Qwen2.5-VL bundle: the 61 x 45 picture grows to the processor's minimum area (140 x
 /// 112 pixels: 20 image rows), its block (`<|vision_start|>`, the rows, `<|vision_end|>`, no blank lines) joins
 /// the prompt once per image, and an answer streams; `inspect` describes the bundle's vision side.
