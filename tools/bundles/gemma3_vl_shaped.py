@@ -58,14 +58,9 @@ class Writer:
                 f.write(make(shape))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--image-size", type=int, default=896)
-    ap.add_argument("--text", choices=["tiny", "4b"], default="tiny")
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args()
-    rng = np.random.default_rng(a.seed)
+def fillers(seed: int):
+    """Writers of a tensor's bf16 bytes by shape: N(0, 0.02) (one matrix per distinct shape, seeded), ones, zeros."""
+    rng = np.random.default_rng(seed)
     cache: dict[tuple[int, ...], bytes] = {}
 
     def normal(shape):
@@ -78,6 +73,18 @@ def main() -> None:
 
     def zeros(shape):
         return bf16(np.zeros(shape, np.float32))
+
+    return normal, ones, zeros
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--image-size", type=int, default=896)
+    ap.add_argument("--text", choices=["tiny", "4b"], default="tiny")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    normal, ones, zeros = fillers(a.seed)
 
     config = json.loads((FIXTURE / "config.json").read_text())
     text = config["text_config"]

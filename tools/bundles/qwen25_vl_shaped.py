@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemma3_vl_shaped import Writer, bf16  # noqa: E402
+from gemma3_vl_shaped import Writer, fillers  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parents[2] / "crates/verity/tests/fixtures/vision/qwen25-vl"
 VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
@@ -64,18 +64,7 @@ def main() -> None:
         y, x = np.mgrid[0:480, 0:640]
         rgb = np.stack([x * 255 // 639, y * 255 // 479, (x + y) % 256], -1) + rng.integers(-30, 31, (480, 640, 3))
         write_png(a.image, np.clip(rgb, 0, 255).astype(np.uint8))
-    cache: dict[tuple[int, ...], bytes] = {}
-
-    def normal(shape):
-        if shape not in cache:
-            cache[shape] = bf16(rng.standard_normal(shape, dtype=np.float32) * 0.02)
-        return cache[shape]
-
-    def ones(shape):
-        return bf16(np.ones(shape, np.float32))
-
-    def zeros(shape):
-        return bf16(np.zeros(shape, np.float32))
+    normal, ones, zeros = fillers(a.seed)
 
     config = json.loads((FIXTURE / "config.json").read_text())
     text = config["text_config"]

@@ -408,29 +408,27 @@ fn image_bundle_with_proposers() -> PathBuf {
 /// answers the same.
 #[test]
 fn every_route_gives_ars_answer_on_image_turns() {
-    use verity::speculative::SpecMode;
     let (mut ar, turns) = image_turns();
     let dir = image_bundle_with_proposers();
-    let modes = [
+    every_route_answers_as_ar(&mut ar, &turns, &dir);
+}
+
+/// Every route (copying, the MTP head, the block drafter, `auto`) on the bundle `dir` (its copy with both
+/// proposers, removed afterwards) answers each image turn as `ar` does, drafting, and answers it again from its
+/// whole restored prefix.
+fn every_route_answers_as_ar(
+    ar: &mut CpuEngine,
+    turns: &[(Vec<u32>, verity::engine::PromptImage)],
+    dir: &std::path::Path,
+) {
+    use verity::engine::{Engine, GenerateRequest};
+    use verity::speculative::SpecMode;
+    for mode in &[
         SpecMode::Copy,
         SpecMode::Mtp,
         SpecMode::Drafter,
         SpecMode::Auto,
-    ];
-    routes_give_ars_answers(&mut ar, &turns, &dir, &modes);
-    let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// Each of `modes` on the bundle `dir` answers each image turn as `ar` does, drafting, and answers it again
-/// from its whole restored prefix.
-fn routes_give_ars_answers(
-    ar: &mut CpuEngine,
-    turns: &[(Vec<u32>, verity::engine::PromptImage)],
-    dir: &std::path::Path,
-    modes: &[verity::speculative::SpecMode],
-) {
-    use verity::engine::{Engine, GenerateRequest};
-    for mode in modes {
+    ] {
         let be = std::sync::Arc::new(verity::backend::cpu::CpuBackend::new(2).unwrap());
         let mut e = Engine::load(dir, be, mode).unwrap();
         e.set_prefix_cache_budget(64 << 20);
@@ -460,6 +458,7 @@ fn routes_give_ars_answers(
             );
         }
     }
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// The disk tier keys image turns by content too: after a restart (a new engine, the same folder) the image turn
@@ -748,7 +747,6 @@ fn qwen25_image_turns_answer_as_transformers_generates() {
 /// answer, and a turn answered again restores its whole prefix and answers the same.
 #[test]
 fn every_route_gives_ars_answer_on_qwen25_image_turns() {
-    use verity::speculative::SpecMode;
     let (mut ar, turns) = image_turns_in(&qwen_dir());
     let dir = common::copy_folder(&qwen_dir(), "qwen-vision-routes");
     write_random_drafter(&dir);
@@ -768,12 +766,5 @@ fn every_route_gives_ars_answer_on_qwen25_image_turns() {
         &head,
         &[("num_nextn_predict_layers", "1")],
     );
-    let modes = [
-        SpecMode::Copy,
-        SpecMode::Mtp,
-        SpecMode::Drafter,
-        SpecMode::Auto,
-    ];
-    routes_give_ars_answers(&mut ar, &turns, &dir, &modes);
-    let _ = std::fs::remove_dir_all(&dir);
+    every_route_answers_as_ar(&mut ar, &turns, &dir);
 }

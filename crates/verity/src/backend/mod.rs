@@ -273,22 +273,20 @@ impl Rope {
     /// [`Rope::angle`] of pair `i` for a row at the temporal, height and width positions `pos` (all three are
     /// one position unless the rotation is multimodal).
     pub fn angle_at(&self, pos: [usize; 3], i: usize, rotated: usize) -> (f32, f32) {
-        let pos = match self.mrope {
-            Some([t, h, _]) => {
-                pos[if i < t {
-                    0
-                } else if i < t + h {
-                    1
-                } else {
-                    2
-                }]
-            }
-            None => pos[0],
-        };
+        let pos = pos[self.section(i)];
         let inv_freq = (self.theta as f64).powf(-2.0 * i as f64 / rotated as f64);
         let a = pos as f64 * inv_freq / self.scaling.divisor(self.theta, i, rotated);
         let m = self.scaling.magnitude() as f64;
         ((m * a.cos()) as f32, (m * a.sin()) as f32)
+    }
+
+    /// Which of a row's temporal, height and width positions (0, 1, 2) pair `i` turns with: the temporal one
+    /// unless the rotation is multimodal.
+    pub fn section(&self, i: usize) -> usize {
+        match self.mrope {
+            Some([t, h, _]) => usize::from(i >= t) + usize::from(i >= t + h),
+            None => 0,
+        }
     }
 
     /// A key that tells rotations apart (their tables of angles differ).

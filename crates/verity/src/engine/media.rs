@@ -63,6 +63,12 @@ impl PromptImage {
             grid,
         }
     }
+
+    /// The positions the rows after this image lag behind their slots: its rows less its grid's longer side
+    /// (0 at consecutive positions).
+    fn lag(&self) -> usize {
+        self.grid.map_or(0, |[r, c]| r * c - r.max(c))
+    }
 }
 
 /// An image's features (one row of the text model's width per image token), computed when a forward first
@@ -224,11 +230,11 @@ impl MediaTable {
     /// at multimodal positions takes its grid's longer side in positions, not one per row. 0 without such
     /// images.
     pub fn lag(&self, context: &[u32]) -> usize {
+        if self.images.iter().all(|i| i.grid.is_none()) {
+            return 0;
+        }
         self.runs(context)
-            .map(|(img, _, _)| match self.images[img].grid {
-                Some([r, c]) => r * c - r.max(c),
-                None => 0,
-            })
+            .map(|(img, _, _)| self.images[img].lag())
             .sum()
     }
 
@@ -341,10 +347,7 @@ impl MediaTable {
                     });
                 }
             }
-            lag += match grid {
-                Some([r, c]) => r * c - r.max(c),
-                None => 0,
-            };
+            lag += self.images[img].lag();
             at = first + n;
         }
         place(at, end, lag, &mut out);

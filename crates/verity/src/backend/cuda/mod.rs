@@ -77,6 +77,7 @@ pub mod tiles;
 mod types;
 mod views;
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -691,18 +692,13 @@ impl Backend for CudaBackend {
                 .find(|t| t.key == *key)
                 .expect("a step's rotations stay prepared");
             for (r, &p) in inputs.positions.iter().enumerate() {
-                match inputs.spatial.get(r) {
-                    // An image's row at multimodal positions: its pairs from their sections' positions.
-                    Some(&[h, w]) if [h, w] != [p, p] => {
-                        for (i, v) in table.at_multimodal([p, h, w]).iter().enumerate() {
-                            put(4 * (at + r * key.1 + i), v.to_le_bytes());
-                        }
-                    }
-                    _ => {
-                        for (i, v) in table.at(p).iter().enumerate() {
-                            put(4 * (at + r * key.1 + i), v.to_le_bytes());
-                        }
-                    }
+                // An image's row at multimodal positions takes its pairs from their sections' positions.
+                let row = match inputs.spatial.get(r) {
+                    Some(&[h, w]) if [h, w] != [p, p] => Cow::Owned(table.at_multimodal([p, h, w])),
+                    _ => Cow::Borrowed(table.at(p)),
+                };
+                for (i, v) in row.iter().enumerate() {
+                    put(4 * (at + r * key.1 + i), v.to_le_bytes());
                 }
             }
             used = 4 * (at + rows * key.1);

@@ -55,15 +55,11 @@ impl RopeTable {
     /// rotation ([`Rope::mrope`]): each pair's `(cos, sin)` as [`RopeTable::at`] gives it at the position its
     /// section turns with (so the values are [`Rope::angle_at`]'s, as on the CPU).
     pub fn at_multimodal(&mut self, pos: [usize; 3]) -> Vec<f32> {
-        let Some([t, h, _]) = self.rope.mrope else {
-            return self.at(pos[0]).to_vec();
-        };
         let hd = self.key.1;
         self.at(pos.into_iter().max().unwrap_or(0));
         (0..hd / 2)
             .flat_map(|i| {
-                let section = usize::from(i >= t) + usize::from(i >= t + h);
-                let at = pos[section] * hd + 2 * i;
+                let at = pos[self.rope.section(i)] * hd + 2 * i;
                 [self.pairs[at], self.pairs[at + 1]]
             })
             .collect()
