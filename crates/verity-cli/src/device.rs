@@ -14,7 +14,7 @@ pub enum Device {
     Auto,
     /// The CPU backend (every command).
     Cpu,
-    /// The CUDA backend on GPU 0 (`run`, `chat`, `serve`, `bench speed|rowcost|rowexact`; needs a build with
+    /// The CUDA backend on GPU 0 (`run`, `chat`, `serve`, `bench`; needs a build with
     /// `--features cuda`); an error where there is none.
     Cuda,
 }
@@ -62,9 +62,7 @@ fn cuda<W: WithBackend>(_: W) -> Result<W::Out> {
 /// Commands that run on the CPU only say so instead of silently ignoring `--device cuda`.
 pub fn cpu_only(device: Device, command: &str) -> Result<()> {
     if device == Device::Cuda {
-        anyhow::bail!(
-            "`{command}` runs on the CPU only (--device cuda: run, chat, serve, bench speed|rowcost|rowexact)"
-        );
+        anyhow::bail!("`{command}` runs on the CPU only (--device cuda: run, chat, serve, bench)");
     }
     Ok(())
 }

@@ -11,12 +11,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use verity::backend::cpu::CpuBackend;
+use verity::backend::Backend;
 use verity::engine::GenerateRequest;
 
 use super::prompts;
 use super::speed::{route_mode, run_prompt, write_json, Turns};
 use super::summary::{median, Record};
+use crate::device::{with_backend, Device, WithBackend};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -47,7 +48,18 @@ pub struct Args {
     plot: Option<PathBuf>,
 }
 
-pub fn main(a: Args, threads: usize) -> Result<()> {
+pub fn main(a: Args, device: Device, threads: usize) -> Result<()> {
+    with_backend(device, threads, a)
+}
+
+impl WithBackend for Args {
+    type Out = ();
+    fn run<B: Backend>(self, backend: Arc<B>, _: Device) -> Result<()> {
+        run(self, backend)
+    }
+}
+
+fn run<B: Backend>(a: Args, backend: Arc<B>) -> Result<()> {
     // The folder first, so that an unusable one fails before the measurement.
     let plot = a
         .plot
@@ -61,7 +73,6 @@ pub fn main(a: Args, threads: usize) -> Result<()> {
     if prompts.is_empty() {
         bail!("{} has no two-turn (`turns`) prompts", a.prompts.display());
     }
-    let backend = Arc::new(CpuBackend::new(threads)?);
     let target = crate::load::resolve(&a.model)?;
     let target = target.to_str().context("model path is not UTF-8")?;
     let mode = route_mode(&a.route, target)?;

@@ -33,10 +33,7 @@ pub enum Command {
 pub fn main(c: Command, device: Device, threads: usize) -> Result<()> {
     match c {
         Command::Speed(a) => speed::main(a, device, threads),
-        Command::Conversation(a) => {
-            crate::device::cpu_only(device, "bench conversation")?;
-            conversation::main(a, threads)
-        }
+        Command::Conversation(a) => conversation::main(a, device, threads),
         Command::Rowcost(a) => rowcost::main(a, device, threads),
         Command::Rowexact(a) => rowexact::main(a, device, threads),
         Command::Batch(a) => batch::main(a, device, threads),
