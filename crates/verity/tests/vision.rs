@@ -22,11 +22,14 @@ fn json(name: &str) -> serde_json::Value {
     serde_json::from_slice(&read(name)).unwrap()
 }
 
-const IMAGES: [&str; 9] = [
+const IMAGES: [&str; 12] = [
     "rgb.png",
     "rgba.png",
     "gray.png",
     "palette.png",
+    "rgb16.png",
+    "gray16.png",
+    "gray-alpha16.png",
     "rgb.jpg",
     "rgb-422.jpg",
     "rgb-444-progressive.jpg",
@@ -39,7 +42,8 @@ fn decoded(name: &str) -> Rgb8 {
     decode(&read(name), &ImageLimits::default()).unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
-/// PNG and JPEG (4:2:0, 4:2:2, progressive 4:4:4, grey, CMYK) decode to Pillow's pixels bit for bit.
+/// PNG (8-bit: colour, alpha, grey, palette; 16-bit: colour, grey, grey with alpha) and JPEG (4:2:0, 4:2:2,
+/// progressive 4:4:4, grey, CMYK) decode to Pillow's pixels bit for bit.
 #[test]
 fn images_decode_to_pillows_rgb_pixels() {
     for name in IMAGES {

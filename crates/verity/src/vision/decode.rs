@@ -5,12 +5,12 @@
 //! PNG goes through the `image` crate's `png` decoder. JPEG goes through libjpeg-turbo's decoder (built from source
 //! by the `mozjpeg` crate, whose decoder is libjpeg-turbo's), because that is the decoder Pillow bundles: its
 //! integer inverse DCT, fancy chroma upsampling and colour conversion give Pillow's pixels bit for bit, where the
-//! pure-Rust decoders (zune-jpeg, jpeg-decoder) differ by up to 4 levels on photographs. 16-bit PNGs are brought
-//! to 8 bits as the `image` crate scales them, which Pillow does not do alike.
+//! pure-Rust decoders (zune-jpeg, jpeg-decoder) differ by up to 4 levels on photographs. 16-bit PNGs come to 8
+//! bits as Pillow brings them ([`pillow_rgb8`]), not as the `image` crate scales them.
 
 use std::io::Cursor;
 
-use image::{ImageFormat, ImageReader, Limits};
+use image::{DynamicImage, ImageFormat, ImageReader, Limits};
 use mozjpeg::{ColorSpace, ColorSpaceExt, Decompress};
 use mozjpeg_sys::{jpeg_common_struct, jpeg_error_mgr, jpeg_std_error, JWRN_JPEG_EOF};
 use std::os::raw::c_int;
@@ -81,8 +81,28 @@ pub fn decode(bytes: &[u8], limits: &ImageLimits) -> Result<Rgb8> {
     Ok(Rgb8 {
         width,
         height,
-        data: img.to_rgb8().into_raw(),
+        data: pillow_rgb8(img),
     })
+}
+
+/// A decoded PNG's pixels as Pillow's `convert("RGB")` gives them. 8-bit images: the `image` crate's conversion
+/// is Pillow's (grey replicated, alpha dropped). 16-bit ones Pillow reads its own way: colour (with or without
+/// alpha) and grey with alpha keep each value's high byte; grey alone opens as 16-bit integers, which the
+/// conversion clips at 255.
+fn pillow_rgb8(img: DynamicImage) -> Vec<u8> {
+    let high = |v: u16| (v >> 8) as u8;
+    match img {
+        DynamicImage::ImageRgb16(im) => im.into_raw().into_iter().map(high).collect(),
+        DynamicImage::ImageRgba16(im) => im
+            .pixels()
+            .flat_map(|p| [high(p[0]), high(p[1]), high(p[2])])
+            .collect(),
+        DynamicImage::ImageLumaA16(im) => im.pixels().flat_map(|p| [high(p[0]); 3]).collect(),
+        DynamicImage::ImageLuma16(im) => {
+            im.pixels().flat_map(|p| [p[0].min(255) as u8; 3]).collect()
+        }
+        other => other.to_rgb8().into_raw(),
+    }
 }
 
 fn check_size(w: usize, h: usize, limits: &ImageLimits) -> Result<()> {
