@@ -406,6 +406,19 @@ pub trait Backend: Send + Sync + 'static {
     fn embed(&self, table: &Self::Matrix, step: &Self::Step, rows: usize, out: &mut Self::Buffer);
     /// `out[r, n] = Σ_k x[r, k] · w[n, k]` for `rows` rows.
     fn matmul(&self, w: &Self::Matrix, x: &Self::Buffer, rows: usize, out: &mut Self::Buffer);
+    /// `out[r, n] = Σ_k x[r, k] · w[n, k]` for an encoder's `rows` rows at once (the vision towers'): the same
+    /// call always gives the same bits, but a row's may depend on how many rows share the call, so a device may
+    /// run a blocked GEMM. The decoder's forwards use [`Backend::matmul`], whose rows are exact; by default this
+    /// is that.
+    fn encoder_matmul(
+        &self,
+        w: &Self::Matrix,
+        x: &Self::Buffer,
+        rows: usize,
+        out: &mut Self::Buffer,
+    ) {
+        self.matmul(w, x, rows, out)
+    }
     /// `out[r, n] += Σ_k x[r, k] · w[n, k]`: a projection added to the residual stream (the sum is formed
     /// first, exactly as `matmul` forms it, then added).
     fn matmul_add(&self, w: &Self::Matrix, x: &Self::Buffer, rows: usize, out: &mut Self::Buffer);

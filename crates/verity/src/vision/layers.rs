@@ -115,7 +115,7 @@ pub(super) fn project<B: Backend>(
 ) -> Vec<f32> {
     let input = be.upload(&padded(be, x, rows));
     let mut out = be.buffer(rows * outputs);
-    be.matmul(w, &input, rows, &mut out);
+    be.encoder_matmul(w, &input, rows, &mut out);
     be.download(&out, rows * outputs)
 }
 
@@ -167,8 +167,7 @@ impl<B: Backend> Linear<B> {
     }
 }
 
-/// `x`'s rows (`rows × 3·hidden` of the layers' products, or three `rows × hidden` buffers) projected by `q`,
-/// `k` and `v` from one upload of `x`, in one pass where the backend can, biases added.
+/// `x`'s rows projected by `q`, `k` and `v` from one upload of `x`, biases added.
 pub(super) fn qkv<B: Backend>(
     be: &B,
     [q, k, v]: [&Linear<B>; 3],
@@ -176,18 +175,11 @@ pub(super) fn qkv<B: Backend>(
     rows: usize,
 ) -> [Vec<f32>; 3] {
     let input = be.upload(&padded(be, x, rows));
-    let (mut bq, mut bk, mut bv) = (
-        be.buffer(rows * q.outputs),
-        be.buffer(rows * k.outputs),
-        be.buffer(rows * v.outputs),
-    );
-    be.matmuls(
-        &input,
-        None,
-        rows,
-        &mut [(&q.w, &mut bq), (&k.w, &mut bk), (&v.w, &mut bv)],
-    );
-    [(q, bq), (k, bk), (v, bv)].map(|(l, b)| l.with_bias(be.download(&b, rows * l.outputs)))
+    [q, k, v].map(|l| {
+        let mut out = be.buffer(rows * l.outputs);
+        be.encoder_matmul(&l.w, &input, rows, &mut out);
+        l.with_bias(be.download(&out, rows * l.outputs))
+    })
 }
 
 /// Scores a query block may hold (its rows × the span's keys): a large image's full-attention layers would
@@ -198,7 +190,7 @@ const SCORE_VALUES: usize = 1 << 24;
 /// each of `spans` (ranges of rows that see each other and nothing else; together every row once), head by
 /// head: the scores `Q_h · K_hᵀ` and the weighted values `P · V_h` on the backend (each span's keys, and its
 /// values transposed, as a matrix), the softmax on the host; the queries in blocks whose scores fit
-/// [`SCORE_VALUES`] (a row's values do not depend on its block: the backend's products are row-exact).
+/// [`SCORE_VALUES`] (blocks that follow from the image's size alone, so an image always gives the same bits).
 /// Returns `rows × hidden`.
 pub(super) fn attend<B: Backend>(
     be: &B,
@@ -360,7 +352,7 @@ mod tests {
     }
 
     #[test]
-    fn attention_in_query_blocks_is_the_whole_attention() {
+    fn attention_in_query_blocks_is_the_whole_attention_to_rounding() {
         let be = crate::backend::cpu::CpuBackend::new(2).unwrap();
         let (rows, hidden, heads) = (40, 16, 2);
         let values = |seed: u32| -> Vec<f32> {
@@ -375,10 +367,15 @@ mod tests {
         let spans = std::slice::from_ref(&all);
         let whole = attend(&be, [&q, &k, &v], hidden, heads, spans).unwrap();
         let blocked = attend_within(&be, [&q, &k, &v], hidden, heads, spans, 7 * rows).unwrap();
-        assert_eq!(
-            whole.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-            blocked.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-        );
+        // The encoder's products may round a row differently in another block (a blocked GEMM).
+        for (a, b) in whole.iter().zip(&blocked) {
+            assert!((a - b).abs() <= 1e-6, "{a} vs {b}");
+        }
+        let again = attend_within(&be, [&q, &k, &v], hidden, heads, spans, 7 * rows).unwrap();
+        assert!(blocked
+            .iter()
+            .zip(&again)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 
     #[test]

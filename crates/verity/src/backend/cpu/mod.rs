@@ -225,6 +225,10 @@ impl Backend for CpuBackend {
         matmul::matmul(&self.pool, w, x, rows, out)
     }
 
+    fn encoder_matmul(&self, w: &CpuMatrix, x: &Vec<f32>, rows: usize, out: &mut Vec<f32>) {
+        matmul::encoder_matmul(&self.pool, w, x, rows, out)
+    }
+
     fn matmul_add(&self, w: &CpuMatrix, x: &Vec<f32>, rows: usize, out: &mut Vec<f32>) {
         let n = rows * w.stored.rows;
         let mut t = self.temps();
