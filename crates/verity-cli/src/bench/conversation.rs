@@ -17,7 +17,7 @@ use verity::engine::GenerateRequest;
 use super::prompts;
 use super::speed::{route_mode, run_prompt, write_json, Turns};
 use super::summary::{median, Record};
-use crate::device::{with_backend, Device, WithBackend};
+use crate::device::{Device, WithBackend};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -46,10 +46,6 @@ pub struct Args {
     /// Draw turn-2 time to first token per arm as DIR/conversation.png (the folder is created).
     #[arg(long, value_name = "DIR")]
     plot: Option<PathBuf>,
-}
-
-pub fn main(a: Args, device: Device, threads: usize) -> Result<()> {
-    with_backend(device, threads, a)
 }
 
 impl WithBackend for Args {

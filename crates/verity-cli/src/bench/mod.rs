@@ -12,7 +12,7 @@ mod summary;
 
 use anyhow::Result;
 
-use crate::device::Device;
+use crate::device::{with_backend, Device};
 
 #[derive(clap::Subcommand)]
 pub enum Command {
@@ -32,10 +32,10 @@ pub enum Command {
 
 pub fn main(c: Command, device: Device, threads: usize) -> Result<()> {
     match c {
-        Command::Speed(a) => speed::main(a, device, threads),
-        Command::Conversation(a) => conversation::main(a, device, threads),
+        Command::Speed(a) => with_backend(device, threads, a),
+        Command::Conversation(a) => with_backend(device, threads, a),
         Command::Rowcost(a) => rowcost::main(a, device, threads),
-        Command::Rowexact(a) => rowexact::main(a, device, threads),
+        Command::Rowexact(a) => with_backend(device, threads, a),
         Command::Batch(a) => batch::main(a, device, threads),
         Command::Plot(a) => plot::main(a),
     }

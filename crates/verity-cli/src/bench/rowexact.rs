@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 
-use crate::device::{with_backend, Device, WithBackend};
+use crate::device::{Device, WithBackend};
 use serde::Serialize;
 use verity::backend::Backend;
 use verity::bundle::Bundle;
@@ -35,10 +35,6 @@ struct WidthResult {
     bitwise_equal_rows: usize,
     max_abs_diff: f32,
     argmax_agree: usize,
-}
-
-pub fn main(a: Args, device: Device, threads: usize) -> Result<()> {
-    with_backend(device, threads, a)
 }
 
 impl WithBackend for Args {

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use verity::backend::Backend;
 
-use crate::device::{with_backend, Device, WithBackend};
+use crate::device::{Device, WithBackend};
 use verity::chat::{Message, TemplateArgs};
 use verity::engine::{Engine, GenerateRequest, IMAGE_SLOT};
 use verity::sample::SamplerConfig;
@@ -50,10 +50,6 @@ pub struct Args {
     /// Draw the summary as DIR/speed.png (the folder is created).
     #[arg(long, value_name = "DIR")]
     plot: Option<PathBuf>,
-}
-
-pub fn main(a: Args, device: Device, threads: usize) -> Result<()> {
-    with_backend(device, threads, a)
 }
 
 impl WithBackend for Args {
