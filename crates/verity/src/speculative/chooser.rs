@@ -19,7 +19,11 @@
 //!
 //! A model proposer that does not draft a cycle does no work in it: it keeps the target states the cycles
 //! report (contiguous rows) and brings its own state (an MTP head's cache, a block drafter's context) up to the
-//! context when it drafts next, in one multi-row pass whose time counts in that cycle's cost. The target
+//! context when it drafts next, in one multi-row pass whose time counts in that cycle's cost — against copying,
+//! which it alternates with cycle by cycle, but not in the ranking of the models: a model back from idling would
+//! otherwise pay for every cycle it sat out in its one retried cycle and never win back the lead (measured: with
+//! a block drafter first, `auto` kept it over a faster MTP head). A model's first cycle after another model's
+//! (or in a request) is not ranked, so a try or a retry takes two cycles in a row. The target
 //! reports the union of the models' hidden states ([`TargetFeatures::union`]), and each model receives its own
 //! part. Each proposer learns (widths, silence) only from the cycles it drafted.
 
@@ -109,6 +113,8 @@ pub struct Chooser {
     /// A model's draft queued in a batched step ([`Proposer::begin`]): the model, and the copy match's draft
     /// that joins it as branches, within the width.
     queued: Option<(usize, Option<Draft>, usize)>,
+    /// The model that drafted the request's last model cycle.
+    last_model: Option<usize>,
 }
 
 /// Who drafts this cycle, at its width.
@@ -158,6 +164,7 @@ impl Chooser {
             copy_yield: Default::default(),
             decision: None,
             queued: None,
+            last_model: None,
         }
     }
 
@@ -271,6 +278,7 @@ impl Proposer for Chooser {
         self.copy_yield = Default::default();
         self.model_yield = vec![Yield::default(); self.models.len()];
         self.queued = None;
+        self.last_model = None;
     }
 
     fn source(&mut self, context: &[u32]) -> usize {
@@ -339,7 +347,10 @@ impl Proposer for Chooser {
                 Source::Copy(n) => self.copy_yield[n - MIN_MATCH].record(tokens, seconds),
                 Source::Model(m) => {
                     self.model_yield[m].record(tokens, seconds);
-                    self.model_rank[m].record(tokens, seconds);
+                    if self.last_model == Some(m) {
+                        self.model_rank[m].record(tokens, seconds);
+                    }
+                    self.last_model = Some(m);
                 }
             }
         }
@@ -477,15 +488,54 @@ mod tests {
                 first
             })
             .collect();
-        // Each tried in order until it has a record, then the faster; the slower retried each time it was
-        // passed over MODEL_RETRY_AFTER times (from cycle 2 on).
-        assert_eq!(&drafted[..4], &[7, 7, 8, 8]);
-        let retried: Vec<usize> = (4..300).filter(|&i| drafted[i] == 7).collect();
-        assert_eq!(retried, vec![2 + r, 3 + 2 * r, 4 + 3 * r]);
+        // Each tried in order until it has a record (its first cycle unranked), then the faster; the slower
+        // retried for two cycles each time it was passed over MODEL_RETRY_AFTER times (from cycle 3 on).
+        assert_eq!(&drafted[..6], &[7, 7, 7, 8, 8, 8]);
+        let retried: Vec<usize> = (6..300).filter(|&i| drafted[i] == 7).collect();
+        let t = 3 + r;
+        assert_eq!(
+            retried,
+            vec![t, t + 1, t + 2 + r, t + 3 + r, t + 4 + 2 * r, t + 5 + 2 * r]
+        );
         // A model ran only in the cycles it drafted.
         let by = |t| drafted.iter().filter(|&&d| d == t).count();
         assert_eq!(counters[0].load(Ordering::Relaxed), by(7));
         assert_eq!(counters[1].load(Ordering::Relaxed), by(8));
+    }
+
+    #[test]
+    fn a_model_back_from_idling_is_ranked_without_its_catch_up() {
+        let (models, _, _) = two_models();
+        let mut c = Chooser::new(models, 4);
+        // Both keep one of two drafts; model 7 in 1 s a cycle, model 8 in 0.5 s, but 8's first cycle after
+        // model 7's (its state catching up with the context) takes 30 s.
+        let mut last = 0;
+        let drafted: Vec<u32> = (0..400)
+            .map(|_| {
+                let d = c.propose(&[5, 6], 8).unwrap();
+                let first = d.tokens()[0];
+                let seconds = match (first, last) {
+                    (7, _) => 1.0,
+                    (_, 7) => 30.0,
+                    _ => 0.5,
+                };
+                c.observe(&Outcome {
+                    draft: &d,
+                    kept: &[0],
+                    draft_s: 0.0,
+                    verify_s: seconds,
+                });
+                last = first;
+                first
+            })
+            .collect();
+        // Model 8 drafts from its try on, model 7 only in its retries.
+        let sevens = drafted[6..].iter().filter(|&&d| d == 7).count();
+        assert!(
+            sevens <= 2 * (400 / MODEL_RETRY_AFTER as usize + 1),
+            "{sevens}"
+        );
+        assert_eq!(&drafted[3..6], &[8, 8, 8]);
     }
 
     #[test]
