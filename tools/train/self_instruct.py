@@ -21,6 +21,12 @@ where torch and transformers are installed (`--texts` without `--server`):
 
     python3 tools/train/self_instruct.py --server http://127.0.0.1:8090 --gguf G --texts si.jsonl --budget-s 5400
     python3 tools/train/self_instruct.py --gguf G --texts si.jsonl --out self_instruct.npz
+
+With `--leads FILE` (server mode), each instruction starts with a line of FILE drawn at random (an opening such as
+"Fix the bug in this JavaScript function:"), which the target continues: instructions from the header alone stay
+close to the few kinds of request a 135M model imagines, and a drafter trained on their answers learns that style
+more than the target (`runs/2026-12-07-h100-drafter-v3/`). `leads.txt` holds generic task openings across code,
+editing, explanation and writing; never the benchmark prompts.
 """
 
 import argparse
@@ -116,6 +122,10 @@ def serve_texts(args):
     user header (kept as the torch path keeps them: ended by the end-of-turn token, 4 tokens or more, no turn
     marker, new), then asks for its greedy answer."""
     head = template_header(args.gguf)
+    leads = [""]
+    if args.leads:
+        with open(args.leads) as f:
+            leads = [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
     seen = set()
     if os.path.exists(args.texts):
         with open(args.texts) as f:
@@ -138,11 +148,12 @@ def serve_texts(args):
                 if failed or counts["kept"] >= args.instructions:
                     return
                 seed = rng.getrandbits(31)
+                lead = rng.choice(leads)
             r = post(args.server + "/v1/completions", {
-                "prompt": head, "max_tokens": args.instruction_tokens, "temperature": 1.0, "top_p": 0.95,
+                "prompt": head + lead, "max_tokens": args.instruction_tokens, "temperature": 1.0, "top_p": 0.95,
                 "seed": seed})
             c = r["choices"][0]
-            text = c["text"].strip()
+            text = (lead + c["text"]).strip()
             key = dedup_key(text)
             with lock:
                 counts["sampled"] += 1
@@ -252,6 +263,8 @@ def main():
     p.add_argument("--texts", help="instruction/answer JSONL: written with --server, packed into --out without")
     p.add_argument("--server", help="a running `verity serve` of the target, e.g. http://127.0.0.1:8090")
     p.add_argument("--clients", type=int, default=16, help="with --server: requests in flight")
+    p.add_argument("--leads", help="with --server: openings (a line each; \\n a newline) the sampled instructions "
+                   "start with")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--instructions", type=int, default=40000, help="at most this many instructions")
