@@ -87,7 +87,7 @@ def main():
         for t in texts:
             by_category.setdefault(t["category"], []).append(t)
         results = {}
-        for category, items in [("all", texts), *sorted(by_category.items())]:
+        for category, items in sorted(by_category.items()):
             with open(jsonl, "w") as f:
                 f.writelines(json.dumps(t) + "\n" for t in items)
             self_instruct.pack_texts(types.SimpleNamespace(gguf=args.gguf, texts=jsonl, out=npz))
@@ -97,10 +97,22 @@ def main():
             seqs = Sequences(npz)
             with torch.no_grad():
                 results[category] = evaluate(drafter, model, seqs, cfg, args.device, len(seqs.held), args.max_len, dv)
-            m = results[category]
-            print(f"{category:12s} {len(items):3d} answers, {m['blocks']:5d} anchors: {m['tokens_per_cycle']:.3f} "
-                  f"tokens/cycle, accepted by row {m['accepted_by_row'][:4]}", flush=True)
+    results["all"] = pooled(results.values())
+    for category, m in results.items():
+        print(f"{category:12s} {m['blocks']:5d} anchors: {m['tokens_per_cycle']:.3f} tokens/cycle, "
+              f"accepted by row {m['accepted_by_row'][:4]}", flush=True)
     print(json.dumps(results))
+
+
+def pooled(parts):
+    """`evaluate`'s figures over the anchors of all `parts` (each weighted by its anchors)."""
+    parts = list(parts)
+    blocks = sum(p["blocks"] for p in parts)
+    accepted = sum(p["accepted_per_block"] * p["blocks"] for p in parts) / max(1, blocks)
+    rows = len(parts[0]["accepted_by_row"])
+    by_row = [round(sum(p["accepted_by_row"][i] * p["blocks"] for p in parts) / max(1, blocks), 4) for i in range(rows)]
+    return {"blocks": blocks, "accepted_per_block": accepted, "tokens_per_cycle": 1.0 + accepted,
+            "accepted_by_row": by_row}
 
 
 if __name__ == "__main__":

@@ -21,9 +21,10 @@
 //! report (contiguous rows) and brings its own state (an MTP head's cache, a block drafter's context) up to the
 //! context when it drafts next, in one multi-row pass whose time counts in that cycle's cost — against copying,
 //! which it alternates with cycle by cycle, but not in the ranking of the models: a model back from idling would
-//! otherwise pay for every cycle it sat out in its one retried cycle and never win back the lead (measured: with
-//! a block drafter first, `auto` kept it over a faster MTP head). A model's first cycle after another model's
-//! (or in a request) is not ranked, so a try or a retry takes two cycles in a row. The target
+//! otherwise pay for every cycle it sat out in its one retried cycle and could hardly win back the lead (one
+//! reason `auto` kept a block drafter, tried first, over a faster MTP head: BENCHMARKS.md section 2). A model's
+//! first cycle after another model's (or in a request) is not ranked, so a try or a retry takes two cycles in a
+//! row. The target
 //! reports the union of the models' hidden states ([`TargetFeatures::union`]), and each model receives its own
 //! part. Each proposer learns (widths, silence) only from the cycles it drafted.
 
