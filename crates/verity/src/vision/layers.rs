@@ -271,14 +271,16 @@ fn attend_within<B: Backend>(
 pub(super) fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> Vec<f32> {
     let h = w.len();
     let mut out = vec![0f32; x.len()];
-    for (o, r) in out.chunks_mut(h).zip(x.chunks(h)) {
-        let mean = r.iter().sum::<f32>() / h as f32;
-        let var = r.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / h as f32;
-        let inv = 1.0 / (var + eps).sqrt();
-        for (i, oi) in o.iter_mut().enumerate() {
-            *oi = (r[i] - mean) * inv * w[i] + b[i];
-        }
-    }
+    out.par_chunks_mut(h)
+        .zip(x.par_chunks(h))
+        .for_each(|(o, r)| {
+            let mean = r.iter().sum::<f32>() / h as f32;
+            let var = r.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / h as f32;
+            let inv = 1.0 / (var + eps).sqrt();
+            for (i, oi) in o.iter_mut().enumerate() {
+                *oi = (r[i] - mean) * inv * w[i] + b[i];
+            }
+        });
     out
 }
 
@@ -286,13 +288,15 @@ pub(super) fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> Vec<f32> 
 pub(super) fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     let h = w.len();
     let mut out = vec![0f32; x.len()];
-    for (o, r) in out.chunks_mut(h).zip(x.chunks(h)) {
-        let ms = r.iter().map(|v| v * v).sum::<f32>() / h as f32;
-        let inv = 1.0 / (ms + eps).sqrt();
-        for ((oi, &v), &wi) in o.iter_mut().zip(r).zip(w) {
-            *oi = v * inv * wi;
-        }
-    }
+    out.par_chunks_mut(h)
+        .zip(x.par_chunks(h))
+        .for_each(|(o, r)| {
+            let ms = r.iter().map(|v| v * v).sum::<f32>() / h as f32;
+            let inv = 1.0 / (ms + eps).sqrt();
+            for ((oi, &v), &wi) in o.iter_mut().zip(r).zip(w) {
+                *oi = v * inv * wi;
+            }
+        });
     out
 }
 

@@ -16,6 +16,8 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
+use rayon::prelude::*;
+
 use super::layers::{attend, gelu_erf, rms_norm, Linear, Tensors};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
@@ -250,9 +252,9 @@ impl<B: Backend> Qwen25Vision<B> {
             let xn = rms_norm(&x, &b.norm2, EPS);
             let gate = b.gate.apply(be, &xn, n);
             let mut up = b.up.apply(be, &xn, n);
-            for (u, g) in up.iter_mut().zip(&gate) {
+            up.par_iter_mut().zip(&gate).for_each(|(u, g)| {
                 *u *= g / (1.0 + (-g).exp());
-            }
+            });
             let d = b.down.apply(be, &up, n);
             for (v, d) in x.iter_mut().zip(&d) {
                 *v += d;
@@ -261,9 +263,7 @@ impl<B: Backend> Qwen25Vision<B> {
         // The merger: each square's patches side by side as one row.
         let xn = rms_norm(&x, &self.merger_norm, EPS);
         let mut mid = self.merger[0].apply(be, &xn, n / unit);
-        for v in mid.iter_mut() {
-            *v = gelu_erf(*v);
-        }
+        mid.par_iter_mut().for_each(|v| *v = gelu_erf(*v));
         let merged = self.merger[1].apply(be, &mid, n / unit);
         // Back from window order to row-major squares.
         let mut out = vec![0f32; merged.len()];

@@ -15,6 +15,8 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
+use rayon::prelude::*;
+
 use super::layers::{attend, gelu_tanh, qkv, Linear, Tensors};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
@@ -222,9 +224,7 @@ impl<B: Backend> Gemma3Vision<B> {
             }
             let xn = layer_norm(&x, &layer.ln2, c.eps);
             let mut mid = layer.fc1.apply(be, &xn, n);
-            for v in mid.iter_mut() {
-                *v = gelu_tanh(*v);
-            }
+            mid.par_iter_mut().for_each(|v| *v = gelu_tanh(*v));
             let d = layer.fc2.apply(be, &mid, n);
             for (v, d) in x.iter_mut().zip(&d) {
                 *v += d;
