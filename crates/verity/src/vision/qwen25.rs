@@ -14,9 +14,8 @@ use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
-use serde_json::Value;
-
 use rayon::prelude::*;
+use serde_json::Value;
 
 use super::layers::{attend, gelu_erf, rms_norm, Linear, Tensors};
 use crate::backend::Backend;

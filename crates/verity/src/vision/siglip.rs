@@ -13,9 +13,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use serde_json::Value;
-
 use rayon::prelude::*;
+use serde_json::Value;
 
 use super::layers::{attend, gelu_tanh, qkv, Linear, Tensors};
 use crate::backend::Backend;
